@@ -1,0 +1,60 @@
+"""The paged-KV kernels, with one dispatch point between CPU and GPU.
+
+Each operation has a PyTorch reference (``reference.py``, the specification and the CPU
+path) and a Triton kernel (``triton_kernels.py``, the CUDA path). Callers use the
+functions below; they pick Triton for CUDA tensors when Triton is installed and the
+reference otherwise. Only ``triton_kernels`` imports triton, and only when first needed,
+so importing the engine never requires a GPU toolchain.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from nanoengine.kernels import reference
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when the triton package can be imported (it is loaded lazily)."""
+    try:
+        import triton  # noqa: F401
+    except Exception:  # an absent or broken triton simply means "use the reference"
+        return False
+    return True
+
+
+def _triton_for(tensor: torch.Tensor):
+    """The Triton module when ``tensor`` lives on CUDA and Triton is usable, else None."""
+    if tensor.is_cuda and triton_available():
+        from nanoengine.kernels import triton_kernels
+
+        return triton_kernels
+    return None
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Write K/V into their cache slots (see ``reference.store_kv``)."""
+    impl = _triton_for(key) or reference
+    impl.store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale):
+    """Decode attention over the paged cache (see ``reference.paged_decode_attention``)."""
+    impl = _triton_for(query) or reference
+    return impl.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_prefill_attention(
+    query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
+):
+    """Chunked/prefix-aware prefill attention (see ``reference.paged_prefill_attention``)."""
+    impl = _triton_for(query) or reference
+    return impl.paged_prefill_attention(
+        query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
+    )
+
+
+__all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "triton_available"]

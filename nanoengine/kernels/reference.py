@@ -1,0 +1,149 @@
+"""PyTorch reference kernels: the specification of the paged-KV data plane.
+
+Three operations touch the paged KV cache (chapters 3 and 4):
+
+* ``store_kv`` writes the keys/values of this step's tokens into their cache slots.
+  A *slot* is ``block_id * block_size + offset``: the scheduler's block table says which
+  physical block holds a token, the offset says where inside it.
+* ``paged_decode_attention`` attends one query token per sequence over that sequence's
+  whole context, reading K/V block by block through its block table.
+* ``paged_prefill_attention`` attends a chunk of query tokens per sequence (variable
+  lengths, causal). Earlier tokens of the sequence may already sit in the cache, from a
+  previous chunk or a prefix-cache hit, so query ``j`` of a sequence with ``q_len``
+  query tokens and ``context_len`` cached tokens (this chunk included) sits at position
+  ``context_len - q_len + j`` and sees keys ``0 .. context_len - q_len + j``.
+
+Shapes used throughout::
+
+    k_cache, v_cache : (num_blocks, block_size, num_kv_heads, head_dim)
+    block_tables     : (num_seqs, max_blocks_per_seq) int32; entries past a sequence's
+                       last block are padding and never read
+    context_lens     : (num_seqs,) int32, tokens in the cache for each sequence
+
+These run on any device and are the CPU path of the engine; ``triton_kernels`` holds the
+CUDA versions, tested against these. Grouped-query attention (GQA) is handled by letting
+each group of ``num_heads // num_kv_heads`` query heads share one KV head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` (num_tokens, num_kv_heads, head_dim) into their slots.
+
+    ``slot_mapping`` (num_tokens,) holds each token's flat slot; ``-1`` means "do not
+    store" (used for padded positions).
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    flat_k = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    flat_v = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
+    keep = slot_mapping >= 0
+    if bool(keep.all()):
+        flat_k[slot_mapping] = key
+        flat_v[slot_mapping] = value
+    else:
+        flat_k[slot_mapping[keep]] = key[keep]
+        flat_v[slot_mapping[keep]] = value[keep]
+
+
+def gather_kv(
+    cache: torch.Tensor, block_table: torch.Tensor, context_len: int
+) -> torch.Tensor:
+    """The first ``context_len`` cached vectors of one sequence, in token order.
+
+    Returns (context_len, num_kv_heads, head_dim). This is the "virtual memory" view of
+    chapter 4: logical token ``t`` lives in block ``block_table[t // block_size]`` at
+    offset ``t % block_size``.
+    """
+    block_size = cache.shape[1]
+    num_blocks = (context_len + block_size - 1) // block_size
+    blocks = cache[block_table[:num_blocks].long()]  # (nb, block_size, kvh, d)
+    return blocks.flatten(0, 1)[:context_len]
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence against its paged context.
+
+    query (num_seqs, num_heads, head_dim) -> output of the same shape. Batched: every
+    sequence's blocks are gathered into a padded (num_seqs, max_len, ...) view and the
+    padding is masked out, so a step costs a handful of tensor ops whatever the batch.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_len = int(context_lens.max())
+    max_blocks = (max_len + block_size - 1) // block_size
+    table = block_tables[:, :max_blocks].long().clamp(min=0)
+    compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    # (S, L, kvh, d) after flattening blocks; L = max_blocks * block_size
+    keys = k_cache[table].flatten(1, 2).to(compute_dtype)
+    values = v_cache[table].flatten(1, 2).to(compute_dtype)
+    q = query.to(compute_dtype).view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("skgd,slkd->skgl", q, keys) * scale  # (S, kvh, g, L)
+    positions = torch.arange(keys.shape[1], device=query.device)
+    padding = positions[None, :] >= context_lens.to(query.device)[:, None]  # (S, L)
+    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("skgl,slkd->skgd", probs, values)  # (S, kvh, g, d)
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention for variable-length query chunks over a paged context.
+
+    query (total_q_tokens, num_heads, head_dim), sequences packed back to back with
+    boundaries ``cu_seqlens_q`` (num_seqs + 1,). The chunk's own K/V must already be
+    stored in the cache. Returns (total_q_tokens, num_heads, head_dim).
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    out = torch.empty_like(query)
+    starts = cu_seqlens_q.tolist()
+    lengths = context_lens.tolist()
+    for seq, context_len in enumerate(lengths):
+        q_start, q_end = starts[seq], starts[seq + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        keys = gather_kv(k_cache, block_tables[seq], context_len)
+        values = gather_kv(v_cache, block_tables[seq], context_len)
+        q = query[q_start:q_end].to(compute_dtype).transpose(0, 1)  # (h, q_len, d)
+        k = keys.to(compute_dtype).transpose(0, 1)  # (kvh, ctx, d)
+        v = values.to(compute_dtype).transpose(0, 1)
+        if q_len == context_len:
+            mask, causal = None, True  # nothing cached before the chunk: plain causal
+        else:
+            q_pos = torch.arange(context_len - q_len, context_len, device=query.device)
+            k_pos = torch.arange(context_len, device=query.device)
+            mask, causal = k_pos[None, :] <= q_pos[:, None], False  # (q_len, ctx)
+        attn = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )  # (h, q_len, d)
+        out[q_start:q_end] = attn.transpose(0, 1).to(query.dtype)
+    return out
