@@ -1,0 +1,16 @@
+"""nanoengine: a small, real, readable paged-KV LLM inference engine.
+
+The public API mirrors vLLM's: ``LLM``, ``SamplingParams``, ``RequestOutput``, and
+``LLMEngine`` for step-by-step control. See docs/ARCHITECTURE.md for the map.
+"""
+
+from nanoengine.config import EngineConfig
+from nanoengine.default_model import DEFAULT_MODEL_NAME, default_model_dir
+from nanoengine.engine.llm_engine import EngineSnapshot, LLMEngine, RequestSnapshot
+from nanoengine.llm import LLM
+from nanoengine.outputs import RequestMetrics, RequestOutput
+from nanoengine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestMetrics", "EngineConfig",
+           "EngineSnapshot", "RequestSnapshot", "default_model_dir", "DEFAULT_MODEL_NAME"]
+__version__ = "0.1.0"

@@ -1,0 +1,108 @@
+"""Engine configuration: one validated dataclass (chapters 2, 4, 5).
+
+Every knob a chapter turns lives here with vLLM's name. ``EngineConfig`` checks each
+value when it is built and raises a ``ValueError`` that names the field, the value and
+what is allowed, so a bad setting fails before any memory is allocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+POLICIES = ("fcfs", "prefill_first")
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one engine instance.
+
+    device: "auto" (CUDA if available, else CPU), "cpu" or "cuda".
+    dtype: "auto" (float32 on CPU, bfloat16 on CUDA), "float32", "float16", "bfloat16".
+    block_size: tokens per KV block (vLLM's default 16; nano-vLLM uses 256).
+    num_kv_blocks: size of the KV pool in blocks; None derives it from kv_cache_memory_gb.
+    kv_cache_memory_gb: memory budget for the KV pool when num_kv_blocks is None.
+    max_num_seqs: most requests running at once.
+    max_num_batched_tokens: the token budget of one step (prefill chunks + decodes).
+    max_model_len: longest prompt + output a request may reach; None takes the model's.
+    enable_prefix_caching: reuse KV blocks of identical prefixes.
+    enable_chunked_prefill: split long prompts over several steps.
+    scheduling_policy: "fcfs" (vLLM v1: decodes and prefill chunks share a step) or
+        "prefill_first" (nano-vLLM / early vLLM: a step with admissions runs prefills only).
+    tensor_parallel_size: processes the model is split over.
+    enforce_eager: never capture CUDA graphs.
+    seed: seeds the engine's generator for requests without a seed of their own.
+    """
+
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but no CUDA device is available; use 'cpu' or 'auto'")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        _positive_int("block_size", self.block_size)
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+        if isinstance(self.kv_cache_memory_gb, bool) or not isinstance(self.kv_cache_memory_gb, (int, float)) \
+                or not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be a number > 0, got {self.kv_cache_memory_gb!r}")
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        if self.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from keyword arguments, naming any unknown key and the known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}")
+        return cls(**kwargs)
+
+    @property
+    def torch_device(self) -> torch.device:
+        """The resolved device ("auto" becomes cuda when available)."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The resolved dtype: float32 on CPU, bfloat16 on CUDA unless set."""
+        chosen = DTYPES[self.dtype]
+        if chosen is not None:
+            return chosen
+        return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+
+
+def _positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

@@ -1,0 +1,262 @@
+"""The block manager: a paged KV pool with prefix caching (chapters 4 and 7).
+
+The KV cache is one big tensor cut into fixed-size *blocks* of ``block_size`` tokens.
+A request does not reserve memory for its maximum length; it holds a *block table*, a
+list of physical block ids, and gets one more block only when its tokens fill the last
+one. That is the virtual-memory idea behind PagedAttention.
+
+Prefix caching: when a block is full, its content is named by a *chained hash*,
+``hash(parent_block_hash, tokens_of_this_block)``, so equal hashes mean equal prefixes,
+not just equal blocks. A new request whose leading blocks hash the same reuses those
+physical blocks (their reference count goes up) and skips computing them.
+
+Freed blocks go to the back of an LRU free queue but keep their hash, so a later request
+can still hit them; a block is only forgotten when the queue hands it out again for new
+tokens (an *eviction*). Invariants, checked by ``check_invariants``:
+
+* a block is in the free queue if and only if its reference count is 0;
+* a block's reference count equals the number of block tables that hold it;
+* the hash table maps each hash only to a block that holds exactly those tokens;
+* free blocks + used blocks = all blocks.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable
+
+from nanoengine.events import (BlockEvicted, BlocksAllocated, BlocksFreed, BlockStored, EventBus,
+                               PrefixCacheHit)
+
+if TYPE_CHECKING:
+    from nanoengine.engine.request import Request
+
+
+def hash_block(parent_hash: int | None, token_ids: Iterable[int]) -> int:
+    """The chained hash of one full block: it depends on every token before it too."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class Block:
+    """One physical KV block: who uses it and, once full and cached, what it holds."""
+
+    __slots__ = ("block_id", "ref_count", "block_hash", "parent_hash", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None  # set while the block is in the prefix cache
+        self.parent_hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+    def reset(self) -> None:
+        self.block_hash, self.parent_hash, self.token_ids = None, None, ()
+
+
+@dataclass(frozen=True)
+class BlockSnapshot:
+    """A read-only view of one block (for the allocator widget and tests)."""
+
+    block_id: int
+    ref_count: int
+    is_free: bool
+    is_cached: bool  # holds a hash in the prefix cache (free or not)
+
+
+class InvariantError(AssertionError):
+    """The block manager's bookkeeping is inconsistent (a bug, never user error)."""
+
+
+class BlockManager:
+    """Hands out KV blocks to requests, shares cached prefixes, frees and evicts."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 events: EventBus | None = None) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.events = events or EventBus()
+        self.step = 0  # stamped on events; the engine keeps it current
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # LRU free queue: allocate from the front, return freed blocks to the back.
+        # An OrderedDict gives O(1) removal from the middle (a prefix hit on a free block).
+        self.free_queue: collections.OrderedDict[int, None] = collections.OrderedDict(
+            (i, None) for i in range(num_blocks))
+        self.cached_blocks: dict[int, int] = {}  # block hash -> block id
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found
+        self.num_evictions = 0
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.cached_blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_computed_blocks(self, request: "Request") -> tuple[list[int], int]:
+        """Leading full blocks of ``request`` already in the prefix cache.
+
+        Returns (block ids, number of tokens they hold). At least the last token is
+        always left to compute, since its logits are needed to sample the next one.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        tokens = request.all_token_ids
+        max_full_blocks = (len(tokens) - 1) // self.block_size
+        hits: list[int] = []
+        parent: int | None = None
+        for i in range(max_full_blocks):
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            block_hash = hash_block(parent, chunk)
+            block_id = self.cached_blocks.get(block_hash)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.token_ids != chunk or block.parent_hash != parent:  # a hash collision
+                break
+            hits.append(block_id)
+            parent = block_hash
+        return hits, len(hits) * self.block_size
+
+    def can_allocate(self, request: "Request", num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+        """Whether ``allocate_slots`` would succeed, without changing anything."""
+        return self._num_new_blocks(request, num_new_tokens, computed_blocks) <= \
+            self.num_free_blocks - sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+
+    # ----------------------------------------------------------------- actions
+    def allocate_slots(self, request: "Request", num_new_tokens: int,
+                       computed_blocks: list[int] = ()) -> bool:
+        """Make room for ``num_new_tokens`` more tokens of ``request``.
+
+        ``computed_blocks`` (at admission) are prefix-cache hits to share. Returns False,
+        changing nothing, when the pool cannot provide the blocks.
+        """
+        if not self.can_allocate(request, num_new_tokens, computed_blocks):
+            return False
+        num_new_blocks = self._num_new_blocks(request, num_new_tokens, computed_blocks)
+        for block_id in computed_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_queue[block_id]
+            block.ref_count += 1
+            request.block_ids.append(block_id)
+        if computed_blocks:
+            self.events.emit(PrefixCacheHit(self.step, request.request_id,
+                                            len(computed_blocks) * self.block_size, tuple(computed_blocks)))
+        new_ids = []
+        for _ in range(num_new_blocks):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._evict(block)
+            block.ref_count = 1
+            new_ids.append(block_id)
+        request.block_ids.extend(new_ids)
+        if new_ids:
+            self.events.emit(BlocksAllocated(self.step, request.request_id, tuple(new_ids)))
+        return True
+
+    def cache_full_blocks(self, request: "Request") -> None:
+        """Register the hashes of ``request``'s blocks that its computed tokens filled."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = request.block_hashes
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        for i in range(len(hashes), num_full):
+            parent = hashes[i - 1] if i else None
+            chunk = tuple(request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
+            block_hash = hash_block(parent, chunk)
+            hashes.append(block_hash)
+            block = self.blocks[request.block_ids[i]]
+            if block.block_hash is not None or block_hash in self.cached_blocks:
+                continue  # already cached (a prefix hit), or an identical block is
+            block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, chunk
+            self.cached_blocks[block_hash] = block.block_id
+            self.events.emit(BlockStored(self.step, block.block_id, block_hash))
+
+    def free(self, request: "Request") -> None:
+        """Drop ``request``'s hold on its blocks; blocks nobody holds become free.
+
+        Blocks are released tail first, so the LRU queue evicts a request's last blocks
+        before its prefix, which other requests are more likely to share.
+        """
+        freed = []
+        for block_id in reversed(request.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+                freed.append(block_id)
+        request.block_ids = []
+        request.block_hashes = []
+        if freed:
+            self.events.emit(BlocksFreed(self.step, request.request_id, tuple(freed)))
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached hash of a free block; returns how many were dropped."""
+        dropped = 0
+        for block_id in list(self.free_queue):
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._evict(block)
+                dropped += 1
+        return dropped
+
+    # --------------------------------------------------------------- checking
+    def snapshot(self) -> tuple[BlockSnapshot, ...]:
+        return tuple(BlockSnapshot(b.block_id, b.ref_count, b.ref_count == 0, b.block_hash is not None)
+                     for b in self.blocks)
+
+    def check_invariants(self, requests: Iterable["Request"]) -> None:
+        """Raise ``InvariantError`` if the bookkeeping is inconsistent.
+
+        ``requests`` are all requests currently holding blocks (the running ones).
+        """
+        owners = collections.Counter()
+        for request in requests:
+            if len(set(request.block_ids)) != len(request.block_ids):
+                raise InvariantError(f"{request.request_id} holds a block twice: {request.block_ids}")
+            owners.update(request.block_ids)
+        for block in self.blocks:
+            in_free = block.block_id in self.free_queue
+            if in_free != (block.ref_count == 0):
+                raise InvariantError(f"block {block.block_id}: ref_count {block.ref_count} but in free queue={in_free}")
+            if block.ref_count != owners.get(block.block_id, 0):
+                raise InvariantError(f"block {block.block_id}: ref_count {block.ref_count} "
+                                     f"but {owners.get(block.block_id, 0)} owners")
+            if block.block_hash is not None:
+                if self.cached_blocks.get(block.block_hash) != block.block_id:
+                    raise InvariantError(f"block {block.block_id} has a hash the table does not map to it")
+                if hash_block(block.parent_hash, block.token_ids) != block.block_hash \
+                        or len(block.token_ids) != self.block_size:
+                    raise InvariantError(f"block {block.block_id}'s hash does not match its tokens")
+        for block_hash, block_id in self.cached_blocks.items():
+            if self.blocks[block_id].block_hash != block_hash:
+                raise InvariantError(f"hash table entry points at block {block_id}, which holds another hash")
+        if self.num_free_blocks + sum(1 for b in self.blocks if b.ref_count > 0) != self.num_blocks:
+            raise InvariantError("free + used blocks != total blocks")
+
+    # ---------------------------------------------------------------- helpers
+    def _num_new_blocks(self, request: "Request", num_new_tokens: int, computed_blocks) -> int:
+        held = len(request.block_ids) + len(computed_blocks)
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        return max(0, self.blocks_needed(num_computed + num_new_tokens) - held)
+
+    def _evict(self, block: Block) -> None:
+        del self.cached_blocks[block.block_hash]
+        self.events.emit(BlockEvicted(self.step, block.block_id, block.block_hash))
+        self.num_evictions += 1
+        block.reset()

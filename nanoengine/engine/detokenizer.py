@@ -1,0 +1,60 @@
+"""Incremental detokenization: token ids -> text deltas for streaming (chapter 8).
+
+A byte-level BPE token may hold half of a multi-byte UTF-8 character (Korean, emoji), so
+decoding one token at a time would print broken characters. Instead the detokenizer
+decodes the request's whole output so far and emits only what is new, holding back a
+trailing U+FFFD (an incomplete character) until the next token completes it. It also
+finds stop strings, cuts the text before them, and holds back a tail that could still
+grow into a stop string, so a stream never shows text that the final result drops.
+
+The deltas always concatenate to the final text: ``text`` is built from them.
+"""
+
+from __future__ import annotations
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.token_ids: list[int] = []
+        self.text = ""  # everything emitted so far
+        self.stop_hit: str | None = None
+
+    def update(self, new_token_ids: list[int], finished: bool) -> str:
+        """Add tokens; return the text delta that became safe to show.
+
+        Sets ``stop_hit`` when a stop string appeared (the caller then ends the request).
+        """
+        self.token_ids.extend(new_token_ids)
+        if self.tokenizer is None:
+            return ""
+        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True,
+                                     clean_up_tokenization_spaces=False)
+        visible = full
+        search_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
+        for stop in self.stop:
+            index = full.find(stop, search_from)
+            if index != -1 and (self.stop_hit is None or index < len(visible)):
+                visible, self.stop_hit = full[:index], stop
+        if not finished and self.stop_hit is None:
+            visible = visible.rstrip(REPLACEMENT_CHAR)
+            visible = visible[:len(visible) - self._partial_stop_len(visible)]
+        if not visible.startswith(self.text):
+            # The tokenizer re-rendered earlier text; keep what was already emitted.
+            visible = self.text + visible[len(self.text):]
+        delta = visible[len(self.text):]
+        self.text += delta
+        return delta
+
+    def _partial_stop_len(self, text: str) -> int:
+        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
+        longest = 0
+        for stop in self.stop:
+            for n in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:n]):
+                    longest = max(longest, n)
+                    break
+        return longest

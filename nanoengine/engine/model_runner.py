@@ -1,0 +1,150 @@
+"""The model runner: the worker side of a step (chapters 2, 3 and 6).
+
+It owns the model and the KV cache, one preallocated tensor::
+
+    kv_cache: (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+
+and turns the scheduler's decision into tensors (``prepare_inputs``):
+
+* ``input_ids`` / ``positions``: the tokens to compute, decodes first then prefill chunks,
+* ``slot_mapping``: where each token's K/V goes (``block_table[pos // B] * B + pos % B``),
+* block tables and context lengths: where each sequence's earlier K/V already is,
+* ``logits_indices``: the rows whose logits are needed, one per sequence that reaches
+  its last token this step (a mid-prompt chunk samples nothing).
+
+``execute_model`` runs the forward pass, computes logits for those rows only and samples.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nanoengine.engine.request import Request
+from nanoengine.engine.scheduler import SchedulerOutput
+from nanoengine.layers.attention import AttentionMetadata
+from nanoengine.layers.sampler import Sampler, SampleResult
+from nanoengine.models.config import ModelConfig
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # (T,)
+    positions: torch.Tensor  # (T,)
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # (S,) rows of the flat batch to compute logits for
+    sampled_requests: list[Request]  # the S requests those rows belong to
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    sampled: dict[str, int]  # request id -> new token
+    logprobs: dict[str, tuple]  # request id -> (token logprob, top-N pairs)
+    prepare_time: float
+    model_time: float
+    sample_time: float
+
+
+def kv_cache_num_blocks(model_config: ModelConfig, block_size: int, dtype: torch.dtype,
+                        memory_bytes: float, tp_size: int = 1) -> int:
+    """How many blocks fit in ``memory_bytes`` (per rank: each holds its share of KV heads)."""
+    per_token = model_config.kv_bytes_per_token(torch.empty(0, dtype=dtype).element_size()) // tp_size
+    return max(1, int(memory_bytes // (per_token * block_size)))
+
+
+class ModelRunner:
+    """Holds the model and the paged KV cache; prepares inputs, runs, samples."""
+
+    def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = device
+        self.dtype = dtype
+        layers = model.attention_layers()
+        num_kv_heads = layers[0].num_kv_heads  # this rank's share under tensor parallelism
+        self.kv_cache = torch.zeros(2, len(layers), num_blocks, block_size, num_kv_heads,
+                                    model_config.head_dim, dtype=dtype, device=device)
+        for i, attn in enumerate(layers):
+            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    # -------------------------------------------------------------- inputs
+    def prepare_inputs(self, out: SchedulerOutput) -> ModelInput:
+        """Flatten the scheduled requests into one batch: decodes first, then prefills."""
+        decodes = [(r, n) for r, n in out.scheduled if n == 1 and r.num_computed_tokens > 0]
+        prefills = [(r, n) for r, n in out.scheduled if not (n == 1 and r.num_computed_tokens > 0)]
+        # A one-token chunk after cached tokens is a decode in all but name: one query at the
+        # last position over the whole context, so it rides with the decodes.
+        input_ids, positions, slots, logits_indices, sampled = [], [], [], [], []
+        cu_seqlens = [0]
+        for is_prefill, group in ((False, decodes), (True, prefills)):
+            for request, num_new in group:
+                start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+                input_ids.extend(request.all_token_ids[start:end])
+                positions.extend(range(start, end))
+                table, size = request.block_ids, self.block_size
+                slots.extend(table[p // size] * size + p % size for p in range(start, end))
+                if is_prefill:
+                    cu_seqlens.append(cu_seqlens[-1] + num_new)
+                if end == request.num_tokens:  # the last known token: its logits give the next
+                    logits_indices.append(len(input_ids) - 1)
+                    sampled.append(request)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=self._block_tables([r for r, _ in decodes]),
+            decode_context_lens=torch.tensor([r.num_computed_tokens + 1 for r, _ in decodes],
+                                             dtype=torch.int32, device=dev),
+            prefill_block_tables=self._block_tables([r for r, _ in prefills]),
+            prefill_cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
+            prefill_context_lens=torch.tensor([r.num_computed_tokens + n for r, n in prefills],
+                                              dtype=torch.int32, device=dev),
+        )
+        return ModelInput(torch.tensor(input_ids, dtype=torch.long, device=dev),
+                          torch.tensor(positions, dtype=torch.long, device=dev), meta,
+                          torch.tensor(logits_indices, dtype=torch.long, device=dev), sampled)
+
+    def _block_tables(self, requests: list[Request]) -> torch.Tensor:
+        """(num_seqs, max_blocks) int32, rows padded with -1 (never read by the kernels)."""
+        width = max((len(r.block_ids) for r in requests), default=0)
+        rows = [r.block_ids + [-1] * (width - len(r.block_ids)) for r in requests]
+        return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(requests), width)
+
+    # ----------------------------------------------------------- execution
+    @torch.inference_mode()
+    def run_model(self, model_input: ModelInput) -> torch.Tensor:
+        """Forward pass and logits of the rows to sample. -> (S, vocab) float32."""
+        hidden = self.model(model_input.input_ids, model_input.positions, model_input.attn_metadata)
+        return self.model.compute_logits(hidden[model_input.logits_indices]).float()
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        model_input = self.prepare_inputs(out)
+        t1 = time.perf_counter()
+        logits = self.run_model(model_input)
+        t2 = time.perf_counter()
+        result = self.sample(logits, model_input.sampled_requests)
+        t3 = time.perf_counter()
+        ids = [r.request_id for r in model_input.sampled_requests]
+        return ModelRunnerOutput(
+            sampled=dict(zip(ids, result.token_ids)),
+            logprobs={i: lp for i, lp in zip(ids, result.logprobs) if lp is not None},
+            prepare_time=t1 - t0, model_time=t2 - t1, sample_time=t3 - t2)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+        if not requests:
+            return SampleResult([], [])
+        return self.sampler(logits, [r.sampling_params for r in requests], [r.generator for r in requests],
+                            self.generator)

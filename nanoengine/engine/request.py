@@ -1,0 +1,110 @@
+"""The state of one request as it moves through the engine (chapters 2 and 5).
+
+A request owns its token ids (prompt, then generated tokens), a ``num_computed_tokens``
+counter that says how many of them already have KV in the cache, and a block table that
+says where that KV lives. There is no separate "prefill" or "decode" phase: a step simply
+computes ``num_tokens - num_computed_tokens`` more tokens (or a chunk of them), which is
+the whole prompt at first and one token per step afterwards (vLLM v1's formulation).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from nanoengine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again after losing its blocks; will be recomputed
+    FINISHED_STOPPED = "finished_stopped"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len reached
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+class Request:
+    """One generation request: tokens, progress, KV location, sampling state, timings."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        prompt: str | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_time: float | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)  # prompt + output, what the KV covers
+        self.sampling_params = sampling_params
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []  # the block table: logical block i -> physical block
+        self.block_hashes: list[int] = []  # chained hashes of its full, computed blocks
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        self.num_preemptions = 0
+        self.stop_reason: str | int | None = None
+        self.output_logprobs: list[tuple] = []
+        # A seeded request draws from its own generator, so its samples do not depend on
+        # what else is in the batch (chapter 8).
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(sampling_params.seed)
+        self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens whose KV is not in the cache yet (the whole prompt at first, then 1)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """Still working through prompt (or, after a preemption, recomputed) tokens."""
+        return self.num_tokens_to_compute > 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, computed "
+                f"{self.num_computed_tokens}/{self.num_tokens}, blocks {self.block_ids})")

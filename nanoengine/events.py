@@ -1,0 +1,137 @@
+"""Events for observers: what the engine did, as frozen records (chapters 2, 4, 5, 7).
+
+The simulators and the notebooks watch the live engine through these instead of poking at
+its internals. vLLM v1 has the same idea (request events QUEUED / SCHEDULED / PREEMPTED
+and KV events BlockStored / BlockRemoved). Every event is immutable and carries plain
+values (ids, counts, tuples), so an observer cannot change engine state through it.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Event:
+    """Base of all events: the engine step it happened in and when."""
+
+    step: int
+    timestamp: float = field(default_factory=time.perf_counter, kw_only=True)
+
+
+@dataclass(frozen=True)
+class RequestQueued(Event):
+    request_id: str
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class RequestScheduled(Event):
+    """A request got ``num_tokens`` tokens of this step's budget."""
+
+    request_id: str
+    num_tokens: int
+    num_computed_tokens: int  # before this step
+    is_prefill: bool
+
+
+@dataclass(frozen=True)
+class RequestPreempted(Event):
+    """Evicted to make room; its blocks are freed and it will be recomputed."""
+
+    request_id: str
+    num_blocks_freed: int
+
+
+@dataclass(frozen=True)
+class RequestFinished(Event):
+    request_id: str
+    finish_reason: str
+    num_output_tokens: int
+
+
+@dataclass(frozen=True)
+class BlocksAllocated(Event):
+    request_id: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BlocksFreed(Event):
+    """Blocks whose reference count fell to zero (they may stay cached until reused)."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BlockStored(Event):
+    """A full block's hash entered the prefix cache."""
+
+    block_id: int
+    block_hash: int
+
+
+@dataclass(frozen=True)
+class BlockEvicted(Event):
+    """A cached free block was reused for new tokens; its hash left the prefix cache."""
+
+    block_id: int
+    block_hash: int
+
+
+@dataclass(frozen=True)
+class PrefixCacheHit(Event):
+    request_id: str
+    num_cached_tokens: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StepFinished(Event):
+    """One engine step: its batch and where its time went (seconds)."""
+
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_scheduled_requests: int
+    num_preempted: int
+    token_budget: int
+    schedule_time: float
+    prepare_time: float
+    model_time: float
+    sample_time: float
+    total_time: float
+
+
+Observer = Callable[[Event], None]
+
+
+class EventBus:
+    """Fan events out to observers and keep a bounded history.
+
+    An observer that raises does not break the engine: the exception becomes a warning
+    and the step goes on.
+    """
+
+    def __init__(self, history: int = 10_000) -> None:
+        self._observers: list[Observer] = []
+        self.history: collections.deque[Event] = collections.deque(maxlen=history)
+
+    def subscribe(self, observer: Observer) -> Callable[[], None]:
+        """Register ``observer``; returns a function that unsubscribes it."""
+        if not callable(observer):
+            raise TypeError(f"observer must be callable, got {observer!r}")
+        self._observers.append(observer)
+        return lambda: self._observers.remove(observer) if observer in self._observers else None
+
+    def emit(self, event: Event) -> None:
+        self.history.append(event)
+        for observer in list(self._observers):
+            try:
+                observer(event)
+            except Exception as exc:  # observers must never take the engine down
+                warnings.warn(f"event observer {observer!r} raised {exc!r}", RuntimeWarning, stacklevel=2)

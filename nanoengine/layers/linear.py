@@ -1,0 +1,125 @@
+"""Linear layers that can be split over tensor-parallel ranks (chapter 9).
+
+* ``ColumnParallelLinear`` splits the *output* features: each rank computes a slice of
+  the output, no communication needed.
+* ``RowParallelLinear`` splits the *input* features: each rank computes a partial sum of
+  the whole output, and an all-reduce adds the partial sums.
+* ``MergedColumnParallelLinear`` (gate + up of the MLP) and ``QKVParallelLinear`` (q, k,
+  v) pack several column-parallel projections into one matrix, so one GEMM does the work
+  of two or three. Their ``weight_loader`` copies each checkpoint tensor (``gate_proj``,
+  ``q_proj`` ...) into its slice, which is how separate Hugging Face weights end up packed.
+
+A column-parallel layer followed by a row-parallel one (attention's qkv -> o, the MLP's
+gate_up -> down) needs a single all-reduce per pair: the Megatron-LM layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanoengine.distributed.parallel_state import TPGroup
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size ({denominator})")
+    return numerator // denominator
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _copy_checked(param.data, loaded)
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole matrix."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = TPGroup.single()):
+        super().__init__(input_size, output_size, bias, tp)
+
+
+class ColumnParallelLinear(LinearBase):
+    """y = x W^T with W's rows (output features) split over ranks: (out/tp, in)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = TPGroup.single()):
+        super().__init__(input_size, _divide(output_size, tp.size, "output size"), bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        shard = param.data.shape[0]
+        _copy_checked(param.data, loaded.narrow(0, self.tp.rank * shard, shard))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs packed in one matrix (the MLP's gate and up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 tp: TPGroup = TPGroup.single()):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        size = self.output_sizes[shard_id] // self.tp.size
+        _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp.rank * size, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matrix, split over ranks by whole heads.
+
+    Each rank gets ``num_heads / tp`` query heads and ``num_kv_heads / tp`` KV heads, so
+    attention needs no communication at all: a head never spans two ranks.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, tp: TPGroup = TPGroup.single()):
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp.size, "number of attention heads")
+        self.num_kv_heads = _divide(num_kv_heads, tp.size, "number of KV heads")
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        _copy_checked(param.data.narrow(0, offset, size), loaded.narrow(0, self.tp.rank * size, size))
+
+
+class RowParallelLinear(LinearBase):
+    """y = x W^T with W's columns (input features) split: partial sums, then all-reduce."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = TPGroup.single()):
+        super().__init__(_divide(input_size, tp.size, "input size"), output_size, bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if param.dim() == 1:  # the bias is added once, after the reduction
+            _copy_checked(param.data, loaded)
+            return
+        shard = param.data.shape[1]
+        _copy_checked(param.data, loaded.narrow(1, self.tp.rank * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        self.tp.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.shape != src.shape:
+        raise ValueError(f"checkpoint tensor of shape {tuple(src.shape)} does not fit parameter "
+                         f"slice of shape {tuple(dst.shape)}")
+    dst.copy_(src)

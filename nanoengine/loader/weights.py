@@ -1,0 +1,143 @@
+"""Loading a model: build the module tree, then fill it from a checkpoint (chapter 2).
+
+Three sources give the same ``(name, tensor)`` stream in Hugging Face naming:
+a directory of ``*.safetensors`` files, a GGUF file (``loader.gguf`` converts names and
+undoes llama.cpp's rotary permutation), or random values for tests and mechanics-only
+chapters. ``load_weights`` routes each tensor to its parameter, through the parameter's
+``weight_loader`` when it is packed (qkv, gate_up) or split over tensor-parallel ranks, and
+fails loudly on a missing or unexpected tensor instead of running with garbage.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from nanoengine.distributed.parallel_state import TPGroup
+from nanoengine.models import MODEL_CLASSES, ModelConfig
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every ``*.safetensors`` file in ``model_dir``."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {model_dir}")
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint tensors into ``model``'s parameters, checking every one is filled."""
+    params = dict(model.named_parameters())
+    packed = getattr(model, "packed_modules", {})
+    shards_expected = Counter(packed_name for packed_name, _ in packed.values())
+    filled: Counter[str] = Counter()
+    for name, tensor in weights:
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue  # tied: the embedding matrix already is the head
+        target, shard_id = name, None
+        for fragment, (packed_name, shard) in packed.items():
+            if f".{fragment}." in name:
+                target, shard_id = name.replace(f".{fragment}.", f".{packed_name}."), shard
+                break
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} matches no parameter of {type(model).__name__}")
+        loader = getattr(param, "weight_loader", None)
+        tensor = tensor.to(device=param.device, dtype=param.dtype)
+        if loader is None:
+            if param.shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != parameter {tuple(param.shape)}")
+            param.data.copy_(tensor)
+        else:
+            loader(param, tensor, shard_id)
+        filled[target] += 1
+    missing = []
+    for pname in params:
+        packed_name = pname.split(".")[-2]
+        expected = shards_expected.get(packed_name, 1)
+        if filled[pname] < expected:
+            missing.append(pname)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} parameter(s), e.g. {missing[:5]}")
+
+
+def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Deterministic random weights: N(0, std) matrices, unit norms (tests, mechanics)."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in sorted(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            param.data.fill_(1.0)
+        else:
+            values = torch.randn(param.shape, generator=generator, dtype=torch.float32) * std
+            param.data.copy_(values.to(param.dtype))
+
+
+def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                max_position: int | None = None, tp: TPGroup = TPGroup.single()) -> nn.Module:
+    """The module tree for ``config`` on ``device``, parameters in ``dtype``, unfilled."""
+    cls = MODEL_CLASSES[config.architecture]
+    with torch.device(device):
+        model = cls(config, max_position, tp)
+    for param in model.parameters():  # buffers (RoPE tables) stay float32
+        param.data = param.data.to(dtype)
+    return model.eval()
+
+
+def resolve_model_source(model: str | Path | None) -> Path:
+    """``None`` -> the default model's directory; otherwise an existing dir or .gguf file."""
+    if model is None:
+        from nanoengine.default_model import default_model_dir
+
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {path} has no config.json (expected a Hugging Face directory)")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    raise ValueError(f"model must be None (the default SmolLM2-135M-Instruct), a Hugging Face directory or a "
+                     f".gguf file; {str(model)!r} is neither (no model hub is used)")
+
+
+def load_model_config(source: Path) -> ModelConfig:
+    if source.suffix == ".gguf":
+        from nanoengine.loader.gguf import read_gguf_config
+
+        return ModelConfig.from_dict(read_gguf_config(source))
+    return ModelConfig.from_pretrained(source)
+
+
+def load_model(source: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+               max_position: int | None = None, tp: TPGroup = TPGroup.single()) -> nn.Module:
+    """Build the model for ``config`` and fill it from ``source`` (dir or .gguf)."""
+    model = build_model(config, device, dtype, max_position, tp)
+    if source.suffix == ".gguf":
+        from nanoengine.loader.gguf import load_gguf_state_dict
+
+        load_weights(model, load_gguf_state_dict(source).items())
+    else:
+        load_weights(model, iter_safetensors(source))
+    return model
+
+
+def load_tokenizer(source: Path):
+    """The Hugging Face tokenizer stored with the model, or None if there is none."""
+    from transformers import AutoTokenizer
+
+    if source.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    if not any((source / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    return AutoTokenizer.from_pretrained(str(source))

@@ -1,0 +1,90 @@
+"""How one request turns logits into tokens, and when it stops (chapter 8).
+
+``SamplingParams`` is validated when it is built, so a bad value never reaches the
+engine: each error says which field was wrong, the value given, and what is allowed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping settings (vLLM's names).
+
+    temperature: 0 means greedy (argmax); otherwise logits are divided by it.
+    top_k: keep the k most likely tokens; -1 (or 0) keeps all.
+    top_p: keep the smallest set of tokens whose probability sums to at least top_p.
+    min_p: drop tokens whose probability is below min_p times the top token's.
+    max_tokens: how many tokens to generate at most.
+    seed: a per-request random generator, so the same seed gives the same text whatever
+        else shares the batch.
+    stop: strings that end generation (not included in the text).
+    stop_token_ids: token ids that end generation (in addition to EOS).
+    ignore_eos: keep going past the end-of-sequence token (benchmarks use this).
+    logprobs: return the log-probabilities of the top-N tokens at each step.
+    """
+
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check_number("temperature", self.temperature, float)
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        _check_number("top_k", self.top_k, int)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (no limit), 0 (no limit) or >= 1, got {self.top_k}")
+        _check_number("top_p", self.top_p, float)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_number("min_p", self.min_p, float)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        _check_number("max_tokens", self.max_tokens, int)
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seed is not None:
+            _check_number("seed", self.seed, int)
+            if not 0 <= self.seed < 2**63:
+                raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
+        if self.logprobs is not None:
+            _check_number("logprobs", self.logprobs, int)
+            if not 0 <= self.logprobs <= 20:
+                raise ValueError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is simply the argmax."""
+        return self.temperature == 0.0
+
+
+def _check_number(name: str, value: object, kind: type) -> None:
+    """Reject non-numbers (and bools) with a message naming the field."""
+    allowed = (int,) if kind is int else (int, float)
+    if isinstance(value, bool) or not isinstance(value, allowed):
+        expected = "an integer" if kind is int else "a number"
+        raise ValueError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+    if kind is float and value != value:  # NaN
+        raise ValueError(f"{name} must be a number, got NaN")
