@@ -26,7 +26,7 @@ from nanoengine.engine.block_manager import BlockManager, BlockSnapshot
 from nanoengine.engine.detokenizer import IncrementalDetokenizer
 from nanoengine.engine.model_runner import ModelRunner, kv_cache_num_blocks
 from nanoengine.engine.request import Request, RequestStatus
-from nanoengine.engine.scheduler import Scheduler
+from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
 from nanoengine.events import EventBus, RequestQueued, StepFinished
 from nanoengine.models.config import ModelConfig
 from nanoengine.outputs import RequestMetrics, RequestOutput, TokenLogprob
@@ -266,6 +266,30 @@ class LLMEngine:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def next_token_logits(self, prompt: str | list[int]) -> torch.Tensor:
+        """The model's raw logits (vocab,) for the token after ``prompt`` (chapter 8).
+
+        Runs one prefill through the real paged cache using free blocks, then frees them;
+        queued and running requests are untouched. Its full blocks stay in the prefix
+        cache, so asking again for the same prompt is cheap.
+        """
+        _, token_ids = self.tokenize_prompt(prompt)
+        probe = Request(f"probe-{next(self._ids)}", token_ids, SamplingParams(temperature=0.0, max_tokens=1),
+                        device=self.runner.device)
+        computed, num_cached = self.block_manager.get_computed_blocks(probe)
+        num_new = len(token_ids) - num_cached
+        if not self.block_manager.allocate_slots(probe, num_new, computed):
+            raise RuntimeError(f"not enough free KV blocks to score a {len(token_ids)}-token prompt "
+                               f"({self.block_manager.num_free_blocks} free); finish or abort some requests")
+        probe.num_computed_tokens = num_cached
+        try:
+            logits = self.runner.compute_logits(SchedulerOutput([(probe, num_new)], [], num_new))[0]
+            probe.num_computed_tokens = len(token_ids)
+            self.block_manager.cache_full_blocks(probe)
+        finally:
+            self.block_manager.free(probe)
+        return logits
 
     # ------------------------------------------------------------ observing
     def snapshot(self) -> EngineSnapshot:

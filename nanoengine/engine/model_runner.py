@@ -129,6 +129,10 @@ class ModelRunner:
         hidden = self.model(model_input.input_ids, model_input.positions, model_input.attn_metadata)
         return self.model.compute_logits(hidden[model_input.logits_indices]).float()
 
+    def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits of every scheduled request that reaches its last token, without sampling."""
+        return self.run_model(self.prepare_inputs(out))
+
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         model_input = self.prepare_inputs(out)

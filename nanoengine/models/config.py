@@ -49,6 +49,15 @@ class ModelConfig:
         """K and V, every layer, every KV head: the memory one token costs in the cache."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
 
+    def num_parameters(self) -> int:
+        """Weights of the model (embedding counted once when tied to the LM head)."""
+        h, heads, kv, d = self.hidden_size, self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        attention = h * heads * d * 2 + h * kv * d * 2  # q, o and k, v projections
+        mlp = 3 * h * self.intermediate_size  # gate, up, down
+        norms = 2 * h + (2 * d if self.uses_qk_norm else 0)
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * (attention + mlp + norms) + embed + h
+
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
         archs = d.get("architectures") or []
