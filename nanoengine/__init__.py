@@ -5,7 +5,6 @@ The public API mirrors vLLM's: ``LLM``, ``SamplingParams``, ``RequestOutput``, a
 """
 
 from nanoengine.config import EngineConfig
-from nanoengine.default_model import DEFAULT_MODEL_NAME, default_model_dir
 from nanoengine.engine.llm_engine import EngineSnapshot, LLMEngine, RequestSnapshot
 from nanoengine.llm import LLM
 from nanoengine.outputs import RequestMetrics, RequestOutput
@@ -14,3 +13,13 @@ from nanoengine.sampling_params import SamplingParams
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestMetrics", "EngineConfig",
            "EngineSnapshot", "RequestSnapshot", "default_model_dir", "DEFAULT_MODEL_NAME"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The default-model helpers load lazily, so `python -m nanoengine.default_model` does
+    # not import its own module twice.
+    if name in ("default_model_dir", "DEFAULT_MODEL_NAME"):
+        from nanoengine import default_model
+
+        return getattr(default_model, name)
+    raise AttributeError(f"module 'nanoengine' has no attribute {name!r}")

@@ -1,0 +1,99 @@
+"""Command line: ``python -m nanoengine {generate,chat,bench}``.
+
+    python -m nanoengine generate "The capital of France is" --max-tokens 20 --stream
+    python -m nanoengine chat                      # type messages, /exit to leave
+    python -m nanoengine bench                     # engine vs transformers, writes results JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m nanoengine", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete a prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    _sampling_args(gen)
+    chat = sub.add_parser("chat", help="interactive chat on stdin")
+    chat.add_argument("--system", default=None, help="a system prompt")
+    _sampling_args(chat)
+    bench = sub.add_parser("bench", help="throughput against Hugging Face transformers")
+    from nanoengine.benchmark import add_arguments
+
+    add_arguments(bench)
+    return parser
+
+
+def _params(args):
+    from nanoengine import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          max_tokens=args.max_tokens, seed=args.seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "bench":
+            from nanoengine.benchmark import run_from_args
+
+            run_from_args(args)
+            return 0
+        from nanoengine import LLM
+
+        params = _params(args)
+        llm = LLM(args.model, device=args.device)
+        if args.command == "generate":
+            prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+            if args.stream:
+                for delta in llm.stream(prompt, params):
+                    print(delta, end="", flush=True)
+                print()
+            else:
+                print(llm.generate([prompt], params)[0].text)
+            return 0
+        return _chat_loop(llm, params, args.system)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _chat_loop(llm, params, system: str | None) -> int:
+    messages = [{"role": "system", "content": system}] if system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("you> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() in ("/exit", "/quit"):
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.strip()})
+        print("assistant> ", end="", flush=True)
+        reply = []
+        for delta in llm.stream(llm.apply_chat_template(messages), params):
+            reply.append(delta)
+            print(delta, end="", flush=True)
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

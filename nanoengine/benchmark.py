@@ -1,0 +1,290 @@
+"""Benchmark: the engine against Hugging Face transformers on the same requests (chapter 11).
+
+One process, one run, the same prompts for everyone:
+
+* nanoengine (paged KV, continuous batching, chunked prefill),
+* transformers ``generate`` with static batches (left-padded, ``--hf-batch-size`` at a time),
+* transformers ``generate_batch`` (its own continuous batching with paged attention),
+
+all greedy with EOS ignored, so every system produces exactly ``output_len`` tokens per
+request. The greedy tokens are compared request by request: a difference is accepted only
+where transformers' own top-2 logits at the first differing position are closer than
+``--tie-tolerance`` (floating-point order can then flip the argmax), and reported either
+way. Throughput is output tokens / wall time. The machine's fp32 GEMM peak is measured in
+the same run on the model's own matrix shapes, and the engine's achieved FLOP/s is given as
+a fraction of it (the roofline of chapter 6). Results go to a JSON file that names the
+hardware, the versions, the date and the command.
+
+    python -m nanoengine bench                                   # default workload
+    python -m nanoengine bench --num-requests 4 --output-len 8   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from nanoengine.models.config import ModelConfig
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--num-requests", type=int, default=32)
+    p.add_argument("--min-prompt", type=int, default=32)
+    p.add_argument("--max-prompt", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf-batch-size", type=int, default=16, help="static batch size for transformers")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--single-stream-tokens", type=int, default=32,
+                   help="tokens for the single-stream decode comparison (0 skips it)")
+    p.add_argument("--skip-hf", action="store_true", help="only run the engine")
+    p.add_argument("--skip-generate-batch", action="store_true")
+    p.add_argument("--tie-tolerance", type=float, default=1e-3)
+    p.add_argument("--out", default=None, help="results JSON (default: results/bench-<device>-<date>.json)")
+
+
+def make_workload(num_requests: int, min_prompt: int, max_prompt: int, seed: int,
+                  vocab_limit: int = 10000) -> list[list[int]]:
+    """Random token-id prompts of random lengths (nano-vLLM's benchmark style)."""
+    if not 1 <= min_prompt <= max_prompt:
+        raise ValueError(f"need 1 <= min_prompt <= max_prompt, got {min_prompt} and {max_prompt}")
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_limit) for _ in range(rng.randint(min_prompt, max_prompt))]
+            for _ in range(num_requests)]
+
+
+# --------------------------------------------------------------------- systems
+def run_engine(model_dir: Path, prompts: list[list[int]], output_len: int, **engine_kwargs):
+    """Greedy tokens per request and the wall time of the whole batch."""
+    from nanoengine import LLM, SamplingParams
+
+    llm = LLM(model_dir, **engine_kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([prompts[0][:8]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
+    llm.engine.block_manager.reset_prefix_cache()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    llm.shutdown()
+    return [list(o.token_ids) for o in outs], seconds
+
+
+def load_hf(model_dir: Path, attn_implementation: str | None = None):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **kwargs).eval()
+    model.generation_config.eos_token_id = None  # EOS ignored: exactly output_len tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+@torch.inference_mode()
+def run_hf_static(model, prompts: list[list[int]], output_len: int, batch_size: int):
+    """transformers ``generate`` on left-padded static batches; also returns its logits."""
+    tokens, scores = [], []
+    model.generate(torch.tensor([prompts[0][:8]]), max_new_tokens=2, do_sample=False)  # warm-up
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i:i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                             min_new_tokens=output_len, do_sample=False,
+                             return_dict_in_generate=True, output_scores=True)
+        new = out.sequences[:, width:]
+        step_scores = torch.stack(out.scores, dim=1)  # (B, output_len, vocab)
+        for row in range(len(batch)):
+            tokens.append(new[row].tolist())
+            scores.append(step_scores[row].topk(2, dim=-1).values)  # (output_len, 2)
+    return tokens, time.perf_counter() - start, scores
+
+
+@torch.inference_mode()
+def run_hf_generate_batch(model, prompts: list[list[int]], output_len: int):
+    """transformers' continuous batching (``generate_batch``, paged attention)."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None, pad_token_id=0)
+    start = time.perf_counter()
+    outputs = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+    seconds = time.perf_counter() - start
+    by_prompt = {}
+    for out in outputs.values():
+        by_prompt.setdefault(tuple(out.prompt_ids), []).append(list(out.generated_tokens))
+    return [by_prompt[tuple(p)].pop(0) for p in prompts], seconds
+
+
+@torch.inference_mode()
+def hf_single_stream(model, prompt: list[int], n: int) -> float:
+    model.generate(torch.tensor([prompt]), max_new_tokens=2, do_sample=False)
+    start = time.perf_counter()
+    model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return n / (time.perf_counter() - start)
+
+
+def engine_single_stream(model_dir: Path, prompt: list[int], n: int) -> float:
+    from nanoengine import LLM, SamplingParams
+
+    llm = LLM(model_dir, enable_prefix_caching=False)
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    start = time.perf_counter()
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    return n / (time.perf_counter() - start)
+
+
+# --------------------------------------------------------------- comparisons
+def compare_greedy(engine_tokens, reference_tokens, reference_top2=None, tolerance: float = 1e-3) -> dict:
+    """Requests identical, and divergences explained (or not) by near-tied reference logits."""
+    identical, ties, unexplained = 0, 0, []
+    for i, (ours, ref) in enumerate(zip(engine_tokens, reference_tokens)):
+        if ours == ref:
+            identical += 1
+            continue
+        pos = next(j for j, (a, b) in enumerate(zip(ours, ref)) if a != b)
+        gap = None
+        if reference_top2 is not None:
+            top2 = reference_top2[i][pos]
+            gap = float(top2[0] - top2[1])
+        if gap is not None and gap < tolerance:
+            ties += 1
+        else:
+            unexplained.append({"request": i, "position": pos, "top2_gap": gap})
+    return {"identical": identical, "near_tie_divergences": ties, "unexplained": unexplained,
+            "total": len(engine_tokens)}
+
+
+def measure_gemm_peak(config: ModelConfig, tokens: int = 1024, repeats: int = 5) -> float:
+    """Best fp32 GFLOP/s of torch matmuls on the model's own weight shapes."""
+    h, i = config.hidden_size, config.intermediate_size
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+    best = 0.0
+    for n_out, n_in in ((2 * i, h), (h, i), (qkv, h)):
+        x, w = torch.randn(tokens, n_in), torch.randn(n_out, n_in)
+        torch.nn.functional.linear(x, w)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            times.append(time.perf_counter() - start)
+        best = max(best, 2 * tokens * n_in * n_out / min(times) / 1e9)
+    return best
+
+
+def workload_flops(config: ModelConfig, prompts: list[list[int]], output_len: int) -> float:
+    """Model FLOPs to serve the workload: 2 x weights per token, LM head per sampled
+    token, and attention scores/values over each token's context."""
+    layer_params = config.num_parameters() - config.vocab_size * config.hidden_size * (
+        1 if config.tie_word_embeddings else 2) - config.hidden_size
+    q_width = config.num_attention_heads * config.head_dim
+    total = 0.0
+    for p in prompts:
+        n_tokens = len(p) + output_len - 1  # every prompt token and every fed-back output
+        total += 2 * layer_params * n_tokens
+        total += 2 * config.vocab_size * config.hidden_size * output_len
+        context_sum = n_tokens * (n_tokens + 1) / 2
+        total += 4 * q_width * config.num_hidden_layers * context_sum
+    return total
+
+
+def environment() -> dict:
+    import transformers
+
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        info["cpu_model"] = names[0] if names else None
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+# ---------------------------------------------------------------------- main
+def run_from_args(args: argparse.Namespace) -> dict:
+    from nanoengine.loader.weights import resolve_model_source
+
+    model_dir = resolve_model_source(args.model)
+    config = ModelConfig.from_pretrained(model_dir)
+    prompts = make_workload(args.num_requests, args.min_prompt, args.max_prompt, args.seed,
+                            vocab_limit=min(10000, config.vocab_size))
+    total_out = args.num_requests * args.output_len
+    print(f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} random ids, "
+          f"{args.output_len} output tokens each, greedy, EOS ignored; model {model_dir.name}")
+    peak = measure_gemm_peak(config)
+    print(f"fp32 GEMM peak on the model's shapes: {peak:.1f} GFLOP/s")
+
+    results: dict = {"systems": {}}
+    engine_tokens, seconds = run_engine(model_dir, prompts, args.output_len,
+                                        max_num_batched_tokens=args.max_num_batched_tokens)
+    flops = workload_flops(config, prompts, args.output_len)
+    results["systems"]["nanoengine"] = {"seconds": seconds, "output_tokens_per_s": total_out / seconds,
+                                        "achieved_gflops": flops / seconds / 1e9,
+                                        "fraction_of_gemm_peak": flops / seconds / 1e9 / peak}
+    print(f"nanoengine              {total_out / seconds:8.1f} tok/s  ({seconds:.1f} s, "
+          f"{flops / seconds / 1e9:.1f} GFLOP/s = {flops / seconds / 1e9 / peak:.0%} of the GEMM peak)")
+
+    if not args.skip_hf:
+        model = load_hf(model_dir)
+        hf_tokens, hf_seconds, hf_top2 = run_hf_static(model, prompts, args.output_len, args.hf_batch_size)
+        check = compare_greedy(engine_tokens, hf_tokens, hf_top2, args.tie_tolerance)
+        results["systems"]["hf_static"] = {"seconds": hf_seconds, "output_tokens_per_s": total_out / hf_seconds,
+                                           "batch_size": args.hf_batch_size, "greedy_check": check}
+        print(f"transformers static ({args.hf_batch_size}) {total_out / hf_seconds:8.1f} tok/s  "
+              f"({hf_seconds:.1f} s); greedy tokens identical for {check['identical']}/{check['total']} "
+              f"requests, {check['near_tie_divergences']} near-tie divergences, "
+              f"{len(check['unexplained'])} unexplained")
+        if not args.skip_generate_batch:
+            cb_model = load_hf(model_dir, "paged|sdpa")
+            cb_tokens, cb_seconds = run_hf_generate_batch(cb_model, prompts, args.output_len)
+            cb_check = compare_greedy(engine_tokens, cb_tokens, hf_top2, args.tie_tolerance)
+            results["systems"]["hf_generate_batch"] = {"seconds": cb_seconds,
+                                                       "output_tokens_per_s": total_out / cb_seconds,
+                                                       "greedy_check": cb_check}
+            print(f"transformers generate_batch {total_out / cb_seconds:6.1f} tok/s  ({cb_seconds:.1f} s); "
+                  f"identical for {cb_check['identical']}/{cb_check['total']} requests")
+        ratios = {name: results["systems"]["nanoengine"]["output_tokens_per_s"] / r["output_tokens_per_s"]
+                  for name, r in results["systems"].items() if name != "nanoengine"}
+        results["ratios_engine_over"] = ratios
+        print("engine / transformers: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+        if args.single_stream_tokens:
+            prompt = prompts[0][:32]
+            ours = engine_single_stream(model_dir, prompt, args.single_stream_tokens)
+            theirs = hf_single_stream(model, prompt, args.single_stream_tokens)
+            results["single_stream_decode"] = {"nanoengine_tok_s": ours, "hf_tok_s": theirs,
+                                               "ratio": ours / theirs, "tokens": args.single_stream_tokens}
+            print(f"single stream decode: nanoengine {ours:.1f} tok/s, transformers {theirs:.1f} tok/s "
+                  f"({ours / theirs:.2f}x)")
+
+    results.update({
+        "workload": {"num_requests": args.num_requests, "prompt_len": [args.min_prompt, args.max_prompt],
+                     "output_len": args.output_len, "seed": args.seed, "greedy": True, "ignore_eos": True,
+                     "prompt_tokens": sum(len(p) for p in prompts)},
+        "gemm_peak_gflops": peak, "model": model_dir.name, "environment": environment(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m nanoengine " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("__main__.py")
+        else " ".join(sys.argv),
+    })
+    out = Path(args.out) if args.out else Path("results") / (
+        f"bench-{'cuda' if torch.cuda.is_available() else 'cpu'}-{datetime.date.today().isoformat()}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"results written to {out}")
+    return results
+

