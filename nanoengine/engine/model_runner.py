@@ -31,12 +31,88 @@ from nanoengine.models.config import ModelConfig
 
 
 @dataclass
+class BatchPlan:
+    """One step's batch as plain Python lists: what ``prepare_inputs`` turns into tensors.
+
+    Plain data so it can also be sent to tensor-parallel worker processes.
+    """
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    num_decode_tokens: int
+    decode_block_tables: list[list[int]]
+    decode_context_lens: list[int]
+    prefill_block_tables: list[list[int]]
+    prefill_cu_seqlens_q: list[int]
+    prefill_context_lens: list[int]
+    logits_indices: list[int]
+
+
+@dataclass
 class ModelInput:
     input_ids: torch.Tensor  # (T,)
     positions: torch.Tensor  # (T,)
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # (S,) rows of the flat batch to compute logits for
-    sampled_requests: list[Request]  # the S requests those rows belong to
+
+    @classmethod
+    def from_plan(cls, plan: BatchPlan, device: torch.device) -> "ModelInput":
+        def ints(values, dtype=torch.int32):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        meta = AttentionMetadata(
+            slot_mapping=ints(plan.slot_mapping, torch.long),
+            num_decode_tokens=plan.num_decode_tokens,
+            decode_block_tables=_padded(plan.decode_block_tables, device),
+            decode_context_lens=ints(plan.decode_context_lens),
+            prefill_block_tables=_padded(plan.prefill_block_tables, device),
+            prefill_cu_seqlens_q=ints(plan.prefill_cu_seqlens_q),
+            prefill_context_lens=ints(plan.prefill_context_lens))
+        return cls(ints(plan.input_ids, torch.long), ints(plan.positions, torch.long), meta,
+                   ints(plan.logits_indices, torch.long))
+
+
+def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """(num_seqs, max_blocks) int32, rows padded with -1 (never read by the kernels)."""
+    width = max((len(t) for t in tables), default=0)
+    rows = [t + [-1] * (width - len(t)) for t in tables]
+    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(tables), width)
+
+
+def plan_batch(out: SchedulerOutput, block_size: int) -> tuple[BatchPlan, list[Request]]:
+    """Flatten the scheduled requests into one batch: decodes first, then prefill chunks.
+
+    Returns the plan and the requests whose last token is in this step (they sample), in
+    the order of ``logits_indices``.
+    """
+    decodes = [(r, n) for r, n in out.scheduled if n == 1 and r.num_computed_tokens > 0]
+    prefills = [(r, n) for r, n in out.scheduled if not (n == 1 and r.num_computed_tokens > 0)]
+    # A one-token chunk after cached tokens is a decode in all but name: one query at the
+    # last position over the whole context, so it rides with the decodes.
+    input_ids, positions, slots, logits_indices, sampled = [], [], [], [], []
+    cu_seqlens = [0]
+    for is_prefill, group in ((False, decodes), (True, prefills)):
+        for request, num_new in group:
+            start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+            input_ids.extend(request.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            table = request.block_ids
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+            if is_prefill:
+                cu_seqlens.append(cu_seqlens[-1] + num_new)
+            if end == request.num_tokens:  # the last known token: its logits give the next
+                logits_indices.append(len(input_ids) - 1)
+                sampled.append(request)
+    plan = BatchPlan(
+        input_ids=input_ids, positions=positions, slot_mapping=slots, num_decode_tokens=len(decodes),
+        decode_block_tables=[list(r.block_ids) for r, _ in decodes],
+        decode_context_lens=[r.num_computed_tokens + 1 for r, _ in decodes],
+        prefill_block_tables=[list(r.block_ids) for r, _ in prefills],
+        prefill_cu_seqlens_q=cu_seqlens,
+        prefill_context_lens=[r.num_computed_tokens + n for r, n in prefills],
+        logits_indices=logits_indices)
+    return plan, sampled
 
 
 @dataclass(frozen=True)
@@ -80,47 +156,10 @@ class ModelRunner:
         return self.kv_cache.numel() * self.kv_cache.element_size()
 
     # -------------------------------------------------------------- inputs
-    def prepare_inputs(self, out: SchedulerOutput) -> ModelInput:
-        """Flatten the scheduled requests into one batch: decodes first, then prefills."""
-        decodes = [(r, n) for r, n in out.scheduled if n == 1 and r.num_computed_tokens > 0]
-        prefills = [(r, n) for r, n in out.scheduled if not (n == 1 and r.num_computed_tokens > 0)]
-        # A one-token chunk after cached tokens is a decode in all but name: one query at the
-        # last position over the whole context, so it rides with the decodes.
-        input_ids, positions, slots, logits_indices, sampled = [], [], [], [], []
-        cu_seqlens = [0]
-        for is_prefill, group in ((False, decodes), (True, prefills)):
-            for request, num_new in group:
-                start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
-                input_ids.extend(request.all_token_ids[start:end])
-                positions.extend(range(start, end))
-                table, size = request.block_ids, self.block_size
-                slots.extend(table[p // size] * size + p % size for p in range(start, end))
-                if is_prefill:
-                    cu_seqlens.append(cu_seqlens[-1] + num_new)
-                if end == request.num_tokens:  # the last known token: its logits give the next
-                    logits_indices.append(len(input_ids) - 1)
-                    sampled.append(request)
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode_tokens=len(decodes),
-            decode_block_tables=self._block_tables([r for r, _ in decodes]),
-            decode_context_lens=torch.tensor([r.num_computed_tokens + 1 for r, _ in decodes],
-                                             dtype=torch.int32, device=dev),
-            prefill_block_tables=self._block_tables([r for r, _ in prefills]),
-            prefill_cu_seqlens_q=torch.tensor(cu_seqlens, dtype=torch.int32, device=dev),
-            prefill_context_lens=torch.tensor([r.num_computed_tokens + n for r, n in prefills],
-                                              dtype=torch.int32, device=dev),
-        )
-        return ModelInput(torch.tensor(input_ids, dtype=torch.long, device=dev),
-                          torch.tensor(positions, dtype=torch.long, device=dev), meta,
-                          torch.tensor(logits_indices, dtype=torch.long, device=dev), sampled)
-
-    def _block_tables(self, requests: list[Request]) -> torch.Tensor:
-        """(num_seqs, max_blocks) int32, rows padded with -1 (never read by the kernels)."""
-        width = max((len(r.block_ids) for r in requests), default=0)
-        rows = [r.block_ids + [-1] * (width - len(r.block_ids)) for r in requests]
-        return torch.tensor(rows, dtype=torch.int32, device=self.device).reshape(len(requests), width)
+    def prepare_inputs(self, out: SchedulerOutput) -> tuple[ModelInput, list[Request]]:
+        """The step's tensors on this runner's device, and the requests that sample."""
+        plan, sampled = plan_batch(out, self.block_size)
+        return ModelInput.from_plan(plan, self.device), sampled
 
     # ----------------------------------------------------------- execution
     @torch.inference_mode()
@@ -131,17 +170,17 @@ class ModelRunner:
 
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
         """Logits of every scheduled request that reaches its last token, without sampling."""
-        return self.run_model(self.prepare_inputs(out))
+        return self.run_model(self.prepare_inputs(out)[0])
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         t0 = time.perf_counter()
-        model_input = self.prepare_inputs(out)
+        model_input, sampled = self.prepare_inputs(out)
         t1 = time.perf_counter()
         logits = self.run_model(model_input)
         t2 = time.perf_counter()
-        result = self.sample(logits, model_input.sampled_requests)
+        result = self.sample(logits, sampled)
         t3 = time.perf_counter()
-        ids = [r.request_id for r in model_input.sampled_requests]
+        ids = [r.request_id for r in sampled]
         return ModelRunnerOutput(
             sampled=dict(zip(ids, result.token_ids)),
             logprobs={i: lp for i, lp in zip(ids, result.logprobs) if lp is not None},
