@@ -109,7 +109,9 @@ class LLMEngine:
             device, dtype = config.torch_device, config.torch_dtype
             num_blocks = check_kv_blocks(config, model_config, max_model_len)
             net = load_model(source, model_config, device, dtype, max_position=max_model_len)
-            runner = ModelRunner(net, model_config, num_blocks, config.block_size, device, dtype, config.seed)
+            runner = ModelRunner(net, model_config, num_blocks, config.block_size, device, dtype, config.seed,
+                                 cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512),
+                                 max_model_len=max_model_len)
         return cls(config, model_config, runner, load_tokenizer(source))
 
     @classmethod
@@ -120,7 +122,9 @@ class LLMEngine:
         max_model_len = check_max_model_len(config, model_config)
         num_blocks = check_kv_blocks(config, model_config, max_model_len)
         runner = ModelRunner(net, model_config, num_blocks, config.block_size, config.torch_device,
-                             config.torch_dtype, config.seed)
+                             config.torch_dtype, config.seed,
+                             cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512),
+                             max_model_len=max_model_len)
         return cls(config, model_config, runner, tokenizer)
 
     # ------------------------------------------------------------- requests

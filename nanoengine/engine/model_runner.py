@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanoengine import kernels
 from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import SchedulerOutput
 from nanoengine.layers.attention import AttentionMetadata
@@ -135,7 +136,8 @@ class ModelRunner:
     """Holds the model and the paged KV cache; prepares inputs, runs, samples."""
 
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+                 device: torch.device, dtype: torch.dtype, seed: int = 0, cuda_graph_max_batch: int = 0,
+                 max_model_len: int | None = None) -> None:
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -150,6 +152,14 @@ class ModelRunner:
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.cuda_graphs = None
+        if cuda_graph_max_batch and device.type == "cuda" and kernels.triton_available():
+            from nanoengine.engine.cuda_graphs import CudaGraphDecoder
+
+            max_len = max_model_len or model_config.max_position_embeddings
+            self.cuda_graphs = CudaGraphDecoder(model, cuda_graph_max_batch, -(-max_len // block_size),
+                                                model_config.hidden_size, device)
+            self.cuda_graphs.capture()
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -165,7 +175,11 @@ class ModelRunner:
     @torch.inference_mode()
     def run_model(self, model_input: ModelInput) -> torch.Tensor:
         """Forward pass and logits of the rows to sample. -> (S, vocab) float32."""
-        hidden = self.model(model_input.input_ids, model_input.positions, model_input.attn_metadata)
+        meta = model_input.attn_metadata
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
+            hidden = self.cuda_graphs.run(model_input.input_ids, model_input.positions, meta)
+        else:
+            hidden = self.model(model_input.input_ids, model_input.positions, meta)
         return self.model.compute_logits(hidden[model_input.logits_indices]).float()
 
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
