@@ -86,22 +86,20 @@ def paged_decode_attention(
     """
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
     max_len = int(context_lens.max())
     max_blocks = (max_len + block_size - 1) // block_size
     table = block_tables[:, :max_blocks].long().clamp(min=0)
     compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
-    # (S, L, kvh, d) after flattening blocks; L = max_blocks * block_size
-    keys = k_cache[table].flatten(1, 2).to(compute_dtype)
-    values = v_cache[table].flatten(1, 2).to(compute_dtype)
-    q = query.to(compute_dtype).view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.einsum("skgd,slkd->skgl", q, keys) * scale  # (S, kvh, g, L)
-    positions = torch.arange(keys.shape[1], device=query.device)
-    padding = positions[None, :] >= context_lens.to(query.device)[:, None]  # (S, L)
-    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("skgl,slkd->skgd", probs, values)  # (S, kvh, g, d)
-    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+    # (S, kvh, L, d) after flattening blocks; L = max_blocks * block_size
+    keys = k_cache[table].flatten(1, 2).transpose(1, 2).to(compute_dtype)
+    values = v_cache[table].flatten(1, 2).transpose(1, 2).to(compute_dtype)
+    positions = torch.arange(keys.shape[2], device=query.device)
+    visible = positions[None, :] < context_lens.to(query.device)[:, None]  # (S, L)
+    out = F.scaled_dot_product_attention(
+        query.to(compute_dtype).unsqueeze(2), keys, values,  # q (S, h, 1, d)
+        attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=num_heads != num_kv_heads,
+    )  # (S, h, 1, d)
+    return out.squeeze(2).to(query.dtype)
 
 
 def paged_prefill_attention(
