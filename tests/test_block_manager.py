@@ -1,0 +1,109 @@
+"""Deterministic unit tests of the block manager: allocation, sharing, LRU eviction."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoengine.engine.block_manager import BlockManager, InvariantError, hash_block
+from nanoengine.engine.request import Request
+from nanoengine.events import BlockEvicted, BlockStored, EventBus
+from nanoengine.sampling_params import SamplingParams
+
+
+def _req(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=4))
+
+
+def _admit(bm: BlockManager, req: Request) -> int:
+    hits, cached = bm.get_computed_blocks(req)
+    assert bm.allocate_slots(req, req.num_tokens - cached, hits)
+    req.num_computed_tokens = req.num_tokens
+    bm.cache_full_blocks(req)
+    return cached
+
+
+def test_blocks_are_allocated_on_demand_and_returned():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    r = _req("a", list(range(10)))
+    assert bm.allocate_slots(r, 10)
+    assert len(r.block_ids) == 3 and bm.num_free_blocks == 5  # ceil(10 / 4)
+    r.num_computed_tokens = 10
+    assert bm.allocate_slots(r, 1) and len(r.block_ids) == 3  # token 11 still fits block 3
+    r.num_computed_tokens = 11
+    assert bm.allocate_slots(r, 2) and len(r.block_ids) == 4  # tokens 12-13 need a 4th block
+    bm.check_invariants([r])
+    bm.free(r)
+    assert bm.num_free_blocks == 8 and r.block_ids == []
+    bm.check_invariants([])
+
+
+def test_failed_allocation_changes_nothing():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    r = _req("a", list(range(12)))
+    before = bm.snapshot()
+    assert not bm.allocate_slots(r, 12)
+    assert bm.snapshot() == before and r.block_ids == []
+
+
+def test_shared_prefix_is_reused_with_ref_counts():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = _req("a", list(range(10)))
+    assert _admit(bm, a) == 0
+    b = _req("b", list(range(8)) + [99, 98, 97])
+    assert _admit(bm, b) == 8  # two full shared blocks
+    assert b.block_ids[:2] == a.block_ids[:2] and b.block_ids[2] != a.block_ids[2]
+    assert [bm.blocks[i].ref_count for i in a.block_ids[:2]] == [2, 2]
+    bm.check_invariants([a, b])
+    bm.free(a)
+    assert [bm.blocks[i].ref_count for i in b.block_ids[:2]] == [1, 1]
+    bm.free(b)
+    bm.check_invariants([])
+    assert bm.num_free_blocks == 16 and bm.num_cached_blocks == 2  # freed blocks keep their hashes
+
+
+def test_last_token_is_always_recomputed():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    _admit(bm, _req("a", list(range(8))))
+    hits, cached = bm.get_computed_blocks(_req("b", list(range(8))))
+    assert cached == 4 and len(hits) == 1  # 8 tokens = 2 full blocks, but token 8 must be computed
+
+
+def test_chained_hash_distinguishes_equal_blocks_with_different_prefixes():
+    assert hash_block(None, [1, 2]) != hash_block(hash_block(None, [3, 4]), [1, 2])
+    bm = BlockManager(num_blocks=16, block_size=2)
+    _admit(bm, _req("a", [3, 4, 1, 2, 5]))
+    hits, cached = bm.get_computed_blocks(_req("b", [1, 2, 1, 2, 5]))
+    assert cached == 0  # block [1, 2] exists, but after another prefix
+
+
+def test_lru_evicts_least_recently_freed_and_emits_events():
+    events = EventBus()
+    seen = []
+    events.subscribe(seen.append)
+    bm = BlockManager(num_blocks=4, block_size=2, events=events)
+    a = _req("a", [1, 2, 3, 4, 5])  # blocks [1,2] [3,4] cached, [5] partial
+    _admit(bm, a)
+    bm.free(a)
+    assert sum(isinstance(e, BlockStored) for e in seen) == 2
+    # freed tail first: the free queue ends with a's blocks in reverse order
+    b = _req("b", [9, 9, 9, 9, 9, 9, 9])  # needs all 4 blocks: evicts both cached ones
+    _admit(bm, b)
+    evicted = [e for e in seen if isinstance(e, BlockEvicted)]
+    assert len(evicted) == 2 and bm.num_cached_blocks == 3  # b's own 3 full blocks
+    bm.check_invariants([b])
+
+
+def test_invariant_check_catches_corruption():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    r = _req("a", [1, 2, 3])
+    bm.allocate_slots(r, 3)
+    bm.blocks[r.block_ids[0]].ref_count = 2
+    with pytest.raises(InvariantError, match="ref_count"):
+        bm.check_invariants([r])
+
+
+def test_prefix_caching_disabled_never_hits():
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    _admit(bm, _req("a", [1, 2, 3, 4, 5]))
+    assert bm.get_computed_blocks(_req("b", [1, 2, 3, 4, 5])) == ([], 0)
+    assert bm.num_cached_blocks == 0
