@@ -130,9 +130,10 @@ def paged_prefill_attention(
             continue
         keys = gather_kv(k_cache, block_tables[seq], context_len)
         values = gather_kv(v_cache, block_tables[seq], context_len)
-        q = query[q_start:q_end].to(compute_dtype).transpose(0, 1)  # (h, q_len, d)
-        k = keys.to(compute_dtype).transpose(0, 1)  # (kvh, ctx, d)
-        v = values.to(compute_dtype).transpose(0, 1)
+        # 4-D (batch of 1) inputs: PyTorch's CPU SDPA takes its fused path only for 4-D.
+        q = query[q_start:q_end].to(compute_dtype).transpose(0, 1).unsqueeze(0)  # (1, h, q_len, d)
+        k = keys.to(compute_dtype).transpose(0, 1).unsqueeze(0)  # (1, kvh, ctx, d)
+        v = values.to(compute_dtype).transpose(0, 1).unsqueeze(0)
         if q_len == context_len:
             mask, causal = None, True  # nothing cached before the chunk: plain causal
         else:
@@ -142,6 +143,6 @@ def paged_prefill_attention(
         attn = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
             enable_gqa=num_heads != num_kv_heads,
-        )  # (h, q_len, d)
-        out[q_start:q_end] = attn.transpose(0, 1).to(query.dtype)
+        )  # (1, h, q_len, d)
+        out[q_start:q_end] = attn[0].transpose(0, 1).to(query.dtype)
     return out
