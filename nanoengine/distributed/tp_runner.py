@@ -1,0 +1,371 @@
+"""Tensor parallelism, seen from the engine: a model runner whose model lives elsewhere (chapter 9).
+
+With ``tensor_parallel_size=N`` the engine's process becomes the *driver*: it keeps the
+scheduler, the block manager and the sampler, and the model is split over N worker
+processes (``worker.py``), ranks 0..N-1. None of them is the driver, so the driver never
+joins a process group itself and two engines can live side by side in one program. Each
+step::
+
+    driver: plan_batch(SchedulerOutput) -> BatchPlan (plain lists)
+        ──("execute", step, plan)──▶ every rank: forward over its shard, collectives
+        ◀──("logits", step, (S, vocab) float32)── rank 0
+    driver: Sampler(logits, each request's params and generator) -> tokens
+
+Sampling in the driver, with the same ``Sampler`` and the same per-request generators as
+``ModelRunner``, is what makes a seeded request give the same tokens at any
+tensor-parallel size. Greedy tokens match too, up to floating-point summation order
+(row-parallel layers add partial sums across ranks): tests check exact equality on the
+models they use.
+
+``TensorParallelRunner`` has the engine-facing surface of ``ModelRunner``:
+``num_blocks``, ``block_size``, ``device`` (the driver's: the CPU), ``kv_cache_bytes``
+(all ranks together), ``execute_model``, ``compute_logits`` and ``shutdown``.
+
+Failure is loud and bounded. The driver waits on the workers' pipes *and* their process
+sentinels with a timeout, so a worker that raises (it sends its traceback first), dies
+(a signal, out of memory) or stops answering becomes a ``RuntimeError`` naming the rank
+and the cause, after every worker of the engine has been stopped. ``shutdown`` (also run
+by ``weakref.finalize`` when the runner is garbage-collected or the interpreter exits)
+asks the workers to leave, joins them with a timeout, terminates what is left, and
+removes the rendezvous folder.
+
+Workers start with the "spawn" method (a fresh interpreter: safe with threads and CUDA),
+so a script that builds an ``LLM(tensor_parallel_size=N)`` must guard its top level with
+``if __name__ == "__main__":``, as with any ``multiprocessing`` program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import multiprocessing
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from nanoengine.config import EngineConfig
+from nanoengine.distributed.worker import WorkerSpec, default_num_threads, run_worker
+from nanoengine.engine.model_runner import BatchPlan, ModelRunnerOutput, plan_batch
+from nanoengine.engine.request import Request
+from nanoengine.engine.scheduler import SchedulerOutput
+from nanoengine.layers.sampler import Sampler, SampleResult
+from nanoengine.models.config import ModelConfig
+
+
+# ------------------------------------------------------------------ validation
+def _split_sizes(model_config: ModelConfig) -> dict[str, int]:
+    """Every size a rank must hold a whole share of, by name."""
+    return {"attention heads": model_config.num_attention_heads,
+            "KV heads": model_config.num_key_value_heads,
+            "vocabulary size": model_config.vocab_size,
+            "intermediate size": model_config.intermediate_size}
+
+
+def allowed_tensor_parallel_sizes(model_config: ModelConfig) -> list[int]:
+    """The sizes that divide heads, KV heads, vocabulary and MLP width: their common divisors."""
+    common = 0
+    for value in _split_sizes(model_config).values():
+        common = math.gcd(common, value)
+    return [d for d in range(1, common + 1) if common % d == 0]
+
+
+def check_tensor_parallel_size(model_config: ModelConfig, tp_size: int, device: torch.device) -> None:
+    """Refuse a split the model cannot take, before any process starts.
+
+    A head never spans two ranks (attention then needs no communication), and the vocab
+    and MLP are cut into equal slices, so ``tp_size`` must divide each of them.
+    """
+    sizes = _split_sizes(model_config)
+    bad = [name for name, value in sizes.items() if value % tp_size]
+    if bad:
+        def named(names):
+            return ", ".join(f"{name} ({sizes[name]})" for name in names)
+
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} does not divide this model's {named(bad)}. Each rank must hold an "
+            f"equal whole share of the {named(sizes)}, so the allowed tensor_parallel_size values are their "
+            f"common divisors: {allowed_tensor_parallel_sizes(model_config)}")
+    if device.type == "cuda" and torch.cuda.device_count() < tp_size:
+        raise ValueError(f"tensor_parallel_size={tp_size} needs {tp_size} CUDA devices (one per rank), "
+                         f"but {torch.cuda.device_count()} are visible")
+
+
+# -------------------------------------------------------------- the processes
+class WorkerGroup:
+    """The N worker processes, their pipes and their rendezvous folder.
+
+    Holds no reference to the runner, so ``weakref.finalize`` can close it when the
+    runner is collected.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.tmpdir = Path(tempfile.mkdtemp(prefix="nanoengine-tp-"))
+        self.processes: list[multiprocessing.process.BaseProcess] = []
+        self.pids: list[int] = []  # kept after the process objects are closed
+        self.conns: list[Connection] = []
+        self.closed = False
+
+    def start(self, spec: WorkerSpec, timeout_s: float) -> list[int]:
+        """Spawn ranks 0..N-1 and wait until each has loaded; returns each rank's KV bytes."""
+        ctx = multiprocessing.get_context("spawn")
+        for rank in range(self.world_size):
+            ours, theirs = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=run_worker, args=(rank, theirs, spec), name=f"nanoengine-tp-rank{rank}",
+                               daemon=True)
+            proc.start()
+            theirs.close()  # only the worker holds its end now: its death closes the pipe
+            self.processes.append(proc)
+            self.pids.append(proc.pid)
+            self.conns.append(ours)
+        kv_bytes = [0] * self.world_size
+        waiting = set(range(self.world_size))
+        deadline = time.monotonic() + timeout_s
+        while waiting:
+            for rank, message in self._next_messages(deadline, "to load the model", waiting):
+                if message[0] != "ready":
+                    self.fail([f"rank {rank} sent {message[0]!r} while loading"])
+                kv_bytes[rank] = message[2]
+                waiting.discard(rank)
+        return kv_bytes
+
+    def broadcast(self, message: tuple, timeout_s: float) -> None:
+        """Send ``message`` to every rank; a dead rank, or one that stops reading, fails the group."""
+        self.check_alive()
+        sends = [_Send(conn, message) for conn in self.conns]
+        deadline = time.monotonic() + timeout_s
+        for send in sends:
+            send.join(max(0.0, deadline - time.monotonic()))
+        stuck = [str(rank) for rank, send in enumerate(sends) if send.is_alive()]
+        if stuck:
+            self.fail([f"rank {', '.join(stuck)} did not take a message within {timeout_s:.0f} s "
+                       f"(alive, but not reading its pipe)"])
+        for rank, send in enumerate(sends):
+            if send.error is not None:  # its end is closed: it died between the check and the send
+                self.fail(self._collect_failures(grace_s=1.0) or [f"rank {rank}: {send.error!r}"])
+
+    def receive_logits(self, step_id: int, timeout_s: float) -> np.ndarray:
+        """Rank 0's logits for ``step_id`` (a late answer to an abandoned step is dropped)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for rank, message in self._next_messages(deadline, f"to answer step {step_id}", {0}):
+                if message[0] == "logits" and message[1] == step_id:
+                    return message[2]
+
+    def _next_messages(self, deadline: float, doing: str, expected: set[int]):
+        """Messages that arrive before ``deadline``; any error, death or timeout fails the group."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            ranks = ", ".join(str(r) for r in sorted(expected))
+            self.fail([f"rank {ranks} took more than the time limit {doing} (still alive, not answering)"])
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.processes)}
+        ready = wait(self.conns + list(sentinels), timeout=min(remaining, 1.0))
+        messages = []
+        for obj in ready:
+            if obj in sentinels:  # a process exited; its last words (if any) are in the pipe
+                self.fail(self._collect_failures(grace_s=1.0))
+            rank = self.conns.index(obj)
+            try:
+                message = obj.recv()
+            except (EOFError, OSError):
+                self.fail(self._collect_failures(grace_s=1.0))
+            if message[0] == "error":
+                self.fail(self._collect_failures(grace_s=1.0, first=(rank, message[2])))
+            messages.append((rank, message))
+        return messages
+
+    def check_alive(self) -> None:
+        if self.closed:
+            raise RuntimeError("the tensor-parallel workers of this engine have been shut down; "
+                               "create a new LLM / LLMEngine")
+        if not all(p.is_alive() for p in self.processes):
+            self.fail(self._collect_failures(grace_s=0.5))
+
+    def _collect_failures(self, grace_s: float, first: tuple[int, str] | None = None) -> list[str]:
+        """What went wrong on each rank: traceback texts sent, and deaths.
+
+        Waits ``grace_s`` so a failure's consequences on other ranks (a peer's collective
+        erroring out) arrive too; a rank that died without a word is listed first, as the
+        likeliest cause, then errors in order of arrival.
+        """
+        errors: dict[int, str] = {} if first is None else {first[0]: first[1]}
+        deadline = time.monotonic() + grace_s
+        while True:
+            for rank, conn in enumerate(self.conns):
+                try:
+                    while rank not in errors and conn.poll():
+                        message = conn.recv()
+                        if message[0] == "error":
+                            errors[rank] = message[2]
+                except (EOFError, OSError):
+                    pass  # closed without a word: it shows up below as a death
+            accounted = all(rank in errors or not p.is_alive() for rank, p in enumerate(self.processes))
+            if accounted or time.monotonic() >= deadline:
+                break
+            time.sleep(0.05)
+        deaths = [f"rank {rank} (pid {self.pids[rank]}) died {_exit_reason(proc.exitcode)} without reporting an error"
+                  for rank, proc in enumerate(self.processes) if not proc.is_alive() and rank not in errors]
+        raised = [f"rank {rank} (pid {self.pids[rank]}) raised {_last_line(text)}" for rank, text in errors.items()]
+        tracebacks = [f"--- rank {rank} traceback ---\n{text.rstrip()}" for rank, text in errors.items()]
+        return deaths + raised + tracebacks
+
+    def fail(self, failures: list[str]) -> None:
+        """Stop every worker, then raise one error that says which ranks failed and how."""
+        self.close(timeout_s=1.0)  # the group is broken: no point waiting long for a clean exit
+        detail = "\n".join(failures) if failures else "a worker stopped without giving a reason"
+        raise RuntimeError(f"tensor-parallel worker failure (all {self.world_size} workers of this engine were "
+                           f"stopped; create a new engine to continue):\n{detail}")
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Ask the workers to leave, wait ``timeout_s``, then terminate and kill what is left."""
+        if self.closed:
+            return
+        self.closed = True
+        for conn in self.conns:  # in threads: a full pipe must not block the shutdown
+            _Send(conn, ("shutdown",))
+        deadline = time.monotonic() + timeout_s
+        for proc in self.processes:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.processes:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
+        for conn in self.conns:
+            conn.close()
+        for proc in self.processes:
+            if not proc.is_alive():
+                proc.close()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+class _Send(threading.Thread):
+    """One message to one worker, sent from a thread of its own (started at once).
+
+    A pipe holds only so much: a big plan to a worker that stopped reading would block
+    ``send`` for good. In a daemon thread it can only cost the caller's time limit, and
+    it ends (with an error) when the worker is killed and the pipe breaks.
+    """
+
+    def __init__(self, conn: Connection, message: tuple) -> None:
+        super().__init__(name="nanoengine-tp-send", daemon=True)
+        self.conn, self.message = conn, message
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.conn.send(self.message)
+        except Exception as exc:  # a broken pipe (the worker is gone) or a handle the driver closed
+            self.error = exc
+
+
+def _last_line(text: str) -> str:
+    """The exception line of a traceback ("IndexError: index 7 is out of bounds ...")."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else "an error without a message"
+
+
+def _exit_reason(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "(still running)"
+    if exitcode < 0:
+        try:
+            return f"with exit code {exitcode} (killed by {signal.Signals(-exitcode).name})"
+        except ValueError:
+            return f"with exit code {exitcode}"
+    return f"with exit code {exitcode}"
+
+
+# ------------------------------------------------------------------ the runner
+class TensorParallelRunner:
+    """``ModelRunner``'s interface over N worker processes; sampling stays here."""
+
+    startup_timeout_s = 600.0  # loading a checkpoint in every rank
+    step_timeout_s = 600.0  # one forward pass; a hung collective fails here instead of forever
+
+    def __init__(self, source: str | Path, model_config: ModelConfig, config: EngineConfig,
+                 max_model_len: int) -> None:
+        from nanoengine.engine.llm_engine import check_kv_blocks
+
+        tp_size = config.tensor_parallel_size
+        device = config.torch_device
+        check_tensor_parallel_size(model_config, tp_size, device)
+        self.model_config = model_config
+        self.tensor_parallel_size = tp_size
+        self.block_size = config.block_size
+        self.num_blocks = check_kv_blocks(config, model_config, max_model_len)  # per rank, same ids everywhere
+        self.device = torch.device("cpu")  # the driver's: requests' generators and the sampler live here
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self._step_id = 0
+        self._workers = WorkerGroup(tp_size)
+        self._finalizer = weakref.finalize(self, self._workers.close)
+        spec = WorkerSpec(
+            source=str(source), model_config=model_config, world_size=tp_size,
+            store_path=str(self._workers.tmpdir / "rendezvous"), device_type=device.type,
+            dtype=str(config.torch_dtype).removeprefix("torch."), num_blocks=self.num_blocks,
+            block_size=config.block_size, max_position=max_model_len, seed=config.seed,
+            num_threads=default_num_threads(tp_size), collective_timeout_s=self.step_timeout_s)
+        try:
+            self.kv_cache_bytes_per_rank = self._workers.start(spec, self.startup_timeout_s)
+        except BaseException:  # an interrupt while loading must not leave workers behind
+            self.shutdown()
+            raise
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The KV cache of all ranks together (each holds KV heads / tp of every block)."""
+        return sum(self.kv_cache_bytes_per_rank)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return self._workers.pids
+
+    # ----------------------------------------------------------- execution
+    def run_plan(self, plan: BatchPlan) -> torch.Tensor:
+        """Send one step's plan to every rank; rank 0's logits of the sampled rows. -> (S, vocab)."""
+        self._step_id += 1
+        self._workers.broadcast(("execute", self._step_id, dataclasses.asdict(plan)), self.step_timeout_s)
+        logits = self._workers.receive_logits(self._step_id, self.step_timeout_s)
+        return torch.from_numpy(logits)
+
+    def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits of every scheduled request that reaches its last token, without sampling."""
+        plan, _ = plan_batch(out, self.block_size)
+        return self.run_plan(plan)
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        plan, sampled = plan_batch(out, self.block_size)
+        t1 = time.perf_counter()
+        logits = self.run_plan(plan)  # includes the trip through the pipes
+        t2 = time.perf_counter()
+        result = self.sample(logits, sampled)
+        t3 = time.perf_counter()
+        ids = [r.request_id for r in sampled]
+        return ModelRunnerOutput(
+            sampled=dict(zip(ids, result.token_ids)),
+            logprobs={i: lp for i, lp in zip(ids, result.logprobs) if lp is not None},
+            prepare_time=t1 - t0, model_time=t2 - t1, sample_time=t3 - t2)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+        """The same sampler and generators as ``ModelRunner``: seeded requests match any TP size."""
+        if not requests:
+            return SampleResult([], [])
+        return self.sampler(logits, [r.sampling_params for r in requests], [r.generator for r in requests],
+                            self.generator)
+
+    def shutdown(self) -> None:
+        """Stop the workers and remove the rendezvous folder (safe to call more than once)."""
+        self._finalizer()

@@ -1,0 +1,143 @@
+"""One tensor-parallel worker process: a rank's share of the model and KV cache (chapter 9).
+
+``TensorParallelRunner`` (the driver, in the engine's process) starts one of these per
+rank with the "spawn" start method. Each worker
+
+1. joins a torch.distributed group of its own (gloo on CPU, NCCL on CUDA) through a
+   ``FileStore`` in a temporary folder the driver made for this engine alone, so two
+   engines in one process tree never meet at the same rendezvous;
+2. builds the model with its ``TPGroup``: the parallel layers keep only this rank's
+   slice of each matrix (``layers/linear.py``, ``layers/embed_head.py``), and the
+   loader's ``weight_loader``s cut that slice out of each checkpoint tensor;
+3. allocates its share of the KV cache: a ``ModelRunner`` over the sharded model sizes
+   the cache by the attention layer's ``num_kv_heads``, which is already ``KV heads / tp``;
+4. serves the driver's messages until told to stop::
+
+       driver -> every rank   ("execute", step id, {BatchPlan fields as plain lists})
+       rank 0 -> driver       ("logits", step id, numpy float32 array (S, vocab))
+       any rank -> driver     ("ready", rank, kv_cache_bytes)   once, after loading
+       any rank -> driver     ("error", rank, traceback text)    then it exits
+       driver -> every rank   ("shutdown",)
+
+The step id lets the driver drop a late answer to a step it stopped waiting for (an
+interrupted ``generate``), so logits never reach the wrong step.
+
+All ranks run the same forward on the same plan; the collectives inside the layers keep
+them in lock step, and the LM head's all-gather leaves the full logits on every rank, so
+rank 0 alone answers. Sampling stays in the driver, next to each request's generator.
+
+A worker never outlives its driver: when the driver's end of the pipe closes (the
+engine was shut down, or its process died) ``recv`` raises ``EOFError`` and the worker
+leaves its loop.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from nanoengine.distributed.parallel_state import TPGroup
+from nanoengine.engine.model_runner import BatchPlan, ModelInput, ModelRunner
+from nanoengine.loader.weights import load_model
+from nanoengine.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every rank needs to set itself up: plain, picklable data only."""
+
+    source: str  # the model directory or .gguf file
+    model_config: ModelConfig
+    world_size: int
+    store_path: str  # FileStore file inside the driver's fresh temporary folder
+    device_type: str  # "cpu" or "cuda"; rank r uses cuda:r
+    dtype: str  # a torch dtype name, e.g. "float32"
+    num_blocks: int  # KV blocks per rank (each block holds this rank's KV heads only)
+    block_size: int
+    max_position: int
+    seed: int
+    num_threads: int  # CPU threads per rank, so N ranks do not oversubscribe the cores
+    collective_timeout_s: float  # a collective waiting longer than this fails instead of hanging
+
+
+def run_worker(rank: int, conn: Connection, spec: WorkerSpec) -> None:
+    """Process entry point. Reports any failure to the driver as text, then exits with 1."""
+    # Ctrl-C in a terminal reaches every process of the foreground group; the driver
+    # decides what an interrupt means (it owns the workers), so the workers ignore it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        runner = _setup(rank, spec)
+        conn.send(("ready", rank, runner.kv_cache_bytes))
+        _serve(rank, conn, runner)
+    except (EOFError, ConnectionError):
+        pass  # the driver closed its end or died: nobody is left to answer
+    except BaseException:
+        try:
+            conn.send(("error", rank, traceback.format_exc()))
+        except OSError:
+            pass
+        # Leave at once: tearing down a group whose peers may be stuck in a collective
+        # can itself hang, and the driver terminates the other ranks anyway.
+        os._exit(1)
+    _leave_group()
+    conn.close()
+    # Skip the interpreter's teardown (seconds of freeing a loaded torch on a busy CPU):
+    # this process holds nothing that needs it, and a prompt exit keeps shutdown fast.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _setup(rank: int, spec: WorkerSpec) -> ModelRunner:
+    if spec.device_type == "cuda":
+        torch.cuda.set_device(rank)
+        device, backend = torch.device("cuda", rank), "nccl"
+    else:
+        torch.set_num_threads(spec.num_threads)
+        device, backend = torch.device("cpu"), "gloo"
+    store = dist.FileStore(spec.store_path, spec.world_size)
+    # The default group of this process: every worker is a process of its own, so the
+    # "global" group here is exactly this engine's ranks.
+    dist.init_process_group(backend, store=store, rank=rank, world_size=spec.world_size,
+                            timeout=datetime.timedelta(seconds=spec.collective_timeout_s))
+    tp = TPGroup(rank, spec.world_size, dist.group.WORLD)
+    dtype = getattr(torch, spec.dtype)
+    net = load_model(Path(spec.source), spec.model_config, device, dtype, max_position=spec.max_position, tp=tp)
+    return ModelRunner(net, spec.model_config, spec.num_blocks, spec.block_size, device, dtype, spec.seed)
+
+
+def _serve(rank: int, conn: Connection, runner: ModelRunner) -> None:
+    while True:
+        message = conn.recv()
+        kind = message[0]
+        if kind == "shutdown":
+            return
+        if kind != "execute":
+            raise ValueError(f"worker rank {rank} got an unknown message {kind!r}")
+        _, step_id, fields = message
+        plan = BatchPlan(**fields)
+        logits = runner.run_model(ModelInput.from_plan(plan, runner.device))  # (S, vocab) float32
+        if rank == 0:  # every rank holds the gathered logits; one answer is enough
+            conn.send(("logits", step_id, logits.cpu().numpy()))
+
+
+def _leave_group() -> None:
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # leaving is best effort: the process is about to exit anyway
+        pass
+
+
+def default_num_threads(world_size: int) -> int:
+    """CPU threads per rank: the machine's cores shared out, at least one each."""
+    return max(1, (os.cpu_count() or 1) // world_size)
