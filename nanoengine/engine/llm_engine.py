@@ -88,8 +88,11 @@ class LLMEngine:
                                    config.scheduling_policy, self.events)
         self.requests: dict[str, Request] = {}  # unfinished requests by id
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._ids = itertools.count()
+        self._next_id = 0  # automatic request ids are "0", "1", ...
+        self._probe_ids = itertools.count()  # next_token_logits' private requests
         self.step_count = 0
+        self._stepping = False  # inside step(): an abort must wait until the batch is done
+        self._deferred_aborts: list[str] = []
 
     # ------------------------------------------------------------ creation
     @classmethod
@@ -133,6 +136,8 @@ class LLMEngine:
         """Queue a request; returns its id. Checks everything before changing anything."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         request = self.make_request(prompt, params, request_id)
+        if request_id is None:
+            self._next_id += 1
         self.requests[request.request_id] = request
         self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         self.scheduler.add_request(request)
@@ -142,11 +147,11 @@ class LLMEngine:
     def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None) -> Request:
         """Validate and tokenize one request without queueing it."""
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if request_id is None:
-            request_id = str(next(self._ids))
-            while request_id in self.requests:
-                request_id = str(next(self._ids))
+            raise TypeError(f"sampling_params must be a SamplingParams, got {params!r:.80} ({type(params).__name__})")
+        if request_id is None:  # the next free number; only add_request consumes it
+            while str(self._next_id) in self.requests:
+                self._next_id += 1
+            request_id = str(self._next_id)
         elif not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         elif request_id in self.requests:
@@ -173,7 +178,8 @@ class LLMEngine:
             if bad:
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         else:
-            raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+            raise TypeError(f"prompt must be a string or a list of token ids, got {prompt!r:.80} "
+                            f"({type(prompt).__name__})")
         if not token_ids:
             raise ValueError("prompt is empty: it has no tokens")
         if len(token_ids) > self.max_model_len:
@@ -188,12 +194,20 @@ class LLMEngine:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
 
-    def abort(self, request_id: str) -> RequestOutput:
-        """Stop a request now and free its blocks; returns its final output."""
-        request = self.requests.get(request_id)
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its blocks; returns its final output.
+
+        Called by an event observer during ``step()``, the request is in the batch being
+        run, so it ends when that step does (the step returns its final output) and this
+        returns None.
+        """
+        request = self.requests.get(request_id) if isinstance(request_id, str) else None
         if request is None:
             raise ValueError(f"unknown request id {request_id!r}: no unfinished request has it "
                              f"(unfinished: {sorted(self.requests)[:10]})")
+        if self._stepping:
+            self._deferred_aborts.append(request_id)
+            return None
         self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
         return self._finish_output(request, "")
 
@@ -202,7 +216,20 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, execute, update. Returns outputs of requests that progressed."""
+        """One iteration: schedule, execute, update. Returns outputs of requests that progressed.
+
+        Aborts requested by observers during the step are applied once it is over; their
+        final outputs come last.
+        """
+        self._stepping = True
+        try:
+            outputs = self._step()
+        finally:
+            self._stepping = False
+        aborted, self._deferred_aborts = dict.fromkeys(self._deferred_aborts), []
+        return outputs + [self.abort(request_id) for request_id in aborted if request_id in self.requests]
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self.block_manager.step = self.scheduler.step = self.step_count
         sched = self.scheduler.schedule()
@@ -279,7 +306,7 @@ class LLMEngine:
         cache, so asking again for the same prompt is cheap.
         """
         _, token_ids = self.tokenize_prompt(prompt)
-        probe = Request(f"probe-{next(self._ids)}", token_ids, SamplingParams(temperature=0.0, max_tokens=1),
+        probe = Request(f"probe-{next(self._probe_ids)}", token_ids, SamplingParams(temperature=0.0, max_tokens=1),
                         device=self.runner.device)
         computed, num_cached = self.block_manager.get_computed_blocks(probe)
         num_new = len(token_ids) - num_cached

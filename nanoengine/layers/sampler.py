@@ -45,7 +45,9 @@ def kept_mask(logits: torch.Tensor, temperature, top_k, top_p, min_p) -> torch.T
     # top-p over what top-k kept: keep a token if the mass strictly before it is < p.
     probs = torch.softmax(sorted_logits.masked_fill(~sorted_keep, float("-inf")), dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    sorted_keep &= mass_before < _column(top_p, logits).expand(batch, 1)
+    # (top_p = 1 keeps everything: in float32 the mass before the tail rounds up to 1.0.)
+    p = _column(top_p, logits).expand(batch, 1)
+    sorted_keep &= (mass_before < p) | (p >= 1.0)
     sorted_keep[:, 0] = True  # the most likely token always survives
     # min-p relative to the most likely token, on the renormalised survivors.
     probs = torch.softmax(sorted_logits.masked_fill(~sorted_keep, float("-inf")), dim=-1)

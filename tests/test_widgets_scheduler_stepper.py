@@ -1,0 +1,215 @@
+"""Tests for widgets.scheduler_stepper: a live engine one step at a time.
+
+Driven through the view's controls on a tiny random model: the queues, the batch and the
+timeline shown must match what the engine did (its snapshot and its events).
+"""
+
+from __future__ import annotations
+
+import html
+import re
+
+import pytest
+
+from nanoengine import SamplingParams
+from nanoengine.events import RequestPreempted, RequestScheduled, StepFinished
+from widgets._common import single_thread, tiny_engine
+from widgets.scheduler_stepper import SchedulerStepper, SchedulerStepperController
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    with single_thread():  # tiny matmuls: thread wake-ups cost more than the work
+        yield
+
+
+def make_view(**engine_kwargs) -> SchedulerStepper:
+    options = dict(num_kv_blocks=64, block_size=4, max_model_len=64, max_num_batched_tokens=32)
+    options.update(engine_kwargs)
+    return SchedulerStepper(tiny_engine(**options))
+
+
+def queue_ids(view: SchedulerStepper, name: str) -> list[str]:
+    section = next(part for part in view.queues.value.split('class="ne-queue ') if part.startswith(f"ne-queue-{name}"))
+    return re.findall(r'data-request="([^"]+)"', section)
+
+
+def add(view: SchedulerStepper, random_tokens: int, max_tokens: int, count: int = 1, **params) -> None:
+    view.random_tokens.value, view.max_tokens.value, view.count.value = random_tokens, max_tokens, count
+    for name, value in params.items():
+        getattr(view, name).value = value
+    view.add_button.click()
+
+
+def test_step_moves_requests_from_waiting_to_running_with_chunked_prefill() -> None:
+    view = make_view()
+    engine = view.controller.engine
+    add(view, 40, 4)  # longer than the 32-token budget: two prefill chunks
+    add(view, 6, 4)
+    assert "queued" in view.message.value
+    assert queue_ids(view, "waiting") == ["0", "1"] and queue_ids(view, "running") == []
+
+    view.step_button.click()
+    assert queue_ids(view, "running") == ["0"] and queue_ids(view, "waiting") == ["1"]
+    record = view.controller.steps[-1]
+    assert [(c.request_id, c.num_tokens, c.is_prefill) for c in record.chunks] == [("0", 32, True)]
+    assert "32 prefill + 0 decode = 32 of a 32-token budget" in view.batch.value
+    assert "32/44 tokens · 8 blocks" in view.queues.value and "0/10 tokens · 0 blocks" in view.queues.value
+
+    view.step_button.click()  # the rest of the first prompt, then the second prompt
+    record = view.controller.steps[-1]
+    assert [(c.request_id, c.num_tokens, c.start) for c in record.chunks] == [("0", 8, 32), ("1", 6, 0)]
+    assert queue_ids(view, "running") == ["0", "1"]
+
+    view.step_button.click()  # both decode now
+    record = view.controller.steps[-1]
+    assert record.num_decode_tokens == 2 and record.num_prefill_tokens == 0
+    assert "0 prefill + 2 decode" in view.batch.value
+    # what the view recorded is what the engine reported
+    finished = [e for e in engine.events.history if isinstance(e, StepFinished)]
+    scheduled = [e for e in engine.events.history if isinstance(e, RequestScheduled)]
+    assert [s.num_tokens for s in view.controller.steps] == [f.num_prefill_tokens + f.num_decode_tokens
+                                                             for f in finished]
+    assert sum(len(s.chunks) for s in view.controller.steps) == len(scheduled)
+    assert f'data-steps="3"' in view.timeline.value
+    engine.check_invariants()
+
+
+def test_run_n_finishes_requests_and_lists_them() -> None:
+    view = make_view()
+    add(view, 8, 3, count=3)
+    view.run_count.value = 50
+    view.run_button.click()
+    assert re.search(r"ran \d+ steps", view.message.value)
+    assert not view.controller.engine.has_unfinished_requests()
+    assert sorted(queue_ids(view, "finished")) == ["0", "1", "2"]
+    assert "length: 8 + 3 tokens" in view.queues.value
+    assert all(f.finish_reason == "length" and f.num_output_tokens == 3 for f in view.controller.finished)
+    in_steps = sorted(rid for s in view.controller.steps for rid, _ in s.finished)
+    assert in_steps == ["0", "1", "2"]
+    view.step_button.click()
+    assert "nothing to step" in view.message.value
+
+
+def test_preemption_is_highlighted() -> None:
+    # 16 blocks of 4 tokens: three requests growing to 52 tokens (13 blocks each) cannot all fit
+    view = make_view(num_kv_blocks=16, max_num_batched_tokens=64)
+    engine = view.controller.engine
+    add(view, 12, 40, count=3)
+    preempted_step = None
+    for _ in range(40):
+        view.step_button.click()
+        if view.controller.steps and view.controller.steps[-1].preempted:
+            preempted_step = view.controller.steps[-1]
+            break
+    assert preempted_step is not None
+    victim = preempted_step.preempted[0]
+    assert victim == "2"  # the newest running request goes first
+    assert any(isinstance(e, RequestPreempted) and e.request_id == victim for e in engine.events.history)
+    assert "PREEMPTED" in view.queues.value and victim in queue_ids(view, "waiting")
+    assert "preempted: 2" in view.batch.value and "▲" in view.timeline.value
+    assert "PREEMPTED 2" in view.event_log.value
+    assert "preemptions so far <b>1</b>" in view.status.value
+    engine.check_invariants()
+    view.run_count.value = 500
+    view.run_button.click()
+    assert not engine.has_unfinished_requests() and len(view.controller.finished) == 3
+
+
+def test_sampling_parameters_from_the_form_reach_the_engine() -> None:
+    view = make_view()
+    engine = view.controller.engine
+    add(view, 5, 7, temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=123)
+    request = engine.requests["0"]
+    assert request.sampling_params == SamplingParams(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05,
+                                                     max_tokens=7, seed=123, ignore_eos=True)
+
+
+def test_play_steps_on_each_tick_and_stops_when_idle() -> None:
+    view = make_view()
+    add(view, 4, 2)
+    view.play.playing = True
+    for _ in range(5):
+        view.play.value += 1  # what the browser's timer does
+    assert not view.controller.engine.has_unfinished_requests()
+    assert view.play.playing is False and "idle" in view.message.value
+    steps = len(view.controller.steps)
+    view.play.value += 1  # paused: a tick does nothing
+    assert len(view.controller.steps) == steps
+
+
+def test_abort_and_reset() -> None:
+    view = make_view()
+    engine = view.controller.engine
+    add(view, 6, 10, count=3)
+    view.step_button.click()
+    view.abort_picker.value = "1"
+    view.abort_button.click()
+    assert "aborted 1" in view.message.value and "1" not in engine.requests
+    assert "abort" in view.queues.value
+    view.step_button.click()
+    assert all(rid != "1" for s in view.controller.steps for rid, _ in s.finished)  # an abort is not a step's
+    view.reset_button.click()
+    snap = engine.snapshot()
+    assert not snap.running and not snap.waiting
+    assert view.controller.steps == [] and view.controller.finished == []
+    assert "no step yet" in view.batch.value
+    engine.check_invariants()
+
+
+def test_reset_with_a_factory_builds_a_fresh_engine() -> None:
+    built = []
+
+    def factory():
+        built.append(tiny_engine(num_kv_blocks=32, block_size=4, max_model_len=32))
+        return built[-1]
+
+    controller = SchedulerStepperController(engine_factory=factory)
+    controller.add_requests(5, SamplingParams(max_tokens=2, ignore_eos=True))
+    controller.step()
+    controller.reset()
+    assert len(built) == 2 and controller.engine is built[1]
+    assert not controller.engine.has_unfinished_requests() and controller.steps == []
+    controller.add_requests(5, SamplingParams(max_tokens=2, ignore_eos=True))
+    assert controller.step() is not None
+
+
+def test_bad_input_shows_a_message_and_leaves_the_engine_unchanged() -> None:
+    view = make_view()
+    engine = view.controller.engine
+    add(view, 6, 4)
+    view.step_button.click()
+    before, requests_before = engine.snapshot(), dict(engine.requests)
+    cases = [
+        (dict(random_tokens=6, max_tokens=4, temperature=-1.0), "temperature must be >= 0"),
+        (dict(random_tokens=6, max_tokens=4, top_p=0.0), "top_p must be in (0, 1]"),
+        (dict(random_tokens=6, max_tokens=4, top_k=-5), "top_k must be"),
+        (dict(random_tokens=6, max_tokens=4, min_p=1.5), "min_p must be in [0, 1]"),
+        (dict(random_tokens=6, max_tokens=0), "max_tokens must be >= 1"),
+        (dict(random_tokens=70, max_tokens=1), "max_model_len is 64"),
+        (dict(random_tokens=50, max_tokens=20), "exceeds max_model_len"),
+        (dict(random_tokens=0, max_tokens=4), "no tokenizer"),
+        (dict(random_tokens=6, max_tokens=4, count=0), "count must be"),
+    ]
+    for values, expected in cases:
+        view.temperature.value, view.top_p.value, view.top_k.value, view.min_p.value = 0.0, 1.0, -1, 0.0
+        view.count.value = 1
+        for name, value in values.items():
+            getattr(view, name).value = value
+        view.add_button.click()
+        assert "ne-msg-error" in view.message.value and expected in html.unescape(view.message.value), values
+        assert engine.snapshot() == before and dict(engine.requests) == requests_before
+    view.run_count.value = 0
+    view.run_button.click()
+    assert "steps must be between" in view.message.value
+    assert engine.snapshot() == before
+
+
+def test_a_step_of_sixty_four_requests_on_a_thousand_blocks_redraws() -> None:
+    engine = tiny_engine(num_kv_blocks=1000, block_size=16, max_model_len=256, max_num_seqs=64,
+                         max_num_batched_tokens=16384)
+    view = SchedulerStepper(engine)
+    add(view, 150, 16, count=64)
+    view.step_button.click()
+    assert len(queue_ids(view, "running")) == 64
+    assert view.controller.steps[-1].num_prefill_tokens == 64 * 150

@@ -1,0 +1,30 @@
+"""The course's interactive simulators, each a plain-Python controller over the live engine
+with a thin ipywidgets view (chapters 1, 4, 5, 7 and 8, plus every chapter's quiz).
+
+=====================  ==================================  ==========================
+view                   controller                          chapters
+=====================  ==================================  ==========================
+BlockAllocatorView     BlockAllocatorController            4 (PagedAttention), 7
+SchedulerStepper       SchedulerStepperController          5 (the scheduler)
+SamplingPlayground     SamplingPlaygroundController        8 (sampling)
+MemoryEstimator        MemoryEstimatorController           1, 3
+Quiz                   QuizController                      all eleven
+=====================  ==================================  ==========================
+
+Controllers use only the engine's public API (``add_request``, ``step``, ``abort``,
+``snapshot``, ``events``, ``next_token_logits``) and the sampler's public functions; the
+engine never imports this package. A bad value typed into a control is shown as a message
+in the widget and leaves the engine unchanged.
+"""
+
+from widgets._common import default_engine, tiny_engine
+from widgets.block_allocator import BlockAllocatorController, BlockAllocatorView, ContiguousAllocator
+from widgets.memory_estimator import MemoryEstimator, MemoryEstimatorController
+from widgets.quiz import Quiz, QuizController, load_quiz
+from widgets.sampling_playground import SamplingPlayground, SamplingPlaygroundController
+from widgets.scheduler_stepper import SchedulerStepper, SchedulerStepperController
+
+__all__ = ["BlockAllocatorController", "BlockAllocatorView", "ContiguousAllocator", "MemoryEstimator",
+           "MemoryEstimatorController", "Quiz", "QuizController", "load_quiz", "SamplingPlayground",
+           "SamplingPlaygroundController", "SchedulerStepper", "SchedulerStepperController",
+           "default_engine", "tiny_engine"]

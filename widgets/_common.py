@@ -1,0 +1,181 @@
+"""Helpers shared by the simulators: engines to drive, formatting, messages, colours.
+
+Nothing here knows about one simulator in particular. The two engine factories are the
+ones the notebooks use: ``default_engine()`` loads the course's real model once per
+process (chapters 1, 5 and 8 share it, so the ~3-10 s load happens once), and
+``tiny_engine()`` builds a randomly initialised model small enough that mechanics-only
+chapters (4, 7) and the tests run in milliseconds per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import html
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+
+from nanoengine import LLMEngine
+from nanoengine.models.config import ModelConfig
+
+#: Errors a control can provoke with bad input. A view shows them as a message; the
+#: controller guarantees it raised them before changing any engine state.
+USER_ERRORS = (ValueError, TypeError, RuntimeError)
+
+#: A qualitative palette (Tableau 20 without the greys) for request owners.
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+           "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5",
+           "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5")
+
+
+@functools.lru_cache(maxsize=1)
+def default_engine(**config) -> LLMEngine:
+    """The course's default model (SmolLM2-135M-Instruct), loaded once per process.
+
+    Every call with the same options returns the same engine, so several widgets in one
+    notebook observe one live engine. Pass options (e.g. ``num_kv_blocks=256``) for a
+    differently configured engine; a new set of options replaces the cached one.
+    """
+    return LLMEngine.from_pretrained(**config)
+
+
+def tiny_engine(num_kv_blocks: int = 64, block_size: int = 4, max_model_len: int = 64,
+                vocab_size: int = 256, seed: int = 0, **config) -> LLMEngine:
+    """A randomly initialised 2-layer Llama on the CPU, for mechanics and tests.
+
+    Its prompts are lists of token ids (it has no tokenizer) and it has no end-of-sequence
+    token, so every request runs to ``max_tokens``: ideal for watching blocks and queues.
+    """
+    from nanoengine.loader.weights import build_model, init_random_weights
+
+    model_config = ModelConfig(
+        architecture="LlamaForCausalLM", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=vocab_size,
+        max_position_embeddings=max_model_len)
+    net = build_model(model_config, torch.device("cpu"), torch.float32, max_position=max_model_len)
+    init_random_weights(net, seed=seed)
+    return LLMEngine.from_model(net, tokenizer=None, device="cpu", num_kv_blocks=num_kv_blocks,
+                                block_size=block_size, max_model_len=max_model_len, **config)
+
+
+class TokenSource:
+    """Deterministic random prompts as token ids (no tokenizer needed).
+
+    Ids are drawn above the low end of the vocabulary, where tokenizers keep their special
+    tokens (SmolLM2's end-of-text is id 2), so a random prompt never contains an EOS.
+    """
+
+    def __init__(self, vocab_size: int, seed: int = 0) -> None:
+        self.low = min(100, vocab_size // 2)
+        self.high = vocab_size
+        self.rng = np.random.default_rng(seed)
+
+    def tokens(self, n: int) -> list[int]:
+        return [int(t) for t in self.rng.integers(self.low, self.high, size=n)]
+
+
+def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
+    """``value`` as an int in [low, high], or a ValueError naming the control."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be a whole number, got {value!r}")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        allowed = f">= {low}" if high is None else f"between {low} and {high}"
+        raise ValueError(f"{name} must be {allowed}, got {value}")
+    return value
+
+
+def check_request_fits(engine: LLMEngine, num_prompt_tokens: int, max_tokens: int) -> None:
+    """Refuse a request that could never complete on ``engine``, before queueing it.
+
+    The engine itself only refuses prompts longer than ``max_model_len`` (a longer
+    generation is cut at ``max_model_len``); the simulators are stricter, like vLLM's
+    server, so that what a reader asks for is what runs.
+    """
+    max_len = engine.max_model_len
+    if num_prompt_tokens > max_len:
+        raise ValueError(f"the prompt has {num_prompt_tokens} tokens but max_model_len is {max_len}")
+    if num_prompt_tokens + max_tokens > max_len:
+        raise ValueError(f"prompt ({num_prompt_tokens}) + max tokens ({max_tokens}) = "
+                         f"{num_prompt_tokens + max_tokens} tokens exceeds max_model_len ({max_len}); "
+                         f"lower one of them")
+    block_size = engine.config.block_size
+    needed = -(-(num_prompt_tokens + max_tokens) // block_size)
+    num_blocks = engine.snapshot().num_blocks
+    if needed > num_blocks:
+        raise ValueError(f"the KV cache has {num_blocks} blocks of {block_size} tokens; this request needs "
+                         f"{needed} at its longest, so it could never run")
+
+
+def format_bytes(n: float) -> str:
+    """Binary units, as memory is sized: 1536 -> '1.50 KiB'."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def message_html(text: str, kind: str = "info") -> str:
+    """A one-line message box; ``kind`` is 'info', 'ok' or 'error'."""
+    if not text:
+        return ""
+    colours = {"info": ("#eef4fb", "#2a5d9f"), "ok": ("#edf7ed", "#2e7d32"), "error": ("#fdecea", "#b71c1c")}
+    bg, fg = colours[kind]
+    return (f'<div class="ne-msg ne-msg-{kind}" style="background:{bg};color:{fg};padding:4px 8px;'
+            f'border-radius:4px;font-size:13px">{html.escape(text)}</div>')
+
+
+def guarded(show: Callable[[str, str], None]) -> Callable:
+    """Decorate a view callback so any error becomes a message instead of a traceback.
+
+    User errors (bad values) are shown as they are; anything else is labelled as an
+    internal error so it is not mistaken for a wrong input.
+    """
+
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except USER_ERRORS as exc:
+                show(str(exc), "error")
+            except Exception as exc:  # a view must never dump a traceback into the page
+                show(f"internal error ({type(exc).__name__}): {exc}", "error")
+            return None
+
+        return wrapper
+
+    return decorate
+
+
+@contextlib.contextmanager
+def single_thread() -> Iterator[None]:
+    """Run small tensor work on one thread.
+
+    Vector ops over one vocabulary row take microseconds of work; waking torch's intra-op
+    thread pool for each of them costs far more on a small, shared CPU (measured here: a
+    top-k/top-p mask over 49,152 logits took ~13 ms on one thread, ~200 ms on two busy
+    ones). The previous setting is restored afterwards.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def escape(text: object) -> str:
+    return html.escape(str(text))
+
+
+def token_label(engine: LLMEngine, token_id: int) -> str:
+    """A token's text with invisible characters made visible ('␣' for a space)."""
+    if engine.tokenizer is None:
+        return f"#{token_id}"
+    text = engine.decode([token_id])
+    return text.replace(" ", "␣").replace("\n", "\\n").replace("\t", "\\t") or f"#{token_id}"
