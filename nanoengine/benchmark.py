@@ -58,6 +58,8 @@ def make_workload(num_requests: int, min_prompt: int, max_prompt: int, seed: int
     """Random token-id prompts of random lengths (nano-vLLM's benchmark style)."""
     if not 1 <= min_prompt <= max_prompt:
         raise ValueError(f"need 1 <= min_prompt <= max_prompt, got {min_prompt} and {max_prompt}")
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     rng = random.Random(seed)
     return [[rng.randrange(vocab_limit) for _ in range(rng.randint(min_prompt, max_prompt))]
             for _ in range(num_requests)]

@@ -47,6 +47,9 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or several) and generate."""
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts "
+                             f"(or a list of such lists), got {messages!r}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm)
 
@@ -69,7 +72,7 @@ class LLM:
         request_id = self.engine.add_request(prompt, sampling_params)
         finished = False
         try:
-            while not finished:
+            while not finished and request_id in self.engine.requests:  # engine.abort() may end it
                 for out in self.engine.step():
                     if out.request_id == request_id:
                         finished = out.finished
@@ -130,6 +133,8 @@ def _as_params_list(params, n: int) -> list[SamplingParams]:
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
+    if not isinstance(params, (list, tuple)):
+        raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {params!r}")
     params = list(params)
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; give one, or one per prompt")

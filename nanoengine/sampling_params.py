@@ -40,8 +40,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", _as_tuple("stop", self.stop, "a string or a list of strings"))
+        object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids,
+                                                             "a list of token ids"))
         _check_number("temperature", self.temperature, float)
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
@@ -78,6 +79,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the next token is simply the argmax."""
         return self.temperature == 0.0
+
+
+def _as_tuple(name: str, value: object, expected: str) -> tuple:
+    """A list-like field as a tuple (None means empty, as in vLLM); anything else is refused."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+    return tuple(value)
 
 
 def _check_number(name: str, value: object, kind: type) -> None:

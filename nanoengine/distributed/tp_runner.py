@@ -53,10 +53,10 @@ import torch
 
 from nanoengine.config import EngineConfig
 from nanoengine.distributed.worker import WorkerSpec, default_num_threads, run_worker
-from nanoengine.engine.model_runner import BatchPlan, ModelRunnerOutput, plan_batch
+from nanoengine.engine.model_runner import BatchPlan, SamplingRunner, plan_batch
 from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import SchedulerOutput
-from nanoengine.layers.sampler import Sampler, SampleResult
+from nanoengine.layers.sampler import Sampler
 from nanoengine.models.config import ModelConfig
 
 
@@ -288,7 +288,7 @@ def _exit_reason(exitcode: int | None) -> str:
 
 
 # ------------------------------------------------------------------ the runner
-class TensorParallelRunner:
+class TensorParallelRunner(SamplingRunner):
     """``ModelRunner``'s interface over N worker processes; sampling stays here."""
 
     startup_timeout_s = 600.0  # loading a checkpoint in every rank
@@ -340,31 +340,13 @@ class TensorParallelRunner:
         logits = self._workers.receive_logits(self._step_id, self.step_timeout_s)
         return torch.from_numpy(logits)
 
-    def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
-        """Logits of every scheduled request that reaches its last token, without sampling."""
-        plan, _ = plan_batch(out, self.block_size)
+    def prepare_inputs(self, out: SchedulerOutput) -> tuple[BatchPlan, list[Request]]:
+        """The step as a plain-list plan (what the workers receive) and the sampling requests."""
+        return plan_batch(out, self.block_size)
+
+    def run_model(self, plan: BatchPlan) -> torch.Tensor:
+        """Every rank runs the plan; rank 0's logits come back (the trip through the pipes included)."""
         return self.run_plan(plan)
-
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        t0 = time.perf_counter()
-        plan, sampled = plan_batch(out, self.block_size)
-        t1 = time.perf_counter()
-        logits = self.run_plan(plan)  # includes the trip through the pipes
-        t2 = time.perf_counter()
-        result = self.sample(logits, sampled)
-        t3 = time.perf_counter()
-        ids = [r.request_id for r in sampled]
-        return ModelRunnerOutput(
-            sampled=dict(zip(ids, result.token_ids)),
-            logprobs={i: lp for i, lp in zip(ids, result.logprobs) if lp is not None},
-            prepare_time=t1 - t0, model_time=t2 - t1, sample_time=t3 - t2)
-
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-        """The same sampler and generators as ``ModelRunner``: seeded requests match any TP size."""
-        if not requests:
-            return SampleResult([], [])
-        return self.sampler(logits, [r.sampling_params for r in requests], [r.generator for r in requests],
-                            self.generator)
 
     def shutdown(self) -> None:
         """Stop the workers and remove the rendezvous folder (safe to call more than once)."""

@@ -132,7 +132,51 @@ def kv_cache_num_blocks(model_config: ModelConfig, block_size: int, dtype: torch
     return max(1, int(memory_bytes // (per_token * block_size)))
 
 
-class ModelRunner:
+class SamplingRunner:
+    """What every runner shares: prepare the step, run the model, sample, with timings.
+
+    ``ModelRunner`` runs the model in this process; ``TensorParallelRunner`` sends the step
+    to worker processes. Both sample here, with each request's own generator, so seeded
+    requests give the same tokens whatever the runner.
+    """
+
+    sampler: Sampler
+    generator: torch.Generator
+
+    def prepare_inputs(self, out: SchedulerOutput) -> tuple[object, list[Request]]:
+        """This step's model input, and the requests that sample (in logits order)."""
+        raise NotImplementedError
+
+    def run_model(self, prepared) -> torch.Tensor:
+        """Run the model on a prepared step. -> (num sampled, vocab) float32 logits."""
+        raise NotImplementedError
+
+    def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
+        """Logits of every scheduled request that reaches its last token, without sampling."""
+        return self.run_model(self.prepare_inputs(out)[0])
+
+    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        t0 = time.perf_counter()
+        prepared, sampled = self.prepare_inputs(out)
+        t1 = time.perf_counter()
+        logits = self.run_model(prepared)
+        t2 = time.perf_counter()
+        result = self.sample(logits, sampled)
+        t3 = time.perf_counter()
+        ids = [r.request_id for r in sampled]
+        return ModelRunnerOutput(
+            sampled=dict(zip(ids, result.token_ids)),
+            logprobs={i: lp for i, lp in zip(ids, result.logprobs) if lp is not None},
+            prepare_time=t1 - t0, model_time=t2 - t1, sample_time=t3 - t2)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
+        if not requests:
+            return SampleResult([], [])
+        return self.sampler(logits, [r.sampling_params for r in requests], [r.generator for r in requests],
+                            self.generator)
+
+
+class ModelRunner(SamplingRunner):
     """Holds the model and the paged KV cache; prepares inputs, runs, samples."""
 
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
@@ -182,26 +226,3 @@ class ModelRunner:
             hidden = self.model(model_input.input_ids, model_input.positions, meta)
         return self.model.compute_logits(hidden[model_input.logits_indices]).float()
 
-    def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
-        """Logits of every scheduled request that reaches its last token, without sampling."""
-        return self.run_model(self.prepare_inputs(out)[0])
-
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        t0 = time.perf_counter()
-        model_input, sampled = self.prepare_inputs(out)
-        t1 = time.perf_counter()
-        logits = self.run_model(model_input)
-        t2 = time.perf_counter()
-        result = self.sample(logits, sampled)
-        t3 = time.perf_counter()
-        ids = [r.request_id for r in sampled]
-        return ModelRunnerOutput(
-            sampled=dict(zip(ids, result.token_ids)),
-            logprobs={i: lp for i, lp in zip(ids, result.logprobs) if lp is not None},
-            prepare_time=t1 - t0, model_time=t2 - t1, sample_time=t3 - t2)
-
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
-        if not requests:
-            return SampleResult([], [])
-        return self.sampler(logits, [r.sampling_params for r in requests], [r.generator for r in requests],
-                            self.generator)

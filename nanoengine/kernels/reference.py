@@ -117,7 +117,7 @@ def paged_prefill_attention(
     boundaries ``cu_seqlens_q`` (num_seqs + 1,). The chunk's own K/V must already be
     stored in the cache. Returns (total_q_tokens, num_heads, head_dim).
     """
-    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]
     compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     out = torch.empty_like(query)

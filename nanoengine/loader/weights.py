@@ -100,6 +100,9 @@ def resolve_model_source(model: str | Path | None) -> Path:
         from nanoengine.default_model import default_model_dir
 
         return default_model_dir()
+    if not isinstance(model, (str, Path)) or not str(model):
+        raise ValueError(f"model must be None (the default SmolLM2-135M-Instruct), a Hugging Face directory or a "
+                         f".gguf file, got {model!r}")
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
