@@ -182,3 +182,19 @@ def test_stream_closed_early_aborts_and_frees(tiny_llama_tok_dir):
     stream.close()
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.snapshot().num_free_blocks == 64
+
+
+def test_a_model_object_serves_one_engine_only():
+    from nanoengine.loader.weights import build_model, init_random_weights
+    from nanoengine.models.config import ModelConfig
+
+    import torch
+
+    config = ModelConfig(architecture="LlamaForCausalLM", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=64,
+                         max_position_embeddings=64)
+    net = build_model(config, torch.device("cpu"), torch.float32)
+    init_random_weights(net)
+    LLMEngine.from_model(net, num_kv_blocks=8, max_model_len=64, device="cpu")
+    with pytest.raises(ValueError, match="already bound to another engine"):
+        LLMEngine.from_model(net, num_kv_blocks=8, max_model_len=64, device="cpu")

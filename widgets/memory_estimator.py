@@ -143,10 +143,7 @@ def render_summary(e: MemoryEstimate) -> str:
 
 def render_chart_png(e: MemoryEstimate) -> bytes:
     """One horizontal stacked bar (weights, KV) against the device's memory."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # a bare Figure needs no backend: the notebook's stays as it is
 
     fig = Figure(figsize=(7, 2.2), dpi=80)
     ax = fig.add_subplot()

@@ -273,10 +273,7 @@ def render_stages(dist: Distribution) -> str:
 def render_histogram_png(engine: LLMEngine, counts: list[tuple[int, int]], n: int, seed: int,
                          probs: torch.Tensor, top: int = 20) -> bytes:
     """A bar chart of sample counts next to the expected counts, as PNG bytes."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # a bare Figure needs no backend: the notebook's stays as it is
 
     shown = counts[:top]
     labels = [token_label(engine, t) for t, _ in shown]

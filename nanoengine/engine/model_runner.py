@@ -160,6 +160,8 @@ class SamplingRunner:
         prepared, sampled = self.prepare_inputs(out)
         t1 = time.perf_counter()
         logits = self.run_model(prepared)
+        if logits.is_cuda:  # kernels run asynchronously: wait, so model_time is the GPU's time
+            torch.cuda.synchronize(logits.device)
         t2 = time.perf_counter()
         result = self.sample(logits, sampled)
         t3 = time.perf_counter()
@@ -189,6 +191,9 @@ class ModelRunner(SamplingRunner):
         self.device = device
         self.dtype = dtype
         layers = model.attention_layers()
+        if layers[0].k_cache is not None:
+            raise ValueError("this model is already bound to another engine's KV cache; two engines sharing "
+                             "one model object would overwrite each other's cache: build a model per engine")
         num_kv_heads = layers[0].num_kv_heads  # this rank's share under tensor parallelism
         self.kv_cache = torch.zeros(2, len(layers), num_blocks, block_size, num_kv_heads,
                                     model_config.head_dim, dtype=dtype, device=device)
