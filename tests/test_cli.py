@@ -1,0 +1,167 @@
+"""The command line, ``python -m nanoengine {generate,chat,bench}``: good runs and bad input.
+
+Most cases call ``nanoengine.__main__.main([...])`` in-process (fast); two run the real
+``python -m nanoengine`` in a subprocess. A bad value must end with exit status 2 and a
+one-line ``error: ...`` on stderr that names the value and what is allowed (no traceback);
+a bad flag or type is argparse's job (exit status 2, its usage message).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nanoengine.__main__ import main
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The model is tiny: one thread avoids OpenMP hand-offs (much faster on a busy 2-core box)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def assert_cli_error(capsys, argv, *fragments: str) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 2, (code, out, err)
+    assert err.startswith("error: ") and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in err, f"{fragment!r} not in {err!r}"
+
+
+# ------------------------------------------------------------------------ good runs
+def test_generate_prints_the_completion(capsys, tiny_llama_tok_dir):
+    code, out, err = run(capsys, "generate", "Hello there", "--model", str(tiny_llama_tok_dir), "--device", "cpu",
+                         "--max-tokens", "4")
+    assert code == 0 and out.strip() and not err
+
+
+def test_generate_stream_and_chat_template(capsys, tiny_llama_tok_dir):
+    code, out, _ = run(capsys, "generate", "Hello", "--model", str(tiny_llama_tok_dir), "--device", "cpu",
+                       "--max-tokens", "4", "--stream", "--chat", "--temperature", "0.8", "--top-k", "20",
+                       "--top-p", "0.9", "--min-p", "0.05", "--seed", "3")
+    assert code == 0 and out.endswith("\n")
+
+
+def test_chat_loop_reads_stdin_until_exit(capsys, monkeypatch, tiny_llama_tok_dir):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n\n   \nhow are you?\n/exit\nnever read\n"))
+    code, out, _ = run(capsys, "chat", "--model", str(tiny_llama_tok_dir), "--device", "cpu", "--max-tokens", "3",
+                       "--system", "Be brief.")
+    assert code == 0
+    assert out.count("assistant> ") == 2  # blank lines are skipped, /exit ends the loop
+
+
+def test_chat_loop_ends_at_end_of_input(capsys, monkeypatch, tiny_llama_tok_dir):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi"))
+    code, out, _ = run(capsys, "chat", "--model", str(tiny_llama_tok_dir), "--device", "cpu", "--max-tokens", "2")
+    assert code == 0 and out.count("assistant> ") == 1
+
+
+# ------------------------------------------------------------------ bad values (exit 2)
+SAMPLING_ERRORS = {
+    "max-tokens zero": (["--max-tokens", "0"], "max_tokens", ">= 1", "0"),
+    "max-tokens negative": (["--max-tokens", "-5"], "max_tokens", ">= 1", "-5"),
+    "temperature negative": (["--temperature", "-1"], "temperature", ">= 0", "-1"),
+    "temperature nan": (["--temperature", "nan"], "temperature", "NaN"),
+    "top-p zero": (["--top-p", "0"], "top_p", "(0, 1]", "0.0"),
+    "top-p above one": (["--top-p", "1.5"], "top_p", "(0, 1]", "1.5"),
+    "top-p inf": (["--top-p", "inf"], "top_p", "(0, 1]", "inf"),
+    "top-k below -1": (["--top-k", "-5"], "top_k", "-1", "-5"),
+    "min-p above one": (["--min-p", "2"], "min_p", "[0, 1]", "2.0"),
+    "seed negative": (["--seed", "-1"], "seed", "2**63", "-1"),
+    "seed too large": (["--seed", str(2**63)], "seed", "2**63", str(2**63)),
+}
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize("flags, fragments", [pytest.param(v[0], v[1:], id=k) for k, v in SAMPLING_ERRORS.items()])
+def test_bad_sampling_values(capsys, command, flags, fragments):
+    # Checked before any model is loaded, so no --model is needed.
+    argv = ["generate", "hi"] if command == "generate" else ["chat"]
+    assert_cli_error(capsys, argv + flags, *fragments)
+
+
+@pytest.mark.parametrize("flags, fragments", [
+    pytest.param(["--device", "tpu"], ("device", "'tpu'", "cpu"), id="device unknown"),
+    pytest.param(["--model", "/nonexistent/model"], ("'/nonexistent/model'", "Hugging Face directory"), id="no model"),
+])
+def test_bad_engine_values(capsys, flags, fragments):
+    assert_cli_error(capsys, ["generate", "hi"] + flags, *fragments)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda(capsys):
+    assert_cli_error(capsys, ["generate", "hi", "--device", "cuda"], "device='cuda'", "no CUDA")
+
+
+def test_bad_prompts(capsys, tiny_llama_tok_dir, tiny_llama_dir):
+    tok = ["--model", str(tiny_llama_tok_dir), "--device", "cpu", "--max-tokens", "2"]
+    assert_cli_error(capsys, ["generate", ""] + tok, "prompt is empty")
+    assert_cli_error(capsys, ["generate", "word " * 1100] + tok, "tokens but max_model_len is 1024")
+    bare = ["--model", str(tiny_llama_dir), "--device", "cpu", "--max-tokens", "2"]
+    assert_cli_error(capsys, ["generate", "hi"] + bare, "no tokenizer", "token ids")
+    assert_cli_error(capsys, ["generate", "hi", "--chat"] + bare, "no chat template")
+
+
+@pytest.mark.parametrize("flags, fragments", [
+    pytest.param(["--num-requests", "0"], ("num_requests", ">= 1", "0"), id="no requests"),
+    pytest.param(["--min-prompt", "0"], ("min_prompt", "0"), id="min-prompt zero"),
+    pytest.param(["--min-prompt", "10", "--max-prompt", "5"], ("min_prompt <= max_prompt", "10", "5"), id="min > max"),
+])
+def test_bad_bench_values(capsys, tiny_llama_dir, flags, fragments):
+    # Checked before the GEMM measurement and before any model is loaded.
+    assert_cli_error(capsys, ["bench", "--model", str(tiny_llama_dir), "--skip-hf"] + flags, *fragments)
+
+
+# -------------------------------------------------------------- argparse (exit 2)
+@pytest.mark.parametrize("argv, fragment", [
+    pytest.param([], "required: command", id="no command"),
+    pytest.param(["serve"], "invalid choice: 'serve'", id="unknown command"),
+    pytest.param(["generate"], "the following arguments are required: prompt", id="no prompt"),
+    pytest.param(["generate", "hi", "--max-tokens", "abc"], "invalid int value: 'abc'", id="max-tokens not int"),
+    pytest.param(["generate", "hi", "--temperature", "warm"], "invalid float value: 'warm'", id="temperature text"),
+    pytest.param(["generate", "hi", "--seed", "1.5"], "invalid int value: '1.5'", id="seed float"),
+    pytest.param(["generate", "hi", "--tempreature", "0"], "unrecognized arguments: --tempreature", id="typo flag"),
+    pytest.param(["chat", "extra"], "unrecognized arguments: extra", id="chat positional"),
+    pytest.param(["bench", "--num-requests", "many"], "invalid int value: 'many'", id="bench not int"),
+])
+def test_argparse_errors(capsys, argv, fragment):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "usage:" in err, err
+
+
+# -------------------------------------------------------------------- real process
+def _python_m(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "nanoengine", *argv], capture_output=True, text=True,
+                          timeout=180, env=env)
+
+
+@pytest.mark.slow
+def test_python_m_nanoengine_generates(tiny_llama_tok_dir):
+    done = _python_m("generate", "Hello", "--model", str(tiny_llama_tok_dir), "--device", "cpu",
+                     "--max-tokens", "3")
+    assert done.returncode == 0 and done.stdout.strip(), done.stderr
+
+
+@pytest.mark.slow
+def test_python_m_nanoengine_reports_a_bad_value():
+    done = _python_m("generate", "hi", "--top-p", "0")
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: top_p must be in (0, 1], got 0.0"
