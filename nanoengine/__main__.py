@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench":
             from nanoengine.benchmark import run_from_args
 
+            words = sys.argv[1:] if argv is None else argv
+            args.command_line = "python -m nanoengine " + " ".join(words)  # recorded in the results
             run_from_args(args)
             return 0
         from nanoengine import LLM

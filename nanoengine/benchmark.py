@@ -280,8 +280,7 @@ def run_from_args(args: argparse.Namespace) -> dict:
                      "prompt_tokens": sum(len(p) for p in prompts)},
         "gemm_peak_gflops": peak, "model": model_dir.name, "environment": environment(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m nanoengine " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("__main__.py")
-        else " ".join(sys.argv),
+        "command": getattr(args, "command_line", None) or " ".join(sys.argv),
     })
     out = Path(args.out) if args.out else Path("results") / (
         f"bench-{'cuda' if torch.cuda.is_available() else 'cpu'}-{datetime.date.today().isoformat()}.json")
