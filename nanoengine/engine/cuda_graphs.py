@@ -28,8 +28,7 @@ def batch_buckets(max_batch: int) -> list[int]:
 class CudaGraphDecoder:
     """Captured decode forwards, one per bucket, replayed for decode-only steps."""
 
-    def __init__(self, model: nn.Module, max_batch: int, max_blocks_per_seq: int, hidden_size: int,
-                 device: torch.device) -> None:
+    def __init__(self, model: nn.Module, max_batch: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.model = model
         self.buckets = batch_buckets(max_batch)
         self.max_batch = max_batch

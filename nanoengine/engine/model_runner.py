@@ -206,8 +206,7 @@ class ModelRunner(SamplingRunner):
             from nanoengine.engine.cuda_graphs import CudaGraphDecoder
 
             max_len = max_model_len or model_config.max_position_embeddings
-            self.cuda_graphs = CudaGraphDecoder(model, cuda_graph_max_batch, -(-max_len // block_size),
-                                                model_config.hidden_size, device)
+            self.cuda_graphs = CudaGraphDecoder(model, cuda_graph_max_batch, -(-max_len // block_size), device)
             self.cuda_graphs.capture()
 
     @property
