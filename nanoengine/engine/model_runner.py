@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from nanoengine import kernels
+from nanoengine.engine.host_memory import keep_freed_memory
 from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import SchedulerOutput
 from nanoengine.layers.attention import AttentionMetadata
@@ -199,6 +200,11 @@ class ModelRunner(SamplingRunner):
                                     model_config.head_dim, dtype=dtype, device=device)
         for i, attn in enumerate(layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        if device.type == "cpu":
+            keep_freed_memory()  # reuse each step's temporaries instead of faulting them in again
+        # On a CPU, reorder every GEMM weight once into oneDNN's blocked layout.
+        self.packed_weights = sum(module.pack_weight() for module in model.modules()
+                                  if hasattr(module, "pack_weight"))
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.cuda_graphs = None

@@ -80,26 +80,45 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """One query token per sequence against its paged context.
 
-    query (num_seqs, num_heads, head_dim) -> output of the same shape. Batched: every
-    sequence's blocks are gathered into a padded (num_seqs, max_len, ...) view and the
-    padding is masked out, so a step costs a handful of tensor ops whatever the batch.
+    query (num_seqs, num_heads, head_dim) -> output of the same shape. Batched, so a step
+    costs a handful of tensor ops whatever the batch:
+
+    1. every sequence's keys are gathered into a padded (num_seqs, kv_heads, max_len,
+       head_dim) tensor and one batched matmul gives the scores; padding is masked out;
+    2. the weighted sum of values reads them straight from the cache: ``embedding_bag``
+       with per-sample weights *is* a gather fused with a weighted sum (each output row is
+       the sum of ``probability * cache row`` over that row's bag of slots), so the values
+       are never copied out. Decode attention is memory-bound; not copying V is ~30%.
     """
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads  # grouped-query attention: query heads per KV head
     max_len = int(context_lens.max())
     max_blocks = (max_len + block_size - 1) // block_size
-    table = block_tables[:, :max_blocks].long().clamp(min=0)
+    table = block_tables[:, :max_blocks].long().clamp(min=0)  # padding entries read block 0, masked below
+    slots = (table[:, :, None] * block_size + torch.arange(block_size, device=query.device)).flatten(1)
+    padded_len = slots.shape[1]  # (S, L) slots: token t of sequence s lives in slot slots[s, t]
+    # Cache rows of head_dim values: row ``slot * kv_heads + head`` is one head's vector.
+    heads = torch.arange(num_kv_heads, device=query.device)
+    rows = slots[:, None, :] * num_kv_heads + heads[None, :, None]  # (S, kvh, L)
     compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
-    # (S, kvh, L, d) after flattening blocks; L = max_blocks * block_size
-    keys = k_cache[table].flatten(1, 2).transpose(1, 2).to(compute_dtype)
-    values = v_cache[table].flatten(1, 2).transpose(1, 2).to(compute_dtype)
-    positions = torch.arange(keys.shape[2], device=query.device)
-    visible = positions[None, :] < context_lens.to(query.device)[:, None]  # (S, L)
-    out = F.scaled_dot_product_attention(
-        query.to(compute_dtype).unsqueeze(2), keys, values,  # q (S, h, 1, d)
-        attn_mask=visible[:, None, None, :], scale=scale, enable_gqa=num_heads != num_kv_heads,
-    )  # (S, h, 1, d)
-    return out.squeeze(2).to(query.dtype)
+    keys = k_cache.view(-1, head_dim).index_select(0, rows.flatten())
+    keys = keys.view(num_seqs, num_kv_heads, padded_len, head_dim).to(compute_dtype)
+    # The `group` query heads sharing a KV head are the rows of one small matmul.
+    q = query.view(num_seqs, num_kv_heads, group, head_dim).to(compute_dtype)
+    scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)  # (S, kvh, group, L)
+    past_end = torch.arange(padded_len, device=query.device)[None, :] >= context_lens.to(query.device)[:, None]
+    scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1)  # exactly 0 on padding
+    if v_cache.dtype == compute_dtype:
+        bags = rows[:, :, None, :].expand(-1, -1, group, -1).reshape(num_seqs * num_heads, padded_len)
+        out = F.embedding_bag(bags, v_cache.view(-1, head_dim), mode="sum",
+                              per_sample_weights=probs.view(num_seqs * num_heads, padded_len))
+    else:  # half-precision cache: gather the values and sum in float32
+        values = v_cache.view(-1, head_dim).index_select(0, rows.flatten())
+        values = values.view(num_seqs, num_kv_heads, padded_len, head_dim).to(compute_dtype)
+        out = torch.matmul(probs, values)
+    return out.view(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 def paged_prefill_attention(

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoengine.distributed.parallel_state import TPGroup
-from nanoengine.layers.linear import _copy_checked, _divide
+from nanoengine.kernels import cpu_gemm
+from nanoengine.layers.linear import PackableWeight, _copy_checked, _divide
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -37,8 +38,8 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(y)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(PackableWeight, VocabParallelEmbedding):
     """hidden -> logits over the vocabulary; may share its weight with the embedding."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, hidden) -> (B, vocab)
-        return self.tp.all_gather_last_dim(F.linear(hidden, self.weight))
+        return self.tp.all_gather_last_dim(cpu_gemm.linear(hidden, self.weight, None, self.packed_weight))

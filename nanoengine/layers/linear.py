@@ -16,10 +16,10 @@ gate_up -> down) needs a single all-reduce per pair: the Megatron-LM layout.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from nanoengine.distributed.parallel_state import TPGroup
+from nanoengine.kernels import cpu_gemm
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -28,7 +28,22 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-class LinearBase(nn.Module):
+class PackableWeight:
+    """Mixin for a module whose ``weight`` (out_features, in_features) feeds a GEMM.
+
+    ``pack_weight()`` keeps a copy prepacked for the CPU's GEMM (``kernels.cpu_gemm``);
+    the model runner calls it once, after loading. It returns whether packing applied
+    (not on a GPU, not for dtypes oneDNN does not pack here).
+    """
+
+    packed_weight: torch.Tensor | None = None
+
+    def pack_weight(self) -> bool:
+        self.packed_weight = cpu_gemm.pack_weight(self.weight)
+        return self.packed_weight is not None
+
+
+class LinearBase(PackableWeight, nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
@@ -41,7 +56,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return cpu_gemm.linear(x, self.weight, self.bias, self.packed_weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy_checked(param.data, loaded)
@@ -113,7 +128,7 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param.data, loaded.narrow(1, self.tp.rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = cpu_gemm.linear(x, self.weight, None, self.packed_weight)
         self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 

@@ -1,0 +1,70 @@
+"""Prepacked weights for the CPU's matrix multiplies (chapter 10: layout is performance).
+
+A GEMM library does not multiply matrices in the layout it is handed. It first copies
+("packs") panels of each operand into small blocked tiles that fit the CPU's registers
+and caches, then runs its micro-kernel over the tiles. ``F.linear`` hands every call to
+MKL's ``sgemm`` with the weight in PyTorch's plain row-major layout, so the weight is
+re-packed on every call. In a decode step that is most of the work: the activations are
+a few rows, the weights are the whole model (540 MB for SmolLM2-135M in fp32).
+
+An inference engine's weights never change, so the packing can be done once. oneDNN
+(the CPU kernel library bundled with PyTorch) can reorder a weight into its own blocked
+layout ahead of time (``pack_weight``) and multiply by it directly (``packed_linear``).
+Measured on this course's 2-core machine with the model's own shapes (30 layers, cold
+caches), packed weights made the per-step GEMMs about 1.2x faster at 32 tokens, 1.5-2x at
+64-512 tokens, and the 49,152-row LM head about 2.5x faster.
+
+This is the CPU path only (float32 weights on a CPU, PyTorch built with oneDNN). Everything
+else keeps ``F.linear``; ``pack_weight`` returns None when packing is not possible, and
+callers fall back. The packed copy is a snapshot: a model's weights must not change
+after its engine has packed them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+PACKABLE_DTYPES = (torch.float32,)
+
+
+@functools.lru_cache(maxsize=None)
+def packing_available() -> bool:
+    """True when this PyTorch build has oneDNN and its prepacked linear operators."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        probe = torch.ones(2, 3)
+        packed = torch.ops.mkldnn._reorder_linear_weight(probe)
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 3), packed, None, "none", [], "")
+    except (AttributeError, RuntimeError):  # an older or oneDNN-less build: plain F.linear
+        return False
+    return bool(torch.equal(out, torch.full((1, 2), 3.0)))
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight (out_features, in_features) reordered for oneDNN, or None if not possible."""
+    if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or weight.dim() != 2 \
+            or not packing_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed with the packed weight. x (..., in_features)."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] == 0:  # oneDNN rejects empty inputs; the answer is empty anyway
+        return x.new_empty(*x.shape[:-1], out_features)
+    out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed, bias, "none", [], "")
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b, with the packed copy of W when there is one."""
+    if packed is None or x.dtype != weight.dtype:
+        return F.linear(x, weight, bias)
+    return packed_linear(x, packed, weight.shape[0], bias)
