@@ -109,6 +109,20 @@ def test_decode_matches_naive(num_heads, num_kv_heads, block_size, lens):
         torch.testing.assert_close(out[s].double(), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_decode_plan_is_shared_by_the_layers_of_one_step():
+    """A step's layers reuse the first layer's gather plan and get what they would alone."""
+    lens, num_heads, num_kv_heads, head_dim, block_size = [9, 30, 17], 6, 2, 8, 4
+    layers = [make_paged(*random_sequences(lens, num_kv_heads, head_dim, torch.float32, seed=layer), block_size)
+              for layer in range(3)]  # same tables and lengths, different K/V: three layers of one step
+    query = torch.randn(len(lens), num_heads, head_dim)
+    step_cache: dict = {}
+    for k_cache, v_cache, tables, context_lens in layers:
+        shared = reference.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3, step_cache)
+        alone = reference.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3)
+        assert torch.equal(shared, alone)
+    assert isinstance(step_cache["decode_plan"], reference.DecodePlan)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
 @pytest.mark.parametrize("q_lens,context_lens", [
     pytest.param([7, 12], [7, 12], id="no-prefix"),

@@ -41,10 +41,17 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     impl.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale):
-    """Decode attention over the paged cache (see ``reference.paged_decode_attention``)."""
-    impl = _triton_for(query) or reference
-    return impl.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, step_cache=None):
+    """Decode attention over the paged cache (see ``reference.paged_decode_attention``).
+
+    ``step_cache`` is a dict that lives for one step; the reference keeps its per-step
+    gather plan there so the layers after the first reuse it. Triton needs none.
+    """
+    triton = _triton_for(query)
+    if triton is not None:
+        return triton.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+    return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
+                                            step_cache)
 
 
 def paged_prefill_attention(

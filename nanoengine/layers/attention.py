@@ -13,7 +13,7 @@ and passed down the model explicitly (no global context).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # (num_prefills, max_blocks)
     prefill_cu_seqlens_q: torch.Tensor  # (num_prefills + 1,) chunk boundaries
     prefill_context_lens: torch.Tensor  # (num_prefills,) cached tokens incl. this chunk
+    # What a kernel derives from the fields above once per step and every layer reuses
+    # (the CPU decode kernel's gather plan). Lives and dies with this step's metadata.
+    step_cache: dict = field(default_factory=dict)
 
     @property
     def num_prefills(self) -> int:
@@ -52,12 +55,13 @@ class Attention(nn.Module):
         num_decode = meta.num_decode_tokens
         if meta.num_prefills == 0:
             return kernels.paged_decode_attention(q, self.k_cache, self.v_cache, meta.decode_block_tables,
-                                                  meta.decode_context_lens, self.scale)
+                                                  meta.decode_context_lens, self.scale, meta.step_cache)
         prefill = kernels.paged_prefill_attention(q[num_decode:], self.k_cache, self.v_cache,
                                                   meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
                                                   meta.prefill_context_lens, self.scale)
         if num_decode == 0:
             return prefill
         decode = kernels.paged_decode_attention(q[:num_decode], self.k_cache, self.v_cache,
-                                                meta.decode_block_tables, meta.decode_context_lens, self.scale)
+                                                meta.decode_block_tables, meta.decode_context_lens, self.scale,
+                                                meta.step_cache)
         return torch.cat((decode, prefill), dim=0)
