@@ -13,7 +13,13 @@ where transformers' own top-2 logits at the first differing position are closer 
 way. Throughput is output tokens / wall time. The machine's fp32 GEMM peak is measured in
 the same run on the model's own matrix shapes, and the engine's achieved FLOP/s is given as
 a fraction of it (the roofline of chapter 6). Results go to a JSON file that names the
-hardware, the versions, the date and the command.
+hardware, the versions, the engine's git revision, the date and the command.
+
+Run it on an otherwise idle machine. PyTorch's OpenMP threads spin while they wait for
+work by default, which is fastest when nothing else runs and very slow when something
+does; the test script sets ``OMP_WAIT_POLICY=PASSIVE`` for shared CI machines. On the
+course's 2-core VM the engine's part of the default workload took ~31 s with the default
+policy and ~37 s with PASSIVE (2026-11-29), so the policy is recorded in the results.
 
     python -m nanoengine bench                                   # default workload
     python -m nanoengine bench --num-requests 4 --output-len 8   # a quick look
@@ -224,7 +230,24 @@ def environment() -> dict:
         pass
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
+    info["nanoengine_revision"] = source_revision()
+    info["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "unset (OpenMP default: threads spin, then sleep)")
     return info
+
+
+def source_revision() -> str | None:
+    """The git commit of the engine's source tree, "+modified" if it has local changes."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "nanoengine"], cwd=root,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None  # not a git checkout (an installed wheel) or no git
+    return rev + ("+modified" if dirty else "")
 
 
 # ---------------------------------------------------------------------- main
