@@ -120,6 +120,7 @@ def test_bad_prompts(capsys, tiny_llama_tok_dir, tiny_llama_dir):
     pytest.param(["--num-requests", "0"], ("num_requests", ">= 1", "0"), id="no requests"),
     pytest.param(["--min-prompt", "0"], ("min_prompt", "0"), id="min-prompt zero"),
     pytest.param(["--min-prompt", "10", "--max-prompt", "5"], ("min_prompt <= max_prompt", "10", "5"), id="min > max"),
+    pytest.param(["--single-stream-tokens", "1"], ("single_stream_tokens", ">= 2", "1"), id="single-stream one token"),
 ])
 def test_bad_bench_values(capsys, tiny_llama_dir, flags, fragments):
     # Checked before the GEMM measurement and before any model is loaded.
