@@ -196,7 +196,7 @@ def compare_greedy(engine_tokens, reference_tokens, reference_top2=None, toleran
             "total": len(engine_tokens)}
 
 
-def measure_gemm_peak(config: ModelConfig, tokens: int = 1024, repeats: int = 5) -> float:
+def measure_gemm_peak(config: ModelConfig, tokens: int = 1024, repeats: int = 15) -> float:
     """Best fp32 GFLOP/s of torch matmuls on the model's own weight shapes.
 
     Both ways the CPU can multiply are tried, ``F.linear`` (MKL) and a oneDNN prepacked
