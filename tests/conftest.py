@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from widgets._common import single_thread
+
 TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=1024, rope_theta=10000.0,
                   rms_norm_eps=1e-5, tie_word_embeddings=True)
@@ -73,3 +75,38 @@ def default_llm():
     from nanoengine import LLM
 
     return LLM()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Torch on one thread for a whole test module (``pytestmark = pytest.mark.usefixtures``).
+
+    Tiny models do microseconds of work per op; OpenMP hand-offs between threads cost far
+    more on a busy 2-core box (30x in the scheduler fuzz).
+    """
+    with single_thread():
+        yield
+
+
+@pytest.fixture(scope="session")
+def build_tiny_llm(tiny_llama_tok_dir):
+    """A maker of LLMs on the tiny Llama with SmolLM2's tokenizer, random weights built in
+    memory (fast: nothing is loaded from disk after the first call).
+
+    ``build_tiny_llm(config, with_tokenizer=True)`` goes through ``LLMEngine.from_model``;
+    ``LLM(...)`` itself is covered by test_engine and test_bad_input's constructor cases.
+    """
+    from nanoengine import LLM, LLMEngine
+    from nanoengine.loader.weights import build_model, init_random_weights, load_model_config, load_tokenizer
+
+    model_config = load_model_config(tiny_llama_tok_dir)
+    tokenizer = load_tokenizer(tiny_llama_tok_dir)
+
+    def make(config: dict, with_tokenizer: bool = True) -> LLM:
+        net = build_model(model_config, torch.device("cpu"), torch.float32)
+        init_random_weights(net, seed=0, std=0.08)
+        llm = LLM.__new__(LLM)
+        llm.engine = LLMEngine.from_model(net, tokenizer if with_tokenizer else None, **config)
+        return llm
+
+    return make

@@ -21,8 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from nanoengine import LLM, EngineConfig, LLMEngine, SamplingParams
-from nanoengine.loader.weights import build_model, init_random_weights, load_model_config, load_tokenizer
+from nanoengine import LLM, EngineConfig, SamplingParams
 
 VOCAB = 49152  # SmolLM2's tokenizer on the tiny model
 CONFIG = dict(device="cpu", max_model_len=64, num_kv_blocks=16, block_size=8)
@@ -32,28 +31,13 @@ GOOD = SamplingParams(temperature=0.0, max_tokens=4)
 NAN, INF = float("nan"), float("inf")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The model is tiny: one thread avoids OpenMP hand-offs (much faster on a busy 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest
 
 
 @pytest.fixture(scope="module")
-def make_llm(tiny_llama_tok_dir):
-    model_config = load_model_config(tiny_llama_tok_dir)
-    tokenizer = load_tokenizer(tiny_llama_tok_dir)
-
-    def make(with_tokenizer: bool = True, **overrides) -> LLM:
-        net = build_model(model_config, torch.device("cpu"), torch.float32)
-        init_random_weights(net, seed=0, std=0.08)
-        llm = LLM.__new__(LLM)  # LLM(...) itself is exercised by the constructor cases
-        llm.engine = LLMEngine.from_model(net, tokenizer if with_tokenizer else None, **{**CONFIG, **overrides})
-        return llm
-
-    return make
+def make_llm(build_tiny_llm):
+    # LLM(...) itself is exercised by the constructor cases
+    return lambda with_tokenizer=True, **overrides: build_tiny_llm({**CONFIG, **overrides}, with_tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -19,13 +19,7 @@ import torch
 from nanoengine.__main__ import main
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The model is tiny: one thread avoids OpenMP hand-offs (much faster on a busy 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

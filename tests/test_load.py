@@ -19,19 +19,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 RSS_GROWTH_MIB = 6.0
 NUM_REQUESTS = 1000
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The model is tiny: one thread avoids OpenMP hand-offs (much faster on a busy 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest
 
 
 def _load_report_module():

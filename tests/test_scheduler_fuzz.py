@@ -49,13 +49,7 @@ SCALE = int(os.environ.get("NANOENGINE_FUZZ_SCALE", "1"))
 STATS: collections.Counter = collections.Counter()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The model is tiny: one thread avoids OpenMP hand-offs (30x faster on a busy 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest
 
 
 def tiny_engine(**config) -> LLMEngine:

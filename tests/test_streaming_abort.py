@@ -13,44 +13,22 @@ from __future__ import annotations
 import gc
 
 import pytest
-import torch
 
-from nanoengine import LLM, LLMEngine, SamplingParams
+from nanoengine import LLM, SamplingParams
 from nanoengine.events import (BlocksAllocated, RequestFinished, RequestPreempted, RequestQueued,
                                RequestScheduled, StepFinished)
-from nanoengine.loader.weights import build_model, init_random_weights, load_model_config, load_tokenizer
 
 LONG = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 OTHER = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 OTHER_PROMPT = "The other request keeps going"
 CONFIG = dict(device="cpu", max_model_len=128, num_kv_blocks=32, block_size=8)
 # The event bus turns an observer's exception into a RuntimeWarning; here that is a failure.
-pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The model is tiny: one thread avoids OpenMP hand-offs (much faster on a busy 2-core box)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = [pytest.mark.filterwarnings("error::RuntimeWarning"), pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")
-def make_llm(tiny_llama_tok_dir):
-    """LLMs on the tiny model with SmolLM2's tokenizer, random weights built in memory (fast)."""
-    model_config = load_model_config(tiny_llama_tok_dir)
-    tokenizer = load_tokenizer(tiny_llama_tok_dir)
-
-    def make(**overrides) -> LLM:
-        net = build_model(model_config, torch.device("cpu"), torch.float32)
-        init_random_weights(net, seed=0, std=0.08)
-        llm = LLM.__new__(LLM)  # LLM() itself is covered by test_engine and test_bad_input
-        llm.engine = LLMEngine.from_model(net, tokenizer, **{**CONFIG, **overrides})
-        return llm
-
-    return make
+def make_llm(build_tiny_llm):
+    return lambda **overrides: build_tiny_llm({**CONFIG, **overrides})
 
 
 @pytest.fixture(scope="module")
