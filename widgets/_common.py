@@ -129,6 +129,22 @@ def message_html(text: str, kind: str = "info") -> str:
             f'border-radius:4px;font-size:13px">{html.escape(text)}</div>')
 
 
+class MessageView:
+    """Mixin for a view with a ``message`` HTML widget: its one line of status or error text."""
+
+    def show_message(self, text: str, kind: str = "info") -> None:
+        self.message.value = message_html(text, kind)
+
+
+class ControllerView(MessageView):
+    """Mixin for a view whose ``controller`` listens to an engine's events."""
+
+    def close(self) -> None:
+        """Close the widgets and stop listening to the engine's events."""
+        self.controller.close()
+        super().close()
+
+
 def guarded(show: Callable[[str, str], None]) -> Callable:
     """Decorate a view callback so any error becomes a message instead of a traceback.
 

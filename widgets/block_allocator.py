@@ -34,8 +34,8 @@ import ipywidgets as W
 from nanoengine import EngineSnapshot, LLMEngine, RequestOutput, SamplingParams
 from nanoengine.events import (BlockEvicted, BlocksAllocated, BlocksFreed, BlockStored, Event,
                                PrefixCacheHit, RequestFinished, RequestPreempted)
-from widgets._common import (PALETTE, TokenSource, check_int, check_request_fits, escape, format_bytes,
-                             guarded, message_html)
+from widgets._common import (PALETTE, ControllerView, TokenSource, check_int, check_request_fits, escape,
+                             format_bytes, guarded)
 
 RESERVE_MODES = ("max_model_len", "request")
 
@@ -489,7 +489,7 @@ def render_counts(controller: BlockAllocatorController, cells: list[BlockCell] |
 # ---------------------------------------------------------------------------------------
 
 
-class BlockAllocatorView(W.VBox):
+class BlockAllocatorView(ControllerView, W.VBox):
     """The grid, the contiguous comparison, counts and the controls."""
 
     def __init__(self, engine: LLMEngine | None = None, controller: BlockAllocatorController | None = None,
@@ -573,14 +573,6 @@ class BlockAllocatorView(W.VBox):
             W.HTML(legend), self.event_log])
         self.add_class("ne-block-allocator")
         self.refresh()
-
-    def close(self) -> None:
-        """Close the widgets and stop listening to the engine's events."""
-        self.controller.close()
-        super().close()
-
-    def show_message(self, text: str, kind: str = "info") -> None:
-        self.message.value = message_html(text, kind)
 
     def refresh(self, text: str | None = None, kind: str = "info") -> None:
         """Redraw everything from the engine's live state."""

@@ -26,7 +26,7 @@ import ipywidgets as W
 from nanoengine import LLMEngine
 from nanoengine.models.config import ModelConfig
 from nanoengine.models.presets import PRESETS
-from widgets._common import check_int, escape, format_bytes, guarded, message_html
+from widgets._common import MessageView, check_int, escape, format_bytes, guarded
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8 / int8": 1}
@@ -162,7 +162,7 @@ def render_chart_png(e: MemoryEstimate) -> bytes:
     return buf.getvalue()
 
 
-class MemoryEstimator(W.VBox):
+class MemoryEstimator(MessageView, W.VBox):
     """Model, context length, batch size, dtype and device -> weights, KV cache, total."""
 
     def __init__(self, controller: MemoryEstimatorController | None = None, model: str = "Llama-3-8B",
@@ -211,6 +211,3 @@ class MemoryEstimator(W.VBox):
                           self.message, self.summary, self.chart, self.engine_check])
         self.add_class("ne-memory-estimator")
         on_change()
-
-    def show_message(self, text: str, kind: str = "info") -> None:
-        self.message.value = message_html(text, kind)

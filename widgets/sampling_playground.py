@@ -36,7 +36,7 @@ import torch
 
 from nanoengine import LLMEngine, RequestOutput, SamplingParams
 from nanoengine.layers.sampler import filter_logits
-from widgets._common import check_int, escape, guarded, message_html, single_thread, token_label
+from widgets._common import MessageView, check_int, escape, guarded, single_thread, token_label
 
 STAGES = ("model (T=1)", "temperature", "top-k", "top-p", "min-p")
 _CUT_NAMES = {0: "temperature", 1: "top-k", 2: "top-p", 3: "min-p"}
@@ -297,7 +297,7 @@ def render_histogram_png(engine: LLMEngine, counts: list[tuple[int, int]], n: in
 # ---------------------------------------------------------------------------------------
 
 
-class SamplingPlayground(W.VBox):
+class SamplingPlayground(MessageView, W.VBox):
     """Prompt, four sliders, the staged distribution, a seeded histogram and generation."""
 
     def __init__(self, engine: LLMEngine | None = None, prompt: str | list[int] | None = "The capital of France is",
@@ -402,9 +402,6 @@ class SamplingPlayground(W.VBox):
             else:
                 guarded(show)(controller.set_prompt)(prompt)
         self.redraw()
-
-    def show_message(self, text: str, kind: str = "info") -> None:
-        self.message.value = message_html(text, kind)
 
     def redraw(self) -> None:
         if self.controller.logits is None:

@@ -25,8 +25,8 @@ import ipywidgets as W
 from nanoengine import LLMEngine, RequestOutput, RequestSnapshot, SamplingParams
 from nanoengine.events import (Event, PrefixCacheHit, RequestFinished, RequestPreempted, RequestQueued,
                                RequestScheduled, StepFinished)
-from widgets._common import (PALETTE, TokenSource, check_int, check_request_fits, escape, guarded,
-                             message_html)
+from widgets._common import (PALETTE, ControllerView, TokenSource, check_int, check_request_fits, escape,
+                             guarded)
 
 
 @dataclass(frozen=True)
@@ -355,7 +355,7 @@ def render_timeline(controller: SchedulerStepperController, last: int = 60) -> s
 # ---------------------------------------------------------------------------------------
 
 
-class SchedulerStepper(W.VBox):
+class SchedulerStepper(ControllerView, W.VBox):
     """Step / Run N / Play / Reset, an add-request form, queues, batch, timeline, log."""
 
     def __init__(self, engine: LLMEngine | None = None, controller: SchedulerStepperController | None = None,
@@ -474,14 +474,6 @@ class SchedulerStepper(W.VBox):
                               top_p=float(self.top_p.value), min_p=float(self.min_p.value),
                               max_tokens=int(self.max_tokens.value), seed=None if seed == -1 else int(seed),
                               ignore_eos=bool(self.ignore_eos.value))
-
-    def close(self) -> None:
-        """Close the widgets and stop listening to the engine's events."""
-        self.controller.close()
-        super().close()
-
-    def show_message(self, text: str, kind: str = "info") -> None:
-        self.message.value = message_html(text, kind)
 
     def refresh(self, text: str | None = None, kind: str = "info") -> None:
         c = self.controller
