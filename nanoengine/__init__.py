@@ -5,14 +5,16 @@ The public API mirrors vLLM's: ``LLM``, ``SamplingParams``, ``RequestOutput``, a
 """
 
 from nanoengine.config import EngineConfig
-from nanoengine.engine.llm_engine import EngineSnapshot, LLMEngine, RequestSnapshot
+from nanoengine.engine.llm_engine import LLMEngine
+from nanoengine.engine.snapshots import EngineSnapshot, MemoryReport, RequestSnapshot
 from nanoengine.llm import LLM
-from nanoengine.outputs import RequestMetrics, RequestOutput
+from nanoengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoengine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestMetrics", "EngineConfig",
-           "EngineSnapshot", "RequestSnapshot", "default_model_dir", "DEFAULT_MODEL_NAME"]
-__version__ = "0.1.0"
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
+           "EngineConfig", "EngineSnapshot", "RequestSnapshot", "MemoryReport", "default_model_dir",
+           "DEFAULT_MODEL_NAME"]
+__version__ = "0.2.0"
 
 
 def __getattr__(name: str):

@@ -3,6 +3,10 @@
 Every knob a chapter turns lives here with vLLM's name. ``EngineConfig`` checks each
 value when it is built and raises a ``ValueError`` that names the field, the value and
 what is allowed, so a bad setting fails before any memory is allocated.
+
+Two limits depend on the model as well as on the settings, and are resolved here once
+the model's shape is known: ``resolve_max_model_len`` (the longest request) and
+``resolve_num_kv_blocks`` (the size of the paged KV pool, chapter 3's arithmetic).
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from nanoengine.models.config import ModelConfig
+
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-POLICIES = ("fcfs", "prefill_first")
+POLICIES = ("fcfs", "prefill_first", "static")
 
 
 @dataclass
@@ -30,8 +36,10 @@ class EngineConfig:
     max_model_len: longest prompt + output a request may reach; None takes the model's.
     enable_prefix_caching: reuse KV blocks of identical prefixes.
     enable_chunked_prefill: split long prompts over several steps.
-    scheduling_policy: "fcfs" (vLLM v1: decodes and prefill chunks share a step) or
-        "prefill_first" (nano-vLLM / early vLLM: a step with admissions runs prefills only).
+    scheduling_policy: "fcfs" (vLLM v1: decodes and prefill chunks share a step),
+        "prefill_first" (nano-vLLM / early vLLM: a step with admissions runs prefills only),
+        or "static" (the static-batching baseline: a batch of up to max_num_seqs requests
+        runs until all of it has finished before anyone new is admitted).
     tensor_parallel_size: processes the model is split over.
     enforce_eager: never capture CUDA graphs.
     seed: seeds the engine's generator for requests without a seed of their own.
@@ -101,6 +109,38 @@ class EngineConfig:
         if chosen is not None:
             return chosen
         return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """The effective max_model_len, refused if the model or the token budget cannot serve it."""
+    limit = model_config.max_position_embeddings
+    max_model_len = config.max_model_len or limit
+    if max_model_len > limit:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings ({limit})")
+    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
+        raise ValueError(f"without chunked prefill a whole prompt must fit one step: max_num_batched_tokens "
+                         f"({config.max_num_batched_tokens}) must be >= max_model_len ({max_model_len})")
+    return max_model_len
+
+
+def kv_cache_num_blocks(model_config: ModelConfig, block_size: int, dtype: torch.dtype,
+                        memory_bytes: float, tp_size: int = 1) -> int:
+    """How many blocks fit in ``memory_bytes`` (per rank: each holds its share of KV heads)."""
+    per_token = model_config.kv_bytes_per_token(torch.empty(0, dtype=dtype).element_size()) // tp_size
+    return max(1, int(memory_bytes // (per_token * block_size)))
+
+
+def resolve_num_kv_blocks(config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> int:
+    """Number of KV blocks, refused if the pool cannot hold even one maximal request."""
+    num_blocks = config.num_kv_blocks or kv_cache_num_blocks(
+        model_config, config.block_size, config.torch_dtype, config.kv_cache_memory_gb * 2**30,
+        config.tensor_parallel_size)
+    needed = -(-max_model_len // config.block_size)
+    if num_blocks < needed:
+        raise ValueError(f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold one request "
+                         f"of max_model_len={max_model_len} tokens ({needed} blocks): raise num_kv_blocks / "
+                         f"kv_cache_memory_gb or lower max_model_len")
+    return num_blocks
 
 
 def _positive_int(name: str, value: object) -> None:

@@ -69,19 +69,29 @@ class BlocksFreed(Event):
 
 
 @dataclass(frozen=True)
+class BlocksForked(Event):
+    """A parallel-sampling sibling now shares these blocks of ``parent_id`` (ref count + 1)."""
+
+    request_id: str
+    parent_id: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class BlockStored(Event):
-    """A full block's hash entered the prefix cache."""
+    """A full block's chained digest entered the prefix cache."""
 
     block_id: int
-    block_hash: int
+    block_hash: bytes
+    parent_hash: bytes | None  # None for a sequence's first block
 
 
 @dataclass(frozen=True)
 class BlockEvicted(Event):
-    """A cached free block was reused for new tokens; its hash left the prefix cache."""
+    """A cached free block was reused for new tokens; its digest left the prefix cache."""
 
     block_id: int
-    block_hash: int
+    block_hash: bytes
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,34 @@ class PrefixCacheHit(Event):
     request_id: str
     num_cached_tokens: int
     block_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    """One request's share of a step's batch, as the model runner lays it out (chapter 3).
+
+    ``positions[i]`` is the position of the i-th token this request computes, and
+    ``slot_mapping[i]`` the KV-cache slot its key and value are written to:
+    ``block_table[position // block_size] * block_size + position % block_size``.
+    """
+
+    request_id: str
+    is_prefill: bool
+    positions: tuple[int, ...]
+    slot_mapping: tuple[int, ...]
+    block_table: tuple[int, ...]
+    samples: bool  # its last known token is in this step, so a new token is sampled
+
+
+@dataclass(frozen=True)
+class BatchPrepared(Event):
+    """The batch a step is about to run: decodes first, then prefill chunks (model order).
+
+    Built only when someone subscribes (it costs a copy of every index list), and sent
+    to observers without entering the history.
+    """
+
+    rows: tuple[BatchRow, ...]
 
 
 @dataclass(frozen=True)
@@ -128,8 +166,15 @@ class EventBus:
         self._observers.append(observer)
         return lambda: self._observers.remove(observer) if observer in self._observers else None
 
-    def emit(self, event: Event) -> None:
-        self.history.append(event)
+    @property
+    def has_observers(self) -> bool:
+        """True when someone listens: events that are costly to build are skipped otherwise."""
+        return bool(self._observers)
+
+    def emit(self, event: Event, keep: bool = True) -> None:
+        """Send ``event`` to every observer; ``keep=False`` leaves it out of the history."""
+        if keep:
+            self.history.append(event)
         for observer in list(self._observers):
             try:
                 observer(event)

@@ -67,19 +67,23 @@ class LLM:
         """Yield text deltas of one request as its tokens are produced.
 
         Other queued requests keep making progress while this one streams. Closing the
-        generator early aborts the request and frees its blocks.
+        generator early aborts the request and frees its blocks. A stream is one text, so
+        ``n`` must be 1 (use ``generate`` for several completions).
         """
+        if sampling_params is not None and getattr(sampling_params, "n", 1) != 1:
+            raise ValueError(f"stream() yields one completion's text, got SamplingParams(n={sampling_params.n}); "
+                             f"use generate() for n > 1")
         request_id = self.engine.add_request(prompt, sampling_params)
         finished = False
         try:
-            while not finished and request_id in self.engine.requests:  # engine.abort() may end it
+            while not finished and self.engine.has_request(request_id):  # engine.abort() may end it
                 for out in self.engine.step():
                     if out.request_id == request_id:
                         finished = out.finished
                         if out.delta:
                             yield out.delta
         finally:
-            if not finished and request_id in self.engine.requests:
+            if not finished and self.engine.has_request(request_id):
                 self.engine.abort(request_id)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -99,13 +103,21 @@ class LLM:
                             bar.update(1)
         except BaseException:
             for request_id in pending:  # leave no half-finished request holding blocks
-                if request_id in self.engine.requests:
+                if self.engine.has_request(request_id):
                     self.engine.abort(request_id)
             raise
         finally:
             if bar is not None:
                 bar.close()
         return [results[i] for i in ids]
+
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache's free blocks (see ``LLMEngine.reset_prefix_cache``)."""
+        return self.engine.reset_prefix_cache()
+
+    def memory_report(self):
+        """Bytes of weights, packed copies and KV cache (see ``LLMEngine.memory_report``)."""
+        return self.engine.memory_report()
 
     def shutdown(self) -> None:
         self.engine.shutdown()

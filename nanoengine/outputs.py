@@ -1,9 +1,14 @@
 """What the engine hands back: frozen, typed results (chapters 2 and 11).
 
-``RequestOutput`` mirrors vLLM's: the prompt, the generated text and token ids, why it
-finished, how many prompt tokens came from the prefix cache, and the request's timing
-metrics. TTFT (time to first token) and TPOT (time per output token after the first)
-are the two latencies chapter 6 and chapter 11 measure.
+``RequestOutput`` mirrors vLLM's: the prompt, one ``CompletionOutput`` per completion
+(``SamplingParams(n=...)``) with its text, token ids, why it finished and its logprobs,
+how many prompt tokens came from the prefix cache, and the request's timing metrics, so
+vLLM's quickstart (``output.outputs[0].text``) runs unchanged. ``text``, ``token_ids``,
+``finish_reason`` and friends on ``RequestOutput`` are shortcuts to ``outputs[0]``.
+
+TTFT (time to first token), TPOT (time per output token after the first) and the
+inter-token latencies are the latencies chapter 6 and chapter 11 measure; the engine
+stamps every output token, so they come from its own record.
 """
 
 from __future__ import annotations
@@ -13,13 +18,23 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RequestMetrics:
-    """Wall-clock timestamps (``time.perf_counter`` seconds) of one request."""
+    """Wall-clock timestamps (``time.perf_counter`` seconds) of one request.
+
+    With ``n > 1`` they cover all completions: the first token is the earliest of any,
+    the finish the last, and ``token_times`` holds every completion's tokens in time order.
+    """
 
     arrival_time: float
     first_scheduled_time: float | None
     first_token_time: float | None
     finished_time: float | None
     num_output_tokens: int
+    token_times: tuple[float, ...] = ()  # when each output token was sampled
+
+    @property
+    def inter_token_latencies(self) -> tuple[float, ...]:
+        """Gaps between consecutive output tokens (seconds); what a streaming reader feels."""
+        return tuple(b - a for a, b in zip(self.token_times, self.token_times[1:]))
 
     @property
     def ttft(self) -> float | None:
@@ -51,18 +66,56 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class CompletionOutput:
+    """One completion of a request (vLLM's name and fields)."""
+
+    index: int  # 0 .. n-1
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None  # "length", "stop" or "abort"; None while running
+    stop_reason: str | int | None = None  # the stop string or token id that matched
+    logprobs: tuple[tuple[TokenLogprob, ...], ...] | None = None
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (with logprobs on)
+    delta: str = ""  # text added since the previous output of this request
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """The state of one request as returned by ``LLM.generate`` or ``LLMEngine.step``."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: tuple[int, ...]
-    text: str
-    token_ids: tuple[int, ...]
-    finished: bool
-    finish_reason: str | None  # "length", "stop" or "abort"; None while running
+    outputs: tuple[CompletionOutput, ...]
+    finished: bool  # every completion has finished
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     metrics: RequestMetrics
-    logprobs: tuple[tuple[TokenLogprob, ...], ...] | None = None
-    stop_reason: str | int | None = None  # the stop string or token id that matched
-    delta: str = ""  # text added since the previous output of this request
+
+    # Shortcuts to the first completion, the only one unless SamplingParams.n > 1.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def logprobs(self) -> tuple[tuple[TokenLogprob, ...], ...] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def delta(self) -> str:
+        return self.outputs[0].delta

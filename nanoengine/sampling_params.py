@@ -24,6 +24,10 @@ class SamplingParams:
     stop_token_ids: token ids that end generation (in addition to EOS).
     ignore_eos: keep going past the end-of-sequence token (benchmarks use this).
     logprobs: return the log-probabilities of the top-N tokens at each step.
+    n: how many completions of the prompt to return (parallel sampling). The prompt is
+        computed once and its KV blocks are shared by the n sequences. With a seed,
+        completion i draws from its own generator seeded ``seed + i``, so each one is
+        reproducible whatever else is in the batch.
     """
 
     temperature: float = 1.0
@@ -36,6 +40,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -72,6 +77,9 @@ class SamplingParams:
             _check_number("logprobs", self.logprobs, int)
             if not 0 <= self.logprobs <= 20:
                 raise ValueError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs}")
+        _check_number("n", self.n, int)
+        if self.n < 1:
+            raise ValueError(f"n must be an integer >= 1 (the number of completions), got {self.n}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 

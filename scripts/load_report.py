@@ -34,13 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanoengine import LLMEngine, SamplingParams  # noqa: E402
 from nanoengine.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
 from nanoengine.engine.request import Request  # noqa: E402
-from nanoengine.loader.weights import build_model, init_random_weights  # noqa: E402
-from nanoengine.models.config import ModelConfig  # noqa: E402
+from nanoengine.loader.weights import random_model  # noqa: E402
+from nanoengine.models.presets import TINY_PRESETS  # noqa: E402
 
-VOCAB = 512
-TINY = ModelConfig(architecture="LlamaForCausalLM", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=VOCAB,
-                   max_position_embeddings=1024, tie_word_embeddings=True, eos_token_ids=(2,))
+TINY = TINY_PRESETS["tiny-llama-eos"]
+VOCAB = TINY.vocab_size
 ENGINE = dict(device="cpu", max_model_len=64, block_size=8, num_kv_blocks=24, max_num_seqs=16,
               max_num_batched_tokens=64, enable_chunked_prefill=True, enable_prefix_caching=True)
 
@@ -92,8 +90,7 @@ class LoadReport:
 
 
 def tiny_engine(**overrides) -> LLMEngine:
-    net = build_model(TINY, torch.device("cpu"), torch.float32)
-    init_random_weights(net, seed=0, std=0.08)
+    net = random_model("tiny-llama-eos", std=0.08)
     return LLMEngine.from_model(net, None, **{**ENGINE, **overrides})
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import nanoengine.kernels as kernels
-from nanoengine.kernels import reference
+from nanoengine.kernels import cpu_attention, reference
 
 # Reference (fp32 compute) vs naive float64: fp32 rounding only; fp16/bf16: output rounding.
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -117,10 +117,13 @@ def test_decode_plan_is_shared_by_the_layers_of_one_step():
     query = torch.randn(len(lens), num_heads, head_dim)
     step_cache: dict = {}
     for k_cache, v_cache, tables, context_lens in layers:
-        shared = reference.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3, step_cache)
-        alone = reference.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3)
+        shared = cpu_attention.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3,
+                                                      step_cache)
+        alone = cpu_attention.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3)
         assert torch.equal(shared, alone)
-    assert isinstance(step_cache["decode_plan"], reference.DecodePlan)
+        torch.testing.assert_close(shared, reference.paged_decode_attention(query, k_cache, v_cache, tables,
+                                                                            context_lens, 0.3), atol=1e-5, rtol=1e-5)
+    assert isinstance(step_cache["decode_plan"], cpu_attention.DecodePlan)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
@@ -220,17 +223,18 @@ def test_store_kv_skips_minus_one_slots():
         assert torch.all(v_cache[block, offset] == 2 * expect)
 
 
-def test_dispatch_uses_reference_for_cpu_tensors(monkeypatch):
-    """CPU tensors never reach Triton: each dispatcher calls the reference function."""
+def test_dispatch_keeps_cpu_tensors_off_triton(monkeypatch):
+    """CPU tensors never reach Triton: store-KV and prefill run the reference, decode the CPU path."""
     calls = []
-    for name in ("store_kv", "paged_decode_attention", "paged_prefill_attention"):
-        original = getattr(reference, name)
+    for module, name in ((reference, "store_kv"), (cpu_attention, "paged_decode_attention"),
+                         (reference, "paged_prefill_attention")):
+        original = getattr(module, name)
 
         def spy(*args, _name=name, _original=original):
             calls.append(_name)
             return _original(*args)
 
-        monkeypatch.setattr(reference, name, spy)
+        monkeypatch.setattr(module, name, spy)
     assert kernels._triton_for(torch.zeros(1)) is None
 
     k_cache = torch.zeros(4, 4, 1, 8)

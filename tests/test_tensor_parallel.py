@@ -109,7 +109,10 @@ def test_tp2_matches_tp1_greedy_and_seeded(tp1_llama, tp2_llama):
 def test_tp2_reports_the_whole_kv_cache_and_its_timings(tp1_llama, tp2_llama):
     runner = tp2_llama.engine.runner
     assert runner.kv_cache_bytes == tp1_llama.engine.runner.kv_cache_bytes  # the ranks' halves add up
-    assert runner.kv_cache_bytes_per_rank == [runner.kv_cache_bytes // 2] * 2
+    assert [rank["kv_cache_bytes"] for rank in runner.rank_memory] == [runner.kv_cache_bytes // 2] * 2
+    report, alone = tp2_llama.memory_report(), tp1_llama.memory_report()
+    assert report.kv_cache_bytes == alone.kv_cache_bytes == report.kv_bytes_per_block * report.num_kv_blocks
+    assert report.weight_bytes >= alone.weight_bytes  # each rank also holds its own copy of the norms
     assert runner.num_blocks == 64 and runner.block_size == 8 and runner.device.type == "cpu"
     logits = tp2_llama.engine.next_token_logits("Hello there")
     assert logits.shape == (tp2_llama.engine.model_config.vocab_size,)
@@ -234,7 +237,8 @@ def test_a_worker_that_raises_sends_its_traceback(tp2_llama):
     outside = runner.num_blocks * runner.block_size
     bad = BatchPlan(input_ids=[1, 2], positions=[0, 1], slot_mapping=[outside, outside + 1], num_decode_tokens=0,
                     decode_block_tables=[], decode_context_lens=[], prefill_block_tables=[[0]],
-                    prefill_cu_seqlens_q=[0, 2], prefill_context_lens=[2], logits_indices=[1])
+                    prefill_cu_seqlens_q=[0, 2], prefill_context_lens=[2], logits_indices=[1],
+                    request_ids=["bad"], query_start_loc=[0, 2])
     with pytest.raises(RuntimeError) as err:
         runner.run_plan(bad)
     message = str(err.value)

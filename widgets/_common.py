@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from nanoengine import LLMEngine
-from nanoengine.models.config import ModelConfig
 
 #: Errors a control can provoke with bad input. A view shows them as a message; the
 #: controller guarantees it raised them before changing any engine state.
@@ -48,14 +47,9 @@ def tiny_engine(num_kv_blocks: int = 64, block_size: int = 4, max_model_len: int
     Its prompts are lists of token ids (it has no tokenizer) and it has no end-of-sequence
     token, so every request runs to ``max_tokens``: ideal for watching blocks and queues.
     """
-    from nanoengine.loader.weights import build_model, init_random_weights
+    from nanoengine.loader.weights import random_model
 
-    model_config = ModelConfig(
-        architecture="LlamaForCausalLM", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=vocab_size,
-        max_position_embeddings=max_model_len)
-    net = build_model(model_config, torch.device("cpu"), torch.float32, max_position=max_model_len)
-    init_random_weights(net, seed=seed)
+    net = random_model("tiny-llama", seed=seed, vocab_size=vocab_size, max_position_embeddings=max_model_len)
     return LLMEngine.from_model(net, tokenizer=None, device="cpu", num_kv_blocks=num_kv_blocks,
                                 block_size=block_size, max_model_len=max_model_len, **config)
 

@@ -6,7 +6,7 @@ processes (``worker.py``), ranks 0..N-1. None of them is the driver, so the driv
 joins a process group itself and two engines can live side by side in one program. Each
 step::
 
-    driver: plan_batch(SchedulerOutput) -> BatchPlan (plain lists)
+    driver: plan_batch(SchedulerOutput) -> BatchPlan (plain lists), as for one process
         ──("execute", step, plan)──▶ every rank: forward over its shard, collectives
         ◀──("logits", step, (S, vocab) float32)── rank 0
     driver: Sampler(logits, each request's params and generator) -> tokens
@@ -53,9 +53,7 @@ import torch
 
 from nanoengine.config import EngineConfig
 from nanoengine.distributed.worker import WorkerSpec, default_num_threads, run_worker
-from nanoengine.engine.model_runner import BatchPlan, SamplingRunner, plan_batch
-from nanoengine.engine.request import Request
-from nanoengine.engine.scheduler import SchedulerOutput
+from nanoengine.engine.model_runner import BatchPlan, SamplingRunner
 from nanoengine.layers.sampler import Sampler
 from nanoengine.models.config import ModelConfig
 
@@ -114,8 +112,8 @@ class WorkerGroup:
         self.conns: list[Connection] = []
         self.closed = False
 
-    def start(self, spec: WorkerSpec, timeout_s: float) -> list[int]:
-        """Spawn ranks 0..N-1 and wait until each has loaded; returns each rank's KV bytes."""
+    def start(self, spec: WorkerSpec, timeout_s: float) -> list[dict[str, int]]:
+        """Spawn ranks 0..N-1 and wait until each has loaded; returns each rank's memory usage."""
         ctx = multiprocessing.get_context("spawn")
         for rank in range(self.world_size):
             ours, theirs = ctx.Pipe(duplex=True)
@@ -126,16 +124,16 @@ class WorkerGroup:
             self.processes.append(proc)
             self.pids.append(proc.pid)
             self.conns.append(ours)
-        kv_bytes = [0] * self.world_size
+        usage: list[dict[str, int]] = [{} for _ in range(self.world_size)]
         waiting = set(range(self.world_size))
         deadline = time.monotonic() + timeout_s
         while waiting:
             for rank, message in self._next_messages(deadline, "to load the model", waiting):
                 if message[0] != "ready":
                     self.fail([f"rank {rank} sent {message[0]!r} while loading"])
-                kv_bytes[rank] = message[2]
+                usage[rank] = message[2]
                 waiting.discard(rank)
-        return kv_bytes
+        return usage
 
     def broadcast(self, message: tuple, timeout_s: float) -> None:
         """Send ``message`` to every rank; a dead rank, or one that stops reading, fails the group."""
@@ -295,16 +293,14 @@ class TensorParallelRunner(SamplingRunner):
     step_timeout_s = 600.0  # one forward pass; a hung collective fails here instead of forever
 
     def __init__(self, source: str | Path, model_config: ModelConfig, config: EngineConfig,
-                 max_model_len: int) -> None:
-        from nanoengine.engine.llm_engine import check_kv_blocks
-
+                 max_model_len: int, num_blocks: int) -> None:
         tp_size = config.tensor_parallel_size
         device = config.torch_device
         check_tensor_parallel_size(model_config, tp_size, device)
         self.model_config = model_config
         self.tensor_parallel_size = tp_size
         self.block_size = config.block_size
-        self.num_blocks = check_kv_blocks(config, model_config, max_model_len)  # per rank, same ids everywhere
+        self.num_blocks = num_blocks  # per rank, the same block ids everywhere
         self.device = torch.device("cpu")  # the driver's: requests' generators and the sampler live here
         self.sampler = Sampler()
         self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -318,7 +314,7 @@ class TensorParallelRunner(SamplingRunner):
             block_size=config.block_size, max_position=max_model_len, seed=config.seed,
             num_threads=default_num_threads(tp_size), collective_timeout_s=self.step_timeout_s)
         try:
-            self.kv_cache_bytes_per_rank = self._workers.start(spec, self.startup_timeout_s)
+            self.rank_memory = self._workers.start(spec, self.startup_timeout_s)
         except BaseException:  # an interrupt while loading must not leave workers behind
             self.shutdown()
             raise
@@ -326,7 +322,7 @@ class TensorParallelRunner(SamplingRunner):
     @property
     def kv_cache_bytes(self) -> int:
         """The KV cache of all ranks together (each holds KV heads / tp of every block)."""
-        return sum(self.kv_cache_bytes_per_rank)
+        return sum(report["kv_cache_bytes"] for report in self.rank_memory)
 
     @property
     def worker_pids(self) -> list[int]:
@@ -340,9 +336,14 @@ class TensorParallelRunner(SamplingRunner):
         logits = self._workers.receive_logits(self._step_id, self.step_timeout_s)
         return torch.from_numpy(logits)
 
-    def prepare_inputs(self, out: SchedulerOutput) -> tuple[BatchPlan, list[Request]]:
-        """The step as a plain-list plan (what the workers receive) and the sampling requests."""
-        return plan_batch(out, self.block_size)
+    def prepare_inputs(self, plan: BatchPlan) -> BatchPlan:
+        """The plan is already what the workers receive: plain lists, pickled through the pipes."""
+        return plan
+
+    def memory_usage(self) -> dict[str, int]:
+        """What the ranks reported after loading, added up."""
+        return {name: sum(report[name] for report in self.rank_memory)
+                for name in ("weight_bytes", "packed_weight_bytes", "kv_cache_bytes")}
 
     def run_model(self, plan: BatchPlan) -> torch.Tensor:
         """Every rank runs the plan; rank 0's logits come back (the trip through the pipes included)."""

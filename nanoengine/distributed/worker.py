@@ -15,7 +15,7 @@ rank with the "spawn" start method. Each worker
 
        driver -> every rank   ("execute", step id, {BatchPlan fields as plain lists})
        rank 0 -> driver       ("logits", step id, numpy float32 array (S, vocab))
-       any rank -> driver     ("ready", rank, kv_cache_bytes)   once, after loading
+       any rank -> driver     ("ready", rank, memory usage)     once, after loading
        any rank -> driver     ("error", rank, traceback text)    then it exits
        driver -> every rank   ("shutdown",)
 
@@ -76,7 +76,7 @@ def run_worker(rank: int, conn: Connection, spec: WorkerSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         runner = _setup(rank, spec)
-        conn.send(("ready", rank, runner.kv_cache_bytes))
+        conn.send(("ready", rank, runner.memory_usage()))
         _serve(rank, conn, runner)
     except (EOFError, ConnectionError):
         pass  # the driver closed its end or died: nobody is left to answer

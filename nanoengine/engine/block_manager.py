@@ -5,10 +5,21 @@ A request does not reserve memory for its maximum length; it holds a *block tabl
 list of physical block ids, and gets one more block only when its tokens fill the last
 one. That is the virtual-memory idea behind PagedAttention.
 
-Prefix caching: when a block is full, its content is named by a *chained hash*,
-``hash(parent_block_hash, tokens_of_this_block)``, so equal hashes mean equal prefixes,
+Prefix caching: when a block is full, its content is named by a *chained digest*,
+``SHA-256(parent_digest || tokens_of_this_block)``, so equal digests mean equal prefixes,
 not just equal blocks. A new request whose leading blocks hash the same reuses those
 physical blocks (their reference count goes up) and skips computing them.
+
+Why a cryptographic digest: a 64-bit hash such as Python's ``hash`` can be made to collide
+on purpose, and a collision would serve one request another's KV (vLLM's CVE-2025-25183,
+fixed there by moving to SHA-256). Two more checks make a hit safe even if digests did
+collide: the block's stored token ids must equal the request's, and the block must have
+been computed after the very block matched just before it in the chain (each cached block
+records the *cache serial* of its parent, a number no other cached block ever gets).
+
+Parallel sampling (``SamplingParams(n=...)``) shares blocks without the hash table:
+``fork`` gives a sibling the full blocks of a prompt computed once, with their reference
+count raised (see ``fork`` for what happens to the partly filled last block).
 
 Freed blocks go to the back of an LRU free queue but keep their hash, so a later request
 can still hit them; a block is only forgotten when the queue hands it out again for new
@@ -23,35 +34,53 @@ tokens (an *eviction*). Invariants, checked by ``check_invariants``:
 from __future__ import annotations
 
 import collections
+import hashlib
+import itertools
+from array import array
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
-from nanoengine.events import (BlockEvicted, BlocksAllocated, BlocksFreed, BlockStored, EventBus,
-                               PrefixCacheHit)
+from nanoengine.events import (BlockEvicted, BlocksAllocated, BlocksForked, BlocksFreed, BlockStored,
+                               EventBus, PrefixCacheHit)
 
 if TYPE_CHECKING:
     from nanoengine.engine.request import Request
 
 
-def hash_block(parent_hash: int | None, token_ids: Iterable[int]) -> int:
-    """The chained hash of one full block: it depends on every token before it too."""
-    return hash((parent_hash, tuple(token_ids)))
+ROOT_DIGEST = hashlib.sha256(b"nanoengine prefix cache").digest()  # the "parent" of a first block
+
+
+def hash_block(parent_hash: bytes | None, token_ids: Iterable[int]) -> bytes:
+    """The chained digest of one full block: SHA-256 over the parent's digest and the tokens.
+
+    It depends on every token before the block too, through ``parent_hash`` (None for a
+    sequence's first block). Token ids are packed as 64-bit integers, so no two different
+    token lists give the same bytes.
+    """
+    data = (parent_hash or ROOT_DIGEST) + array("q", token_ids).tobytes()
+    return hashlib.sha256(data).digest()
+
+
+BlockHashFn = Callable[[bytes | None, Iterable[int]], bytes]
 
 
 class Block:
     """One physical KV block: who uses it and, once full and cached, what it holds."""
 
-    __slots__ = ("block_id", "ref_count", "block_hash", "parent_hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "block_hash", "parent_hash", "token_ids", "serial", "parent_serial")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
-        self.block_hash: int | None = None  # set while the block is in the prefix cache
-        self.parent_hash: int | None = None
+        self.block_hash: bytes | None = None  # set while the block is in the prefix cache
+        self.parent_hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.serial: int | None = None  # unique per caching: names this exact KV content
+        self.parent_serial: int | None = None  # the serial of the block this one was computed after
 
     def reset(self) -> None:
         self.block_hash, self.parent_hash, self.token_ids = None, None, ()
+        self.serial, self.parent_serial = None, None
 
 
 @dataclass(frozen=True)
@@ -61,7 +90,15 @@ class BlockSnapshot:
     block_id: int
     ref_count: int
     is_free: bool
-    is_cached: bool  # holds a hash in the prefix cache (free or not)
+    is_cached: bool  # holds a digest in the prefix cache (free or not)
+    block_hash: bytes | None = None  # its chained digest while cached
+    parent_hash: bytes | None = None  # the digest of the block before it (None: a first block)
+    lru_position: int | None = None  # place in the free queue, 0 = the next one handed out
+
+    @property
+    def short_hash(self) -> str:
+        """The first 8 hex digits of the digest ("" when not cached), for display."""
+        return self.block_hash.hex()[:8] if self.block_hash is not None else ""
 
 
 class InvariantError(AssertionError):
@@ -72,7 +109,7 @@ class BlockManager:
     """Hands out KV blocks to requests, shares cached prefixes, frees and evicts."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: EventBus | None = None) -> None:
+                 events: EventBus | None = None, hash_fn: BlockHashFn | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
@@ -85,7 +122,10 @@ class BlockManager:
         # An OrderedDict gives O(1) removal from the middle (a prefix hit on a free block).
         self.free_queue: collections.OrderedDict[int, None] = collections.OrderedDict(
             (i, None) for i in range(num_blocks))
-        self.cached_blocks: dict[int, int] = {}  # block hash -> block id
+        self.cached_blocks: dict[bytes, int] = {}  # block digest -> block id
+        # Tests inject a deliberately weak hash here to show that collisions stay harmless.
+        self.hash_fn: BlockHashFn = hash_fn or hash_block
+        self._serials = itertools.count()
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
         self.num_evictions = 0
@@ -117,18 +157,20 @@ class BlockManager:
         tokens = request.all_token_ids
         max_full_blocks = (len(tokens) - 1) // self.block_size
         hits: list[int] = []
-        parent: int | None = None
+        parent: bytes | None = None
+        parent_serial: int | None = None
         for i in range(max_full_blocks):
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            block_hash = hash_block(parent, chunk)
+            block_hash = self.hash_fn(parent, chunk)
             block_id = self.cached_blocks.get(block_hash)
             if block_id is None:
                 break
             block = self.blocks[block_id]
-            if block.token_ids != chunk or block.parent_hash != parent:  # a hash collision
+            # Verify, do not trust the digest: same tokens, computed after the block just matched.
+            if block.token_ids != chunk or block.parent_hash != parent or block.parent_serial != parent_serial:
                 break
             hits.append(block_id)
-            parent = block_hash
+            parent, parent_serial = block_hash, block.serial
         return hits, len(hits) * self.block_size
 
     def can_allocate(self, request: "Request", num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
@@ -173,19 +215,51 @@ class BlockManager:
         """Register the hashes of ``request``'s blocks that its computed tokens filled."""
         if not self.enable_prefix_caching:
             return
-        hashes = request.block_hashes
+        hashes, serials = request.block_hashes, request.block_serials
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
         for i in range(len(hashes), num_full):
             parent = hashes[i - 1] if i else None
+            parent_serial = serials[i - 1] if i else None
             chunk = tuple(request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
-            block_hash = hash_block(parent, chunk)
+            block_hash = self.hash_fn(parent, chunk)
             hashes.append(block_hash)
             block = self.blocks[request.block_ids[i]]
-            if block.block_hash is not None or block_hash in self.cached_blocks:
-                continue  # already cached (a prefix hit), or an identical block is
-            block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, chunk
-            self.cached_blocks[block_hash] = block.block_id
-            self.events.emit(BlockStored(self.step, block.block_id, block_hash))
+            if block.block_hash is not None:  # cached already: stored earlier, or a prefix hit
+                serials.append(block.serial)
+            elif i and not self._serial_is_cached(parent, parent_serial):
+                serials.append(None)  # the content it was computed after is not cached: unreachable
+            elif block_hash in self.cached_blocks:  # the digest is taken, by an identical block or a collision
+                twin = self.blocks[self.cached_blocks[block_hash]]
+                same = twin.token_ids == chunk and twin.parent_serial == parent_serial
+                serials.append(twin.serial if same else None)
+            else:
+                block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, chunk
+                block.serial, block.parent_serial = next(self._serials), parent_serial
+                self.cached_blocks[block_hash] = block.block_id
+                serials.append(block.serial)
+                self.events.emit(BlockStored(self.step, block.block_id, block_hash, parent))
+
+    def fork(self, parent: "Request", child: "Request", num_blocks: int) -> None:
+        """Share ``parent``'s first ``num_blocks`` blocks with ``child`` (parallel sampling).
+
+        The n completions of one prompt (``SamplingParams(n=...)``) compute the prompt once;
+        each sibling then holds the same physical blocks, whose reference counts go up by
+        one per sibling. Only *full* blocks are shared. The prompt's partly filled last block
+        is not: every sibling would write its own next token into it. vLLM v0 copied that
+        block on write (a device-side KV copy in every worker); here each sibling recomputes
+        the few tokens of that block instead (at most ``block_size - 1``, riding in its next
+        step), which needs no copy kernel and works unchanged under tensor parallelism.
+        """
+        if child.block_ids:
+            raise ValueError(f"fork target {child.request_id} already holds blocks {child.block_ids}")
+        shared = parent.block_ids[:num_blocks]
+        for block_id in shared:
+            self.blocks[block_id].ref_count += 1
+        child.block_ids = list(shared)
+        child.block_hashes = list(parent.block_hashes[:num_blocks])
+        child.block_serials = list(parent.block_serials[:num_blocks])
+        if shared:
+            self.events.emit(BlocksForked(self.step, child.request_id, parent.request_id, tuple(shared)))
 
     def free(self, request: "Request") -> None:
         """Drop ``request``'s hold on its blocks; blocks nobody holds become free.
@@ -202,6 +276,7 @@ class BlockManager:
                 freed.append(block_id)
         request.block_ids = []
         request.block_hashes = []
+        request.block_serials = []
         if freed:
             self.events.emit(BlocksFreed(self.step, request.request_id, tuple(freed)))
 
@@ -217,7 +292,9 @@ class BlockManager:
 
     # --------------------------------------------------------------- checking
     def snapshot(self) -> tuple[BlockSnapshot, ...]:
-        return tuple(BlockSnapshot(b.block_id, b.ref_count, b.ref_count == 0, b.block_hash is not None)
+        lru = {block_id: place for place, block_id in enumerate(self.free_queue)}
+        return tuple(BlockSnapshot(b.block_id, b.ref_count, b.ref_count == 0, b.block_hash is not None,
+                                   b.block_hash, b.parent_hash, lru.get(b.block_id))
                      for b in self.blocks)
 
     def check_invariants(self, requests: Iterable["Request"]) -> None:
@@ -240,7 +317,7 @@ class BlockManager:
             if block.block_hash is not None:
                 if self.cached_blocks.get(block.block_hash) != block.block_id:
                     raise InvariantError(f"block {block.block_id} has a hash the table does not map to it")
-                if hash_block(block.parent_hash, block.token_ids) != block.block_hash \
+                if self.hash_fn(block.parent_hash, block.token_ids) != block.block_hash \
                         or len(block.token_ids) != self.block_size:
                     raise InvariantError(f"block {block.block_id}'s hash does not match its tokens")
         for block_hash, block_id in self.cached_blocks.items():
@@ -254,6 +331,11 @@ class BlockManager:
         held = len(request.block_ids) + len(computed_blocks)
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         return max(0, self.blocks_needed(num_computed + num_new_tokens) - held)
+
+    def _serial_is_cached(self, block_hash: bytes | None, serial: int | None) -> bool:
+        """Whether the block content named by (digest, serial) is still in the prefix cache."""
+        block_id = self.cached_blocks.get(block_hash) if serial is not None else None
+        return block_id is not None and self.blocks[block_id].serial == serial
 
     def _evict(self, block: Block) -> None:
         del self.cached_blocks[block.block_hash]

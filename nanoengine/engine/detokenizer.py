@@ -22,6 +22,7 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self.text = ""  # everything emitted so far
         self.stop_hit: str | None = None
+        self.flushed = False  # an update with finished=True has released everything held back
 
     def update(self, new_token_ids: list[int], finished: bool) -> str:
         """Add tokens; return the text delta that became safe to show.
@@ -29,6 +30,7 @@ class IncrementalDetokenizer:
         Sets ``stop_hit`` when a stop string appeared (the caller then ends the request).
         """
         self.token_ids.extend(new_token_ids)
+        self.flushed = self.flushed or finished
         if self.tokenizer is None:
             return ""
         full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True,

@@ -3,91 +3,61 @@
 ``step()`` is the whole engine loop in three moves::
 
     schedule  -> which requests, how many tokens each (CPU control plane)
-    execute   -> prepare tensors, run the model, sample (the worker / data plane)
+    execute   -> plan the batch, prepare tensors, run the model, sample (the worker / data plane)
     update    -> append tokens, detect stops, free finished requests, build outputs
 
 Everything a reader or a simulator wants to watch is available without touching internal
-state: ``snapshot()`` returns frozen records of the queues and blocks, and ``events``
-publishes what happened (queued, scheduled, preempted, finished, blocks allocated, freed,
-cached, evicted, prefix hits, step timings).
+state: ``snapshot()`` and ``memory_report()`` return frozen records, and ``events``
+publishes what happened (queued, scheduled, preempted, finished, blocks allocated, forked,
+freed, stored, evicted, prefix hits, each step's batch layout and timings).
+
+Module map of the engine core: ``scheduler`` decides, ``block_manager`` keeps the KV
+blocks, ``model_runner`` computes, ``output_processor`` turns tokens into outputs; this
+module only wires them together and validates what comes in.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from nanoengine.config import EngineConfig
-from nanoengine.engine.block_manager import BlockManager, BlockSnapshot
-from nanoengine.engine.detokenizer import IncrementalDetokenizer
-from nanoengine.engine.model_runner import ModelRunner, kv_cache_num_blocks
+from nanoengine.config import EngineConfig, resolve_max_model_len, resolve_num_kv_blocks
+from nanoengine.engine.block_manager import BlockManager
+from nanoengine.engine.model_runner import ModelRunner, SamplingRunner, plan_batch
+from nanoengine.engine.output_processor import OutputProcessor, RequestState
 from nanoengine.engine.request import Request, RequestStatus
 from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
-from nanoengine.events import EventBus, RequestQueued, StepFinished
+from nanoengine.engine.snapshots import EngineSnapshot, MemoryReport, RequestSnapshot
+from nanoengine.events import BatchPrepared, EventBus, RequestQueued, StepFinished
 from nanoengine.models.config import ModelConfig
-from nanoengine.outputs import RequestMetrics, RequestOutput, TokenLogprob
+from nanoengine.outputs import RequestOutput
 from nanoengine.sampling_params import SamplingParams
 
-
-@dataclass(frozen=True)
-class RequestSnapshot:
-    request_id: str
-    status: str
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_computed_tokens: int
-    num_tokens: int
-    max_tokens: int
-    block_ids: tuple[int, ...]
-    num_cached_tokens: int
-    num_preemptions: int
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """A frozen picture of the engine between two steps."""
-
-    step: int
-    waiting: tuple[RequestSnapshot, ...]
-    running: tuple[RequestSnapshot, ...]
-    blocks: tuple[BlockSnapshot, ...]
-    block_size: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    kv_cache_bytes: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
+RunnerFactory = Callable[[int, int], SamplingRunner]  # (max_model_len, num_kv_blocks) -> runner
 
 
 class LLMEngine:
     """Add requests, call ``step`` until done. ``LLM`` wraps this for batch use."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, runner: ModelRunner, tokenizer) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, runner: SamplingRunner, tokenizer) -> None:
         self.config = config
         self.model_config = model_config
         self.runner = runner
         self.tokenizer = tokenizer
-        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.max_model_len = resolve_max_model_len(config, model_config)
         self.events = EventBus()
         self.block_manager = BlockManager(runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching, self.events)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill,
                                    config.scheduling_policy, self.events)
-        self.requests: dict[str, Request] = {}  # unfinished requests by id
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.output_processor = OutputProcessor(tokenizer, self.scheduler)
         self._next_id = 0  # automatic request ids are "0", "1", ...
         self._probe_ids = itertools.count()  # next_token_logits' private requests
         self.step_count = 0
@@ -103,65 +73,96 @@ class LLMEngine:
         config = EngineConfig.from_kwargs(**kwargs)
         source = resolve_model_source(model)
         model_config = load_model_config(source)
-        max_model_len = check_max_model_len(config, model_config)
-        if config.tensor_parallel_size > 1:
-            from nanoengine.distributed.tp_runner import TensorParallelRunner
 
-            runner = TensorParallelRunner(source, model_config, config, max_model_len)
-        else:
-            device, dtype = config.torch_device, config.torch_dtype
-            num_blocks = check_kv_blocks(config, model_config, max_model_len)
-            net = load_model(source, model_config, device, dtype, max_position=max_model_len)
-            runner = ModelRunner(net, model_config, num_blocks, config.block_size, device, dtype, config.seed,
-                                 cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512),
-                                 max_model_len=max_model_len)
-        return cls(config, model_config, runner, load_tokenizer(source))
+        def make_runner(max_model_len: int, num_blocks: int) -> SamplingRunner:
+            if config.tensor_parallel_size > 1:
+                from nanoengine.distributed.tp_runner import TensorParallelRunner
+
+                return TensorParallelRunner(source, model_config, config, max_model_len, num_blocks)
+            net = load_model(source, model_config, config.torch_device, config.torch_dtype, max_position=max_model_len)
+            return _local_runner(net, config, max_model_len, num_blocks)
+
+        return cls._build(config, model_config, make_runner, load_tokenizer(source))
 
     @classmethod
     def from_model(cls, net: torch.nn.Module, tokenizer=None, **kwargs) -> "LLMEngine":
         """An engine around an already-built model (random weights in tests and chapters)."""
         config = EngineConfig.from_kwargs(**kwargs)
-        model_config = net.config
-        max_model_len = check_max_model_len(config, model_config)
-        num_blocks = check_kv_blocks(config, model_config, max_model_len)
-        runner = ModelRunner(net, model_config, num_blocks, config.block_size, config.torch_device,
-                             config.torch_dtype, config.seed,
-                             cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512),
-                             max_model_len=max_model_len)
-        return cls(config, model_config, runner, tokenizer)
+        if config.tensor_parallel_size != 1:
+            raise ValueError("from_model runs the model in this process, so tensor_parallel_size must be 1; "
+                             "use LLMEngine.from_pretrained(path, tensor_parallel_size=N) to split a checkpoint")
+        return cls._build(config, net.config, lambda max_len, blocks: _local_runner(net, config, max_len, blocks),
+                          tokenizer)
+
+    @classmethod
+    def _build(cls, config: EngineConfig, model_config: ModelConfig, make_runner: RunnerFactory,
+               tokenizer) -> "LLMEngine":
+        """Both constructors: resolve the limits first (nothing allocated yet), then the runner."""
+        max_model_len = resolve_max_model_len(config, model_config)
+        num_blocks = resolve_num_kv_blocks(config, model_config, max_model_len)
+        return cls(config, model_config, make_runner(max_model_len, num_blocks), tokenizer)
 
     # ------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queue a request; returns its id. Checks everything before changing anything."""
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queue a request; returns its id. Checks everything before changing anything.
+
+        ``arrival_time`` (a ``time.perf_counter()`` value, not in the future) lets a
+        benchmark replaying an online trace date a request from when it arrived rather
+        than when it was added; TTFT is measured from it.
+        """
         params = sampling_params if sampling_params is not None else SamplingParams()
-        request = self.make_request(prompt, params, request_id)
+        state = self.make_request(prompt, params, request_id, arrival_time)
         if request_id is None:
             self._next_id += 1
-        self.requests[request.request_id] = request
-        self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
-        self.scheduler.add_request(request)
-        self.events.emit(RequestQueued(self.step_count, request.request_id, request.num_prompt_tokens))
-        return request.request_id
+        leader = state.completions[0]
+        leader.forks = state.completions[1:]
+        self.output_processor.add_request(state)
+        self.scheduler.add_request(leader)
+        self.events.emit(RequestQueued(self.step_count, leader.request_id, leader.num_prompt_tokens))
+        return state.request_id
 
-    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None) -> Request:
-        """Validate and tokenize one request without queueing it."""
+    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                     arrival_time: float | None = None) -> RequestState:
+        """Validate and tokenize one request without queueing it: its n completions."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {params!r:.80} ({type(params).__name__})")
         if request_id is None:  # the next free number; only add_request consumes it
-            while str(self._next_id) in self.requests:
+            while self._id_taken(str(self._next_id), params.n):
                 self._next_id += 1
             request_id = str(self._next_id)
         elif not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        elif request_id in self.requests:
+        elif self._id_taken(request_id, params.n):
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} completions must run at once, but max_num_seqs is "
+                             f"{self.config.max_num_seqs}: lower n or raise max_num_seqs")
+        arrival_time = self._check_arrival_time(arrival_time)
         text, token_ids = self.tokenize_prompt(prompt)
         for t in params.stop_token_ids:
             if t >= self.model_config.vocab_size:
                 raise ValueError(f"stop_token_ids holds {t}, outside the vocabulary [0, {self.model_config.vocab_size})")
-        return Request(request_id, token_ids, params, prompt=text, eos_token_ids=self.eos_token_ids,
-                       device=self.runner.device)
+        completions = [Request(child_id, token_ids, child_params, prompt=text, eos_token_ids=self.eos_token_ids,
+                               arrival_time=arrival_time, device=self.runner.device, parent_id=request_id, index=i)
+                       for i, (child_id, child_params) in enumerate(_completions(request_id, params))]
+        return RequestState(request_id, text, completions, self.tokenizer, params.stop)
+
+    def _id_taken(self, request_id: str, n: int) -> bool:
+        """Whether ``request_id`` (or one of its completions' ids) names an unfinished request."""
+        ids = {request_id} | {child_id for child_id, _ in _completions(request_id, SamplingParams(n=n))}
+        return bool(ids & (set(self.output_processor.states) | set(self.requests)))
+
+    @staticmethod
+    def _check_arrival_time(arrival_time: float | None) -> float:
+        now = time.perf_counter()
+        if arrival_time is None:
+            return now
+        if isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float)) \
+                or not math.isfinite(arrival_time) or arrival_time > now:
+            raise ValueError(f"arrival_time must be a finite time.perf_counter() value not in the future "
+                             f"(now {now:.3f}), got {arrival_time!r}")
+        return float(arrival_time)
 
     def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids), checked against the vocabulary and max_model_len."""
@@ -194,25 +195,46 @@ class LLMEngine:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
 
+    @property
+    def requests(self) -> dict[str, Request]:
+        """Unfinished requests as the scheduler sees them, by id (a completion each when n > 1)."""
+        return {r.request_id: r for state in self.output_processor.states.values()
+                for r in state.completions if not r.is_finished}
+
+    def has_request(self, request_id: str) -> bool:
+        """True while the request ``add_request`` returned this id for is unfinished."""
+        return request_id in self.output_processor.states
+
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request now and free its blocks; returns its final output.
+        """Stop a request (all its completions) now and free its blocks; returns its final output.
 
         Called by an event observer during ``step()``, the request is in the batch being
         run, so it ends when that step does (the step returns its final output) and this
         returns None.
         """
-        request = self.requests.get(request_id) if isinstance(request_id, str) else None
-        if request is None:
+        state = self.output_processor.states.get(request_id) if isinstance(request_id, str) else None
+        if state is None:
             raise ValueError(f"unknown request id {request_id!r}: no unfinished request has it "
-                             f"(unfinished: {sorted(self.requests)[:10]})")
+                             f"(unfinished: {sorted(self.output_processor.states)[:10]})")
         if self._stepping:
             self._deferred_aborts.append(request_id)
             return None
-        self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
-        return self._finish_output(request, "")
+        for request in state.completions:
+            if not request.is_finished:
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        state.completions[0].forks = []
+        return self.output_processor.make_output(state)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block digest of a free block; returns how many were dropped.
+
+        Blocks held by unfinished requests keep theirs (they are in use). Benchmarks call
+        this between runs so a later run cannot be served by an earlier one's prompts.
+        """
+        return self.block_manager.reset_prefix_cache()
 
     # ----------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
@@ -227,7 +249,7 @@ class LLMEngine:
         finally:
             self._stepping = False
         aborted, self._deferred_aborts = dict.fromkeys(self._deferred_aborts), []
-        return outputs + [self.abort(request_id) for request_id in aborted if request_id in self.requests]
+        return outputs + [self.abort(request_id) for request_id in aborted if self.has_request(request_id)]
 
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -236,67 +258,27 @@ class LLMEngine:
         t1 = time.perf_counter()
         if sched.is_empty:
             return []
-        num_prefill, num_decode = sched.num_prefill_tokens, sched.num_decode_tokens
-        for request, _ in sched.scheduled:
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = t1
-        result = self.runner.execute_model(sched)
+        for scheduled in sched.scheduled:
+            if scheduled.request.first_scheduled_time is None:
+                scheduled.request.first_scheduled_time = t1
+        plan, sampled = plan_batch(sched, self.config.block_size)
+        plan_time = time.perf_counter() - t1
+        if self.events.has_observers:  # a copy of every index list: only for someone watching
+            self.events.emit(BatchPrepared(self.step_count, plan.rows()), keep=False)
+        result = self.runner.execute_model(plan, sampled)
         produced = self.scheduler.update_from_output(sched, result.sampled)
-        outputs = [self._output(request, result.logprobs.get(request.request_id)) for request in produced]
+        outputs = self.output_processor.process(produced, result.logprobs)
         total = time.perf_counter() - t0
-        self.events.emit(StepFinished(self.step_count, num_prefill, num_decode, len(sched.scheduled),
-                                      len(sched.preempted), sched.token_budget, t1 - t0, result.prepare_time,
-                                      result.model_time, result.sample_time, total))
+        self.events.emit(StepFinished(self.step_count, sched.num_prefill_tokens, sched.num_decode_tokens,
+                                      len(sched.scheduled), len(sched.preempted), sched.token_budget, t1 - t0,
+                                      plan_time + result.prepare_time, result.model_time, result.sample_time,
+                                      total))
         self.step_count += 1
         return outputs
 
-    def _output(self, request: Request, logprobs) -> RequestOutput:
-        now = time.perf_counter()
-        if request.first_token_time is None:
-            request.first_token_time = now
-        if logprobs is not None:
-            request.output_logprobs.append(logprobs)
-        detok = self._detokenizers[request.request_id]
-        delta = detok.update([request.output_token_ids[-1]], request.is_finished)
-        if detok.stop_hit is not None and not request.is_finished:
-            request.stop_reason = detok.stop_hit
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-        if request.is_finished:
-            return self._finish_output(request, delta)
-        return self._make_output(request, delta)
-
-    def _finish_output(self, request: Request, delta: str) -> RequestOutput:
-        """Final output of a finished request: flush held-back text, forget the request."""
-        request.finished_time = time.perf_counter()
-        del self.requests[request.request_id]
-        detok = self._detokenizers.pop(request.request_id)
-        delta += detok.update([], True)
-        return self._make_output(request, delta, detok)
-
-    def _make_output(self, request: Request, delta: str, detok: IncrementalDetokenizer | None = None) -> RequestOutput:
-        detok = detok or self._detokenizers[request.request_id]
-        logprobs = None
-        if request.sampling_params.logprobs is not None:
-            logprobs = tuple(self._token_logprobs(tok, lp) for tok, lp in zip(request.output_token_ids,
-                                                                              request.output_logprobs))
-        return RequestOutput(
-            request_id=request.request_id, prompt=request.prompt,
-            prompt_token_ids=tuple(request.prompt_token_ids), text=detok.text,
-            token_ids=tuple(request.output_token_ids), finished=request.is_finished,
-            finish_reason=request.status.finish_reason, num_cached_tokens=request.num_cached_tokens,
-            metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time,
-                                   request.finished_time, request.num_output_tokens),
-            logprobs=logprobs, stop_reason=request.stop_reason, delta=delta)
-
-    def _token_logprobs(self, token_id: int, entry) -> tuple[TokenLogprob, ...]:
-        sampled_lp, top = entry
-        pairs = [(token_id, sampled_lp)] + [p for p in top if p[0] != token_id]
-        return tuple(TokenLogprob(t, lp, self.decode([t])) for t, lp in pairs)
-
     def decode(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        """Token ids to text, special tokens included (for showing single tokens)."""
+        return self.output_processor.decode(token_ids)
 
     def next_token_logits(self, prompt: str | list[int]) -> torch.Tensor:
         """The model's raw logits (vocab,) for the token after ``prompt`` (chapter 8).
@@ -315,7 +297,9 @@ class LLMEngine:
                                f"({self.block_manager.num_free_blocks} free); finish or abort some requests")
         probe.num_computed_tokens = num_cached
         try:
-            logits = self.runner.compute_logits(SchedulerOutput([(probe, num_new)], [], num_new))[0]
+            batch = SchedulerOutput()
+            batch.add(probe, num_new)
+            logits = self.runner.compute_logits(plan_batch(batch, self.config.block_size)[0])[0]
             probe.num_computed_tokens = len(token_ids)
             self.block_manager.cache_full_blocks(probe)
         finally:
@@ -324,18 +308,29 @@ class LLMEngine:
 
     # ------------------------------------------------------------ observing
     def snapshot(self) -> EngineSnapshot:
+        bm = self.block_manager
         return EngineSnapshot(
             step=self.step_count,
-            waiting=tuple(_request_snapshot(r) for r in self.scheduler.waiting),
-            running=tuple(_request_snapshot(r) for r in self.scheduler.running),
-            blocks=self.block_manager.snapshot(), block_size=self.config.block_size,
-            num_free_blocks=self.block_manager.num_free_blocks,
-            num_cached_blocks=self.block_manager.num_cached_blocks,
+            waiting=tuple(RequestSnapshot.of(r) for r in self.scheduler.waiting),
+            running=tuple(RequestSnapshot.of(r) for r in self.scheduler.running),
+            blocks=bm.snapshot(), block_size=self.config.block_size,
+            num_free_blocks=bm.num_free_blocks, num_cached_blocks=bm.num_cached_blocks,
             kv_cache_bytes=self.runner.kv_cache_bytes, max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=self.max_model_len,
-            prefix_cache_queries=self.block_manager.prefix_queries,
-            prefix_cache_hits=self.block_manager.prefix_hits,
-            num_preemptions=self.scheduler.num_preemptions)
+            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
+            num_preemptions=self.scheduler.num_preemptions, num_evictions=bm.num_evictions,
+            scheduling_policy=self.config.scheduling_policy)
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes of weights (and their packed CPU copies) and of the KV cache, and the KV sizes."""
+        usage = self.runner.memory_usage()
+        dtype = self.config.torch_dtype
+        return MemoryReport(
+            weight_bytes=usage["weight_bytes"], packed_weight_bytes=usage["packed_weight_bytes"],
+            kv_cache_bytes=usage["kv_cache_bytes"], num_kv_blocks=self.runner.num_blocks,
+            block_size=self.config.block_size,
+            kv_bytes_per_token=self.model_config.kv_bytes_per_token(torch.empty(0, dtype=dtype).element_size()),
+            dtype=str(dtype).removeprefix("torch."), tensor_parallel_size=self.config.tensor_parallel_size)
 
     def check_invariants(self) -> None:
         """Raise if block bookkeeping is inconsistent (tests call this after every step)."""
@@ -343,6 +338,11 @@ class LLMEngine:
         for request in self.scheduler.waiting:
             if request.block_ids:
                 raise AssertionError(f"waiting request {request.request_id} holds blocks {request.block_ids}")
+        for request in self.scheduler.running + list(self.scheduler.waiting):
+            for fork in request.forks:
+                if fork.block_ids or fork.status != RequestStatus.WAITING:
+                    raise AssertionError(f"fork {fork.request_id} of {request.request_id} is {fork.status.value} "
+                                         f"with blocks {fork.block_ids} before its prompt was computed")
 
     def shutdown(self) -> None:
         """Release worker processes (tensor parallelism); a no-op for a single process."""
@@ -351,32 +351,20 @@ class LLMEngine:
             close()
 
 
-def _request_snapshot(r: Request) -> RequestSnapshot:
-    return RequestSnapshot(r.request_id, r.status.value, r.num_prompt_tokens, r.num_output_tokens,
-                           r.num_computed_tokens, r.num_tokens, r.sampling_params.max_tokens,
-                           tuple(r.block_ids), r.num_cached_tokens, r.num_preemptions)
+def _completions(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+    """(id, params) of each completion: the request itself when n == 1, else "{i}_{id}" (vLLM's names).
+
+    A seeded request's completion i gets seed ``seed + i``, so each is reproducible and
+    they differ from one another.
+    """
+    if params.n == 1:
+        return [(request_id, params)]
+    return [(f"{i}_{request_id}", params if params.seed is None
+             else dataclasses.replace(params, seed=(params.seed + i) % 2**63)) for i in range(params.n)]
 
 
-def check_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
-    """The effective max_model_len, refused if the model or the token budget cannot serve it."""
-    limit = model_config.max_position_embeddings
-    max_model_len = config.max_model_len or limit
-    if max_model_len > limit:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings ({limit})")
-    if not config.enable_chunked_prefill and config.max_num_batched_tokens < max_model_len:
-        raise ValueError(f"without chunked prefill a whole prompt must fit one step: max_num_batched_tokens "
-                         f"({config.max_num_batched_tokens}) must be >= max_model_len ({max_model_len})")
-    return max_model_len
-
-
-def check_kv_blocks(config: EngineConfig, model_config: ModelConfig, max_model_len: int) -> int:
-    """Number of KV blocks, refused if the pool cannot hold even one maximal request."""
-    num_blocks = config.num_kv_blocks or kv_cache_num_blocks(
-        model_config, config.block_size, config.torch_dtype, config.kv_cache_memory_gb * 2**30,
-        config.tensor_parallel_size)
-    needed = -(-max_model_len // config.block_size)
-    if num_blocks < needed:
-        raise ValueError(f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold one request "
-                         f"of max_model_len={max_model_len} tokens ({needed} blocks): raise num_kv_blocks / "
-                         f"kv_cache_memory_gb or lower max_model_len")
-    return num_blocks
+def _local_runner(net: torch.nn.Module, config: EngineConfig, max_model_len: int, num_blocks: int) -> ModelRunner:
+    """A runner with the model in this process (CUDA graphs unless enforce_eager or on CPU)."""
+    return ModelRunner(net, net.config, num_blocks, config.block_size, config.torch_device, config.torch_dtype,
+                       config.seed, cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512),
+                       max_model_len=max_model_len)

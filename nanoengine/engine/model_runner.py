@@ -4,13 +4,15 @@ It owns the model and the KV cache, one preallocated tensor::
 
     kv_cache: (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
 
-and turns the scheduler's decision into tensors (``prepare_inputs``):
+The scheduler's decision becomes a ``BatchPlan`` of plain lists (``plan_batch``), then
+tensors (``prepare_inputs``):
 
 * ``input_ids`` / ``positions``: the tokens to compute, decodes first then prefill chunks,
 * ``slot_mapping``: where each token's K/V goes (``block_table[pos // B] * B + pos % B``),
 * block tables and context lengths: where each sequence's earlier K/V already is,
 * ``logits_indices``: the rows whose logits are needed, one per sequence that reaches
-  its last token this step (a mid-prompt chunk samples nothing).
+  its last token this step (a mid-prompt chunk samples nothing); a parallel-sampling
+  request whose siblings wait for its prompt repeats its row once per sibling.
 
 ``execute_model`` runs the forward pass, computes logits for those rows only and samples.
 """
@@ -27,6 +29,7 @@ from nanoengine import kernels
 from nanoengine.engine.host_memory import keep_freed_memory
 from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import SchedulerOutput
+from nanoengine.events import BatchRow
 from nanoengine.layers.attention import AttentionMetadata
 from nanoengine.layers.sampler import Sampler, SampleResult
 from nanoengine.models.config import ModelConfig
@@ -49,6 +52,18 @@ class BatchPlan:
     prefill_cu_seqlens_q: list[int]
     prefill_context_lens: list[int]
     logits_indices: list[int]
+    request_ids: list[str]  # the scheduled requests in model order (decodes, then prefills)
+    query_start_loc: list[int]  # request i's tokens are rows query_start_loc[i]:query_start_loc[i+1]
+
+    def rows(self) -> tuple[BatchRow, ...]:
+        """Per request: its positions, slots and block table (for the ``BatchPrepared`` event)."""
+        tables = self.decode_block_tables + self.prefill_block_tables
+        sampling_rows = set(self.logits_indices)
+        starts, ends = self.query_start_loc[:-1], self.query_start_loc[1:]
+        return tuple(
+            BatchRow(request_id, i >= self.num_decode_tokens, tuple(self.positions[a:b]),
+                     tuple(self.slot_mapping[a:b]), tuple(tables[i]), b - 1 in sampling_rows)
+            for i, (request_id, a, b) in enumerate(zip(self.request_ids, starts, ends)))
 
 
 @dataclass
@@ -75,6 +90,11 @@ class ModelInput:
                    ints(plan.logits_indices, torch.long))
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of a tensor's elements (also for oneDNN's opaque packed tensors: same element count)."""
+    return tensor.numel() * tensor.element_size()
+
+
 def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:
     """(num_seqs, max_blocks) int32, rows padded with -1 (never read by the kernels)."""
     width = max((len(t) for t in tables), default=0)
@@ -85,35 +105,35 @@ def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:
 def plan_batch(out: SchedulerOutput, block_size: int) -> tuple[BatchPlan, list[Request]]:
     """Flatten the scheduled requests into one batch: decodes first, then prefill chunks.
 
-    Returns the plan and the requests whose last token is in this step (they sample), in
-    the order of ``logits_indices``.
+    Returns the plan and the requests that sample this step, in the order of
+    ``logits_indices`` (forked siblings right after the request whose logits they share).
     """
-    decodes = [(r, n) for r, n in out.scheduled if n == 1 and r.num_computed_tokens > 0]
-    prefills = [(r, n) for r, n in out.scheduled if not (n == 1 and r.num_computed_tokens > 0)]
-    # A one-token chunk after cached tokens is a decode in all but name: one query at the
-    # last position over the whole context, so it rides with the decodes.
+    decodes = [s for s in out.scheduled if not s.is_prefill]
+    prefills = [s for s in out.scheduled if s.is_prefill]
     input_ids, positions, slots, logits_indices, sampled = [], [], [], [], []
-    cu_seqlens = [0]
-    for is_prefill, group in ((False, decodes), (True, prefills)):
-        for request, num_new in group:
-            start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
-            input_ids.extend(request.all_token_ids[start:end])
-            positions.extend(range(start, end))
-            table = request.block_ids
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-            if is_prefill:
-                cu_seqlens.append(cu_seqlens[-1] + num_new)
-            if end == request.num_tokens:  # the last known token: its logits give the next
+    cu_seqlens, query_start = [0], [0]
+    for scheduled in decodes + prefills:
+        request, table = scheduled.request, scheduled.request.block_ids
+        span = scheduled.positions
+        input_ids.extend(request.all_token_ids[span.start:span.stop])
+        positions.extend(span)
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
+        query_start.append(len(input_ids))
+        if scheduled.is_prefill:
+            cu_seqlens.append(cu_seqlens[-1] + scheduled.num_tokens)
+        if scheduled.samples:  # the last known token: its logits give the next
+            for requester in [request] + request.forks:
                 logits_indices.append(len(input_ids) - 1)
-                sampled.append(request)
+                sampled.append(requester)
     plan = BatchPlan(
         input_ids=input_ids, positions=positions, slot_mapping=slots, num_decode_tokens=len(decodes),
-        decode_block_tables=[list(r.block_ids) for r, _ in decodes],
-        decode_context_lens=[r.num_computed_tokens + 1 for r, _ in decodes],
-        prefill_block_tables=[list(r.block_ids) for r, _ in prefills],
+        decode_block_tables=[list(s.request.block_ids) for s in decodes],
+        decode_context_lens=[s.num_computed_tokens + 1 for s in decodes],
+        prefill_block_tables=[list(s.request.block_ids) for s in prefills],
         prefill_cu_seqlens_q=cu_seqlens,
-        prefill_context_lens=[r.num_computed_tokens + n for r, n in prefills],
-        logits_indices=logits_indices)
+        prefill_context_lens=[s.num_computed_tokens + s.num_tokens for s in prefills],
+        logits_indices=logits_indices,
+        request_ids=[s.request.request_id for s in decodes + prefills], query_start_loc=query_start)
     return plan, sampled
 
 
@@ -124,13 +144,6 @@ class ModelRunnerOutput:
     prepare_time: float
     model_time: float
     sample_time: float
-
-
-def kv_cache_num_blocks(model_config: ModelConfig, block_size: int, dtype: torch.dtype,
-                        memory_bytes: float, tp_size: int = 1) -> int:
-    """How many blocks fit in ``memory_bytes`` (per rank: each holds its share of KV heads)."""
-    per_token = model_config.kv_bytes_per_token(torch.empty(0, dtype=dtype).element_size()) // tp_size
-    return max(1, int(memory_bytes // (per_token * block_size)))
 
 
 class SamplingRunner:
@@ -144,21 +157,26 @@ class SamplingRunner:
     sampler: Sampler
     generator: torch.Generator
 
-    def prepare_inputs(self, out: SchedulerOutput) -> tuple[object, list[Request]]:
-        """This step's model input, and the requests that sample (in logits order)."""
+    def prepare_inputs(self, plan: BatchPlan) -> object:
+        """This step's model input, built from the plan."""
         raise NotImplementedError
 
     def run_model(self, prepared) -> torch.Tensor:
         """Run the model on a prepared step. -> (num sampled, vocab) float32 logits."""
         raise NotImplementedError
 
-    def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
-        """Logits of every scheduled request that reaches its last token, without sampling."""
-        return self.run_model(self.prepare_inputs(out)[0])
+    def memory_usage(self) -> dict[str, int]:
+        """Bytes of weights, packed weight copies and KV cache (all ranks together)."""
+        raise NotImplementedError
 
-    def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    def compute_logits(self, plan: BatchPlan) -> torch.Tensor:
+        """Logits of every planned request that reaches its last token, without sampling."""
+        return self.run_model(self.prepare_inputs(plan))
+
+    def execute_model(self, plan: BatchPlan, sampled: list[Request]) -> ModelRunnerOutput:
+        """Prepare, run and sample one planned step; ``sampled`` are the requests in logits order."""
         t0 = time.perf_counter()
-        prepared, sampled = self.prepare_inputs(out)
+        prepared = self.prepare_inputs(plan)
         t1 = time.perf_counter()
         logits = self.run_model(prepared)
         if logits.is_cuda:  # kernels run asynchronously: wait, so model_time is the GPU's time
@@ -203,8 +221,9 @@ class ModelRunner(SamplingRunner):
         if device.type == "cpu":
             keep_freed_memory()  # reuse each step's temporaries instead of faulting them in again
         # On a CPU, reorder every GEMM weight once into oneDNN's blocked layout.
-        self.packed_weights = sum(module.pack_weight() for module in model.modules()
-                                  if hasattr(module, "pack_weight"))
+        packable = [module for module in model.modules() if hasattr(module, "pack_weight")]
+        self.packed_weights = sum(module.pack_weight() for module in packable)
+        self.packed_weight_bytes = sum(_nbytes(m.weight) for m in packable if m.packed_weight is not None)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.cuda_graphs = None
@@ -217,13 +236,17 @@ class ModelRunner(SamplingRunner):
 
     @property
     def kv_cache_bytes(self) -> int:
-        return self.kv_cache.numel() * self.kv_cache.element_size()
+        return _nbytes(self.kv_cache)
+
+    def memory_usage(self) -> dict[str, int]:
+        weights = sum(_nbytes(t) for t in self.model.parameters())  # tied embeddings counted once
+        return {"weight_bytes": weights, "packed_weight_bytes": self.packed_weight_bytes,
+                "kv_cache_bytes": self.kv_cache_bytes}
 
     # -------------------------------------------------------------- inputs
-    def prepare_inputs(self, out: SchedulerOutput) -> tuple[ModelInput, list[Request]]:
-        """The step's tensors on this runner's device, and the requests that sample."""
-        plan, sampled = plan_batch(out, self.block_size)
-        return ModelInput.from_plan(plan, self.device), sampled
+    def prepare_inputs(self, plan: BatchPlan) -> ModelInput:
+        """The step's tensors on this runner's device."""
+        return ModelInput.from_plan(plan, self.device)
 
     # ----------------------------------------------------------- execution
     @torch.inference_mode()

@@ -48,8 +48,14 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
         device: torch.device | str = "cpu",
+        parent_id: str | None = None,
+        index: int = 0,
     ) -> None:
         self.request_id = request_id
+        # Parallel sampling: the n completions of one user request are n requests here,
+        # named "{index}_{parent_id}" (vLLM's naming); with n=1 the ids are equal.
+        self.parent_id = request_id if parent_id is None else parent_id
+        self.index = index
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -59,7 +65,11 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []  # the block table: logical block i -> physical block
-        self.block_hashes: list[int] = []  # chained hashes of its full, computed blocks
+        self.block_hashes: list[bytes] = []  # chained digests of its full, computed blocks
+        self.block_serials: list[int | None] = []  # which cached content each of them is (prefix cache)
+        # Siblings of a parallel-sampling request that wait for this one's prompt: when it
+        # samples its first token they sample theirs from the same logits and share its blocks.
+        self.forks: list[Request] = []
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self.num_preemptions = 0
         self.stop_reason: str | int | None = None
@@ -72,7 +82,7 @@ class Request:
             self.generator.manual_seed(sampling_params.seed)
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
         self.first_scheduled_time: float | None = None
-        self.first_token_time: float | None = None
+        self.output_token_times: list[float] = []  # when each output token was sampled
         self.finished_time: float | None = None
 
     @property
@@ -101,9 +111,19 @@ class Request:
     def is_finished(self) -> bool:
         return self.status.finished
 
-    def append_output_token(self, token_id: int) -> None:
+    @property
+    def num_seats(self) -> int:
+        """Sequence slots this request will take once running: itself and its waiting forks."""
+        return 1 + len(self.forks)
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.output_token_times[0] if self.output_token_times else None
+
+    def append_output_token(self, token_id: int, now: float | None = None) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        self.output_token_times.append(time.perf_counter() if now is None else now)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, computed "

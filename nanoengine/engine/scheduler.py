@@ -15,11 +15,25 @@ admits nobody new.
 
 ``prefill_first`` is the older policy (nano-vLLM, early vLLM) kept for comparison: a step
 that can admit a waiting request runs prefill work only, and decodes wait.
+
+``static`` is the baseline that continuous batching replaced (chapters 5 and 11): up to
+``max_num_seqs`` requests are admitted together as one batch, and nobody new is admitted
+until every one of them has finished, so slots freed by short requests stay idle.
+
+Whether a scheduled request is a *prefill* or a *decode* is decided here, once, and
+recorded in its ``ScheduledRequest``: a decode computes exactly one new token whose whole
+context is already in the cache (the decode kernel's case); anything else is a prefill
+chunk. The runner, the events and the step statistics all read that record.
+
+Parallel sampling (``n > 1``): a request carries its waiting siblings in ``forks``. It
+takes a sequence slot for each of them; when it samples its first token, ``update_from_output``
+forks them (they share its full prompt blocks, see ``BlockManager.fork``) into running.
 """
 
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass, field
 
 from nanoengine.engine.block_manager import BlockManager
@@ -27,35 +41,58 @@ from nanoengine.engine.request import Request, RequestStatus
 from nanoengine.events import EventBus, RequestFinished, RequestPreempted, RequestScheduled
 
 
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's part of a step, decided by the scheduler and fixed for the step.
+
+    ``num_computed_tokens`` is the request's progress *before* the step, so everything
+    derived from the record (positions, which kernel, token counts) stays true after
+    ``update_from_output`` has moved the request on.
+    """
+
+    request: Request
+    num_tokens: int  # tokens computed this step
+    num_computed_tokens: int  # tokens already in the KV cache before this step
+    is_prefill: bool  # False: one new token over a cached context (the decode kernel)
+    samples: bool  # reaches the request's last known token, so a new token is sampled
+
+    @classmethod
+    def make(cls, request: Request, num_tokens: int) -> "ScheduledRequest":
+        start = request.num_computed_tokens
+        return cls(request, num_tokens, start, is_prefill=not (num_tokens == 1 and start > 0),
+                   samples=start + num_tokens == request.num_tokens)
+
+    @property
+    def positions(self) -> range:
+        return range(self.num_computed_tokens, self.num_computed_tokens + self.num_tokens)
+
+
 @dataclass
 class SchedulerOutput:
-    """This step's batch: requests in model order and how many tokens each computes."""
+    """This step's batch: what each scheduled request computes, in scheduling order."""
 
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     token_budget: int = 0
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(n for r, n in self.scheduled if not self._is_decode(r, n))
+        return sum(s.num_tokens for s in self.scheduled if s.is_prefill)
 
     @property
     def num_decode_tokens(self) -> int:
-        return sum(n for r, n in self.scheduled if self._is_decode(r, n))
+        return sum(s.num_tokens for s in self.scheduled if not s.is_prefill)
 
     @property
     def total_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+        return sum(s.num_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
-    @staticmethod
-    def _is_decode(request: Request, num_tokens: int) -> bool:
-        """A decode computes exactly the newest token of a request with outputs."""
-        return num_tokens == 1 and request.num_output_tokens > 0 \
-            and request.num_computed_tokens == request.num_tokens - 1
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.scheduled.append(ScheduledRequest.make(request, num_tokens))
 
 
 class Scheduler:
@@ -73,6 +110,7 @@ class Scheduler:
         self.events = events or block_manager.events
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
+        self.static_batch: set[str] = set()  # policy "static": ids of the batch now being served
         self.step = 0
         self.num_preemptions = 0
 
@@ -83,6 +121,11 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_seats_taken(self) -> int:
+        """Sequence slots held by running requests and the forks they will spawn."""
+        return sum(r.num_seats for r in self.running)
+
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """End ``request`` (stop, length or abort) and give its blocks back."""
         if request.status == RequestStatus.RUNNING:
@@ -90,6 +133,8 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
+        request.finished_time = time.perf_counter()
+        self.static_batch.discard(request.request_id)
         self.block_manager.free(request)
         self.events.emit(RequestFinished(self.step, request.request_id, status.finish_reason,
                                          request.num_output_tokens))
@@ -103,10 +148,22 @@ class Scheduler:
             budget = self._schedule_prefills_only(out, budget)
             if out.scheduled:
                 return self._announce(out)
+        if self.policy == "static" and not self.static_batch and not self.running:
+            self.static_batch = self._next_static_batch()
         budget = self._schedule_running(out, budget)
-        if not out.preempted and self.policy == "fcfs":
+        if not out.preempted and self.policy != "prefill_first":  # prefill_first admitted above, or could not
             self._admit_waiting(out, budget)
         return self._announce(out)
+
+    def _next_static_batch(self) -> set[str]:
+        """The waiting requests, in order, that fill ``max_num_seqs`` slots: the next static batch."""
+        batch, seats = set(), 0
+        for request in self.waiting:
+            if seats + request.num_seats > self.max_num_seqs:
+                break
+            batch.add(request.request_id)
+            seats += request.num_seats
+        return batch
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Give each running request its tokens, preempting the newest when blocks run out."""
@@ -120,15 +177,19 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append((request, num_new))
+                out.add(request, num_new)
                 budget -= num_new
                 i += 1
         return budget
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Move waiting requests to running while budget, slots and blocks allow."""
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             request = self.waiting[0]
+            if self.num_seats_taken + request.num_seats > self.max_num_seqs:
+                break
+            if self.policy == "static" and request.request_id not in self.static_batch:
+                break  # the current static batch must finish first
             computed_blocks, num_cached = self.block_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_cached
             if num_new > budget:
@@ -145,7 +206,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append((request, num_new))
+            out.add(request, num_new)
             budget -= num_new
         return budget
 
@@ -157,7 +218,7 @@ class Scheduler:
             if request.num_tokens_to_compute > 1 or request.num_output_tokens == 0:
                 num_new = min(request.num_tokens_to_compute, budget)
                 if self.block_manager.allocate_slots(request, num_new):
-                    out.scheduled.append((request, num_new))
+                    out.add(request, num_new)
                     budget -= num_new
         return self._admit_waiting(out, budget)
 
@@ -173,31 +234,53 @@ class Scheduler:
         self.events.emit(RequestPreempted(self.step, request.request_id, num_blocks))
 
     def _announce(self, out: SchedulerOutput) -> SchedulerOutput:
-        for request, num_new in out.scheduled:
-            self.events.emit(RequestScheduled(self.step, request.request_id, num_new,
-                                              request.num_computed_tokens, not out._is_decode(request, num_new)))
+        for s in out.scheduled:
+            self.events.emit(RequestScheduled(self.step, s.request.request_id, s.num_tokens,
+                                              s.num_computed_tokens, s.is_prefill))
         return out
 
     # ------------------------------------------------------------- updating
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance progress, append sampled tokens, finish requests that are done.
+        """Advance progress, append sampled tokens, fork siblings, finish requests that are done.
 
         ``sampled`` maps a request id to its new token; requests mid-prefill have none.
-        Returns the requests that produced a token this step.
+        Returns the requests that produced a token this step (forked siblings included).
         """
         produced = []
-        for request, num_new in out.scheduled:
-            request.num_computed_tokens += num_new
+        now = time.perf_counter()
+        for s in out.scheduled:
+            request = s.request
+            request.num_computed_tokens += s.num_tokens
             self.block_manager.cache_full_blocks(request)
             token = sampled.get(request.request_id)
             if token is None:
                 continue
-            request.append_output_token(token)
+            if request.forks:  # the prompt is computed: its siblings join, sharing its blocks
+                produced.extend(self._fork(request, sampled, now))
+            self._append(request, token, now)
             produced.append(request)
-            status = self._check_stop(request, token)
-            if status is not None:
-                self.finish_request(request, status)
         return produced
+
+    def _fork(self, request: Request, sampled: dict[str, int], now: float) -> list[Request]:
+        siblings, request.forks = request.forks, []
+        num_full_blocks = request.num_computed_tokens // self.block_manager.block_size
+        for sibling in siblings:
+            self.block_manager.fork(request, sibling, num_full_blocks)
+            sibling.num_computed_tokens = num_full_blocks * self.block_manager.block_size
+            sibling.num_cached_tokens = request.num_cached_tokens
+            sibling.first_scheduled_time = request.first_scheduled_time
+            sibling.status = RequestStatus.RUNNING
+            self.running.append(sibling)
+            if self.policy == "static":
+                self.static_batch.add(sibling.request_id)
+            self._append(sibling, sampled[sibling.request_id], now)
+        return siblings
+
+    def _append(self, request: Request, token: int, now: float) -> None:
+        request.append_output_token(token, now)
+        status = self._check_stop(request, token)
+        if status is not None:
+            self.finish_request(request, status)
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -1,9 +1,10 @@
 """The paged-KV kernels, with one dispatch point between CPU and GPU.
 
-Each operation has a PyTorch reference (``reference.py``, the specification and the CPU
-path) and a Triton kernel (``triton_kernels.py``, the CUDA path). Callers use the
-functions below; they pick Triton for CUDA tensors when Triton is installed and the
-reference otherwise. Only ``triton_kernels`` imports triton, and only when first needed,
+Each operation has a PyTorch reference (``reference.py``, the specification) and a
+Triton kernel (``triton_kernels.py``, the CUDA path); decode attention also has a
+CPU-tuned version (``cpu_attention.py``) beside the CPU GEMM path (``cpu_gemm.py``).
+Callers use the functions below; they pick Triton for CUDA tensors when Triton is
+installed, and the CPU path otherwise. Only ``triton_kernels`` imports triton, and only when first needed,
 so importing the engine never requires a GPU toolchain.
 """
 
@@ -13,7 +14,7 @@ import functools
 
 import torch
 
-from nanoengine.kernels import reference
+from nanoengine.kernels import cpu_attention, reference
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,14 +45,14 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, step_cache=None):
     """Decode attention over the paged cache (see ``reference.paged_decode_attention``).
 
-    ``step_cache`` is a dict that lives for one step; the reference keeps its per-step
+    ``step_cache`` is a dict that lives for one step; the CPU path keeps its per-step
     gather plan there so the layers after the first reuse it. Triton needs none.
     """
     triton = _triton_for(query)
     if triton is not None:
         return triton.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
-    return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
-                                            step_cache)
+    return cpu_attention.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
+                                                step_cache)
 
 
 def paged_prefill_attention(

@@ -1,8 +1,12 @@
-"""Published shapes of models the course talks about (chapters 1, 3 and 11).
+"""Published shapes of models the course talks about (chapters 1, 3 and 11), and tiny ones.
 
-Only shapes: no weights. They feed the memory estimator (weights + KV cache for a given
-context and batch) and let the GPU benchmark build a model of Qwen3-0.6B's real shape
-with random weights. Values are from each model's published ``config.json``.
+Only shapes: no weights. ``PRESETS`` feed the memory estimator (weights + KV cache for a
+given context and batch) and let the GPU benchmark build a model of Qwen3-0.6B's real
+shape with random weights. Values are from each model's published ``config.json``.
+
+``TINY_PRESETS`` are the small random models that tests, widgets and scripts use when only
+the mechanics matter (queues, blocks, slots): ``loader.weights.random_model("tiny-llama")``
+builds one in milliseconds. Text a reader sees always comes from the real model.
 """
 
 from __future__ import annotations
@@ -30,4 +34,18 @@ PRESETS: dict[str, ModelConfig] = {
         num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256, rms_norm_eps=1e-5,
         rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
         bos_token_id=128000, eos_token_ids=(128001,)),
+}
+
+
+TINY_PRESETS: dict[str, ModelConfig] = {
+    # Widgets and chapters: small enough that a step takes a millisecond. No EOS token,
+    # so every request runs to max_tokens (ideal for watching blocks and queues).
+    "tiny-llama": ModelConfig(
+        architecture="LlamaForCausalLM", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=256, max_position_embeddings=1024),
+    # Tests and the load report: wider, with an EOS token and tied embeddings like SmolLM2.
+    "tiny-llama-eos": ModelConfig(
+        architecture="LlamaForCausalLM", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+        max_position_embeddings=1024, tie_word_embeddings=True, eos_token_ids=(2,)),
 }
