@@ -8,7 +8,6 @@ import pytest
 
 from nanoengine.__main__ import main
 from nanoengine.benchmark import compare_greedy, make_workload, workload_flops
-from nanoengine.engine.cuda_graphs import batch_buckets
 from nanoengine.models.presets import PRESETS
 
 
@@ -59,12 +58,3 @@ def test_workload_flops_counts_weights_head_and_attention():
     one = workload_flops(config, [[0] * 10], output_len=1)
     layer_params = config.num_parameters() - config.vocab_size * config.hidden_size - config.hidden_size
     assert one > 2 * layer_params * 10 + 2 * config.vocab_size * config.hidden_size
-
-
-def test_cuda_graph_buckets_cover_every_batch_size():
-    assert batch_buckets(1) == [1]
-    assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
-    for max_batch in (3, 16, 100, 512):
-        buckets = batch_buckets(max_batch)
-        assert buckets == sorted(set(buckets)) and buckets[-1] == max_batch
-        assert all(any(b >= n for b in buckets) for n in range(1, max_batch + 1))

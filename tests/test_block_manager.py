@@ -107,3 +107,35 @@ def test_prefix_caching_disabled_never_hits():
     _admit(bm, _req("a", [1, 2, 3, 4, 5]))
     assert bm.get_computed_blocks(_req("b", [1, 2, 3, 4, 5])) == ([], 0)
     assert bm.num_cached_blocks == 0
+
+
+def test_block_digest_is_sha256_over_the_parent_digest_and_the_tokens():
+    import hashlib
+    from array import array
+
+    from nanoengine.engine.block_manager import ROOT_DIGEST
+
+    first = hash_block(None, [1, 2, 3])
+    assert first == hashlib.sha256(ROOT_DIGEST + array("q", [1, 2, 3]).tobytes()).digest()
+    assert hash_block(first, [4]) == hashlib.sha256(first + array("q", [4]).tobytes()).digest()
+    assert hash_block(None, [1, 2]) != hash_block(None, [2, 1]) and len(first) == 32
+
+
+def test_snapshot_shows_digests_parents_and_the_lru_order():
+    bm = BlockManager(num_blocks=6, block_size=2)
+    a = _req("a", [1, 2, 3, 4, 5])
+    _admit(bm, a)
+    snap = {b.block_id: b for b in bm.snapshot()}
+    first, second = a.block_ids[:2]
+    assert snap[first].block_hash == hash_block(None, [1, 2]) and snap[first].parent_hash is None
+    assert snap[second].parent_hash == snap[first].block_hash
+    assert snap[first].short_hash == snap[first].block_hash.hex()[:8]
+    assert all(snap[b].lru_position is None for b in a.block_ids)  # in use: not in the free queue
+    held = list(a.block_ids)
+    bm.free(a)
+    order = sorted((b for b in bm.snapshot() if b.is_free), key=lambda b: b.lru_position)
+    assert [b.lru_position for b in order] == list(range(6))
+    assert [b.block_id for b in order] == list(bm.free_queue)
+    place = {b.block_id: b.lru_position for b in order}
+    # Freed tail first: the request's last block is handed out before its prefix.
+    assert place[held[-1]] < place[held[1]] < place[held[0]]

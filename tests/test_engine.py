@@ -198,3 +198,19 @@ def test_a_model_object_serves_one_engine_only():
     LLMEngine.from_model(net, num_kv_blocks=8, max_model_len=64, device="cpu")
     with pytest.raises(ValueError, match="already bound to another engine"):
         LLMEngine.from_model(net, num_kv_blocks=8, max_model_len=64, device="cpu")
+
+
+def test_reset_prefix_cache_and_eviction_count(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, device="cpu", block_size=4, num_kv_blocks=8, max_model_len=32)
+    prompt = list(range(40, 53))  # 13 tokens: 3 full blocks
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))
+    assert llm.engine.snapshot().num_cached_blocks == 3
+    again = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))[0]
+    assert again.num_cached_tokens == 12
+    assert llm.reset_prefix_cache() == 3 and llm.engine.snapshot().num_cached_blocks == 0
+    assert llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))[0].num_cached_tokens == 0
+    assert llm.engine.reset_prefix_cache() == 3
+    # A pool of 8 blocks: a 30-token request needs all of them, evicting every cached block.
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))
+    llm.generate([list(range(100, 130))], SamplingParams(temperature=0, max_tokens=2))
+    assert llm.engine.snapshot().num_evictions >= 3

@@ -1,0 +1,48 @@
+"""Incremental detokenization (chapter 8): streamed deltas never show half a character or a stop string."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoengine.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from nanoengine.loader.weights import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_tok_dir):
+    return load_tokenizer(tiny_llama_tok_dir)  # SmolLM2's byte-level BPE
+
+
+def stream(tokenizer, text: str, stop: tuple[str, ...] = ()) -> tuple[IncrementalDetokenizer, list[str]]:
+    detok = IncrementalDetokenizer(tokenizer, stop)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    deltas = [detok.update([t], finished=i == len(ids) - 1) for i, t in enumerate(ids)]
+    return detok, deltas
+
+
+@pytest.mark.parametrize("text", ["안녕하세요, 세계!", "naïve café 🙂🚀 done", "plain ascii text"])
+def test_multibyte_characters_are_never_split(tokenizer, text):
+    detok, deltas = stream(tokenizer, text)
+    assert "".join(deltas) == detok.text == text
+    assert not any(REPLACEMENT_CHAR in d for d in deltas)
+    if text.startswith("안"):  # some Korean characters take two byte-level tokens: held back once
+        assert "" in deltas[:-1]
+
+
+def test_a_stop_string_is_cut_and_its_prefix_held_back(tokenizer):
+    detok, deltas = stream(tokenizer, "The answer is 42. END of story", stop=("END",))
+    assert detok.stop_hit == "END"
+    assert "".join(deltas) == detok.text == "The answer is 42. "
+    # No delta ever showed text the final result dropped.
+    assert all("E" not in d for d in deltas)
+
+
+def test_a_tail_that_could_start_a_stop_string_is_released_when_it_does_not(tokenizer):
+    detok, deltas = stream(tokenizer, "Say STOP not STORE", stop=("STOP!",))
+    assert detok.stop_hit is None and "".join(deltas) == "Say STOP not STORE"
+    assert detok.flushed
+
+
+def test_without_a_tokenizer_there_is_no_text():
+    detok = IncrementalDetokenizer(None)
+    assert detok.update([1, 2, 3], finished=True) == "" and detok.text == "" and detok.flushed

@@ -1,0 +1,89 @@
+"""The scheduler (chapter 5): policies, the prefill/decode decision, the token budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoengine import LLMEngine, SamplingParams
+from nanoengine.engine.request import Request
+from nanoengine.engine.scheduler import ScheduledRequest
+from nanoengine.events import RequestScheduled, StepFinished
+from nanoengine.loader.weights import random_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest
+
+
+def engine(**config) -> LLMEngine:
+    options = dict(device="cpu", block_size=4, num_kv_blocks=256, max_model_len=128, max_num_seqs=3)
+    return LLMEngine.from_model(random_model("tiny-llama-eos", std=0.08), None, **{**options, **config})
+
+
+def trace(e: LLMEngine, lengths: list[int]) -> tuple[dict, list[list[str]]]:
+    """Run requests of the given output lengths; (final tokens by id, running ids after each step)."""
+    ids = [e.add_request(list(range(10 + i, 20 + i)), SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+           for i, n in enumerate(lengths)]
+    tokens, running = {}, []
+    while e.has_unfinished_requests():
+        for out in e.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+        running.append([r.request_id for r in e.snapshot().running])
+        e.check_invariants()
+    return {i: tokens[i] for i in ids}, running
+
+
+def test_static_batching_admits_nobody_until_the_whole_batch_has_finished():
+    lengths = [2, 9, 3, 4, 2]
+    static_tokens, static_running = trace(engine(scheduling_policy="static"), lengths)
+    fcfs_tokens, fcfs_running = trace(engine(), lengths)
+    assert static_tokens == fcfs_tokens  # the same text, only the timing differs
+    # Request 3 (the fourth) may only start once 0, 1 and 2 have all finished.
+    first_with_3 = next(i for i, ids in enumerate(static_running) if "3" in ids)
+    assert not {"0", "1", "2"} & set(static_running[first_with_3])
+    assert all(len(ids) <= 3 for ids in static_running)
+    # Continuous batching gives a freed slot away at once: request 3 joins while 1 decodes.
+    assert any({"1", "3"} <= set(ids) for ids in fcfs_running)
+    assert len(static_running) > len(fcfs_running)  # idle slots cost steps
+
+
+def test_static_batch_includes_a_request_whose_prompt_is_chunked_over_steps():
+    e = engine(scheduling_policy="static", max_num_batched_tokens=8)
+    tokens, running = trace(e, [3, 3])
+    assert all(len(t) == 3 for t in tokens.values())
+    assert ["0", "1"] in running  # both members run together once their prompts are in
+
+
+def test_the_scheduler_decides_prefill_or_decode_once():
+    request = Request("r", [1, 2, 3, 4, 5], SamplingParams())
+    first = ScheduledRequest.make(request, 3)
+    assert first.is_prefill and not first.samples and first.positions == range(0, 3)
+    request.num_computed_tokens = 3
+    one_token_chunk = ScheduledRequest.make(request, 1)  # one query over a cached context: the decode kernel
+    assert not one_token_chunk.is_prefill and not one_token_chunk.samples
+    request.num_computed_tokens = 4
+    last = ScheduledRequest.make(request, 1)
+    assert not last.is_prefill and last.samples
+    assert ScheduledRequest.make(Request("s", [7], SamplingParams()), 1).is_prefill  # nothing cached yet
+
+
+def test_step_statistics_and_events_read_the_scheduler_records():
+    e = engine(max_num_batched_tokens=16)
+    seen = []
+    e.events.subscribe(lambda ev: seen.append(ev) if isinstance(ev, (RequestScheduled, StepFinished)) else None)
+    e.add_request(list(range(60, 66)), SamplingParams(temperature=0, max_tokens=3))
+    e.add_request(list(range(30, 50)), SamplingParams(temperature=0, max_tokens=3))  # 20 tokens: chunked
+    while e.has_unfinished_requests():
+        e.step()
+    steps = [ev for ev in seen if isinstance(ev, StepFinished)]
+    for step in steps:
+        mine = [ev for ev in seen if isinstance(ev, RequestScheduled) and ev.step == step.step]
+        assert step.num_prefill_tokens == sum(ev.num_tokens for ev in mine if ev.is_prefill)
+        assert step.num_decode_tokens == sum(ev.num_tokens for ev in mine if not ev.is_prefill)
+        assert step.num_prefill_tokens + step.num_decode_tokens <= 16
+    assert (steps[0].num_prefill_tokens, steps[0].num_decode_tokens) == (16, 0)  # 6 + a 10-token chunk
+    assert (steps[1].num_prefill_tokens, steps[1].num_decode_tokens) == (10, 1)  # the chunk's rest beside a decode
+
+
+def test_scheduling_policy_is_validated():
+    with pytest.raises(ValueError, match="scheduling_policy must be one of .*'static'"):
+        engine(scheduling_policy="round_robin")
