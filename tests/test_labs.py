@@ -11,7 +11,9 @@ What is checked here:
   ``make_starters.py`` generates from the snapshots;
 - mutations a maintainer would try (static batching, evicting the oldest request, a
   sampler without temperature, unchained hashes) each make a check fail;
-- the notes and the README document the labs.
+- the notes, the README and the two v10 reports: every name the reports cite exists
+  in the file they cite it from (the snapshots and ``nanoengine`` by parsing the source;
+  nano-vLLM against the name index recorded at the pinned revision).
 
 Per-version behaviour lives in the check modules, not here, so that the learner and CI
 run the very same assertions.
@@ -244,3 +246,106 @@ def test_v09_does_not_import_nanoengine() -> None:
     before = {name for name in sys.modules if name.startswith("nanoengine")}
     H.Lab(VERSIONS / V["v09"]).load("llm_engine", "run")
     assert {name for name in sys.modules if name.startswith("nanoengine")} == before
+
+
+# ------------------------------------------------------------- v10: the mapping reports
+
+CITATION = re.compile(r"(?:(v\d\d) )?`([\w/.]+\.py)` :: ((?:`[\w.]+`(?:,\s+)?)+)")
+NANOENGINE_CITATION = re.compile(r"`(nanoengine/[\w/]+\.py)` \(((?:`[\w.]+`(?:,\s+)?)+)\)")
+
+
+def _names(cell: str) -> list[str]:
+    return re.findall(r"`([\w.]+)`", cell)
+
+
+def _defined_names(source: str) -> set[str]:
+    """Top-level functions, classes and assignments; 'Class.member' for methods,
+    class attributes and ``self.x = ...`` assignments."""
+    names: set[str] = set()
+
+    def targets(node: ast.AST) -> list[ast.expr]:
+        if isinstance(node, ast.Assign):
+            return node.targets
+        return [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.ClassDef):
+            names.add(node.name)
+            for item in ast.walk(node):
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item in node.body:
+                    names.add(f"{node.name}.{item.name}")
+                for target in targets(item):
+                    if isinstance(target, ast.Name) and item in node.body:
+                        names.add(f"{node.name}.{target.id}")
+                    elif (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                          and target.value.id == "self"):
+                        names.add(f"{node.name}.{target.attr}")
+        else:
+            names.update(t.id for t in targets(node) if isinstance(t, ast.Name))
+    return names
+
+
+def _resolves(name: str, defined: set[str]) -> bool:
+    """``A.b`` must be defined as such; a bare ``b`` is top-level or a member of some class."""
+    return name in defined or ("." not in name and any(d.endswith(f".{name}") for d in defined))
+
+
+def _nanovllm_index() -> tuple[str, dict[str, set[str]]]:
+    text = (MAPPING_DIR / "nanovllm_names.txt").read_text()
+    pin = re.search(r"^# pinned: (.+)$", text, re.M)
+    assert pin, "nanovllm_names.txt must start with '# pinned: <revision>'"
+    index = {}
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            path, names = line.split(":", 1)
+            index[path.strip()] = set(names.split())
+    return pin.group(1).strip(), index
+
+
+def test_mapping_reports_cite_only_names_that_exist() -> None:
+    pin, index = _nanovllm_index()
+    checked = {"nano-vLLM": 0, "track": 0, "nanoengine": 0}
+    for report in ("MAPPING.md", "CODE_MAP.md"):
+        text = (MAPPING_DIR / report).read_text()
+        for version, path, cell in CITATION.findall(text):
+            names = _names(cell)
+            if path.startswith("nanovllm/"):
+                assert path in index, f"{report} cites {path}, which is not in nanovllm_names.txt"
+                missing = [n for n in names if not _resolves(n, index[path])]
+                assert not missing, f"{report}: {path} has no {missing} at {pin}"
+                checked["nano-vLLM"] += len(names)
+            else:
+                assert version, f"{report}: a track citation of {path} must name its version (vNN `file`)"
+                source = VERSIONS / V[version] / path
+                assert source.exists(), f"{report} cites {version} {path}, which does not exist"
+                defined = _defined_names(source.read_text())
+                missing = [n for n in names if not _resolves(n, defined)]
+                assert not missing, f"{report}: {version} {path} defines no {missing}"
+                checked["track"] += len(names)
+        for path, cell in NANOENGINE_CITATION.findall(text):
+            source = ROOT / path
+            assert source.exists(), f"{report} cites {path}, which does not exist"
+            defined = _defined_names(source.read_text())
+            missing = [n for n in _names(cell) if not _resolves(n, defined)]
+            assert not missing, f"{report}: {path} defines no {missing}"
+            checked["nanoengine"] += len(_names(cell))
+    assert checked["nano-vLLM"] >= 60 and checked["track"] >= 30 and checked["nanoengine"] >= 5, checked
+
+
+def test_mapping_is_pinned_and_covers_every_snapshot() -> None:
+    pin, index = _nanovllm_index()
+    mapping = (MAPPING_DIR / "MAPPING.md").read_text()
+    code_map = (MAPPING_DIR / "CODE_MAP.md").read_text()
+    assert pin in mapping and pin in code_map, "both reports must state the pinned nano-vLLM revision"
+    sections = re.split(r"^## ", mapping, flags=re.M)
+    for folder in V.values():
+        section = next((s for s in sections if s.startswith(folder)), None)
+        assert section is not None, f"MAPPING.md has no section for {folder}"
+        assert CITATION.search(section), f"the {folder} section cites no file :: name"
+    for original in ("nanovllm/engine/scheduler.py", "nanovllm/engine/block_manager.py",
+                     "nanovllm/engine/model_runner.py", "nanovllm/layers/attention.py"):
+        assert f"`{original}` ::" in mapping and f"`{original}` ::" in code_map
+    assert "nanovllm/engine/block_manager.py" in index and "BlockManager.hash_blocks" in index[
+        "nanovllm/engine/block_manager.py"]
