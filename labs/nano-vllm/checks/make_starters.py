@@ -3,8 +3,8 @@
     python labs/nano-vllm/checks/make_starters.py          # (re)write labs/nano-vllm/starters/
     python labs/nano-vllm/checks/make_starters.py --check  # exit 1 if starters/ is stale
 
-For each version v01-v09 the starter is a copy of ``versions/vNN_*/`` (its ``.py`` files)
-in which every function listed in ``lab_tasks.TASKS`` keeps its signature and docstring
+For each version v01-v09 the starter is a copy of ``versions/vNN_*/`` (its ``.py`` files,
+its ``NOTES.md`` and its ``expected_output.txt``) in which every function listed in ``lab_tasks.TASKS`` keeps its signature and docstring
 but loses its body. The body becomes a comment saying what to write, and::
 
     raise NotImplementedError("TODO(vNN): write Class.method (see NOTES.md)")
@@ -66,10 +66,14 @@ def stub_source(source: str, version: str, stubs: list[Stub], file_name: str) ->
     return "".join(lines)
 
 
+COPIED = ("NOTES.md", "expected_output.txt")  # travel with the starter, unchanged
+
+
 def starter_files(version: str) -> dict[str, str]:
-    """File name -> text of one version's starter."""
+    """File name -> text of one version's starter: its stubbed ``.py`` files, its notes
+    (the task) and its transcript (what ``run.py`` must print)."""
     solution = VERSIONS / V[version]
-    files = {}
+    files = {name: (solution / name).read_text() for name in COPIED}
     for path in sorted(solution.glob("*.py")):
         stubs = [s for s in TASKS[version] if s.file == path.name]
         text = path.read_text()
@@ -88,7 +92,7 @@ def main() -> int:
     for version in LAB_VERSIONS:
         folder = STARTERS / V[version]
         wanted = starter_files(version)
-        present = {p.name for p in folder.glob("*.py")} if folder.is_dir() else set()
+        present = {p.name for p in folder.iterdir() if p.is_file()} if folder.is_dir() else set()
         for name, text in wanted.items():
             path = folder / name
             if not path.exists() or path.read_text() != text:
