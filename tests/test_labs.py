@@ -1,100 +1,55 @@
-"""Tests for the build-it-yourself track ``labs/nano-vllm`` (snapshots v00-v09).
+"""Tests for the build-it-yourself track ``labs/nano-vllm`` (snapshots, labs and reports).
 
-Two kinds of checks:
+What is checked here:
 
-- every snapshot runs as a script (``python .../run.py``), exits 0 and prints a trace
-  that shows its new idea at work;
-- every snapshot is imported by file path and its contract is checked on real
-  behaviour: the engine API (v02), batched decodes (v04), consistent block tables and
-  blocks returned (v05), the runner contract (v06), prefix reuse with ref counts (v07),
-  seeded sampling (v08), a real ``torch.nn.Module`` behind the runner (v09). The toy
-  versions must also all produce exactly the tokens of v00's naive loop: each step
-  changes how the work is done, never the result.
+- every snapshot v00-v09 runs as a script (``python .../run.py``) and prints exactly its
+  saved transcript, ``expected_output.txt``, which shows its new idea at work;
+- every version's *checks* (``labs/nano-vllm/checks/test_vNN.py``, the same checks the
+  learner runs with ``./course lab-check vNN``) pass on the finished snapshot, and every
+  *starter* (the snapshot with that version's idea stubbed out) fails them - on its
+  ``TODO(vNN)`` stubs and nothing else; the starters are exactly what
+  ``make_starters.py`` generates from the snapshots;
+- mutations a maintainer would try (static batching, evicting the oldest request, a
+  sampler without temperature, unchained hashes) each make a check fail;
+- the notes, the README and the two v10 reports: every name the reports cite exists
+  in the file they cite it from (the snapshots and ``nanoengine`` by parsing the source;
+  nano-vLLM against the name index recorded at the pinned revision).
 
-Snapshot folders are not packages (their modules import each other by plain name, as
-scripts do), so ``load`` puts one folder on ``sys.path`` at a time and removes its
-modules from ``sys.modules`` afterwards, so that versions never see each other's files.
+Per-version behaviour lives in the check modules, not here, so that the learner and CI
+run the very same assertions.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import inspect
-import math
+import ast
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LAB = ROOT / "labs" / "nano-vllm"
-VERSIONS = LAB / "versions"
-SIBLING_MODULES = ("toy_model", "sequence", "llm_engine", "scheduler", "block_manager", "model_runner",
-                   "sampler", "sampling_params", "tiny_transformer", "run")
+CHECKS = LAB / "checks"
+sys.path.insert(0, str(CHECKS))
 
-V = {
-    "v00": "v00_naive_loop",
-    "v01": "v01_request_state",
-    "v02": "v02_engine_step",
-    "v03": "v03_prefill_decode",
-    "v04": "v04_continuous_batching",
-    "v05": "v05_paged_kv",
-    "v06": "v06_model_runner",
-    "v07": "v07_prefix_cache",
-    "v08": "v08_sampling_params",
-    "v09": "v09_tiny_transformer",
-}
+import lab_check  # noqa: E402
+import lab_harness as H  # noqa: E402
+import make_starters  # noqa: E402
+from lab_tasks import PARTS, TASKS  # noqa: E402
 
-SYSTEM_PROMPT = [21, 22, 23, 24, 25, 26, 27, 28]
-PROMPTS = [[5, 9, 13, 2, 8], [7, 7, 1], [3, 14, 15, 9, 2, 6, 5], [11, 4],
-           SYSTEM_PROMPT + [1, 2, 3], SYSTEM_PROMPT + [9, 9]]
-MAX_TOKENS = 6
+VERSIONS, STARTERS, V = H.VERSIONS, H.STARTERS, H.V
+MAPPING_DIR = VERSIONS / "v10_mapping"
 
-
-def load(version: str, *module_names: str) -> SimpleNamespace:
-    """Import modules of one snapshot by file path, isolated from every other snapshot."""
-    folder = VERSIONS / V[version]
-    saved = {name: sys.modules.pop(name) for name in SIBLING_MODULES if name in sys.modules}
-    sys.path.insert(0, str(folder))
-    dont_write_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # keep folders clean
-    try:
-        loaded = {}
-        for name in module_names:
-            if name not in sys.modules:  # not already imported as another module's dependency
-                spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
-                module = importlib.util.module_from_spec(spec)
-                sys.modules[name] = module
-                spec.loader.exec_module(module)
-            loaded[name] = sys.modules[name]
-        return SimpleNamespace(**loaded)
-    finally:
-        sys.dont_write_bytecode = dont_write_bytecode
-        sys.path.remove(str(folder))
-        for name in SIBLING_MODULES:
-            sys.modules.pop(name, None)
-        sys.modules.update(saved)
-
-
-def reference(prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-    """v00's naive loop: the ground truth every toy version must reproduce."""
-    return load("v00", "run").run.generate(prompt, max_tokens)
-
-
-def run_to_end(engine) -> list:
-    steps = []
-    while not engine.is_finished():
-        steps.append(engine.step())
-        assert len(steps) < 1000, "engine did not finish"
-    return steps
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------- scripts
 
-TRACE_MARKERS = {
+TRACE_MARKERS = {  # the idea each transcript must show (the transcript itself is compared in full)
     "v00": [r"re-read\s+7 tokens", r"a KV cache would have computed only"],
     "v01": [r"Sequence\(id=0, .*finished=True\)"],
     "v02": [r"WAITING", r"\d:RUNNING", r"seq 2 FINISHED"],
@@ -115,27 +70,143 @@ TRACE_MARKERS = {
 
 
 @pytest.mark.parametrize("version", sorted(V))
-def test_snapshot_runs_and_traces_its_idea(version: str) -> None:
+def test_snapshot_runs_as_a_script_and_prints_its_transcript(version: str) -> None:
     script = VERSIONS / V[version] / "run.py"
-    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                             cwd=ROOT, env=env)
     assert result.returncode == 0, result.stderr
     for marker in TRACE_MARKERS[version]:
         assert re.search(marker, result.stdout), f"{version} trace lacks {marker!r}:\n{result.stdout}"
+    expected = (VERSIONS / V[version] / "expected_output.txt").read_text()
+    assert result.stdout == expected, H.first_difference(result.stdout, expected)
+
+
+# ------------------------------------------------------------------ solutions and starters
+
+SOLUTION_CHECKS = [(v, f.__name__) for v in H.LAB_VERSIONS for f in H.check_functions(v)]
+
+
+@pytest.mark.parametrize(("version", "check"), SOLUTION_CHECKS, ids=[f"{v}-{c[5:]}" for v, c in SOLUTION_CHECKS])
+def test_solution_passes_its_check(version: str, check: str) -> None:
+    function = getattr(H.load_check_module(version), check)
+    function(H.Lab(VERSIONS / V[version], version))
+
+
+@pytest.mark.parametrize("version", H.LAB_VERSIONS)
+def test_starter_fails_its_checks_on_its_todo_stubs_only(version: str) -> None:
+    results = H.run_checks(version, STARTERS / V[version])
+    failed = [r for r in results if not r.passed]
+    assert failed, f"the {version} starter passes every check: its stubs test nothing"
+    not_todo = [f"{r.name}: {r.error}" for r in failed if not r.todo]
+    assert not not_todo, "starter checks failed for a reason other than a TODO stub:\n" + "\n".join(not_todo)
+    assert all(f"TODO({version})" in r.error for r in failed)
+    assert not results[-1].passed and results[-1].name == "test_run_prints_the_expected_transcript"
+
+
+@pytest.mark.parametrize("version", H.LAB_VERSIONS)
+def test_starters_are_the_snapshots_with_the_tasks_stubbed(version: str) -> None:
+    wanted = make_starters.starter_files(version)
+    folder = STARTERS / V[version]
+    present = sorted(p.name for p in folder.iterdir() if p.is_file())
+    assert present == sorted(wanted), "run checks/make_starters.py"
+    for name, text in wanted.items():
+        assert (folder / name).read_text() == text, f"{folder / name} is stale: run checks/make_starters.py"
+    for stub in TASKS[version]:
+        starter = (folder / stub.file).read_text()
+        assert f'raise NotImplementedError("TODO({version}): write {stub.qualname} ' in starter
+        ast.parse(starter)
+    for path in (VERSIONS / V[version]).glob("*.py"):  # no stubs in the solutions
+        assert "NotImplementedError" not in path.read_text() and "TODO(" not in path.read_text(), path
+
+
+def test_lab_start_and_lab_check_guide_the_learner(tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(lab_check, "WORK", tmp_path)
+    assert lab_check.main(["check", "v01"]) == 2  # no working copy yet
+    assert "./course lab-start v01" in capsys.readouterr().out
+    assert lab_check.main(["start", "v01"]) == 0
+    assert (tmp_path / V["v01"] / "sequence.py").exists()
+    assert lab_check.main(["start", "v01"]) == 1  # never overwrites the learner's work
+    capsys.readouterr()
+    assert lab_check.main(["check", "v01"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "hint:" in out and "TODO(v01): write Sequence.__init__" in out
+    solved = tmp_path / V["v01"]
+    shutil.copy(VERSIONS / V["v01"] / "sequence.py", solved / "sequence.py")  # "write" the stubs
+    assert lab_check.main(["check", "v01"]) == 0
+    out = capsys.readouterr().out
+    assert "5/5 checks pass" in out and "Next: ./course lab-start v02" in out
+    assert lab_check.main(["check", "v05", "--starter"]) == 1
+    assert "A = paging" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        lab_check.main(["check", "v00"])
+
+
+def test_course_script_has_the_lab_commands() -> None:
+    course = (ROOT / "course").read_text()
+    assert "lab-start|lab-check)" in course
+    assert "labs/nano-vllm/checks/lab_check.py" in course and ".venv/bin/python" in course
+    assert "/labs/nano-vllm/work/" in (ROOT / ".gitignore").read_text()
+
+
+# -------------------------------------------------------------------------- mutations
+
+MUTATIONS = {  # name: (version, file, original text, mutated text, the check that must fail)
+    "v04-static-batching": (
+        "v04", "scheduler.py",
+        "while self.waiting and len(self.running) < self.max_num_seqs:",
+        "while self.waiting and (scheduled or not self.running) and len(self.running) < self.max_num_seqs:",
+        "test_a_freed_slot_is_refilled_while_others_still_decode"),
+    "v05-evict-the-oldest": (
+        "v05", "scheduler.py",
+        "victim = self.running.pop() if self.running else seq",
+        "victim = self.running.popleft() if self.running else seq",
+        "test_c_the_victim_is_the_newest_running_request"),
+    "v08-no-temperature": (
+        "v08", "sampler.py",
+        "scaled = logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1)",
+        "scaled = logits",
+        "test_temperature_reshapes_the_distribution"),
+    "v07-unchained-hash": (
+        "v07", "block_manager.py",
+        'h.update(parent_hash.to_bytes(8, "little", signed=True))',
+        "pass",
+        "test_block_hashes_are_chained"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_a_mutation_of_the_idea_fails_a_check(name: str, tmp_path: Path) -> None:
+    version, file_name, original, mutated, check = MUTATIONS[name]
+    copy = tmp_path / V[version]
+    shutil.copytree(VERSIONS / V[version], copy, ignore=shutil.ignore_patterns("__pycache__"))
+    source = (copy / file_name).read_text()
+    assert source.count(original) == 1, f"the mutation no longer applies to {file_name}"
+    (copy / file_name).write_text(source.replace(original, mutated))
+    function = getattr(H.load_check_module(version), check)
+    result = H.run_check(function, H.Lab(copy, version))
+    assert not result.passed, f"{name}: {check} still passes"
 
 
 # ------------------------------------------------------------------- snapshot layout
 
 @pytest.mark.parametrize("version", sorted(V))
-def test_every_snapshot_has_notes_with_the_diff_command(version: str) -> None:
+def test_every_snapshot_has_notes_with_run_diff_and_task(version: str) -> None:
     notes = (VERSIONS / V[version] / "NOTES.md").read_text()
-    index = int(version[1:])
-    if index > 0:
-        previous = V[f"v{index - 1:02d}"]
-        command = (f"diff -ru -x __pycache__ labs/nano-vllm/versions/{previous} "
-                   f"labs/nano-vllm/versions/{V[version]}")
-        assert command in notes
+    assert f"`python labs/nano-vllm/versions/{V[version]}/run.py`" in notes
+    if version == "v00":
+        assert "Nothing to diff against" in notes and "specification" in notes
+        assert "lab-check" not in notes  # v00 is read, not built: there is nothing to stub
+        return
+    previous = V[f"v{int(version[1:]) - 1:02d}"]
+    command = f"diff -ru -x __pycache__ labs/nano-vllm/versions/{previous} labs/nano-vllm/versions/{V[version]}"
+    assert command in notes
+    task = notes.split("**Your task.**", 1)[1]
+    assert f"./course lab-start {version}" in task and f"./course lab-check {version}" in task
+    for stub in TASKS[version]:
+        assert f"`{stub.qualname}`" in task, f"{version} notes do not name the stub {stub.qualname}"
+    for part, title in PARTS.get(version, {}).items():
+        assert f"Part {part}" in task
 
 
 def test_unchanged_files_are_byte_identical_to_the_version_named_in_their_header() -> None:
@@ -152,332 +223,130 @@ def test_unchanged_files_are_byte_identical_to_the_version_named_in_their_header
     assert checked >= 10
 
 
-def test_readme_and_mapping_exist_and_link() -> None:
+def test_readme_documents_the_track_and_the_labs() -> None:
     readme = (LAB / "README.md").read_text()
     for folder in V.values():
         assert folder in readme
     assert "versions/v10_mapping/MAPPING.md" in readme and "versions/v10_mapping/CODE_MAP.md" in readme
-    mapping = (VERSIONS / "v10_mapping" / "MAPPING.md").read_text()
-    code_map = (VERSIONS / "v10_mapping" / "CODE_MAP.md").read_text()
-    for folder in V.values():
-        assert folder in mapping
-    for original in ("nanovllm/engine/scheduler.py", "nanovllm/engine/block_manager.py",
-                     "nanovllm/engine/model_runner.py", "nanovllm/layers/attention.py"):
-        assert original in mapping and original in code_map
-    assert "nanoengine/engine/block_manager.py" in code_map
+    for command in ("./course lab-start v01", "./course lab-check v01", "NANO_VLLM_LAB_DIR",
+                    "checks/make_starters.py"):
+        assert command in readme
 
-
-# ----------------------------------------------------------------------- v00 - v03
 
 def test_v00_naive_loop_stops_on_eos_or_budget() -> None:
-    run = load("v00", "run").run
+    run = H.Lab(VERSIONS / V["v00"]).load("run").run
     completion = run.generate([5, 9, 13, 2, 8], max_tokens=10)
     assert completion == [40, 12, 37, 0]  # stops at EOS (0) before the budget
     assert len(run.generate([7, 7, 1], max_tokens=10)) == 10
     assert run.toy_next_token([5, 9, 13, 2, 8]) == 40
 
 
-def test_v01_sequence_bundles_request_state() -> None:
-    mods = load("v01", "sequence", "run")
-    seq = mods.sequence.Sequence(0, [5, 9], max_tokens=2)
-    assert (seq.num_tokens, seq.last_token, seq.completion_token_ids) == (2, 9, [])
-    seq.append_token(3)
-    seq.append_token(4)
-    assert seq.prompt_token_ids == [5, 9] and seq.completion_token_ids == [3, 4] and seq.is_finished
-    with pytest.raises(RuntimeError):
-        seq.append_token(5)
-    with pytest.raises(ValueError):
-        mods.sequence.Sequence(1, [], max_tokens=2)
-    assert mods.run.generate(PROMPTS, MAX_TOKENS) == [reference(p) for p in PROMPTS]
-
-
-def test_v02_engine_exposes_add_request_step_generate() -> None:
-    mods = load("v02", "llm_engine", "sequence")
-    engine = mods.llm_engine.LLMEngine()
-    for name in ("add_request", "step", "generate"):
-        assert callable(getattr(engine, name))
-    ids = [engine.add_request(p, 3) for p in PROMPTS[:3]]
-    assert ids == [0, 1, 2]
-    assert all(s.status == mods.sequence.SequenceStatus.WAITING for s in engine.waiting)
-    out = engine.step()
-    assert out.scheduled_seq_ids == (0,) and out.new_tokens == ((0, reference(PROMPTS[0])[0]),)
-    assert engine.running[0].status == mods.sequence.SequenceStatus.RUNNING
-    assert [s.seq_id for s in engine.waiting] == [1, 2]
-    finished = [r for step in run_to_end(engine) for r in step.finished]
-    assert [r.seq_id for r in finished] == [0, 1, 2]
-    assert mods.llm_engine.LLMEngine().generate(PROMPTS, MAX_TOKENS) == [reference(p) for p in PROMPTS]
-
-
-def test_v03_prefill_once_then_one_token_decodes() -> None:
-    engine = load("v03", "llm_engine").llm_engine.LLMEngine()
-    engine.add_request(PROMPTS[2], MAX_TOKENS)
-    steps = run_to_end(engine)
-    assert steps[0].is_prefill and steps[0].num_input_tokens == len(PROMPTS[2])
-    assert all(not s.is_prefill and s.num_input_tokens == 1 for s in steps[1:])
-    n, m = len(PROMPTS[2]), len(steps)
-    assert engine.model.num_features_computed == n + m - 1  # each token's feature computed once
-    assert [tok for s in steps for _, tok in s.new_tokens] == reference(PROMPTS[2])
-    assert engine.model.kv_cache == {}  # freed on finish
-
-
-# ----------------------------------------------------------------------- v04 - v05
-
-def test_v04_batches_several_requests_decodes_in_one_step() -> None:
-    engine = load("v04", "llm_engine").llm_engine.LLMEngine(max_num_seqs=3)
-    seq_ids = [engine.add_request(p, MAX_TOKENS) for p in PROMPTS]
-    steps = run_to_end(engine)
-    decode_sizes = [len(s.scheduled_seq_ids) for s in steps if not s.is_prefill]
-    assert max(decode_sizes) >= 2  # several requests' decodes in one step
-    assert max(len(s.scheduled_seq_ids) for s in steps) <= 3  # max_num_seqs respected
-    # continuous: a request is admitted (prefilled) while earlier ones are still decoding
-    first_finish = next(i for i, s in enumerate(steps) if s.finished)
-    assert any(s.is_prefill for s in steps[first_finish + 1:])
-    outputs = {r.seq_id: list(r.completion_token_ids) for s in steps for r in s.finished}
-    assert [outputs[i] for i in seq_ids] == [reference(p) for p in PROMPTS]
-
-
-def _check_exclusive_ownership(engine) -> None:
-    bm = engine.block_manager
-    owned = [b for seq in engine.scheduler.running for b in seq.block_table]
-    assert len(owned) == len(set(owned)), f"a block is owned twice: {owned}"
-    assert set(owned).isdisjoint(bm.free_block_ids)
-    assert set(owned) | set(bm.free_block_ids) == set(range(bm.num_blocks))
-    assert all(not seq.block_table for seq in engine.scheduler.waiting)
-
-
-def test_v05_block_tables_are_consistent_and_all_blocks_return() -> None:
-    engine = load("v05", "llm_engine").llm_engine.LLMEngine(num_blocks=6, block_size=4, max_num_seqs=4)
-    seq_ids = [engine.add_request(p, MAX_TOKENS) for p in PROMPTS]
-    preempted = 0
-    outputs = {}
-    while not engine.is_finished():
-        out = engine.step()
-        preempted += len(out.preempted_seq_ids)
-        tables = list(out.block_tables.values())
-        flat = [b for t in tables for b in t]
-        assert len(flat) == len(set(flat)), f"block owned twice in one step: {out.block_tables}"
-        for seq_id, table in out.block_tables.items():
-            assert len(table) == math.ceil(out.context_lens[seq_id] / 4)
-        _check_exclusive_ownership(engine)
-        outputs.update({r.seq_id: list(r.completion_token_ids) for r in out.finished})
-    assert preempted > 0, "the small pool should force at least one preemption"
-    assert engine.block_manager.num_free_blocks == 6 and not engine.block_manager.used_block_ids
-    assert [outputs[i] for i in seq_ids] == [reference(p) for p in PROMPTS]  # recompute is exact
-
-
-def test_v05_rejects_a_request_that_can_never_fit() -> None:
-    engine = load("v05", "llm_engine").llm_engine.LLMEngine(num_blocks=2, block_size=4)
-    with pytest.raises(ValueError):
-        engine.add_request([1] * 7, max_tokens=5)  # 12 tokens need 3 blocks
-
-
-# ----------------------------------------------------------------------- v06 - v07
-
-@pytest.mark.parametrize("version", ["v06", "v07", "v08", "v09"])
-def test_runner_contract_is_the_same_from_v06_to_v09(version: str) -> None:
-    runner_cls = load(version, "model_runner").model_runner.ModelRunner
-    assert list(inspect.signature(runner_cls.prepare_prefill).parameters) == ["self", "seqs"]
-    assert list(inspect.signature(runner_cls.prepare_decode).parameters) == ["self", "seqs"]
-    assert list(inspect.signature(runner_cls.run).parameters) == ["self", "seqs", "is_prefill"]
-
-
-def test_v06_model_input_slots_follow_the_block_tables() -> None:
-    engine = load("v06", "llm_engine").llm_engine.LLMEngine(num_blocks=12, block_size=4)
-    seq_ids = [engine.add_request(p, MAX_TOKENS) for p in PROMPTS[:4]]
-    outputs = {}
-    for out in run_to_end(engine):
-        inp = out.model_input
-        assert len(inp.input_ids) == len(inp.positions) == len(inp.slot_mapping) == inp.cu_seqlens_q[-1]
-        for i, table in enumerate(inp.block_tables):
-            rows = range(inp.cu_seqlens_q[i], inp.cu_seqlens_q[i + 1])
-            for r in rows:
-                pos = inp.positions[r]
-                assert inp.slot_mapping[r] == table[pos // 4] * 4 + pos % 4
-            assert inp.context_lens[i] == inp.positions[rows[-1]] + 1
-        if not inp.is_prefill:
-            assert inp.cu_seqlens_q == tuple(range(len(inp.block_tables) + 1))
-        outputs.update({r.seq_id: list(r.completion_token_ids) for r in out.finished})
-    assert [outputs[i] for i in seq_ids] == [reference(p) for p in PROMPTS[:4]]
-
-
-def test_v07_prefix_blocks_are_reused_and_ref_counts_return_to_zero() -> None:
-    mods = load("v07", "llm_engine", "block_manager")
-    engine = mods.llm_engine.LLMEngine(num_blocks=12, block_size=4)
-    bm = engine.block_manager
-    a = engine.add_request(SYSTEM_PROMPT + [1, 2, 3], MAX_TOKENS)
-    b = engine.add_request(SYSTEM_PROMPT + [9, 9], MAX_TOKENS)
-    first = engine.step()
-    assert first.is_prefill
-    table_a, table_b = first.block_tables[a], first.block_tables[b]
-    assert table_a[:2] == table_b[:2] and table_a[2] != table_b[2]  # shared prefix, private tails
-    assert [bm.blocks[x].ref_count for x in table_b[:2]] == [2, 2]
-    assert bm.num_prefix_hits == 2
-    rows = first.model_input.cu_seqlens_q
-    assert rows[2] - rows[1] == 2  # seq b computed only its own two tokens
-    outputs = {r.seq_id: list(r.completion_token_ids) for r in first.finished}
-    while not engine.is_finished():
-        owned = [x for seq in engine.scheduler.running for x in seq.block_table]
-        for block in bm.blocks:
-            assert block.ref_count == owned.count(block.block_id)
-            assert (block.ref_count == 0) == (block.block_id in bm.free_block_ids)
-        out = engine.step()
-        outputs.update({r.seq_id: list(r.completion_token_ids) for r in out.finished})
-    assert all(block.ref_count == 0 for block in bm.blocks)
-    assert bm.num_free_blocks == bm.num_blocks
-    # a later request still hits the freed-but-cached prefix blocks
-    c = engine.add_request(SYSTEM_PROMPT + [4, 4, 4, 4, 5], MAX_TOKENS)
-    hits_before = bm.num_prefix_hits
-    outputs.update({r.seq_id: list(r.completion_token_ids) for s in run_to_end(engine) for r in s.finished})
-    assert bm.num_prefix_hits - hits_before == 2
-    assert all(block.ref_count == 0 for block in bm.blocks)
-    # caching changes the work, never the tokens
-    assert outputs[a] == reference(SYSTEM_PROMPT + [1, 2, 3])
-    assert outputs[b] == reference(SYSTEM_PROMPT + [9, 9])
-    assert outputs[c] == reference(SYSTEM_PROMPT + [4, 4, 4, 4, 5])
-
-
-def test_v07_prefix_cache_survives_preemption_in_a_tight_pool() -> None:
-    engine = load("v07", "llm_engine").llm_engine.LLMEngine(num_blocks=7, block_size=2, max_num_seqs=4)
-    prompts = [SYSTEM_PROMPT[:5] + [i] for i in (1, 2, 3)] + [SYSTEM_PROMPT[:4]]
-    seq_ids = [engine.add_request(p, MAX_TOKENS) for p in prompts]
-    steps = run_to_end(engine)
-    assert sum(len(s.preempted_seq_ids) for s in steps) > 0
-    assert engine.block_manager.num_prefix_hits > 0
-    assert all(block.ref_count == 0 for block in engine.block_manager.blocks)
-    outputs = {r.seq_id: list(r.completion_token_ids) for s in steps for r in s.finished}
-    assert [outputs[i] for i in seq_ids] == [reference(p) for p in prompts]
-
-
-def test_v07_block_hashes_are_chained() -> None:
-    compute_hash = load("v07", "block_manager").block_manager.compute_hash
-    block = [1, 2, 3, 4]
-    assert compute_hash(block, -1) == compute_hash(block, -1)
-    assert compute_hash(block, compute_hash([5, 6, 7, 8], -1)) != compute_hash(block, -1)
-
-
-def test_v07_whole_prompt_cached_still_computes_the_last_token() -> None:
-    engine = load("v07", "llm_engine").llm_engine.LLMEngine(num_blocks=12, block_size=4)
-    engine.generate([SYSTEM_PROMPT], 1)
-    engine.add_request(SYSTEM_PROMPT, 1)
-    out = engine.step()
-    assert out.model_input.input_ids == tuple(SYSTEM_PROMPT[4:])  # block 2 holds the last token
-    assert out.new_tokens[0][1] == reference(SYSTEM_PROMPT, 1)[0]
-
-
-# ----------------------------------------------------------------------------- v08
-
-def test_v08_same_seed_same_output_whatever_the_batch() -> None:
-    mods = load("v08", "llm_engine", "sampling_params")
-    SamplingParams, LLMEngine = mods.sampling_params.SamplingParams, mods.llm_engine.LLMEngine
-    seeded = SamplingParams(temperature=1.0, top_k=8, seed=7, max_tokens=10, ignore_eos=True)
-    noisy = SamplingParams(temperature=1.5, max_tokens=10)
-    alone = LLMEngine().generate([PROMPTS[2]], seeded)[0]
-    again = LLMEngine().generate([PROMPTS[2]], seeded)[0]
-    batched = LLMEngine().generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]], [noisy, seeded, noisy])[1]
-    assert alone == again == batched
-    other = LLMEngine().generate([PROMPTS[2]], SamplingParams(temperature=1.0, top_k=8, seed=8,
-                                                             max_tokens=10, ignore_eos=True))[0]
-    assert other != alone
-    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    assert alone != reference(PROMPTS[2], 10)  # sampling really samples
-    assert LLMEngine().generate(PROMPTS, greedy) == [reference(p) for p in PROMPTS]
-    top1 = SamplingParams(temperature=2.0, top_k=1, seed=1, max_tokens=MAX_TOKENS)
-    assert LLMEngine().generate(PROMPTS, top1) == [reference(p) for p in PROMPTS]
-
-
-def test_v08_seeded_outputs_survive_preemption() -> None:
-    mods = load("v08", "llm_engine", "sampling_params")
-    params = [mods.sampling_params.SamplingParams(temperature=1.0, seed=i, max_tokens=8, ignore_eos=True)
-              for i in range(4)]
-    alone = [mods.llm_engine.LLMEngine(num_blocks=32).generate([p], [sp])[0]
-             for p, sp in zip(PROMPTS[:4], params)]
-    engine = mods.llm_engine.LLMEngine(num_blocks=6, block_size=4, max_num_seqs=4)
-    seq_ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:4], params)]
-    steps = run_to_end(engine)
-    assert sum(len(s.preempted_seq_ids) for s in steps) > 0
-    outputs = {r.seq_id: list(r.completion_token_ids) for s in steps for r in s.finished}
-    assert [outputs[i] for i in seq_ids] == alone
-
-
-def test_v08_sampling_params_are_validated() -> None:
-    SamplingParams = load("v08", "sampling_params").sampling_params.SamplingParams
-    for bad in (dict(temperature=-0.1), dict(top_k=0), dict(seed=-1), dict(max_tokens=0)):
-        with pytest.raises(ValueError):
-            SamplingParams(**bad)
-
-
-def test_v08_sampler_applies_temperature_and_top_k() -> None:
-    import torch
-
-    sampler = load("v08", "sampler").sampler.Sampler()
-    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0]] * 3)  # (B=3, V=4)
-    temperatures = torch.tensor([0.0, 1.0, 100.0])
-    top_ks = torch.tensor([-1, 1, 2])
-    for seed in range(20):
-        gens = [None] + [torch.Generator().manual_seed(seed) for _ in range(2)]
-        greedy, top1, top2 = sampler(logits, temperatures, top_ks, gens)
-        assert greedy == 2 and top1 == 2 and top2 in (2, 3)
-
-
-# ----------------------------------------------------------------------------- v09
-
-def test_v09_samples_a_real_transformer_behind_the_runner_contract() -> None:
-    import torch
-
-    mods = load("v09", "llm_engine", "sampling_params", "model_runner", "sequence")
-    engine = mods.llm_engine.LLMEngine(num_blocks=16, block_size=4)
-    runner = engine.model_runner
-    assert isinstance(runner.model, torch.nn.Module)
-    assert sum(p.numel() for p in runner.model.parameters()) > 1000
-    assert isinstance(runner, mods.model_runner.ModelRunner)
-    greedy = mods.sampling_params.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    prompts = [SYSTEM_PROMPT + [1, 2, 3], SYSTEM_PROMPT + [9, 9], [11, 4, 7]]
-    seq_ids = [engine.add_request(p, greedy) for p in prompts]
-    outputs = {}
-    while not engine.is_finished():
-        out = engine.step()
-        logits = runner.last_logits
-        assert logits.shape == (len(out.scheduled_seq_ids), 64)
-        # the tokens are the argmax of the model's real logits
-        assert [tok for _, tok in out.new_tokens] == logits.argmax(dim=-1).tolist()
-        outputs.update({r.seq_id: list(r.completion_token_ids) for r in out.finished})
-    assert engine.block_manager.num_prefix_hits >= 2
-    # paged, batched, prefix-shared decoding == recomputing the same model with no cache
-    model = runner.model
-    with torch.inference_mode():
-        for seq_id, prompt in zip(seq_ids, prompts):
-            tokens = list(prompt)
-            for _ in range(4):
-                tokens.append(int(model.reference_logits(tokens)[-1].argmax()))
-            assert outputs[seq_id] == tokens[len(prompt):]
-            full = model.reference_logits(prompt + outputs[seq_id][:-1])
-            seq = mods.sequence.Sequence(99, prompt + outputs[seq_id][:-1], greedy, 4)
-            fresh = mods.model_runner.ModelRunner(4, 4, engine.model_config)
-            seq.block_table = [3, 0, 2, 1][:seq.num_blocks]  # any non-contiguous pages work
-            fresh.run([seq], is_prefill=True)
-            assert torch.allclose(fresh.last_logits[0], full[-1], atol=1e-5)
-
-
-def test_v09_seeded_sampling_is_reproducible() -> None:
-    mods = load("v09", "llm_engine", "sampling_params")
-    params = mods.sampling_params.SamplingParams(temperature=0.8, top_k=10, seed=1, max_tokens=6,
-                                                 ignore_eos=True)
-    one = mods.llm_engine.LLMEngine().generate([[11, 4, 7]], params)[0]
-    two = mods.llm_engine.LLMEngine().generate([[5, 9], [11, 4, 7]], [params, params])[1]
-    assert one == two
-
-
 def test_v09_does_not_import_nanoengine() -> None:
     for path in (VERSIONS / V["v09"]).glob("*.py"):
         assert "nanoengine" not in path.read_text(), path
     before = {name for name in sys.modules if name.startswith("nanoengine")}
-    load("v09", "llm_engine", "run")
+    H.Lab(VERSIONS / V["v09"]).load("llm_engine", "run")
     assert {name for name in sys.modules if name.startswith("nanoengine")} == before
 
 
-# ------------------------------------------------------------------ across versions
+# ------------------------------------------------------------- v10: the mapping reports
 
-@pytest.mark.parametrize("version", ["v02", "v03", "v04", "v05", "v06", "v07"])
-def test_every_toy_engine_reproduces_the_naive_loop(version: str) -> None:
-    engine = load(version, "llm_engine").llm_engine.LLMEngine()
-    assert engine.generate(PROMPTS, MAX_TOKENS) == [reference(p) for p in PROMPTS]
+CITATION = re.compile(r"(?:(v\d\d) )?`([\w/.]+\.py)` :: ((?:`[\w.]+`(?:,\s+)?)+)")
+NANOENGINE_CITATION = re.compile(r"`(nanoengine/[\w/]+\.py)` \(((?:`[\w.]+`(?:,\s+)?)+)\)")
+
+
+def _names(cell: str) -> list[str]:
+    return re.findall(r"`([\w.]+)`", cell)
+
+
+def _defined_names(source: str) -> set[str]:
+    """Top-level functions, classes and assignments; 'Class.member' for methods,
+    class attributes and ``self.x = ...`` assignments."""
+    names: set[str] = set()
+
+    def targets(node: ast.AST) -> list[ast.expr]:
+        if isinstance(node, ast.Assign):
+            return node.targets
+        return [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.ClassDef):
+            names.add(node.name)
+            for item in ast.walk(node):
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item in node.body:
+                    names.add(f"{node.name}.{item.name}")
+                for target in targets(item):
+                    if isinstance(target, ast.Name) and item in node.body:
+                        names.add(f"{node.name}.{target.id}")
+                    elif (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                          and target.value.id == "self"):
+                        names.add(f"{node.name}.{target.attr}")
+        else:
+            names.update(t.id for t in targets(node) if isinstance(t, ast.Name))
+    return names
+
+
+def _resolves(name: str, defined: set[str]) -> bool:
+    """``A.b`` must be defined as such; a bare ``b`` is top-level or a member of some class."""
+    return name in defined or ("." not in name and any(d.endswith(f".{name}") for d in defined))
+
+
+def _nanovllm_index() -> tuple[str, dict[str, set[str]]]:
+    text = (MAPPING_DIR / "nanovllm_names.txt").read_text()
+    pin = re.search(r"^# pinned: (.+)$", text, re.M)
+    assert pin, "nanovllm_names.txt must start with '# pinned: <revision>'"
+    index = {}
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            path, names = line.split(":", 1)
+            index[path.strip()] = set(names.split())
+    return pin.group(1).strip(), index
+
+
+def test_mapping_reports_cite_only_names_that_exist() -> None:
+    pin, index = _nanovllm_index()
+    checked = {"nano-vLLM": 0, "track": 0, "nanoengine": 0}
+    for report in ("MAPPING.md", "CODE_MAP.md"):
+        text = (MAPPING_DIR / report).read_text()
+        for version, path, cell in CITATION.findall(text):
+            names = _names(cell)
+            if path.startswith("nanovllm/"):
+                assert path in index, f"{report} cites {path}, which is not in nanovllm_names.txt"
+                missing = [n for n in names if not _resolves(n, index[path])]
+                assert not missing, f"{report}: {path} has no {missing} at {pin}"
+                checked["nano-vLLM"] += len(names)
+            else:
+                assert version, f"{report}: a track citation of {path} must name its version (vNN `file`)"
+                source = VERSIONS / V[version] / path
+                assert source.exists(), f"{report} cites {version} {path}, which does not exist"
+                defined = _defined_names(source.read_text())
+                missing = [n for n in names if not _resolves(n, defined)]
+                assert not missing, f"{report}: {version} {path} defines no {missing}"
+                checked["track"] += len(names)
+        for path, cell in NANOENGINE_CITATION.findall(text):
+            source = ROOT / path
+            assert source.exists(), f"{report} cites {path}, which does not exist"
+            defined = _defined_names(source.read_text())
+            missing = [n for n in _names(cell) if not _resolves(n, defined)]
+            assert not missing, f"{report}: {path} defines no {missing}"
+            checked["nanoengine"] += len(_names(cell))
+    assert checked["nano-vLLM"] >= 60 and checked["track"] >= 30 and checked["nanoengine"] >= 5, checked
+
+
+def test_mapping_is_pinned_and_covers_every_snapshot() -> None:
+    pin, index = _nanovllm_index()
+    mapping = (MAPPING_DIR / "MAPPING.md").read_text()
+    code_map = (MAPPING_DIR / "CODE_MAP.md").read_text()
+    assert pin in mapping and pin in code_map, "both reports must state the pinned nano-vLLM revision"
+    sections = re.split(r"^## ", mapping, flags=re.M)
+    for folder in V.values():
+        section = next((s for s in sections if s.startswith(folder)), None)
+        assert section is not None, f"MAPPING.md has no section for {folder}"
+        assert CITATION.search(section), f"the {folder} section cites no file :: name"
+    for original in ("nanovllm/engine/scheduler.py", "nanovllm/engine/block_manager.py",
+                     "nanovllm/engine/model_runner.py", "nanovllm/layers/attention.py"):
+        assert f"`{original}` ::" in mapping and f"`{original}` ::" in code_map
+    assert "nanovllm/engine/block_manager.py" in index and "BlockManager.hash_blocks" in index[
+        "nanovllm/engine/block_manager.py"]

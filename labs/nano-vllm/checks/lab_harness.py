@@ -1,0 +1,243 @@
+"""The lab harness: run one version's checks against any copy of that version.
+
+A *copy* is a folder laid out like a snapshot (``sequence.py``, ``scheduler.py``, ...,
+``run.py``): the finished snapshot under ``versions/`` (the solution), the stubbed
+starter under ``starters/``, or a learner's working copy under ``work/``. The checks
+(``test_v01.py`` ... ``test_v09.py`` next to this file) never name a folder; they get a
+``Lab`` and ask it for modules, so the same check runs against all three.
+
+Used three ways:
+
+- ``./course lab-check v05`` (``lab_check.py``) runs the checks in-process and prints
+  PASS/FAIL with a hint for each failure;
+- ``pytest labs/nano-vllm/checks/test_v05.py`` runs them as ordinary tests, against the
+  folder named by the environment variable ``NANO_VLLM_LAB_DIR`` (default: the solution),
+  for full tracebacks;
+- ``tests/test_labs.py`` proves that every solution passes and every starter fails.
+
+Snapshot folders are not packages (their modules import each other by plain name, as
+scripts do), so ``Lab.load`` puts one folder on ``sys.path`` at a time and removes its
+modules from ``sys.modules`` afterwards: versions never see each other's files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import io
+import sys
+import traceback
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Callable
+
+CHECKS = Path(__file__).resolve().parent
+LAB = CHECKS.parent  # labs/nano-vllm
+VERSIONS = LAB / "versions"
+STARTERS = LAB / "starters"
+WORK = LAB / "work"
+
+V = {
+    "v00": "v00_naive_loop",
+    "v01": "v01_request_state",
+    "v02": "v02_engine_step",
+    "v03": "v03_prefill_decode",
+    "v04": "v04_continuous_batching",
+    "v05": "v05_paged_kv",
+    "v06": "v06_model_runner",
+    "v07": "v07_prefix_cache",
+    "v08": "v08_sampling_params",
+    "v09": "v09_tiny_transformer",
+}
+LAB_VERSIONS = tuple(v for v in V if v != "v00")  # v00 is the specification, not a lab
+
+SIBLING_MODULES = ("toy_model", "sequence", "llm_engine", "scheduler", "block_manager", "model_runner",
+                   "sampler", "sampling_params", "tiny_transformer", "run")
+
+# Inputs shared by the checks.
+SYSTEM_PROMPT = [21, 22, 23, 24, 25, 26, 27, 28]
+PROMPTS = [[5, 9, 13, 2, 8], [7, 7, 1], [3, 14, 15, 9, 2, 6, 5], [11, 4],
+           SYSTEM_PROMPT + [1, 2, 3], SYSTEM_PROMPT + [9, 9]]
+MAX_TOKENS = 6
+
+
+def version_of(name: str) -> str:
+    """'v05', '5', '05' or 'v05_paged_kv' -> 'v05'; ValueError otherwise."""
+    text = name.strip().lower().rstrip("/").split("/")[-1]
+    digits = text[1:3] if text.startswith("v") else text[:2]
+    key = f"v{int(digits):02d}" if digits.isdigit() else ""
+    if key not in V:
+        raise ValueError(f"unknown version {name!r}; expected one of {', '.join(V)}")
+    return key
+
+
+class Lab:
+    """One copy of one version: where its files are, and how to import them in isolation."""
+
+    def __init__(self, folder: Path | str, version: str | None = None) -> None:
+        self.folder = Path(folder).resolve()
+        if not self.folder.is_dir():
+            raise FileNotFoundError(f"no such folder: {self.folder}")
+        self.version = version or version_of(self.folder.name)
+        self.solution = VERSIONS / V[self.version]
+
+    def __repr__(self) -> str:
+        return f"Lab({self.version}, {self.folder})"
+
+    def load(self, *module_names: str) -> SimpleNamespace:
+        """Import modules of this copy by file path, isolated from every other copy."""
+        saved = {name: sys.modules.pop(name) for name in SIBLING_MODULES if name in sys.modules}
+        sys.path.insert(0, str(self.folder))
+        dont_write_bytecode, sys.dont_write_bytecode = sys.dont_write_bytecode, True  # keep folders clean
+        try:
+            loaded = {}
+            for name in module_names:
+                if name not in sys.modules:  # not already imported as another module's dependency
+                    path = self.folder / f"{name}.py"
+                    spec = importlib.util.spec_from_file_location(name, path)
+                    if spec is None or not path.exists():
+                        raise FileNotFoundError(f"{path} is missing")
+                    module = importlib.util.module_from_spec(spec)
+                    sys.modules[name] = module
+                    spec.loader.exec_module(module)
+                loaded[name] = sys.modules[name]
+            return SimpleNamespace(**loaded)
+        finally:
+            sys.dont_write_bytecode = dont_write_bytecode
+            sys.path.remove(str(self.folder))
+            for name in SIBLING_MODULES:
+                sys.modules.pop(name, None)
+            sys.modules.update(saved)
+
+    def run_main(self) -> str:
+        """Run this copy's ``run.py`` (its ``main()``) in-process and return what it printed."""
+        run = self.load("run").run
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            run.main()
+        return out.getvalue()
+
+    @property
+    def expected_output(self) -> str:
+        """The solution's full transcript, ``versions/vNN_*/expected_output.txt``."""
+        return (self.solution / "expected_output.txt").read_text()
+
+
+@lru_cache(maxsize=None)
+def _reference(prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+    run = Lab(VERSIONS / V["v00"]).load("run").run
+    return tuple(run.generate(list(prompt), max_tokens))
+
+
+def reference(prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    """v00's naive loop (always the solution): the tokens every toy version must reproduce."""
+    return list(_reference(tuple(prompt), max_tokens))
+
+
+def run_to_end(engine) -> list:
+    """Step an engine until it is idle; return every StepOutput."""
+    steps = []
+    while not engine.is_finished():
+        steps.append(engine.step())
+        assert len(steps) < 1000, "the engine did not finish within 1000 steps"
+    return steps
+
+
+def first_difference(actual: str, expected: str) -> str:
+    """A short report of where two transcripts first differ ('' if equal)."""
+    if actual == expected:
+        return ""
+    got, want = actual.splitlines(), expected.splitlines()
+    for i, (g, w) in enumerate(zip(got, want), start=1):
+        if g != w:
+            return f"line {i} differs:\n  expected: {w}\n  printed:  {g}"
+    if len(got) != len(want):
+        return f"printed {len(got)} lines, expected {len(want)}"
+    return "the transcripts differ in whitespace at the end of a line or of the file"
+
+
+def check_transcript(lab: Lab) -> None:
+    """The shared transcript check: ``run.py`` prints exactly the solution's transcript."""
+    diff = first_difference(lab.run_main(), lab.expected_output)
+    assert not diff, f"run.py output differs from versions/{V[lab.version]}/expected_output.txt: {diff}"
+
+
+# --------------------------------------------------------------------------- running checks
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str  # the check function's name, e.g. test_block_tables_are_consistent
+    title: str  # first line of its docstring
+    hint: str  # the 'Hint:' paragraph of its docstring
+    error: str  # '' when the check passed, else a short explanation
+    todo: bool  # the failure is a TODO stub that is still unwritten
+
+    @property
+    def passed(self) -> bool:
+        return not self.error
+
+
+def load_check_module(version: str) -> ModuleType:
+    """Import ``test_vNN.py`` (once) as ``lab_checks_vNN``."""
+    name = f"lab_checks_{version}"
+    if name not in sys.modules:
+        if str(CHECKS) not in sys.path:
+            sys.path.insert(0, str(CHECKS))
+        spec = importlib.util.spec_from_file_location(name, CHECKS / f"test_{version}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def check_functions(version: str) -> list[Callable[[Lab], None]]:
+    """The ``test_*`` functions of a version's check module, in the order they are written."""
+    module = load_check_module(version)
+    functions = [f for name, f in vars(module).items()
+                 if name.startswith("test_") and inspect.isfunction(f) and f.__module__ == module.__name__]
+    return sorted(functions, key=lambda f: f.__code__.co_firstlineno)
+
+
+def _doc_parts(function: Callable) -> tuple[str, str]:
+    doc = inspect.getdoc(function) or function.__name__
+    title = doc.splitlines()[0]
+    hint = doc.split("Hint:", 1)[1].strip() if "Hint:" in doc else ""
+    return title, " ".join(hint.split())
+
+
+def _explain(exc: BaseException, folder: Path) -> tuple[str, bool]:
+    """One readable paragraph for a failed check, pointing into the copy's own files."""
+    message = str(exc).strip()
+    is_todo = isinstance(exc, NotImplementedError) and message.startswith("TODO(")
+    if is_todo:
+        return f"not written yet: {message}", True
+    where = ""
+    for frame in reversed(traceback.extract_tb(exc.__traceback__)):
+        if Path(frame.filename).resolve().parent == folder:
+            where = f" (at {Path(frame.filename).name}:{frame.lineno}, in {frame.name})"
+            break
+    kind = "check failed" if isinstance(exc, AssertionError) else type(exc).__name__
+    lines = message.splitlines() or [""]
+    short = "\n".join(lines[:8]) + ("\n..." if len(lines) > 8 else "")
+    return f"{kind}{where}: {short}", False
+
+
+def run_check(function: Callable[[Lab], None], lab: Lab) -> CheckResult:
+    title, hint = _doc_parts(function)
+    try:
+        function(lab)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - pytest.raises failures are BaseExceptions
+        error, todo = _explain(exc, lab.folder)
+        return CheckResult(function.__name__, title, hint, error, todo)
+    return CheckResult(function.__name__, title, hint, "", False)
+
+
+def run_checks(version: str, folder: Path | str) -> list[CheckResult]:
+    """Every check of ``version`` against the copy in ``folder``, in order."""
+    lab = Lab(folder, version)
+    return [run_check(function, lab) for function in check_functions(version)]

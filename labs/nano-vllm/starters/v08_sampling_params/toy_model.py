@@ -1,0 +1,63 @@
+"""v08 - the toy "model" as a pure function of a flat batch and a KV pool, returning logits (cards 10, 12).
+
+Up to v05 the model walked ``Sequence`` objects and their block tables itself. A real
+model cannot: it runs on the GPU and sees only tensors. v06 therefore cuts it down to
+what a Transformer forward pass actually receives, a ``ModelInput`` built by the
+``ModelRunner`` (see ``model_runner.py``):
+
+- ``input_ids`` / ``positions``: every token riding this step, sequences back to back;
+- ``slot_mapping``: for each of those tokens, the pool slot its KV must be written to;
+- ``block_tables`` / ``context_lens``: where each sequence's whole context can be read.
+
+``forward`` does the two things attention does with the cache - **store** the new
+tokens' KV at their slots, then **gather** each sequence's context through its block
+table. It knows nothing about requests, queues or blocks being free or used.
+
+New in v08: instead of a token id, ``forward`` returns *logits* - one score per
+vocabulary entry per sequence, shape ``(num_seqs, VOCAB_SIZE)`` - like a real language
+model. The toy rule's token gets the top score and the others fall off with their
+(circular) distance from it, so greedy decoding reproduces v00-v07 exactly while
+sampling with a temperature can wander to nearby tokens. Choosing the token is now the
+``Sampler``'s job.
+"""
+
+import torch
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # model_runner imports this module; import its type for hints only
+    from model_runner import ModelInput
+
+VOCAB_SIZE = 64  # token ids are 0..63
+EOS_TOKEN = 0  # generating this id ends the request early
+LOGIT_SLOPE = 1.0  # how fast the score falls with distance from the rule's token
+
+
+def token_feature(token_id: int, position: int) -> int:
+    """What the model 'remembers' about one token at one position (the toy K/V)."""
+    return (7 * token_id + 3 * position) % 97
+
+
+class ToyModel:
+    """The toy rule over a flat batch; stateless apart from ``block_size``."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def forward(self, model_input: "ModelInput", kv_cache: list[int | None]) -> torch.Tensor:
+        """Store the batch's features in ``kv_cache``; return logits (num_seqs, VOCAB_SIZE)."""
+        bs = self.block_size
+        for token_id, position, slot in zip(model_input.input_ids, model_input.positions,
+                                            model_input.slot_mapping, strict=True):
+            kv_cache[slot] = token_feature(token_id, position)  # store
+        rule_tokens = []
+        for i, (block_table, context_len) in enumerate(zip(model_input.block_tables,
+                                                           model_input.context_lens)):
+            features = [kv_cache[block_table[p // bs] * bs + p % bs] for p in range(context_len)]
+            last_token = model_input.input_ids[model_input.cu_seqlens_q[i + 1] - 1]
+            # Identical to v00's toy_next_token, over the gathered features.
+            rule_tokens.append((sum(features) + 13 * last_token) % VOCAB_SIZE)
+        vocab = torch.arange(VOCAB_SIZE)  # (V,)
+        distance = (vocab[None, :] - torch.tensor(rule_tokens)[:, None]).abs()  # (B, V)
+        distance = torch.minimum(distance, VOCAB_SIZE - distance)  # circular
+        return LOGIT_SLOPE * (0 - distance).float()  # (B, V): 0 for the rule's token, lower elsewhere
