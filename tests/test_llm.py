@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from nanoengine import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow  # loads the default model
 
 
 def test_vllm_quickstart_runs_unchanged(default_llm):
