@@ -110,17 +110,19 @@ class MemoryEstimatorController:
         """The formulas against what ``engine`` really allocated (bytes).
 
         ``kv_formula`` is bytes per token x blocks x block size; ``kv_allocated`` is the
-        size of the runner's KV tensor. ``weights_formula`` is num_parameters x bytes per
-        value; ``weights_allocated`` sums the model's parameter tensors.
+        size of the KV tensor the engine allocated. ``weights_formula`` is num_parameters x
+        bytes per value; ``weights_allocated`` sums the model's parameter tensors. Both
+        allocations come from ``engine.memory_report()``, so this works under tensor
+        parallelism too (the ranks' shares added up).
         """
-        snap = engine.snapshot()
-        dtype_bytes = engine.runner.kv_cache.element_size()
-        params = list(engine.runner.model.parameters())
+        report = engine.memory_report()
+        dtype_bytes = DTYPE_BYTES[report.dtype]
         return {
-            "kv_formula": engine.model_config.kv_bytes_per_token(dtype_bytes) * snap.num_blocks * snap.block_size,
-            "kv_allocated": engine.runner.kv_cache_bytes,
-            "weights_formula": engine.model_config.num_parameters() * params[0].element_size(),
-            "weights_allocated": sum(p.numel() * p.element_size() for p in params),
+            "kv_formula": engine.model_config.kv_bytes_per_token(dtype_bytes) * report.num_kv_blocks
+            * report.block_size,
+            "kv_allocated": report.kv_cache_bytes,
+            "weights_formula": engine.model_config.num_parameters() * dtype_bytes,
+            "weights_allocated": report.weight_bytes,
         }
 
 
