@@ -11,6 +11,7 @@ from nanoengine.benchmark import compare_greedy, make_workload, workload_flops
 from nanoengine.models.presets import PRESETS
 
 
+@pytest.mark.slow  # three systems and a GEMM roofline
 def test_bench_command_compares_with_transformers_and_writes_results(tiny_llama_dir, tmp_path):
     out = tmp_path / "bench.json"
     code = main(["bench", "--model", str(tiny_llama_dir), "--num-requests", "6", "--min-prompt", "8",

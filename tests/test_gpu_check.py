@@ -36,6 +36,7 @@ def smoke(tmp_path_factory):
     return proc, out, time.monotonic() - start
 
 
+@pytest.mark.slow  # every stage of the GPU check, in a subprocess
 def test_cpu_smoke_runs_every_stage_and_passes(smoke):
     proc, out, seconds = smoke
     assert proc.returncode == 0, proc.stdout + proc.stderr

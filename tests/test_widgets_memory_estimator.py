@@ -19,6 +19,7 @@ def engine():
         yield default_engine()
 
 
+@pytest.mark.slow  # loads the default model
 def test_kv_formula_matches_the_default_engines_kv_tensor(engine) -> None:
     snap = engine.snapshot()
     check = MemoryEstimatorController.compare_with_engine(engine)
@@ -37,6 +38,7 @@ def test_kv_formula_matches_the_default_engines_kv_tensor(engine) -> None:
     assert estimate.kv_bytes == engine.runner.kv_cache_bytes
 
 
+@pytest.mark.slow  # loads the default model
 def test_weight_formula_matches_the_default_engines_parameters(engine) -> None:
     check = MemoryEstimatorController.compare_with_engine(engine)
     assert check["weights_formula"] == check["weights_allocated"]
