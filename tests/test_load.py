@@ -1,6 +1,6 @@
 """Load: 1,000 random requests through a small KV cache on a tiny model (chapters 4 and 5).
 
-The workload and the measurements live in ``scripts/load_report.py`` (which prints them);
+The workload and the measurements live in ``nanoengine.measure.load_report`` (which prints them);
 this test runs it and asserts: every request finishes (length, stop or abort), no block
 is leaked, no ``Request`` or detokenizer outlives the run, the event history stays
 bounded, the run really exercised preemption, prefix-cache hits and aborts, and memory is
@@ -14,11 +14,9 @@ catch such leaks exactly).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+
+from nanoengine.measure.load_report import run_load
 
 RSS_GROWTH_MIB = 6.0
 NUM_REQUESTS = 1000
@@ -27,18 +25,9 @@ NUM_REQUESTS = 1000
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest
 
 
-def _load_report_module():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "load_report.py"
-    spec = importlib.util.spec_from_file_location("load_report", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
 def test_thousand_random_requests_finish_without_leaks():
-    report = _load_report_module().run_load(NUM_REQUESTS, seed=0, check_every=5)
+    report = run_load(NUM_REQUESTS, seed=0, check_every=5)
     print("\n".join(report.lines()))  # shown with pytest -s
     assert sum(report.finished.values()) == NUM_REQUESTS
     assert set(report.finished) <= {"length", "stop", "abort"}

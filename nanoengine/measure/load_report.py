@@ -1,7 +1,7 @@
 """Load report: many random requests through a small KV cache on a tiny random model.
 
-    python scripts/load_report.py                       # 1,000 requests, prints the figures
-    python scripts/load_report.py --num-requests 5000 --threads 2
+    python -m nanoengine.measure.load_report                       # 1,000 requests, prints the figures
+    python -m nanoengine.measure.load_report --num-requests 5000 --threads 2
 
 The workload mixes everything the engine supports: prompt lengths from 1 token to
 max_model_len, shared prefixes (prefix-cache hits), greedy and sampled requests with
@@ -24,18 +24,15 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import psutil
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from nanoengine import LLMEngine, SamplingParams  # noqa: E402
-from nanoengine.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
-from nanoengine.engine.request import Request  # noqa: E402
-from nanoengine.loader.weights import random_model  # noqa: E402
-from nanoengine.models.presets import TINY_PRESETS  # noqa: E402
+from nanoengine import LLMEngine, SamplingParams
+from nanoengine.engine.detokenizer import IncrementalDetokenizer
+from nanoengine.engine.request import Request
+from nanoengine.loader.weights import random_model
+from nanoengine.models.presets import TINY_PRESETS
 
 TINY = TINY_PRESETS["tiny-llama-eos"]
 VOCAB = TINY.vocab_size
