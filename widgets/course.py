@@ -7,6 +7,7 @@ printed next to ``machine_description()``.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import os
 import platform
@@ -35,8 +36,11 @@ def show_source(obj, title: str | None = None):
     from IPython.display import HTML
 
     text, path, first = source_of(obj)
-    header = f"<div style='font-family:monospace;color:#555'>{title + ' — ' if title else ''}" \
-             f"{path}, line {first}</div>"
+    # The digest lets tests/test_notebooks.py check a saved listing against today's source.
+    digest = hashlib.sha256(text.encode()).hexdigest()
+    header = f"<div class='ne-source' data-path='{path}' data-first-line='{first}' " \
+             f"data-lines='{text.count(chr(10))}' data-sha256='{digest}' " \
+             f"style='font-family:monospace;color:#555'>{title + ' — ' if title else ''}{path}, line {first}</div>"
     try:
         from pygments import highlight
         from pygments.formatters import HtmlFormatter

@@ -1,0 +1,82 @@
+"""Execute the chapters at the current revision and save them with their provenance.
+
+    .venv/bin/python scripts/execute_notebooks.py                 # every chapter
+    .venv/bin/python scripts/execute_notebooks.py notebooks/03_kv_cache.ipynb
+
+Committed outputs must come from the code they sit beside (template v2, "fresh outputs").
+This runs each notebook top to bottom in a fresh kernel (OMP_WAIT_POLICY=PASSIVE, as in
+the tests), then, before saving:
+
+* drops saved widget state (``metadata.widgets``): it is megabytes of JSON, and the
+  views it describes do not survive a kernel restart anyway;
+* records ``metadata.nanoengine``: the git revision the outputs come from, the date, the
+  machine, and how long the run took (the 90 s budget of template v2);
+* refuses to save a notebook over 1 MB.
+
+Run it on a clean working tree (commit first), so the recorded revision holds the code
+that produced the outputs; ``tests/test_notebooks.py`` checks the revision against HEAD.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_BYTES = 1_000_000
+SOURCE_DIRS = ("nanoengine", "widgets")  # what the outputs depend on
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def execute(path: Path, revision: str, timeout: int) -> float:
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    start = time.perf_counter()
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}},
+                   record_timing=False).execute()
+    seconds = time.perf_counter() - start
+    nb.metadata.pop("widgets", None)
+    from widgets.course import machine_description
+
+    nb.metadata["nanoengine"] = {
+        "revision": revision, "executed": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_description(), "seconds": round(seconds, 1)}
+    text = nbformat.writes(nb) + "\n"
+    if len(text.encode()) > MAX_BYTES:
+        raise SystemExit(f"{path.name} would be {len(text.encode()):,} bytes, over {MAX_BYTES:,}: trim its outputs")
+    path.write_text(text)
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("notebooks", nargs="*", type=Path, help="default: notebooks/[0-9][0-9]_*.ipynb")
+    parser.add_argument("--timeout", type=int, default=300, help="seconds per cell")
+    parser.add_argument("--allow-dirty", action="store_true", help="run with uncommitted engine/widget changes")
+    args = parser.parse_args(argv)
+    dirty = git("status", "--porcelain", "--", *SOURCE_DIRS)
+    if dirty and not args.allow_dirty:
+        raise SystemExit(f"uncommitted changes under {', '.join(SOURCE_DIRS)}: commit first, so the recorded "
+                         f"revision holds the code behind the outputs\n{dirty}")
+    revision = git("rev-parse", "HEAD")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    paths = args.notebooks or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    for path in paths:
+        seconds = execute(path.resolve(), revision, args.timeout)
+        print(f"{path.name}: {seconds:.1f} s at {revision[:10]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    raise SystemExit(main())

@@ -1,0 +1,85 @@
+"""The chapters' saved outputs are fresh, small and free of widget state (template v2).
+
+nbval (run by ``./course test``) re-executes every chapter and compares the outputs it
+can; these tests check what nbval cannot see:
+
+* every notebook stays under 1 MB and carries no saved widget state;
+* a chapter's outputs were produced at a revision whose engine and widgets are today's
+  (``scripts/execute_notebooks.py`` records it in ``metadata.nanoengine``);
+* every source listing a chapter shows (``widgets.course.show_source``) is still the
+  source of the file and lines it names, byte for byte (its SHA-256 is saved with it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import html
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted(ROOT.glob("notebooks/*.ipynb")) + sorted(ROOT.glob("notebooks/solutions/*.ipynb"))
+CHAPTERS = [p for p in NOTEBOOKS if re.match(r"\d\d_", p.name) and p.parent.name == "notebooks"]
+LISTING = re.compile(r"class='ne-source' data-path='([^']+)' data-first-line='(\d+)' "
+                     r"data-lines='(\d+)' data-sha256='([0-9a-f]{64})'")
+MAX_BYTES = 1_000_000
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+def _outputs_html(nb: dict) -> list[str]:
+    texts = []
+    for cell in nb["cells"]:
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            for mime in ("text/html", "text/plain"):
+                if mime in data:
+                    value = data[mime]
+                    texts.append("".join(value) if isinstance(value, list) else value)
+    return texts
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_small_and_has_no_widget_state(path: Path):
+    text = path.read_text()
+    assert len(text.encode()) < MAX_BYTES, f"{path.name} is {len(text.encode()):,} bytes; the limit is 1 MB"
+    nb = json.loads(text)
+    assert "widgets" not in nb["metadata"], f"{path.name} saved widget state: re-execute it with scripts/execute_notebooks.py"
+    assert "application/vnd.jupyter.widget-state+json" not in text
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_chapter_outputs_come_from_todays_engine(path: Path):
+    meta = json.loads(path.read_text())["metadata"].get("nanoengine")
+    assert meta and meta.get("revision"), f"{path.name} has no recorded revision: run scripts/execute_notebooks.py"
+    if _git("rev-parse", "--git-dir").returncode != 0:
+        pytest.skip("not a git checkout")
+    revision = meta["revision"]
+    if _git("cat-file", "-e", f"{revision}^{{commit}}").returncode != 0:
+        pytest.fail(f"{path.name} was executed at {revision[:10]}, which this repository does not have")
+    changed = _git("diff", "--name-only", revision, "HEAD", "--", "nanoengine", "widgets").stdout.split()
+    assert not changed, (f"{path.name}'s outputs come from {revision[:10]}; since then {len(changed)} engine or "
+                         f"widget files changed ({', '.join(changed[:5])}): re-execute it with "
+                         f"scripts/execute_notebooks.py")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_saved_listings_are_todays_source(path: Path):
+    nb = json.loads(path.read_text())
+    listings = [m.groups() for text in _outputs_html(nb) for m in LISTING.finditer(html.unescape(text))]
+    if not listings:
+        if "show_source(" in "".join("".join(c["source"]) for c in nb["cells"]):
+            pytest.fail(f"{path.name} calls show_source but saved no listing header: re-execute it")
+        pytest.skip(f"{path.name} shows no source listing")
+    for shown, first, count, digest in listings:
+        lines = (ROOT / shown).read_text().splitlines(keepends=True)
+        start = int(first) - 1
+        now = "".join(lines[start:start + int(count)])
+        assert hashlib.sha256(now.encode()).hexdigest() == digest, \
+            f"{path.name} shows {shown} from line {first} as it was, not as it is: re-execute it"
