@@ -156,7 +156,7 @@ def _chip(piece: TokenPiece, index: int) -> str:
             f"data-token='{piece.token_id}' title='{html.escape(title, quote=True)}' "
             f"style='display:inline-block;margin:2px;padding:2px 5px;border-radius:4px;border:{border};"
             f"background:{colour};font-family:monospace;font-size:14px;color:#111'>"
-            f"{label}<sub style='color:#555;font-size:10px'>{piece.token_id}</sub></span>")
+            f"{label}<sub style='color:#555;font-size:10px;margin-left:2px'>{piece.token_id}</sub></span>")
 
 
 def render_token_chips(pieces: list[TokenPiece]) -> str:

@@ -16,6 +16,9 @@ what a learner does:
 5. save, shut the kernel down, reload: the file holds no widget views, and each simulator
    cell reads "Run this cell to bring the simulator back", not "Error displaying widget".
 
+Flow 2 also types Korean and an emoji into the token editor: its byte chips show their
+bytes and say what a byte-level token is.
+
 Screenshots go to ``test-artifacts/`` (gitignored). JupyterLab and every process it started
 are shut down whatever happens. Needs Debian's Chromium at /usr/bin/chromium (``apt-get
 install -y chromium``); skipped with a reason without it. Takes one to two minutes on a
@@ -44,7 +47,8 @@ NOTEBOOK = NOTEBOOKS / "widgets_demo.ipynb"
 COURSE_CONFIG = REPO / "jupyter" / "config"
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 RERUN_NOTE = "Run this cell to bring the simulator back"
-SIMULATORS = (".ne-sampling-playground", ".ne-scheduler-stepper", ".ne-block-allocator", ".ne-memory-estimator")
+SIMULATORS = (".ne-sampling-playground", ".ne-scheduler-stepper", ".ne-block-allocator", ".ne-memory-estimator",
+              ".ne-token-editor")
 VIEWPORT = {"width": 1400, "height": 1000}
 ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM = Path("/usr/bin/chromium")
@@ -335,11 +339,20 @@ def test_2_the_demo_runs_fits_the_screen_and_responds(lab, page) -> None:
         "scheduler stepper": _span(page, ".ne-scheduler-stepper", [".ne-sched-queues"]),
         "block allocator": _span(page, ".ne-block-allocator", [".ne-alloc-headline"]),
         "memory estimator": _span(page, ".ne-memory-estimator", [".ne-mem-summary"]),
+        "token editor": _span(page, ".ne-token-editor", [".ne-byte-note"]),
     }
     for selector in SIMULATORS:  # what each one looks like, for a person to check
         page.locator(selector).screenshot(path=str(ARTIFACTS / f"layout-{selector.strip('.')}.png"))
     too_tall = {name: round(px) for name, px in spans.items() if px > screen}
     assert not too_tall, f"taller than one screen ({screen:.0f} px): {too_tall}"
+
+    # the token editor: Korean and an emoji become byte chips that say what they are
+    editor = page.locator(".ne-token-editor")
+    editor.scroll_into_view_if_needed()
+    editor.locator("input").fill("LLM 추론 😀")
+    _wait_until(lambda: "F0 9F 98 80" in editor.inner_text(), 30, "the emoji's bytes under its chips")
+    assert "byte-level tokens" in editor.inner_text() and "\ufffd" not in editor.inner_text()
+    editor.screenshot(path=str(ARTIFACTS / "token-editor-korean-emoji.png"))
 
     # the sampling playground: move the temperature slider
     playground = page.locator(".ne-sampling-playground")
@@ -448,15 +461,15 @@ def test_5_save_restart_reopen_shows_how_to_bring_the_simulators_back(lab, page)
     nb = json.loads(saved.read_text())
     assert WIDGET_VIEW not in json.dumps(nb) and "widgets" not in nb["metadata"]
     widget_cells = [c for c in nb["cells"] if RERUN_NOTE in json.dumps(c.get("outputs", []))]
-    assert len(widget_cells) == 5  # playground, stepper, allocator, estimator, quiz
+    assert len(widget_cells) == 6  # playground, stepper, allocator, estimator, token editor, quiz
 
     for session in _api(lab, "GET", "/api/sessions"):  # shut the kernel down: a restart
         _api(lab, "DELETE", f"/api/sessions/{session['id']}")
     page.reload(wait_until="domcontentloaded")
     panel = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
     panel.locator(".jp-Cell").first.wait_for(timeout=90_000)
-    _wait_until(lambda: panel.locator(".jp-OutputArea-output", has_text=RERUN_NOTE).count() == 5, 60,
-                "the five rerun notes")
+    _wait_until(lambda: panel.locator(".jp-OutputArea-output", has_text=RERUN_NOTE).count() == 6, 60,
+                "the six rerun notes")
     text = panel.inner_text()
     assert "Error displaying widget" not in text and "model not found" not in text
     panel.locator(".jp-OutputArea-output", has_text=RERUN_NOTE).first.scroll_into_view_if_needed()
