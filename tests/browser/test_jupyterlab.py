@@ -5,8 +5,8 @@ Starts JupyterLab as ``./course lab`` does (the course's Jupyter configuration f
 token, over a temporary copy of ``notebooks/``, in a 1400x1000 window, and walks through
 what a learner does:
 
-1. the index (``README.md``) opens rendered, not as raw markdown, with no news pop-up, and
-   every chapter link leads to a file; following the widgets demo's link opens it;
+1. the server's front page is the index (``README.md``), rendered, not raw markdown, with no
+   news pop-up; every chapter link leads to a file; following the widgets demo's link opens it;
 2. every cell of the demo runs; each simulator's controls and headline result fit in one
    screen and no label is cut; the temperature slider redraws the distribution;
 3. Step, then the playground's Generate on the engine the two share: the stepper redraws
@@ -91,7 +91,8 @@ class JupyterLab:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={self.port}",
              "--allow-root", f"--ServerApp.token={TOKEN}", "--ServerApp.password=",
-             "--ServerApp.open_browser=False", f"--ServerApp.root_dir={root}", "--ServerApp.port_retries=0"],
+             "--ServerApp.open_browser=False", f"--ServerApp.root_dir={root}", "--ServerApp.port_retries=0",
+             "--LabApp.default_url=/lab/tree/README.md"],  # as ./course lab, whose root is the repository
             cwd=root, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.descendants: dict[int, object] = {}
 
@@ -291,7 +292,7 @@ def _count(locator) -> int:
 
 
 def test_1_the_index_opens_rendered_and_its_links_open_chapters(lab, page) -> None:
-    page.goto(f"{lab.url}/lab/tree/README.md?token={TOKEN}", wait_until="domcontentloaded")
+    page.goto(f"{lab.url}/?token={TOKEN}", wait_until="domcontentloaded")  # the server's front door
     rendered = page.locator(".jp-RenderedMarkdown", has_text="Written today")
     rendered.wait_for(timeout=90_000)
     assert page.locator(".jp-FileEditor").count() == 0, "the index opened in the text editor"
