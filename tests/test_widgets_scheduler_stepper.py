@@ -240,7 +240,7 @@ def _assert_stepper_shows_everything_finished(engine, stepper) -> None:
     assert f"engine step <b>{snap.step}</b>" in stepper.status.value
     assert "every request has finished" in stepper.status.value
     # no button contradicts the display: there is nothing to step, and Step says so by being off
-    assert stepper.step_button.disabled and stepper.run_button.disabled
+    assert stepper.step_button.disabled and stepper.run_button.disabled and stepper.abort_button.disabled
     assert "ran outside this stepper" in stepper.message.value
     assert "run elsewhere" in stepper.batch.value
     assert all(s.elsewhere for s in stepper.controller.steps)

@@ -542,6 +542,7 @@ class SchedulerStepper(ControllerView, W.VBox):
         picked = self.abort_picker.value
         self.abort_picker.options = live
         self.abort_picker.value = picked if picked in live else (live[0] if live else None)
+        self.abort_button.disabled = not live
         if text is not None:
             self.show_message(text, kind)
         watcher = getattr(self, "watcher", None)
