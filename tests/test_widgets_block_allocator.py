@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from nanoengine import SamplingParams
 from widgets._common import single_thread, tiny_engine
 from widgets.block_allocator import (BlockAllocatorController, BlockAllocatorView, ContiguousAllocator,
                                      render_grid)
@@ -236,3 +237,50 @@ def test_a_thousand_block_grid_redraws_fast() -> None:
     elapsed = time.perf_counter() - start
     assert html.count('class="ne-block ') == 1000
     assert elapsed < 0.5, f"grid took {elapsed:.3f} s"
+
+
+def test_switching_the_reserve_policy_rebuilds_the_contiguous_side_from_live_requests() -> None:
+    """The issue's case: 'reserve prompt + max tokens' showed 0 reservations, 0 stored and
+    100% waste, and stayed empty through later steps."""
+    view = make_view()  # 64 blocks x 4 tokens = 256 slots; max_model_len 64
+    c = view.controller
+    for _ in range(3):
+        add(view, 8, 8)
+    view.step_button.click()
+    assert [r.size for r in c.contiguous.regions.values()] == [64, 64, 64]
+
+    view.reserve.value = "request"
+    assert "rebuilt for the 3 unfinished request(s)" in view.message.value
+    assert [(r.request_id, r.start, r.size) for r in c.contiguous.regions.values()] == [
+        ("0", 0, 16), ("1", 16, 16), ("2", 32, 16)]
+    report = c.contiguous_report()
+    assert report.num_placed == 3 and report.num_waiting == 0
+    assert report.stored_tokens == c.paged_report().stored_tokens == 24
+    assert report.reserved_tokens == 3 * (16 - 8) and report.internal_tokens == 0
+    assert report.waste_fraction == pytest.approx(24 / 48)
+    assert "reserving prompt + max tokens" in view.headline.value
+    assert re.search(r"ne-headline-placed-contiguous\">3 / 0<", view.headline.value)
+
+    view.step_button.click()  # and it keeps following the engine
+    report = c.contiguous_report()
+    assert report.num_placed == 3 and report.stored_tokens == 27
+    view.reserve.value = "max_model_len"
+    assert [r.size for r in c.contiguous.regions.values()] == [64, 64, 64]
+    assert c.contiguous_report().stored_tokens == 27
+
+
+def test_the_view_redraws_after_steps_run_by_other_code() -> None:
+    view = make_view()
+    engine = view.controller.engine
+    add(view, 8, 2)
+    assert not cells_by_state(view, "used") and not view.step_button.disabled
+    engine.step()  # a notebook cell, not the Step button
+    assert len(cells_by_state(view, "used")) == 2
+    assert re.search(r"ne-headline-placed-paged\">1 / 0<", view.headline.value)
+    engine.add_request(list(range(100, 106)), SamplingParams(max_tokens=3, ignore_eos=True),
+                       request_id="outside")  # queued by other code
+    assert "outside" in view.request_picker.options and "outside" in view.controller.contiguous.regions
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert not cells_by_state(view, "used") and view.controller.contiguous.regions == {}
+    assert view.step_button.disabled and view.finish_button.disabled  # nothing left to step or end

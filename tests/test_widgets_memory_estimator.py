@@ -76,11 +76,14 @@ def test_the_view_redraws_on_every_control() -> None:
 
 def test_bad_values_show_a_message() -> None:
     view = MemoryEstimator(MemoryEstimatorController(devices=DEVICES))
+    assert view.chart.layout.display is None and view.chart.value[:4] == b"\x89PNG"
     view.context_len.value = 100_000
     assert "handles at most 8192 positions" in html.unescape(view.message.value)
     assert view.estimate is None and "no estimate" in view.summary.value
+    assert view.chart.layout.display == "none"  # the old chart must not sit under "no estimate"
     view.context_len.value = 4096
     assert view.message.value == "" and view.estimate is not None
+    assert view.chart.layout.display is None
     view.batch_size.value = 0
     assert "batch size must be" in view.message.value
     with pytest.raises(ValueError, match="unknown model"):

@@ -25,5 +25,6 @@ def test_demo_notebook_carries_no_outputs_or_widget_state() -> None:
 
 def test_demo_notebook_uses_every_simulator() -> None:
     source = "".join("".join(c["source"]) for c in json.loads(NOTEBOOK.read_text(encoding="utf-8"))["cells"])
-    for name in ("SamplingPlayground", "SchedulerStepper", "BlockAllocatorView", "MemoryEstimator", "Quiz("):
+    for name in ("SamplingPlayground", "SchedulerStepper", "BlockAllocatorView", "MemoryEstimator", "TokenEditor",
+                 "Quiz("):
         assert name in source, name

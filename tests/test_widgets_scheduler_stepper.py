@@ -6,6 +6,7 @@ timeline shown must match what the engine did (its snapshot and its events).
 
 from __future__ import annotations
 
+import asyncio
 import html
 import re
 
@@ -213,3 +214,85 @@ def test_a_step_of_sixty_four_requests_on_a_thousand_blocks_redraws() -> None:
     view.step_button.click()
     assert len(queue_ids(view, "running")) == 64
     assert view.controller.steps[-1].num_prefill_tokens == 64 * 150
+
+
+# ----------------------------------------------------------------------------------------
+# One engine, two simulators: the stepper shows what the engine did, whoever stepped it
+# ----------------------------------------------------------------------------------------
+
+
+def _stepper_and_playground():
+    from widgets.sampling_playground import SamplingPlayground
+
+    engine = tiny_engine(num_kv_blocks=64, block_size=4, max_model_len=64, max_num_batched_tokens=32)
+    stepper = SchedulerStepper(engine, shared_with="sampling playground")
+    playground = SamplingPlayground(engine, prompt=list(range(100, 108)), shared_with="scheduler stepper")
+    add(stepper, 6, 4, count=3)
+    playground.gen_tokens.value, playground.gen_seed.value = 12, 0
+    return engine, stepper, playground
+
+
+def _assert_stepper_shows_everything_finished(engine, stepper) -> None:
+    snap = engine.snapshot()
+    assert not snap.running and not snap.waiting
+    assert queue_ids(stepper, "waiting") == [] and queue_ids(stepper, "running") == []
+    assert sorted(queue_ids(stepper, "finished")) == ["0", "1", "2", "3"]  # "3" is the playground's
+    assert f"engine step <b>{snap.step}</b>" in stepper.status.value
+    assert "every request has finished" in stepper.status.value
+    # no button contradicts the display: there is nothing to step, and Step says so by being off
+    assert stepper.step_button.disabled and stepper.run_button.disabled and stepper.abort_button.disabled
+    assert "ran outside this stepper" in stepper.message.value
+    assert "run elsewhere" in stepper.batch.value
+    assert all(s.elsewhere for s in stepper.controller.steps)
+
+
+def test_generate_on_a_shared_engine_redraws_the_stepper() -> None:
+    """The issue's case: Generate ran the stepper's queued requests; the stepper kept showing
+    'waiting (3)' at engine step 0 while Step said nothing was left."""
+    engine, stepper, playground = _stepper_and_playground()
+    assert queue_ids(stepper, "waiting") == ["0", "1", "2"] and not stepper.step_button.disabled
+    assert "shared with the sampling playground" in stepper.shared_note.value
+    assert "shared with the scheduler stepper" in playground.shared_note.value
+
+    playground.gen_button.click()
+    assert "finish reason: length" in playground.generation.value
+    assert "advanced 3 other request(s)" in playground.message.value
+    assert "3 of which finished" in playground.message.value
+    _assert_stepper_shows_everything_finished(engine, stepper)
+
+    add(stepper, 5, 2)  # a new request brings Step back
+    assert not stepper.step_button.disabled and queue_ids(stepper, "waiting") == ["4"]
+    stepper.step_button.click()
+    assert not stepper.controller.steps[-1].elsewhere and "run elsewhere" not in stepper.batch.value
+
+
+def test_in_a_kernel_the_redraw_comes_once_after_the_handler() -> None:
+    """In a running event loop (as in a kernel) the stepper redraws once, after Generate's
+    last step, when the engine's snapshot is complete, not once per step mid-step."""
+    engine, stepper, playground = _stepper_and_playground()
+
+    async def click_generate_then_yield() -> tuple[int, str]:
+        redraws = stepper.watcher.num_redraws
+        playground.gen_button.click()
+        waiting_during = queue_ids(stepper, "waiting")  # not redrawn yet: the handler is still running
+        await asyncio.sleep(0)  # the kernel's loop runs the deferred redraw
+        return stepper.watcher.num_redraws - redraws, waiting_during
+
+    redraws, waiting_during = asyncio.run(click_generate_then_yield())
+    assert waiting_during == ["0", "1", "2"]
+    assert redraws == 1
+    _assert_stepper_shows_everything_finished(engine, stepper)
+
+
+def test_the_stepper_redraws_after_steps_a_notebook_cell_runs() -> None:
+    view = make_view()
+    engine = view.controller.engine
+    add(view, 6, 3, count=2)
+    engine.step()  # not through the view
+    assert queue_ids(view, "running") == ["0", "1"] and queue_ids(view, "waiting") == []
+    engine.abort("1")  # between steps
+    assert queue_ids(view, "running") == ["0"] and "1" in queue_ids(view, "finished")
+    view.close()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert queue_ids(view, "running") == ["0"]  # closed: it no longer listens, so it shows the old state

@@ -8,6 +8,7 @@ BlockAllocatorView     BlockAllocatorController            4 (PagedAttention), 7
 SchedulerStepper       SchedulerStepperController          5 (the scheduler)
 SamplingPlayground     SamplingPlaygroundController        8 (sampling)
 MemoryEstimator        MemoryEstimatorController           1, 3
+TokenEditor            token_pieces (widgets.tokens)       1
 Quiz                   QuizController                      all eleven
 =====================  ==================================  ==========================
 
@@ -15,6 +16,13 @@ Controllers use only the engine's public API (``add_request``, ``step``, ``abort
 ``snapshot``, ``events``, ``next_token_logits``) and the sampler's public functions; the
 engine never imports this package. A bad value typed into a control is shown as a message
 in the widget and leaves the engine unchanged.
+
+Views that watch an engine (the stepper, the allocator) redraw after every engine step,
+whoever ran it. Which simulators share an engine is decided per notebook, and a view says
+so on screen (``shared_with=``): in the widgets demo the sampling playground and the
+scheduler stepper share the real model (loading it twice would cost seconds and memory)
+while the block allocator has a tiny engine of its own; in chapter 4 the allocator has its
+own tiny engine and nothing else steps it.
 """
 
 from widgets._common import default_engine, tiny_engine
@@ -23,8 +31,9 @@ from widgets.memory_estimator import MemoryEstimator, MemoryEstimatorController
 from widgets.quiz import Quiz, QuizController, load_quiz
 from widgets.sampling_playground import SamplingPlayground, SamplingPlaygroundController
 from widgets.scheduler_stepper import SchedulerStepper, SchedulerStepperController
+from widgets.tokens import TokenEditor, token_chips, token_pieces
 
 __all__ = ["BlockAllocatorController", "BlockAllocatorView", "ContiguousAllocator", "MemoryEstimator",
            "MemoryEstimatorController", "Quiz", "QuizController", "load_quiz", "SamplingPlayground",
            "SamplingPlaygroundController", "SchedulerStepper", "SchedulerStepperController",
-           "default_engine", "tiny_engine"]
+           "TokenEditor", "default_engine", "tiny_engine", "token_chips", "token_pieces"]

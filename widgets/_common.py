@@ -9,15 +9,18 @@ chapters (4, 7) and the tests run in milliseconds per step.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import html
+import warnings
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
 from nanoengine import LLMEngine
+from nanoengine.events import Event, RequestFinished, RequestQueued, RequestScheduled, StepFinished
 
 #: Errors a control can provoke with bad input. A view shows them as a message; the
 #: controller guarantees it raised them before changing any engine state.
@@ -135,8 +138,85 @@ class ControllerView(MessageView):
 
     def close(self) -> None:
         """Close the widgets and stop listening to the engine's events."""
+        watcher = getattr(self, "watcher", None)
+        if watcher is not None:
+            watcher.close()
         self.controller.close()
         super().close()
+
+
+class EngineWatcher:
+    """Call ``redraw`` whenever ``engine`` changes, whoever changed it.
+
+    A view that only redraws after its own buttons lies as soon as anything else drives
+    the same engine: another simulator's Generate, a notebook cell calling
+    ``engine.step()``. The watcher listens to the engine's events (its public
+    ``events.subscribe``) and redraws after a step (``StepFinished``), a new request
+    (``RequestQueued``) or an abort between steps (``RequestFinished`` outside a step).
+
+    In a running kernel the redraw is deferred with ``loop.call_soon``: a button handler or
+    a cell that runs twenty steps in a row gets one redraw, after its last step, when the
+    engine is between steps again and its snapshot is complete (during ``StepFinished`` the
+    step counter has not moved on yet). Without an event loop (a plain script, most tests)
+    it redraws at once. A view that has just redrawn itself calls ``drawn()`` so the
+    pending redraw is skipped.
+    """
+
+    def __init__(self, engine: LLMEngine, redraw: Callable[[], None]) -> None:
+        self.engine = engine
+        self._redraw = redraw
+        self._pending = False
+        self._in_step = False
+        self.num_redraws = 0  # redraws this watcher triggered (tests and curious readers)
+        self._unsubscribe = engine.events.subscribe(self._on_event)
+
+    def _on_event(self, event: Event) -> None:
+        if isinstance(event, RequestScheduled):
+            self._in_step = True
+            return
+        if isinstance(event, StepFinished):
+            self._in_step = False
+        elif not isinstance(event, (RequestQueued, RequestFinished)) or self._in_step:
+            return  # mid-step events: the StepFinished that follows covers them
+        if self._pending:
+            return
+        self._pending = True
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None:
+            self.flush()
+        else:
+            loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Redraw now if an engine change is waiting to be shown."""
+        if not self._pending:
+            return
+        self._pending = False
+        self.num_redraws += 1
+        try:
+            self._redraw()
+        except Exception as exc:  # a deferred callback has no cell to show a traceback in
+            warnings.warn(f"redraw after an engine event failed: {exc!r}", RuntimeWarning, stacklevel=2)
+
+    def drawn(self) -> None:
+        """The view has just redrawn itself: nothing is pending any more."""
+        self._pending = False
+
+    def close(self) -> None:
+        self._unsubscribe()
+
+
+def shared_engine_note(shared_with: str | None) -> str:
+    """The line a view shows when another simulator drives the same engine ('' if none)."""
+    if not shared_with:
+        return ""
+    return (f'<div class="ne-shared-engine" style="font-size:12px;line-height:1.4;color:#5a4500;'
+            f'background:#fff6d6;padding:3px 8px;border-radius:4px"><b>One engine, shared with the '
+            f'{escape(shared_with)}</b>: steps either one runs advance the other\'s requests too, and both '
+            f'redraw after every engine step.</div>')
 
 
 def guarded(show: Callable[[str, str], None]) -> Callable:

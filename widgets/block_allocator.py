@@ -21,6 +21,10 @@ Waste is split into the paper's three kinds:
 * *external fragmentation*: free slots in holes too small for the next reservation (never
   for paging: any free block serves any request).
 
+The controller follows the engine's events, so requests that other code adds, steps or
+aborts are counted on the contiguous side too, and the view redraws after every engine
+step whoever ran it.
+
 ``BlockAllocatorController`` is the testable part; ``BlockAllocatorView`` draws it.
 """
 
@@ -33,9 +37,10 @@ import ipywidgets as W
 
 from nanoengine import EngineSnapshot, LLMEngine, RequestOutput, SamplingParams
 from nanoengine.events import (BlockEvicted, BlocksAllocated, BlocksFreed, BlockStored, Event,
-                               PrefixCacheHit, RequestFinished, RequestPreempted)
-from widgets._common import (PALETTE, ControllerView, TokenSource, check_int, check_request_fits, escape,
-                             format_bytes, guarded)
+                               PrefixCacheHit, RequestFinished, RequestPreempted, RequestQueued, RequestScheduled,
+                               StepFinished)
+from widgets._common import (PALETTE, ControllerView, EngineWatcher, TokenSource, check_int, check_request_fits,
+                             escape, format_bytes, guarded, shared_engine_note)
 
 RESERVE_MODES = ("max_model_len", "request")
 
@@ -188,6 +193,7 @@ class BlockAllocatorController:
         self.final_lengths: dict[str, int] = {}  # request id -> longest it can get
         self.colours: dict[str, str] = {}
         self.log: collections.deque[str] = collections.deque(maxlen=200)
+        self._in_step = False
         self._unsubscribe = engine.events.subscribe(self._on_event)
         self.sync()
 
@@ -235,11 +241,17 @@ class BlockAllocatorController:
         return output
 
     def set_contiguous_reserve(self, mode: str) -> None:
-        """Switch what the contiguous side reserves; it is rebuilt from the live requests."""
+        """Switch what the contiguous side reserves; it is rebuilt from the live requests.
+
+        The new allocator starts empty and every unfinished request queues again for a
+        reservation of the new size, in arrival order, as if the server had used this
+        policy from the start (their tokens so far are the same on both policies).
+        """
         if mode not in RESERVE_MODES:
             raise ValueError(f"contiguous reserve must be one of {RESERVE_MODES}, got {mode!r}")
         self.contiguous_reserve = mode
         self.contiguous = ContiguousAllocator(self.num_blocks * self.block_size)
+        self.final_lengths.clear()  # sync() places only requests it has not seen: forget them all
         self.sync()
 
     def close(self) -> None:
@@ -354,6 +366,16 @@ class BlockAllocatorController:
         line = _describe_block_event(event)
         if line:
             self.log.append(f"step {event.step}: {line}")
+        # Keep the contiguous side in step with the engine whoever drives it: a request
+        # queues for its range when it arrives and releases it when it ends. Mid-step events
+        # wait for StepFinished, when the engine's queues are settled again.
+        if isinstance(event, RequestScheduled):
+            self._in_step = True
+        elif isinstance(event, StepFinished):
+            self._in_step = False
+            self.sync()
+        elif isinstance(event, (RequestQueued, RequestFinished)) and not self._in_step:
+            self.sync()
 
 
 def _arrival_key(request_id: str) -> tuple[int, int | str]:
@@ -452,6 +474,18 @@ def render_contiguous(controller: BlockAllocatorController, snap: EngineSnapshot
             f'<span class="ne-contiguous-waiting">{waiting}</span></div>')
 
 
+def render_headline(paged: MemoryReport, contiguous: MemoryReport, reserve: str) -> str:
+    """The two numbers the chapter is about, in one line next to the buttons."""
+    policy = "max_model_len" if reserve == "max_model_len" else "prompt + max tokens"
+    return (f'<div class="ne-alloc-headline" style="font-size:13px;padding:3px 0">'
+            f'<b>wasted</b>: paged <b class="ne-headline-waste-paged">{100 * paged.waste_fraction:.1f}%</b> · '
+            f'contiguous (reserving {policy}) <b class="ne-headline-waste-contiguous">'
+            f'{100 * contiguous.waste_fraction:.1f}%</b> &nbsp;|&nbsp; <b>requests holding memory / waiting</b>: '
+            f'paged <b class="ne-headline-placed-paged">{paged.num_placed} / {paged.num_waiting}</b> · '
+            f'contiguous <b class="ne-headline-placed-contiguous">{contiguous.num_placed} / '
+            f'{contiguous.num_waiting}</b></div>')
+
+
 def render_report_table(paged: MemoryReport, contiguous: MemoryReport) -> str:
     rows = [("stored KV (tokens)", "stored_tokens"), ("reserved for later tokens", "reserved_tokens"),
             ("internal fragmentation", "internal_tokens"), ("external fragmentation", "external_tokens"),
@@ -461,7 +495,7 @@ def render_report_table(paged: MemoryReport, contiguous: MemoryReport) -> str:
         cells = []
         for rep in (paged, contiguous):
             n = getattr(rep, attr)
-            cells.append(f"<td>{n:,} slots<br><small>{format_bytes(rep.bytes(n))}</small></td>")
+            cells.append(f"<td>{n:,} slots <small>({format_bytes(rep.bytes(n))})</small></td>")
         body.append(f"<tr><th style='text-align:left'>{label}</th>{''.join(cells)}</tr>")
     body.append("<tr><th style='text-align:left'>waste / (allocated + stranded)</th>"
                 f"<td class='ne-waste-paged'>{100 * paged.waste_fraction:.1f}%</td>"
@@ -469,7 +503,7 @@ def render_report_table(paged: MemoryReport, contiguous: MemoryReport) -> str:
     body.append("<tr><th style='text-align:left'>requests holding memory / waiting</th>"
                 f"<td>{paged.num_placed} / {paged.num_waiting}</td>"
                 f"<td>{contiguous.num_placed} / {contiguous.num_waiting}</td></tr>")
-    return ("<table class='ne-report' style='font-size:12px;border-collapse:collapse' border='1' "
+    return ("<table class='ne-report' style='font-size:12px;line-height:1.3;border-collapse:collapse' border='1' "
             "cellpadding='3'><tr><th></th><th>paged (live engine)</th><th>contiguous, same trace</th></tr>"
             + "".join(body) + "</table>")
 
@@ -477,7 +511,7 @@ def render_report_table(paged: MemoryReport, contiguous: MemoryReport) -> str:
 def render_counts(controller: BlockAllocatorController, cells: list[BlockCell] | None = None) -> str:
     c = controller.counts(cells)
     bpb = controller.bytes_per_block
-    return (f'<div class="ne-counts" style="font-size:13px"><b>{c["used"]}</b> used · <b>{c["free"]}</b> free '
+    return (f'<div class="ne-counts" style="font-size:13px;line-height:1.4"><b>{c["used"]}</b> used · <b>{c["free"]}</b> free '
             f'(<b>{c["cached_free"]}</b> cached, reusable) · <b>{c["shared"]}</b> shared (ref count &gt; 1) '
             f'of {c["total"]} blocks × {controller.block_size} tokens · {format_bytes(bpb)} per block, '
             f'{format_bytes(bpb * c["used"])} in use of {format_bytes(bpb * c["total"])} '
@@ -490,10 +524,15 @@ def render_counts(controller: BlockAllocatorController, cells: list[BlockCell] |
 
 
 class BlockAllocatorView(ControllerView, W.VBox):
-    """The grid, the contiguous comparison, counts and the controls."""
+    """The controls and the headline (waste, requests placed) on top, then the grid beside the
+    contiguous comparison, then the legend and the event log (folded).
+
+    ``shared_with`` names another simulator that drives the same engine; the view then
+    says so. It redraws after every engine step, whoever ran it.
+    """
 
     def __init__(self, engine: LLMEngine | None = None, controller: BlockAllocatorController | None = None,
-                 **controller_kwargs) -> None:
+                 shared_with: str | None = None, **controller_kwargs) -> None:
         if controller is None:
             if engine is None:
                 raise ValueError("give an engine or a controller")
@@ -503,11 +542,12 @@ class BlockAllocatorView(ControllerView, W.VBox):
         self.message = W.HTML()
         show = self.show_message
         default_prompt = min(len(controller.shared_prefix) + controller.block_size + 1, max_len // 2)
-        self.prompt_len = W.BoundedIntText(value=default_prompt, min=0,
-                                           max=10 * max_len, description="prompt len")
+        self.prompt_len = W.BoundedIntText(value=default_prompt, min=0, max=10 * max_len, description="prompt len",
+                                           layout=W.Layout(width="180px"))
         self.max_tokens = W.BoundedIntText(value=max(1, min(2 * controller.block_size, max_len // 4)), min=0,
-                                           max=10 * max_len, description="max tokens")
-        self.shared = W.Checkbox(value=False, description="starts with the shared prefix", indent=False)
+                                           max=10 * max_len, description="max tokens", layout=W.Layout(width="180px"))
+        self.shared = W.Checkbox(value=False, description="starts with the shared prefix", indent=False,
+                                 layout=W.Layout(width="auto", margin="0 12px"))
         self.add_button = W.Button(description="Add request", button_style="primary")
         self.step_button = W.Button(description="Step")
         self.request_picker = W.Dropdown(options=[], description="request")
@@ -515,7 +555,9 @@ class BlockAllocatorView(ControllerView, W.VBox):
         self.abort_button = W.Button(description="Abort", button_style="danger")
         self.reserve = W.ToggleButtons(options=[("reserve max_model_len", "max_model_len"),
                                                 ("reserve prompt + max tokens", "request")],
-                                       value=controller.contiguous_reserve, style={"button_width": "190px"})
+                                       value=controller.contiguous_reserve, style={"button_width": "215px"})
+        self.shared_note = W.HTML(shared_engine_note(shared_with))
+        self.headline = W.HTML()
         self.counts = W.HTML()
         self.grid = W.HTML()
         self.contiguous = W.HTML()
@@ -551,7 +593,10 @@ class BlockAllocatorView(ControllerView, W.VBox):
         @guarded(show)
         def on_reserve(change):
             controller.set_contiguous_reserve(change["new"])
-            self.refresh()
+            live = len(controller.live_requests)
+            self.refresh(f"contiguous side rebuilt for the {live} unfinished request(s), reserving "
+                         f"{'max_model_len' if change['new'] == 'max_model_len' else 'prompt + max tokens'} each",
+                         "ok")
 
         self.add_button.on_click(on_add)
         self.step_button.on_click(on_step)
@@ -562,16 +607,22 @@ class BlockAllocatorView(ControllerView, W.VBox):
                   "holding KV; a number = ref count (shared prefix block); dashed blue = free but cached; "
                   "white = free. Contiguous bar: solid = stored, pale = reserved for later tokens, "
                   "grey = internal fragmentation, red = external fragmentation.</div>")
+        details = W.Accordion([W.VBox([W.HTML(legend), self.event_log])], selected_index=None)
+        details.set_title(0, "legend and block event log")
         super().__init__([
+            self.shared_note,
             W.HBox([self.prompt_len, self.max_tokens, self.shared, self.add_button]),
             W.HBox([self.step_button, self.request_picker, self.finish_button, self.abort_button]),
-            self.message, self.counts,
+            W.HBox([W.HTML("<b>contiguous side:</b>", layout=W.Layout(margin="0 8px 0 0")), self.reserve]),
+            self.message, self.headline, self.counts,
             W.HBox([W.VBox([W.HTML("<b>Paged KV blocks (live block manager)</b>"), self.grid],
-                           layout=W.Layout(width="55%")),
-                    W.VBox([W.HTML("<b>Contiguous allocator, same requests</b>"), self.reserve,
-                            self.contiguous, self.report], layout=W.Layout(width="45%"))]),
-            W.HTML(legend), self.event_log])
+                           layout=W.Layout(width="50%")),
+                    W.VBox([W.HTML("<b>Contiguous allocator, same requests</b>"),
+                            self.contiguous, self.report], layout=W.Layout(width="50%"))]),
+            details])
         self.add_class("ne-block-allocator")
+        self.headline.add_class("ne-alloc-summary")
+        self.watcher = EngineWatcher(controller.engine, self.refresh)
         self.refresh()
 
     def refresh(self, text: str | None = None, kind: str = "info") -> None:
@@ -584,15 +635,23 @@ class BlockAllocatorView(ControllerView, W.VBox):
         self.request_picker.options = live
         if live and self.request_picker.value not in live:
             self.request_picker.value = live[0]
+        paged, contiguous = c.paged_report(snap), c.contiguous_report(snap)
+        self.headline.value = render_headline(paged, contiguous, c.contiguous_reserve)
         self.counts.value = render_counts(c, cells)
         self.grid.value = render_grid(c, cells)
         self.contiguous.value = render_contiguous(c, snap)
-        self.report.value = render_report_table(c.paged_report(snap), c.contiguous_report(snap))
+        self.report.value = render_report_table(paged, contiguous)
+        idle = not c.live_requests
+        self.step_button.disabled = idle  # Step has nothing to do: the grid shows no live request
+        self.finish_button.disabled = self.abort_button.disabled = idle
         recent = list(c.log)[-12:]
         self.event_log.value = ("<pre class='ne-alloc-log' style='font-size:11px;max-height:12em;overflow:auto'>"
                           + escape("\n".join(reversed(recent)) or "no block events yet") + "</pre>")
         if text is not None:
             self.show_message(text, kind)
+        watcher = getattr(self, "watcher", None)
+        if watcher is not None:
+            watcher.drawn()
 
     def _picked(self) -> str:
         rid = self.request_picker.value

@@ -174,12 +174,15 @@ class MemoryEstimator(MessageView, W.VBox):
         self.message = W.HTML()
         show = self.show_message
         style = {"description_width": "110px"}
-        self.model = W.Dropdown(options=list(self.controller.models), value=model, description="model", style=style)
+        self.model = W.Dropdown(options=list(self.controller.models), value=model, description="model", style=style,
+                                layout=W.Layout(width="400px"))
         self.context_len = W.BoundedIntText(value=context_len, min=0, max=10**7, description="context length",
                                             style=style)
         self.batch_size = W.BoundedIntText(value=batch_size, min=0, max=10**6, description="batch size", style=style)
         self.dtype = W.Dropdown(options=list(DTYPE_BYTES), value=dtype, description="dtype", style=style)
-        self.device = W.Dropdown(options=list(self.controller.devices), description="device", style=style)
+        # wide enough that "this machine's RAM (23.5 GiB)" is not cut to "this machine's RAM (23.5…"
+        self.device = W.Dropdown(options=list(self.controller.devices), description="device", style=style,
+                                 layout=W.Layout(width="400px"))
         self.summary = W.HTML()
         self.chart = W.Image(format="png", layout=W.Layout(width="560px"))
         self.engine_check = W.HTML()
@@ -188,13 +191,17 @@ class MemoryEstimator(MessageView, W.VBox):
 
         @guarded(show)
         def on_change(_=None):
+            # Clear first: on a bad value the old summary and chart must not stay on screen
+            # looking like the answer for the new values.
             self.estimate = None
             self.summary.value = '<div style="color:#888">no estimate for these values</div>'
+            self.chart.layout.display = "none"
             e = self.controller.estimate(self.model.value, self.context_len.value, self.batch_size.value,
                                          self.dtype.value, self.device.value)
             self.estimate = e
             self.summary.value = render_summary(e)
             self.chart.value = render_chart_png(e)
+            self.chart.layout.display = None
             self.show_message("")
 
         self._on_change = on_change

@@ -18,7 +18,10 @@ never cuts: row 0 keeps the whole vocabulary).
 one seeded generator (fast); ticked "as N seeded requests", draw i is exactly the first
 token a request with seed ``seed + i`` gets from the engine's ``Sampler`` (a test checks
 it). "Generate" sends a real request with the chosen settings through
-``engine.add_request`` and ``engine.step``.
+``engine.add_request`` and ``engine.step``, stepping the engine until that request
+finishes. On an engine that other simulators share, those steps also advance their
+requests: pass ``shared_with`` and the view says so, and the message after Generate counts
+the other requests it advanced.
 
 ``SamplingPlaygroundController`` is the testable part; ``SamplingPlayground`` draws it.
 """
@@ -36,7 +39,7 @@ import torch
 
 from nanoengine import LLMEngine, RequestOutput, SamplingParams
 from nanoengine.layers.sampler import filter_logits
-from widgets._common import MessageView, check_int, escape, guarded, single_thread, token_label
+from widgets._common import MessageView, check_int, escape, guarded, shared_engine_note, single_thread, token_label
 
 STAGES = ("model (T=1)", "temperature", "top-k", "top-p", "min-p")
 _CUT_NAMES = {0: "temperature", 1: "top-k", 2: "top-p", 3: "min-p"}
@@ -231,6 +234,9 @@ class SamplingPlaygroundController:
 # ---------------------------------------------------------------------------------------
 
 
+BAR_PX = 180  # width of the probability bars in the distribution table
+
+
 def render_distribution(dist: Distribution) -> str:
     """The top-N tokens: a grey bar for the model's probability, a coloured one for the
     probability after every filter; cut tokens struck through with the stage that cut them.
@@ -243,13 +249,13 @@ def render_distribution(dist: Distribution) -> str:
     for r in dist.rows:
         cut = r.cut_by is not None
         style = "text-decoration:line-through;color:#999" if cut else ""
-        bar = (f'<div style="position:relative;width:260px;height:14px;background:#fafafa">'
+        bar = (f'<div style="position:relative;width:{BAR_PX}px;height:14px;background:#fafafa">'
                f'<div title="model p={r.p_model:.4f}" style="position:absolute;top:0;height:4px;'
-               f'width:{260 * r.p_model / scale:.1f}px;background:#bbb"></div>'
+               f'width:{BAR_PX * r.p_model / scale:.1f}px;background:#bbb"></div>'
                f'<div title="after temperature p={r.p_temperature:.4f}" style="position:absolute;top:4px;'
-               f'height:4px;width:{260 * r.p_temperature / scale:.1f}px;background:#9ecae1"></div>'
+               f'height:4px;width:{BAR_PX * r.p_temperature / scale:.1f}px;background:#9ecae1"></div>'
                f'<div title="final p={r.p_final:.4f}" style="position:absolute;top:8px;height:6px;'
-               f'width:{260 * r.p_final / scale:.1f}px;background:{"#e57373" if cut else "#2b7bba"}"></div></div>')
+               f'width:{BAR_PX * r.p_final / scale:.1f}px;background:{"#e57373" if cut else "#2b7bba"}"></div></div>')
         rows.append(f'<tr class="ne-token{" ne-cut" if cut else ""}" data-token="{r.token_id}">'
                     f'<td>{r.rank + 1}</td><td style="font-family:monospace;{style}">{escape(r.label)}</td>'
                     f'<td>{r.p_model:.3f}</td><td>{r.p_temperature:.3f}</td><td><b>{r.p_final:.3f}</b></td>'
@@ -257,16 +263,19 @@ def render_distribution(dist: Distribution) -> str:
     p = dist.params
     head = (f'<div class="ne-dist-params" style="font-size:12px">T={p.temperature:g} · top-k={p.top_k} · '
             f'top-p={p.top_p:g} · min-p={p.min_p:g}{" · greedy (argmax, filters skipped)" if p.greedy else ""}</div>')
-    return (head + '<table class="ne-dist" cellpadding="3" style="font-size:12px;border-collapse:collapse">'
+    # line-height set here: a widget's HTML inherits JupyterLab's 28 px control height otherwise
+    return (head + '<table class="ne-dist" cellpadding="2" style="font-size:12px;line-height:1.25;'
+            'border-collapse:collapse">'
             '<tr><th>#</th><th>token</th><th>model p</th><th>after T</th><th>final p</th>'
-            '<th>grey: model · blue: after T · dark: final</th><th>cut by</th></tr>' + "".join(rows) + "</table>")
+            '<th>grey: model<br>blue: after T · dark: final</th><th>cut by</th></tr>' + "".join(rows) + "</table>")
 
 
 def render_stages(dist: Distribution) -> str:
     cells = "".join(f'<td class="ne-stage" data-stage="{escape(s.name)}">{escape(s.name)}<br>'
                     f'<b>{s.num_kept:,}</b> tokens<br>H = <b class="ne-entropy">{s.entropy_bits:.2f}</b> bits<br>'
                     f'max p {s.top_probability:.3f}</td>' for s in dist.stages)
-    return ('<table class="ne-stages" border="1" cellpadding="4" style="font-size:12px;border-collapse:collapse">'
+    return ('<table class="ne-stages" border="1" cellpadding="3" style="font-size:12px;line-height:1.3;'
+            'border-collapse:collapse">'
             f'<tr>{cells}</tr></table>')
 
 
@@ -277,7 +286,7 @@ def render_histogram_png(engine: LLMEngine, counts: list[tuple[int, int]], n: in
 
     shown = counts[:top]
     labels = [token_label(engine, t) for t, _ in shown]
-    fig = Figure(figsize=(7, 2.8), dpi=80)
+    fig = Figure(figsize=(5.4, 2.6), dpi=80)  # 432 x 208 px: beside the distribution, not under it
     ax = fig.add_subplot()
     xs = range(len(shown))
     ax.bar(xs, [c for _, c in shown], color="#2b7bba", label=f"{n} seeded samples")
@@ -298,11 +307,20 @@ def render_histogram_png(engine: LLMEngine, counts: list[tuple[int, int]], n: in
 
 
 class SamplingPlayground(MessageView, W.VBox):
-    """Prompt, four sliders, the staged distribution, a seeded histogram and generation."""
+    """Prompt, four sliders, the staged distribution, a seeded histogram and generation.
+
+    Laid out so the sliders and every result they drive fit on one screen: the controls
+    on top, the distribution on the left, sampling and generation (controls right above
+    their results) on the right. ``shared_with`` names another simulator that drives the
+    same engine; the view then says so.
+    """
 
     def __init__(self, engine: LLMEngine | None = None, prompt: str | list[int] | None = "The capital of France is",
-                 controller: SamplingPlaygroundController | None = None, top_n: int = 15) -> None:
+                 controller: SamplingPlaygroundController | None = None, top_n: int = 15,
+                 shared_with: str | None = None) -> None:
         self.message = W.HTML()
+        self.shared_note = W.HTML(shared_engine_note(shared_with))
+        self.shared_with = shared_with
         show = self.show_message
         if controller is None:
             if engine is None:
@@ -314,7 +332,7 @@ class SamplingPlayground(MessageView, W.VBox):
                              continuous_update=False, layout=W.Layout(width="520px"), disabled=not text_prompt)
         self.prompt_button = W.Button(description="Compute logits")
         p = controller.params
-        slider = dict(continuous_update=True, layout=W.Layout(width="420px"), style={"description_width": "90px"})
+        slider = dict(continuous_update=True, layout=W.Layout(width="400px"), style={"description_width": "100px"})
         self.temperature = W.FloatSlider(value=p.temperature, min=0.0, max=2.0, step=0.05, description="temperature",
                                          **slider)
         self.top_k = W.IntSlider(value=p.top_k, min=-1, max=100, step=1, description="top-k (-1 off)", **slider)
@@ -323,19 +341,20 @@ class SamplingPlayground(MessageView, W.VBox):
         self.top_n = W.IntSlider(value=controller.top_n, min=5, max=40, description="show top N", **slider)
         self.stages = W.HTML()
         self.dist = W.HTML()
-        self.num_samples = W.BoundedIntText(value=1000, min=0, max=100_000, description="N",
+        short = {"description_width": "40px"}
+        self.num_samples = W.BoundedIntText(value=1000, min=0, max=100_000, description="N", style=short,
+                                            layout=W.Layout(width="120px"))
+        self.sample_seed = W.BoundedIntText(value=0, min=0, max=2**62, description="seed", style=short,
                                             layout=W.Layout(width="150px"))
-        self.sample_seed = W.BoundedIntText(value=0, min=0, max=2**62, description="seed",
-                                            layout=W.Layout(width="180px"))
-        self.per_request = W.Checkbox(value=False, indent=False, layout=W.Layout(width="380px"),
-                                      description="as N seeded requests (exact engine draws, ~3 ms each)")
-        self.sample_button = W.Button(description="Sample N times")
-        self.histogram = W.Image(format="png", layout=W.Layout(width="560px", display="none"))  # until sampled
+        self.per_request = W.Checkbox(value=False, indent=False, layout=W.Layout(width="auto"),
+                                      description="as N seeded requests (the engine's exact draws, ~3 ms each)")
+        self.sample_button = W.Button(description="Sample N times", layout=W.Layout(width="auto"))
+        self.histogram = W.Image(format="png", layout=W.Layout(width="432px", display="none"))  # until sampled
         self.histogram_text = W.HTML()
         self.gen_tokens = W.BoundedIntText(value=24, min=0, max=100_000, description="max tokens",
-                                           layout=W.Layout(width="170px"))
+                                           style={"description_width": "80px"}, layout=W.Layout(width="165px"))
         self.gen_seed = W.BoundedIntText(value=0, min=-1, max=2**62, description="seed (-1 none)",
-                                         style={"description_width": "100px"}, layout=W.Layout(width="240px"))
+                                         style={"description_width": "95px"}, layout=W.Layout(width="200px"))
         self.gen_button = W.Button(description="Generate", button_style="primary")
         self.generation = W.HTML()
         for widget, name in ((self.temperature, "temperature"), (self.top_k, "top-k"), (self.top_p, "top-p"),
@@ -374,12 +393,21 @@ class SamplingPlayground(MessageView, W.VBox):
         @guarded(show)
         def on_generate(_):
             seed = self.gen_seed.value
+            before = controller.engine.snapshot()
+            others = {r.request_id for r in (*before.running, *before.waiting)}
             out = controller.generate(self.gen_tokens.value, None if seed == -1 else seed)
+            after = controller.engine.snapshot()
+            still = {r.request_id for r in (*after.running, *after.waiting)}
             prompt_text = controller.prompt if isinstance(controller.prompt, str) else ""
             self.generation.value = (f'<div class="ne-gen" style="font-size:13px"><span style="color:#777">'
                                      f'{escape(prompt_text)}</span><b>{escape(out.text)}</b><br><small>'
                                      f'{len(out.token_ids)} tokens, finish reason: {out.finish_reason}</small></div>')
-            self.show_message(f"generated request {out.request_id} through the engine", "ok")
+            ran = f"generated request {out.request_id} through the engine in {after.step - before.step} engine steps"
+            if others:
+                where = f" (the {self.shared_with})" if self.shared_with else ""
+                ran += (f"; the same steps advanced {len(others)} other request(s) on this engine{where}, "
+                        f"{len(others - still)} of which finished")
+            self.show_message(ran, "ok")
 
         self.prompt.observe(on_prompt, names="value")
         self.prompt_button.on_click(on_prompt)
@@ -387,14 +415,18 @@ class SamplingPlayground(MessageView, W.VBox):
             s.observe(on_slider, names="value")
         self.sample_button.on_click(on_sample)
         self.gen_button.on_click(on_generate)
+        left = W.VBox([W.HTML("<b>Each stage of the engine's filter</b> (kept tokens, entropy)"), self.stages,
+                       W.HTML("<b>Top tokens before and after the filters</b>"), self.dist])
+        right = W.VBox([W.HTML("<b>Sample N times</b> from what the engine samples from"),
+                        W.HBox([self.num_samples, self.sample_seed, self.sample_button]), self.per_request,
+                        self.histogram_text, self.histogram,
+                        W.HTML("<b>Generate</b> a continuation through the engine"),
+                        W.HBox([self.gen_tokens, self.gen_seed]), self.gen_button, self.generation],
+                       layout=W.Layout(width="440px", margin="0 0 0 16px"))
         super().__init__([
-            W.HBox([self.prompt, self.prompt_button]), self.message,
-            W.HBox([W.VBox([self.temperature, self.top_k]), W.VBox([self.top_p, self.min_p])]), self.top_n,
-            W.HTML("<b>Each stage of the engine's filter</b> (kept tokens, entropy)"), self.stages,
-            W.HTML("<b>Top tokens before and after the filters</b>"), self.dist,
-            W.HBox([self.num_samples, self.sample_seed, self.per_request, self.sample_button]),
-            self.histogram_text, self.histogram,
-            W.HBox([self.gen_tokens, self.gen_seed, self.gen_button]), self.generation])
+            self.shared_note, W.HBox([self.prompt, self.prompt_button]), self.message,
+            W.HBox([W.VBox([self.temperature, self.top_k, self.top_n]), W.VBox([self.top_p, self.min_p])]),
+            W.HBox([left, right], layout=W.Layout(flex_flow="row wrap"))])
         self.add_class("ne-sampling-playground")
         if prompt is not None and controller.logits is None:
             if text_prompt:

@@ -6,6 +6,11 @@ progress and block table) and ``engine.events`` for what the step did (which req
 how many tokens of the budget, prefill chunk or decode, who was preempted, who finished,
 and how long it took). Nothing is simulated: the batch drawn is the batch the model ran.
 
+The view redraws after every engine step, whoever ran it (``EngineWatcher``): when another
+simulator shares the engine (the widgets demo's sampling playground, whose Generate steps
+the engine until its own request finishes), the steps it ran appear here too, marked as
+run elsewhere, and Step is disabled once nothing is left to run.
+
 Things to look for (chapter 5): a long prompt split into chunks across steps (chunked
 prefill) while running requests keep decoding one token per step (continuous batching);
 the token budget (``max_num_batched_tokens``) capping each step; with a small KV pool, the
@@ -25,8 +30,8 @@ import ipywidgets as W
 from nanoengine import LLMEngine, RequestOutput, RequestSnapshot, SamplingParams
 from nanoengine.events import (Event, PrefixCacheHit, RequestFinished, RequestPreempted, RequestQueued,
                                RequestScheduled, StepFinished)
-from widgets._common import (PALETTE, ControllerView, TokenSource, check_int, check_request_fits, escape,
-                             guarded)
+from widgets._common import (PALETTE, ControllerView, EngineWatcher, TokenSource, check_int, check_request_fits,
+                             escape, guarded, shared_engine_note)
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class StepRecord:
     num_decode_tokens: int
     token_budget: int
     engine_time: float  # seconds, the engine's own measurement
+    elsewhere: bool = False  # run by other code on the same engine, not by this controller
 
     @property
     def num_tokens(self) -> int:
@@ -101,6 +107,7 @@ class SchedulerStepperController:
         self.colours: dict[str, str] = {}
         self._prompt_lens: dict[str, int] = {}
         self._pending = _PendingStep()
+        self._stepping = False  # True while this controller runs engine.step()
         self._unsubscribe = engine.events.subscribe(self._on_event)
 
     # ----------------------------------------------------------------- actions
@@ -132,7 +139,11 @@ class SchedulerStepperController:
         if not self.engine.has_unfinished_requests():
             raise ValueError("nothing to step: every request has finished; add one")
         before = len(self.steps)
-        outputs = self.engine.step()
+        self._stepping = True
+        try:
+            outputs = self.engine.step()
+        finally:
+            self._stepping = False
         self._remember_outputs(outputs)
         return self.steps[-1] if len(self.steps) > before else None
 
@@ -216,9 +227,11 @@ class SchedulerStepperController:
         elif isinstance(event, StepFinished):
             self.steps.append(StepRecord(event.step, tuple(pending.chunks), tuple(pending.preempted),
                                          tuple(pending.finished), event.num_prefill_tokens,
-                                         event.num_decode_tokens, event.token_budget, event.total_time))
+                                         event.num_decode_tokens, event.token_budget, event.total_time,
+                                         elsewhere=not self._stepping))
+            where = "" if self._stepping else " (run elsewhere on this engine)"
             self._log(event, f"step done: {event.num_prefill_tokens} prefill + {event.num_decode_tokens} decode "
-                             f"tokens of {event.token_budget} in {1000 * event.total_time:.0f} ms")
+                             f"tokens of {event.token_budget} in {1000 * event.total_time:.0f} ms{where}")
             self._pending = _PendingStep()
 
     def _log(self, event: Event, text: str) -> None:
@@ -302,8 +315,10 @@ def render_batch(controller: SchedulerStepperController) -> str:
                        for c in s.chunks)
     preempted = (f' · <span style="color:#c62828;font-weight:bold">preempted: {", ".join(map(escape, s.preempted))}'
                  f'</span>' if s.preempted else "")
+    elsewhere = (' <span class="ne-elsewhere" style="color:#8a6d00">(run elsewhere on this engine, '
+                 'not by Step)</span>' if s.elsewhere else "")
     return (f'<div class="ne-batch" data-step="{s.step}" style="font-size:12px">'
-            f'<b>step {s.step}</b>: {s.num_prefill_tokens} prefill + {s.num_decode_tokens} decode = '
+            f'<b>step {s.step}</b>{elsewhere}: {s.num_prefill_tokens} prefill + {s.num_decode_tokens} decode = '
             f'{s.num_tokens} of a {budget}-token budget ({1000 * s.engine_time:.0f} ms){preempted}'
             f'<div style="display:flex;width:100%;height:16px;border:1px solid #999;background:#f5f5f5">'
             f'{"".join(segs)}</div><div style="color:#555">{chunks}</div></div>')
@@ -359,12 +374,16 @@ class SchedulerStepper(ControllerView, W.VBox):
     """Step / Run N / Play / Reset, an add-request form, queues, batch, timeline, log."""
 
     def __init__(self, engine: LLMEngine | None = None, controller: SchedulerStepperController | None = None,
-                 play_interval_ms: int = 700, **controller_kwargs) -> None:
+                 play_interval_ms: int = 700, shared_with: str | None = None, **controller_kwargs) -> None:
+        """``shared_with`` names another simulator that drives the same engine (e.g.
+        "sampling playground above"); the view then says so in a line at its top."""
         if controller is None:
             controller = SchedulerStepperController(engine, **controller_kwargs)
         self.controller = controller
         show = self.show_message
         self.message = W.HTML()
+        self.shared_note = W.HTML(shared_engine_note(shared_with))
+        self._steps_drawn = len(controller.steps)
         self.step_button = W.Button(description="Step", button_style="primary")
         self.run_button = W.Button(description="Run N")
         self.run_count = W.BoundedIntText(value=10, min=0, max=100_000, description="N",
@@ -429,6 +448,9 @@ class SchedulerStepper(ControllerView, W.VBox):
         def on_reset(_):
             self.play.playing = False
             controller.reset()
+            if controller.engine is not self.watcher.engine:  # a fresh engine from the factory
+                self.watcher.close()
+                self.watcher = EngineWatcher(controller.engine, self._on_engine_change)
             self.refresh("reset: no requests, history cleared", "ok")
 
         @guarded(show)
@@ -454,10 +476,12 @@ class SchedulerStepper(ControllerView, W.VBox):
                        W.HBox([self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.ignore_eos]),
                        W.HBox([self.add_button, self.abort_picker, self.abort_button])])
         super().__init__([
+            self.shared_note,
             W.HBox([self.step_button, self.run_button, self.run_count, self.play, self.reset_button]),
             self.status, self.message, form, self.queues, W.HTML("<b>This step's batch</b>"), self.batch,
             W.HTML("<b>Timeline</b>"), self.timeline, W.HTML("<b>Event log (newest first)</b>"), self.event_log])
         self.add_class("ne-scheduler-stepper")
+        self.watcher = EngineWatcher(controller.engine, self._on_engine_change)
         self.refresh()
 
     # ------------------------------------------------------------------ helpers
@@ -475,12 +499,32 @@ class SchedulerStepper(ControllerView, W.VBox):
                               max_tokens=int(self.max_tokens.value), seed=None if seed == -1 else int(seed),
                               ignore_eos=bool(self.ignore_eos.value))
 
+    def _on_engine_change(self) -> None:
+        """Redraw after the engine changed outside this view's buttons, and say what ran."""
+        new = self.controller.steps[self._steps_drawn:]
+        elsewhere = sum(s.elsewhere for s in new)
+        if elsewhere:
+            self.refresh(f"{elsewhere} engine step(s) ran outside this stepper (another view or cell on the "
+                         f"same engine); the queues show where they left every request", "info")
+        else:
+            self.refresh()
+
     def refresh(self, text: str | None = None, kind: str = "info") -> None:
+        """Redraw everything from the engine's snapshot and this controller's history."""
         c = self.controller
         snap = c.snapshot()
+        self._steps_drawn = len(c.steps)
         preempted_now = set(c.steps[-1].preempted) if c.steps else set()
+        idle = not (snap.running or snap.waiting)
+        for button in (self.step_button, self.run_button):
+            button.disabled = idle  # never offer a step the display says cannot happen
+            button.tooltip = "nothing to step: every request has finished; add one" if idle else ""
+        idle_note = ' · <b class="ne-idle">every request has finished: add one to step</b>' if idle else ""
+        # Redrawn from a StepFinished observer (no event loop to defer to), the engine's step
+        # counter has not moved past the step that just finished: count that step as done.
+        steps_done = max(snap.step, c.steps[-1].step + 1) if c.steps else snap.step
         self.status.value = (
-            f'<div style="font-size:13px">engine step <b>{snap.step}</b> · KV blocks free '
+            f'<div style="font-size:13px">engine step <b>{steps_done}</b>{idle_note} · KV blocks free '
             f'<b>{snap.num_free_blocks}</b>/{snap.num_blocks} × {snap.block_size} tokens · token budget '
             f'{snap.max_num_batched_tokens}/step · max {snap.max_num_seqs} running · preemptions so far '
             f'<b>{snap.num_preemptions}</b></div>')
@@ -498,5 +542,9 @@ class SchedulerStepper(ControllerView, W.VBox):
         picked = self.abort_picker.value
         self.abort_picker.options = live
         self.abort_picker.value = picked if picked in live else (live[0] if live else None)
+        self.abort_button.disabled = not live
         if text is not None:
             self.show_message(text, kind)
+        watcher = getattr(self, "watcher", None)
+        if watcher is not None:
+            watcher.drawn()
