@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from widgets._common import single_thread
+from widgets import single_thread
 
 TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=1024, rope_theta=10000.0,

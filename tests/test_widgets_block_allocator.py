@@ -12,7 +12,7 @@ import time
 import pytest
 
 from nanoengine import SamplingParams
-from widgets._common import single_thread, tiny_engine
+from widgets import single_thread, tiny_engine
 from widgets.block_allocator import (BlockAllocatorController, BlockAllocatorView, ContiguousAllocator,
                                      render_grid)
 

@@ -7,7 +7,7 @@ import html
 import pytest
 
 from nanoengine.models.presets import PRESETS
-from widgets._common import default_engine, single_thread, tiny_engine
+from widgets import default_engine, single_thread, tiny_engine
 from widgets.memory_estimator import DTYPE_BYTES, GiB, MemoryEstimator, MemoryEstimatorController
 
 DEVICES = {"24 GiB": 24 * GiB, "80 GiB (H100)": 80 * GiB}

@@ -16,7 +16,7 @@ import torch
 import nanoengine.layers.sampler as sampler_module
 from nanoengine import SamplingParams
 from nanoengine.layers.sampler import Sampler, filter_logits
-from widgets._common import default_engine, single_thread
+from widgets import default_engine, single_thread
 from widgets.sampling_playground import SamplingPlayground
 
 PROMPT = "The capital of France is"

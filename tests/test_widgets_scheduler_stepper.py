@@ -14,7 +14,7 @@ import pytest
 
 from nanoengine import SamplingParams
 from nanoengine.events import RequestPreempted, RequestScheduled, StepFinished
-from widgets._common import single_thread, tiny_engine
+from widgets import single_thread, tiny_engine
 from widgets.scheduler_stepper import SchedulerStepper, SchedulerStepperController
 
 
@@ -296,3 +296,20 @@ def test_the_stepper_redraws_after_steps_a_notebook_cell_runs() -> None:
     while engine.has_unfinished_requests():
         engine.step()
     assert queue_ids(view, "running") == ["0"]  # closed: it no longer listens, so it shows the old state
+
+
+def test_the_stepper_shows_static_batching_holding_a_freed_slot() -> None:
+    view = make_view(scheduling_policy="static", max_num_seqs=2, max_num_batched_tokens=64)
+    assert "policy <b" in view.status.value and ">static</b>" in view.status.value
+    add(view, 6, 2)
+    add(view, 6, 6)
+    add(view, 6, 2)
+    view.step_button.click()
+    assert queue_ids(view, "running") == ["0", "1"] and queue_ids(view, "waiting") == ["2"]
+    for _ in range(2):
+        view.step_button.click()
+    # Request 0 has finished, but its slot stays empty until 1 finishes too.
+    assert queue_ids(view, "running") == ["1"] and queue_ids(view, "waiting") == ["2"]
+    for _ in range(4):
+        view.step_button.click()
+    assert "2" in queue_ids(view, "running")

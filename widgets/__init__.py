@@ -25,7 +25,7 @@ while the block allocator has a tiny engine of its own; in chapter 4 the allocat
 own tiny engine and nothing else steps it.
 """
 
-from widgets._common import default_engine, tiny_engine
+from widgets._common import default_engine, single_thread, tiny_engine
 from widgets.block_allocator import BlockAllocatorController, BlockAllocatorView, ContiguousAllocator
 from widgets.memory_estimator import MemoryEstimator, MemoryEstimatorController
 from widgets.quiz import Quiz, QuizController, load_quiz
@@ -36,4 +36,4 @@ from widgets.tokens import TokenEditor, token_chips, token_pieces
 __all__ = ["BlockAllocatorController", "BlockAllocatorView", "ContiguousAllocator", "MemoryEstimator",
            "MemoryEstimatorController", "Quiz", "QuizController", "load_quiz", "SamplingPlayground",
            "SamplingPlaygroundController", "SchedulerStepper", "SchedulerStepperController",
-           "TokenEditor", "default_engine", "tiny_engine", "token_chips", "token_pieces"]
+           "TokenEditor", "default_engine", "single_thread", "tiny_engine", "token_chips", "token_pieces"]

@@ -264,6 +264,14 @@ def _progress_bar(r: RequestSnapshot, total: int, colour: str) -> str:
             f'background:{colour}"></div></div>')
 
 
+#: What each scheduling policy does, shown when the pointer rests on its name.
+POLICY_NOTES = {
+    "fcfs": "continuous batching: decodes and prefill chunks share each step; a freed slot is refilled at once",
+    "prefill_first": "a step that can admit someone runs prefill work only; decodes wait",
+    "static": "static batching: a batch of up to max_num_seqs runs until all of it has finished; nobody joins",
+}
+
+
 def render_queue(controller: SchedulerStepperController, requests: tuple[RequestSnapshot, ...], name: str,
                  max_model_len: int, preempted_now: set[str]) -> str:
     items = []
@@ -527,7 +535,8 @@ class SchedulerStepper(ControllerView, W.VBox):
             f'<div style="font-size:13px">engine step <b>{steps_done}</b>{idle_note} · KV blocks free '
             f'<b>{snap.num_free_blocks}</b>/{snap.num_blocks} × {snap.block_size} tokens · token budget '
             f'{snap.max_num_batched_tokens}/step · max {snap.max_num_seqs} running · preemptions so far '
-            f'<b>{snap.num_preemptions}</b></div>')
+            f'<b>{snap.num_preemptions}</b> · policy <b class="ne-policy" title="{POLICY_NOTES.get(snap.scheduling_policy, "")}">'
+            f'{snap.scheduling_policy}</b></div>')
         columns = [render_queue(c, snap.waiting, "waiting", snap.max_model_len, preempted_now),
                    render_queue(c, snap.running, "running", snap.max_model_len, preempted_now),
                    render_finished(c)]
