@@ -299,3 +299,18 @@ def test_sampling_question_matches_an_independent_filter(engine, settings) -> No
     assert _answer(named) == "{" + ", ".join(repr(labels[i]) for i in expected) + "}"
     with pytest.raises(ValueError, match="survive"):
         sampling_question(logits, temperature=1.0, max_kept=1, top_k=3)
+
+
+def test_prefix_question_offers_the_unchained_lookup_as_a_mistake(engine) -> None:
+    from nanoengine import SamplingParams
+    from widgets.live_questions import prefix_hit_question
+
+    shared = list(range(100, 114))
+    engine.add_request(shared, SamplingParams(max_tokens=1, temperature=0), request_id="first")
+    while engine.has_unfinished_requests():
+        engine.step()
+    # blocks 2 and 3 of the cached prompt, after a different first block: none is served
+    question = prefix_hit_question(engine.snapshot(), [1, 1, 1, 1] + shared[4:12] + [5])
+    texts = {o.text: o for o in question.options}
+    assert texts["0 blocks (0 tokens skipped)"].correct
+    assert not texts["2 blocks (8 tokens skipped)"].correct  # equal tokens, different prefix

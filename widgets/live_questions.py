@@ -319,9 +319,13 @@ def prefix_hit_question(snapshot: EngineSnapshot, prompt: Sequence[int], chapter
     if len(prompt) < 1:
         raise ValueError("the prompt is empty")
     hits = len(prefix_hits(snapshot, prompt))
-    by_hash = {b.block_hash for b in snapshot.blocks if b.is_cached and b.block_hash is not None}
-    # the "block by block" mistake: look each block up on its own tokens, as if digests were not chained
-    unchained = sum(1 for i in range((len(prompt) - 1) // bs) if hash_block(None, prompt[i * bs:(i + 1) * bs]) in by_hash)
+    cached = [b for b in snapshot.blocks if b.is_cached and b.block_hash is not None]
+    by_hash = {b.block_hash for b in cached}
+    parents = {b.parent_hash for b in cached}
+    # The "block by block" mistake: count every block whose tokens are cached anywhere, after
+    # any prefix, as if digests were not chained (a block's tokens under some cached parent).
+    unchained = sum(1 for i in range((len(prompt) - 1) // bs)
+                    if any(hash_block(p, prompt[i * bs:(i + 1) * bs]) in by_hash for p in parents))
     full = len(prompt) // bs
 
     def text(n: int) -> str:
@@ -338,9 +342,8 @@ def prefix_hit_question(snapshot: EngineSnapshot, prompt: Sequence[int], chapter
     ]
     if hits == 0:
         wrong[-1] = (text(1), "No cached block has the digest of this prompt's first block.")
-    cached = sum(1 for b in snapshot.blocks if b.is_cached)
     return make_question(
-        f"The prefix cache holds {cached} block digests (blocks of {bs} tokens). A new request arrives with a "
+        f"The prefix cache holds {len(cached)} block digests (blocks of {bs} tokens). A new request arrives with a "
         f"{len(prompt)}-token prompt. How many of its blocks does the prefix cache serve?",
         (text(hits), f"Chaining SHA-256 digests over the prompt's blocks, the first {hits} are in the cache and "
                      f"the next one is not (or holds the last token, which must be computed)."),
