@@ -201,25 +201,14 @@ def measure_gemm_peak(config: ModelConfig, tokens: int = 1024, repeats: int = 15
 
     Both ways the CPU can multiply are tried, ``F.linear`` (MKL) and a oneDNN prepacked
     weight (what the engine uses, ``kernels.cpu_gemm``), and the faster one counts: the
-    roofline is what this machine can do, not what one library does.
+    roofline is what this machine can do, not what one library does. The timing is the
+    course's one helper (``nanoengine.measure.timing``); the fastest run of each shape is
+    used, as this command always has.
     """
-    from nanoengine.kernels import cpu_gemm
+    from nanoengine.measure.timing import measure_gemm_peak as measure_peak, model_gemm_shapes
 
-    h, i = config.hidden_size, config.intermediate_size
-    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
-    best = 0.0
-    for n_out, n_in in ((2 * i, h), (h, i), (qkv, h)):
-        x, w = torch.randn(tokens, n_in), torch.randn(n_out, n_in)
-        packed = cpu_gemm.pack_weight(w)
-        for packed_or_none in (None, packed) if packed is not None else (None,):
-            cpu_gemm.linear(x, w, None, packed_or_none)  # warm-up
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                cpu_gemm.linear(x, w, None, packed_or_none)
-                times.append(time.perf_counter() - start)
-            best = max(best, 2 * tokens * n_in * n_out / min(times) / 1e9)
-    return best
+    peak = measure_peak(model_gemm_shapes(config), tokens, repeats=repeats, warmup=1, paths=("F.linear", "engine"))
+    return max(m.best_flops_per_s for m in peak.measurements) / 1e9
 
 
 def workload_flops(config: ModelConfig, prompts: list[list[int]], output_len: int) -> float:

@@ -2,18 +2,17 @@
 
 Every code excerpt in the notebooks comes through ``show_source`` (the code that actually
 runs, read from the installed package, never a pasted copy), and every measurement is
-printed next to ``machine_description()``.
+printed next to ``machine_description()`` (which lives in ``nanoengine.measure.timing``, with
+``measure``, the helper every timing goes through; it is re-exported here).
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
-import os
-import platform
 from pathlib import Path
 
-import torch
+from nanoengine.measure.timing import machine_description  # re-exported: it moved next to the timing helper
 
 
 def source_of(obj) -> tuple[str, str, int]:
@@ -55,16 +54,4 @@ def show_source(obj, title: str | None = None):
     return HTML(header + body)
 
 
-def machine_description() -> str:
-    """A one-line description of where a measurement ran: CPU or GPU, threads, torch."""
-    if torch.cuda.is_available():
-        device = f"GPU {torch.cuda.get_device_name(0)}"
-    else:
-        name = platform.processor() or platform.machine()
-        try:
-            with open("/proc/cpuinfo") as f:
-                name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-        except (OSError, StopIteration):
-            pass
-        device = f"CPU {name}, {os.cpu_count()} cores"
-    return f"{device}; torch {torch.__version__} using {torch.get_num_threads()} threads"
+__all__ = ["machine_description", "show_source", "source_of"]

@@ -10,14 +10,33 @@ Every option carries its own explanation, so a reader who picks a wrong answer l
 it is wrong, not just which one was right. ``load_quiz`` validates a file (exactly one
 correct option per question, an explanation for each option, at least four questions).
 
+A quiz must not be passable by pattern (COURSE.md, item 6). Two habits of hand-written
+quizzes give answers away: the correct option is the longest, carefully qualified one, and
+the correct positions follow a rotation. The files are written with short correct options
+(``tests/test_widgets_quiz.py`` holds the share of longest-correct questions to at most a
+third), and the order a reader sees comes from ``shuffle_options``: options are put in a
+canonical order, then shuffled by a generator seeded from the chapter and the question
+text, and a chapter's correct answers are spread evenly over the positions in a seeded
+order (``answer_positions``). The order is the same on every run and in CI, yet unrelated
+to how the file was written.
+
+Live questions (``widgets/live_questions.py``) are computed from the engine when the cell
+runs, e.g. "which KV slot does position 20 of this request use?" from its block table.
+A notebook passes them to ``Quiz(chapter, live=[...])``; they are checked and scored like
+the file's questions and shuffled the same way. ``make_question`` builds one from a
+computed answer and plausible wrong computations.
+
 ``QuizController`` is the testable part; ``Quiz`` draws radio buttons, a Check button per
 question and a running score.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
+import random
+from dataclasses import dataclass, replace
+from typing import Sequence
 from pathlib import Path
 
 import ipywidgets as W
@@ -65,8 +84,88 @@ def quiz_path(chapter: int) -> Path:
     return QUIZ_DIR / f"ch{chapter:02d}.json"
 
 
-def load_quiz(chapter: int | str | Path) -> QuizData:
-    """Read and validate a chapter's quiz (a chapter number or a path to a JSON file)."""
+def shuffle_seed(chapter: int, question: str) -> int:
+    """A seed that depends only on the chapter and the question's text (not on Python's
+    per-process string hashing), so a question's option order is reproducible anywhere."""
+    digest = hashlib.sha256(f"nanoengine quiz|{chapter}|{question}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big")
+
+
+def shuffle_options(question: Question, chapter: int, answer_at: int | None = None) -> Question:
+    """``question`` with its options in the order a reader sees them.
+
+    The options are first sorted by text (so the result does not depend on the order in
+    which a file or a builder listed them), then shuffled with ``shuffle_seed(chapter,
+    question text)``. ``answer_at`` then swaps the correct option into that position
+    (``load_quiz`` uses it to spread a chapter's answers evenly). Calling it again on its
+    own result gives the same order.
+    """
+    options = sorted(question.options, key=lambda o: o.text)
+    random.Random(shuffle_seed(chapter, question.question)).shuffle(options)
+    if answer_at is not None:
+        check_int("answer_at", answer_at, 0, len(options) - 1)
+        right = next(i for i, o in enumerate(options) if o.correct)
+        options[right], options[answer_at] = options[answer_at], options[right]
+    return replace(question, options=tuple(options))
+
+
+def answer_positions(chapter: int, num_options: Sequence[int]) -> list[int]:
+    """Where each question of a chapter shows its correct option.
+
+    Independent shuffles can, by chance, put four answers of a six-question quiz in the
+    first place, which a reader notices. So the positions are balanced (each used
+    ``len // k`` or one more times, k = the fewest options of any question) and their order
+    is a seeded shuffle: no position dominates and no rotation can be read off.
+    """
+    k = min(num_options)
+    rng = random.Random(shuffle_seed(chapter, "answer positions"))
+    rounds, extra = divmod(len(num_options), k)
+    slots = list(range(k)) * rounds + rng.sample(range(k), extra)  # the leftover places drawn too
+    rng.shuffle(slots)
+    return slots
+
+
+def make_question(question: str, correct: tuple[str, str], wrong: Sequence[tuple[str, str]],
+                  chapter: int = 0) -> Question:
+    """A question from a computed answer: ``correct`` and each of ``wrong`` are (text, explanation).
+
+    Wrong options whose text equals the correct one or an earlier wrong one are dropped
+    (two different mistakes can give the same number), so every option shown is distinct
+    and exactly one is right. The options come back shuffled by ``shuffle_options``.
+    """
+    text, why = correct
+    options, seen = [Option(str(text), True, str(why))], {str(text)}
+    for wrong_text, wrong_why in wrong:
+        if str(wrong_text) not in seen:
+            seen.add(str(wrong_text))
+            options.append(Option(str(wrong_text), False, str(wrong_why)))
+    built = Question(question, tuple(options))
+    check_question(built, "live question")
+    return shuffle_options(built, chapter)
+
+
+def check_question(question: Question, where: str) -> None:
+    """Raise ValueError unless ``question`` has two or more distinct options, exactly one
+    correct, and an explanation for each."""
+    options = question.options
+    if not question.question.strip():
+        raise ValueError(f"{where}: the question text is empty")
+    if len(options) < 2:
+        raise ValueError(f"{where}: needs at least two options, has {len(options)}")
+    if sum(o.correct for o in options) != 1:
+        raise ValueError(f"{where}: needs exactly one correct option, has {sum(o.correct for o in options)}")
+    if any(not o.explanation.strip() for o in options):
+        raise ValueError(f"{where}: every option needs an explanation")
+    if len({o.text for o in options}) != len(options):
+        raise ValueError(f"{where}: two options have the same text")
+
+
+def load_quiz(chapter: int | str | Path, shuffle: bool = True) -> QuizData:
+    """Read and validate a chapter's quiz (a chapter number or a path to a JSON file).
+
+    With ``shuffle`` (the default) options come in display order (``shuffle_options``);
+    ``shuffle=False`` keeps the file's order, for authors and tests.
+    """
     path = Path(chapter) if isinstance(chapter, (str, Path)) else quiz_path(check_int("chapter", chapter, 1, 99))
     if not path.is_file():
         raise ValueError(f"no quiz file {path}")
@@ -74,17 +173,16 @@ def load_quiz(chapter: int | str | Path) -> QuizData:
     questions = []
     for i, q in enumerate(data.get("questions", [])):
         options = tuple(Option(str(o["text"]), bool(o["correct"]), str(o.get("explanation", ""))) for o in q["options"])
-        where = f"{path.name} question {i + 1}"
-        if len(options) < 2:
-            raise ValueError(f"{where}: needs at least two options")
-        if sum(o.correct for o in options) != 1:
-            raise ValueError(f"{where}: needs exactly one correct option, has {sum(o.correct for o in options)}")
-        if any(not o.explanation.strip() for o in options):
-            raise ValueError(f"{where}: every option needs an explanation")
-        questions.append(Question(str(q["question"]), options))
+        question = Question(str(q["question"]), options)
+        check_question(question, f"{path.name} question {i + 1}")
+        questions.append(question)
     if len(questions) < MIN_QUESTIONS:
         raise ValueError(f"{path.name}: needs at least {MIN_QUESTIONS} questions, has {len(questions)}")
-    return QuizData(int(data["chapter"]), str(data["title"]), tuple(questions))
+    number = int(data["chapter"])
+    if shuffle:
+        slots = answer_positions(number, [len(q.options) for q in questions])
+        questions = [shuffle_options(q, number, at) for q, at in zip(questions, slots)]
+    return QuizData(number, str(data["title"]), tuple(questions))
 
 
 class QuizController:
@@ -140,10 +238,22 @@ def render_feedback(question: Question, feedback: Feedback) -> str:
 
 
 class Quiz(W.VBox):
-    """One chapter's quiz: radio options, a Check button per question, a score."""
+    """One chapter's quiz: radio options, a Check button per question, a score.
 
-    def __init__(self, chapter: int | str | Path | QuizData) -> None:
+    ``live`` adds questions computed from the engine when the cell runs (see
+    ``widgets/live_questions.py``), after the file's questions and shuffled the same way::
+
+        Quiz(4, live=[kv_slot_question(engine.snapshot(), "req-0", position=20)])
+    """
+
+    def __init__(self, chapter: int | str | Path | QuizData, live: Sequence[Question] = ()) -> None:
         quiz = chapter if isinstance(chapter, QuizData) else load_quiz(chapter)
+        for i, q in enumerate(live):
+            if not isinstance(q, Question):
+                raise TypeError(f"live[{i}] must be a widgets.quiz.Question, got {type(q).__name__}")
+            check_question(q, f"live question {i + 1}")
+        if live:
+            quiz = replace(quiz, questions=quiz.questions + tuple(shuffle_options(q, quiz.chapter) for q in live))
         self.controller = QuizController(quiz)
         self.score_label = W.HTML()
         self.radios: list[W.RadioButtons] = []

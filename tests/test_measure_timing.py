@@ -1,0 +1,160 @@
+"""Tests for nanoengine.measure.timing: the one helper every timing in the course goes through."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanoengine.measure import timing
+from nanoengine.measure.timing import (MIN_REPEATS, Roofline, RooflinePoint, Timing, machine_description, measure,
+                                       measure_gemm_peak, measure_memory_bandwidth, plot_roofline, roofline)
+
+
+ROOT = Path(__file__).resolve().parent.parent  # the subprocesses import this checkout
+
+
+def fake_clock(durations):
+    """A clock whose successive (start, stop) readings are `durations` apart."""
+    readings = []
+    t = 100.0
+    for d in durations:
+        readings += [t, t + d]
+        t += d + 1.0
+    now = iter(readings)
+    return lambda: next(now)
+
+
+def test_median_quartiles_and_min_on_a_fake_clock() -> None:
+    calls = []
+    durations = [0.005, 0.001, 0.003, 0.002, 0.004, 0.010, 0.006]
+    t = measure(lambda: calls.append(1), repeats=7, warmup=3, clock=fake_clock(durations), synchronize=None)
+    assert len(calls) == 10  # 3 warm-up calls, untimed, then 7 timed
+    assert t.runs == pytest.approx(durations)
+    assert t.median == pytest.approx(0.004)
+    # sorted: 1 2 3 4 5 6 10 ms; inclusive quartiles at ranks 1.5 and 4.5
+    assert t.quartiles == pytest.approx((0.0025, 0.0055))
+    assert t.iqr == pytest.approx(0.003) and t.min == pytest.approx(0.001) and t.repeats == 7
+    text = t.describe()
+    assert "4 ms median (IQR 2.5 ms - 5.5 ms, min 1 ms) over 7 runs after 3 warm-up" in text
+    assert t.machine in text and t.revision in text and str(t) == text
+
+
+def test_units_follow_the_median() -> None:
+    def timing(runs):
+        return Timing(tuple(runs), 0, "m", "r", True)
+
+    assert "µs median" in timing([2e-6] * 5).describe()
+    assert "ns median" in timing([5e-8] * 5).describe()
+    assert "1.5 s median" in timing([1.5] * 5).describe()
+    assert "250 ms median" in timing([0.25] * 5).describe()
+
+
+def test_real_sleeps_are_measured() -> None:
+    t = measure(lambda: time.sleep(0.002), repeats=5, warmup=0)
+    assert 0.002 <= t.min and t.median < 0.2
+
+
+@pytest.mark.parametrize("repeats", [0, 1, 4, 2.5])
+def test_fewer_than_five_repeats_are_refused(repeats) -> None:
+    with pytest.raises(ValueError, match=f"repeats must be an integer >= {MIN_REPEATS}"):
+        measure(lambda: None, repeats=repeats)
+    with pytest.raises(ValueError, match="at least 5 runs"):
+        Timing((1.0,) * 4, 0, "m", "r", True)
+    with pytest.raises(ValueError, match="warmup"):
+        measure(lambda: None, warmup=-1)
+
+
+def test_the_wait_policy_is_recorded_and_warned_about(monkeypatch) -> None:
+    monkeypatch.setattr(timing, "_warned_active_wait", False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")
+    with pytest.warns(RuntimeWarning, match="OMP_WAIT_POLICY is not PASSIVE"):
+        t = measure(lambda: None, repeats=5)
+    assert not t.passive_wait and "spinning threads" in t.describe()
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    assert measure(lambda: None, repeats=5).passive_wait is (not timing._policy_set_too_late)
+
+
+def test_prepare_environment_before_and_after_torch() -> None:
+    # A fresh process: before torch it takes effect; after torch it warns and says so.
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    code = ("import sys, warnings\n"
+            "from nanoengine.measure.timing import prepare_environment, passive_wait_in_effect\n"
+            "assert 'torch' not in sys.modules, 'importing the helper must not import torch'\n"
+            "print(prepare_environment())\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
+    late = ("import warnings, torch\n"
+            "from nanoengine.measure.timing import prepare_environment\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    print(prepare_environment(), any('restart the kernel' in str(x.message).lower() for x in w))\n")
+    out = subprocess.run([sys.executable, "-c", late], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.split() == ["False", "True"], (out.stdout, out.stderr)
+
+
+def test_machine_description_names_the_cpu_and_is_still_importable_from_widgets() -> None:
+    from widgets.course import machine_description as from_widgets
+
+    text = machine_description()
+    assert from_widgets is machine_description
+    assert f"{os.cpu_count()} cores" in text and f"torch {torch.__version__}" in text
+    assert text.startswith("GPU ") == torch.cuda.is_available()
+
+
+def test_roofline_math() -> None:
+    roof = roofline(peak_flops=100e9, bandwidth=20e9)
+    assert roof.ridge_point == pytest.approx(5.0)
+    assert roof.attainable(1.0) == pytest.approx(20e9)  # memory-bound: bandwidth x intensity
+    assert roof.attainable(5.0) == pytest.approx(100e9)
+    assert roof.attainable(50.0) == pytest.approx(100e9)  # compute-bound: the ceiling
+    assert roof.bound(1.0) == "memory" and roof.bound(10.0) == "compute"
+    with pytest.raises(ValueError, match="> 0"):
+        roofline(0, 1e9)
+    with pytest.raises(ValueError, match="intensity"):
+        roof.attainable(-1)
+
+
+def test_plot_roofline_has_the_roof_and_hoverable_points() -> None:
+    roof = Roofline(100e9, 20e9)
+    fig = plot_roofline(roof, [(0.5, 8e9, "decode"), RooflinePoint(200.0, 60e9, "prefill")])
+    line, points = fig.data
+    assert max(line.y) == pytest.approx(100.0) and min(line.y) < 100.0
+    assert list(points.text) == ["decode", "prefill"] and "achieved" in points.hovertemplate
+    assert points.customdata[0][1] == "memory" and points.customdata[1][1] == "compute"
+    assert points.customdata[0][0] == pytest.approx(8e9 / 10e9)
+
+
+def test_gemm_peak_uses_the_engines_packed_path_on_cpu(monkeypatch) -> None:
+    from nanoengine.kernels import cpu_gemm
+
+    calls = []
+    real = cpu_gemm.packed_linear
+    monkeypatch.setattr(cpu_gemm, "packed_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    peak = measure_gemm_peak([(64, 32), (32, 64)], tokens=16, repeats=5, warmup=1)
+    assert len(peak.measurements) == 2 and peak.flops_per_s > 0
+    m = peak.best
+    assert m.flops == 2 * 16 * 32 * 64 and m.flops_per_s == pytest.approx(m.flops / m.timing.median)
+    if cpu_gemm.packing_available():
+        assert {x.path for x in peak.measurements} == {"oneDNN packed"} and len(calls) == 2 * 6
+    else:
+        assert {x.path for x in peak.measurements} == {"F.linear"} and not calls
+    both = measure_gemm_peak([(64, 32)], tokens=8, repeats=5, warmup=0, paths=("F.linear", "engine"))
+    assert [x.path for x in both.measurements][0] == "F.linear"
+    with pytest.raises(ValueError, match="paths"):
+        measure_gemm_peak([(64, 32)], paths=("cublas",))
+
+
+def test_memory_bandwidth_is_positive_and_counts_read_and_write() -> None:
+    bw = measure_memory_bandwidth(8, repeats=5, warmup=1)
+    assert bw.bytes_moved == 2 * 8 * 2**20 and bw.bytes_per_s > 0
+    assert "GB/s" in bw.describe()
+    with pytest.raises(ValueError, match="megabytes"):
+        measure_memory_bandwidth(0)

@@ -1,0 +1,409 @@
+"""Quiz questions whose answers are computed from the live engine (chapters 3-8).
+
+A question written in a file can be memorised; a question about *this* engine's state
+cannot. Each builder here reads the engine through its public observers
+(``LLMEngine.snapshot()``, ``memory_report()``, ``model_config``, ``config``) or the
+sampler's public filters, computes the answer the way the engine does, and lists the
+answers a reader gets from the usual mistakes (off by one, the wrong block size, K
+without V, top-p's boundary token forgotten...). Each wrong option says which mistake
+produces it. Options are deduplicated (two mistakes can give the same number) and
+shuffled by ``widgets.quiz.shuffle_options``, then a notebook hands them to the quiz::
+
+    engine.add_request(prompt, SamplingParams(max_tokens=8), request_id="r0")
+    engine.step()
+    Quiz(4, live=[kv_slot_question(engine.snapshot(), "r0", position=20),
+                  blocks_needed_question(engine.snapshot(), num_tokens=50)])
+
+Builder                     chapter   asks
+``kv_slot_question``        3, 4      the KV slot of one position, from a block table
+``blocks_needed_question``  4         blocks a request of N tokens holds
+``kv_bytes_question``       3         KV bytes per token of the loaded model
+``step_question``           5, 6      prefill or decode, and how many tokens, next step
+``step_tokens_question``    5, 6      tokens the next step schedules under the budget
+``prefix_hit_question``     7         blocks of a prompt the prefix cache would serve
+``sampling_question``       8         tokens that survive temperature/top-k/top-p/min-p
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from nanoengine.config import EngineConfig
+from nanoengine.engine.block_manager import hash_block
+from nanoengine.engine.snapshots import EngineSnapshot, MemoryReport, RequestSnapshot
+from nanoengine.layers.sampler import kept_mask
+from nanoengine.models.config import ModelConfig
+from widgets.quiz import Question, make_question
+
+DEFAULT_BLOCK_SIZE = EngineConfig.block_size  # vLLM's default, the "wrong block size" mistake
+
+
+def _find_request(snapshot: EngineSnapshot, request_id: str) -> RequestSnapshot:
+    for r in snapshot.running + snapshot.waiting:
+        if r.request_id == request_id:
+            return r
+    known = [r.request_id for r in snapshot.running + snapshot.waiting]
+    raise ValueError(f"no request {request_id!r} in the snapshot (requests: {known})")
+
+
+# ------------------------------------------------------------------ chapters 3 and 4
+def kv_slot(block_table: Sequence[int], block_size: int, position: int) -> int:
+    """The KV-cache slot of token ``position``: block ``table[position // block_size]``,
+    offset ``position % block_size`` inside it (the slot mapping of chapters 3 and 4)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if not 0 <= position < len(block_table) * block_size:
+        raise ValueError(f"position {position} is outside the {len(block_table)} blocks of this table "
+                         f"({len(block_table) * block_size} slots); pick 0..{len(block_table) * block_size - 1}")
+    return block_table[position // block_size] * block_size + position % block_size
+
+
+def kv_slot_question(snapshot: EngineSnapshot, request_id: str, position: int, chapter: int = 4) -> Question:
+    """Which KV slot holds token ``position`` of a live request (chapters 3 and 4)?"""
+    r = _find_request(snapshot, request_id)
+    table, bs = r.block_ids, snapshot.block_size
+    answer = kv_slot(table, bs, position)
+    index, offset = divmod(position, bs)
+    wrong = [
+        (str(position), "That is the slot if the cache were one contiguous array per request. With paging the "
+                        "request's tokens live in whichever blocks its block table lists."),
+        (str(table[index]), f"That is the block id (block_table[{index}]), not a slot: multiply it by the block "
+                            f"size ({bs}) and add the offset inside the block ({offset})."),
+        (str(answer + 1), f"Off by one: position {position} sits at offset {position} % {bs} = {offset} in its "
+                          f"block, counted from 0."),
+        (str(table[index] * bs + offset + bs) if index + 1 >= len(table) else str(table[index + 1] * bs + offset),
+         f"That is one block too far: position {position} is in block-table entry {position} // {bs} = "
+         f"{index} (entries are counted from 0)."),
+    ]
+    if bs != DEFAULT_BLOCK_SIZE and position // DEFAULT_BLOCK_SIZE < len(table):
+        i16, o16 = divmod(position, DEFAULT_BLOCK_SIZE)
+        wrong.append((str(table[i16] * DEFAULT_BLOCK_SIZE + o16),
+                      f"That assumes vLLM's default block size {DEFAULT_BLOCK_SIZE}; this engine's blocks hold "
+                      f"{bs} tokens."))
+    return make_question(
+        f"Request {request_id} has block table {list(table)} and the engine's blocks hold {bs} tokens. "
+        f"Which KV-cache slot holds the key and value of its token at position {position} (counted from 0)?",
+        (str(answer), f"Position {position} is in block-table entry {position} // {bs} = {index}, physical block "
+                      f"{table[index]}, at offset {offset}: slot {table[index]} x {bs} + {offset} = {answer}."),
+        wrong, chapter)
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold ``num_tokens`` tokens: the ceiling of num_tokens / block_size."""
+    return -(-num_tokens // block_size)
+
+
+def blocks_needed_question(snapshot: EngineSnapshot, num_tokens: int, chapter: int = 4) -> Question:
+    """How many KV blocks does a request of ``num_tokens`` tokens hold (chapter 4)?"""
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+    bs = snapshot.block_size
+    answer = blocks_needed(num_tokens, bs)
+    wrong = [
+        (str(num_tokens // bs), f"Rounded down: the last {num_tokens % bs or bs} tokens need a block too, even a "
+                                f"partly filled one." if num_tokens % bs else
+         "Rounded down gives the same here; this option should not appear."),
+        (str(answer + 1), "One too many: a block is only taken when the tokens fill the last one; no spare is "
+                          "reserved ahead."),
+        (str(blocks_needed(num_tokens, DEFAULT_BLOCK_SIZE)),
+         f"That uses vLLM's default block size {DEFAULT_BLOCK_SIZE}; this engine's blocks hold {bs} tokens."),
+        (str(blocks_needed(snapshot.max_model_len, bs)),
+         f"That reserves max_model_len ({snapshot.max_model_len}) tokens up front, the contiguous allocator's "
+         f"habit that paging removes."),
+    ]
+    wrong = [w for w in wrong if not w[1].endswith("should not appear.")]
+    return make_question(
+        f"This engine's KV blocks hold {bs} tokens. How many blocks does a request hold once {num_tokens} of its "
+        f"tokens are in the cache?",
+        (str(answer), f"ceil({num_tokens} / {bs}) = {answer}: full blocks plus one partly filled block for the "
+                      f"remainder." if num_tokens % bs else f"{num_tokens} / {bs} = {answer} blocks, all full."),
+        wrong, chapter)
+
+
+def kv_bytes_question(model_config: ModelConfig, report: MemoryReport, chapter: int = 3) -> Question:
+    """How many bytes of KV cache does one token cost on the loaded model (chapter 3)?"""
+    c = model_config
+    per_elem = report.kv_bytes_per_token // (2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim)
+    answer = report.kv_bytes_per_token
+    layers, kv, d = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
+    shape = (f"{layers} layers, {c.num_attention_heads} query heads, {kv} KV heads, head_dim {d}, "
+             f"{report.dtype} ({per_elem} bytes per number)")
+    wrong = [
+        (f"{answer // 2:,}", "That counts the keys only: the values are cached too, hence the factor 2."),
+        (f"{2 * layers * c.num_attention_heads * d * per_elem:,}",
+         f"That uses the {c.num_attention_heads} query heads. Only the {kv} KV heads are cached (grouped-query "
+         f"attention shares each among {c.num_attention_heads // max(kv, 1)} query heads)."),
+        (f"{2 * kv * d * per_elem:,}", f"That is one layer; every one of the {layers} layers keeps its own K and V."),
+        (f"{2 * layers * kv * d * (2 if per_elem != 2 else 4):,}",
+         f"That assumes {'2-byte bf16' if per_elem != 2 else '4-byte fp32'} numbers; this engine stores "
+         f"{report.dtype}, {per_elem} bytes each."),
+        (f"{2 * layers * c.hidden_size * per_elem:,}",
+         f"That uses the hidden size {c.hidden_size} (all query heads' width), as if K and V were as wide as the "
+         f"residual stream; they are {kv} x {d} = {kv * d} wide."),
+        (f"{answer * 8:,}", "That is bits, not bytes."),
+        (f"{answer * report.block_size:,}", f"That is one block's worth ({report.block_size} tokens), not one "
+                                            f"token's."),
+    ]
+    return make_question(
+        f"The loaded model has {shape}. How many bytes of KV cache does one token take?",
+        (f"{answer:,}", f"2 (K and V) x {layers} layers x {kv} KV heads x {d} x {per_elem} bytes = {answer:,}."),
+        wrong, chapter)
+
+
+# ------------------------------------------------------------------ chapters 5 and 6
+@dataclass(frozen=True)
+class PlannedRequest:
+    """One request's share of the next step, as ``plan_next_step`` predicts it."""
+
+    request_id: str
+    num_tokens: int
+    is_prefill: bool  # False: one new token over a cached context (a decode)
+
+
+def plan_next_step(snapshot: EngineSnapshot, enable_chunked_prefill: bool = True) -> list[PlannedRequest]:
+    """What the FCFS scheduler (``engine/scheduler.py``) will schedule next, from a snapshot.
+
+    Running requests first, each ``num_tokens - num_computed_tokens`` capped by what is left
+    of the budget; then waiting requests in order while budget and sequence slots last, a
+    prompt longer than the budget cut into a chunk (or, without chunked prefill, waiting).
+    The snapshot does not carry waiting prompts' tokens, so this assumes they hit nothing in
+    the prefix cache, and it refuses (ValueError) a step that would run out of KV blocks
+    (the scheduler would then preempt, chapter 5's other lesson).
+    """
+    if snapshot.scheduling_policy != "fcfs":
+        raise ValueError(f"plan_next_step follows the fcfs policy; this engine runs "
+                         f"{snapshot.scheduling_policy!r}")
+    budget, bs = snapshot.max_num_batched_tokens, snapshot.block_size
+    plan: list[PlannedRequest] = []
+    new_blocks = 0
+    seats = sum(1 + r.num_forks for r in snapshot.running)
+    for r in snapshot.running:
+        if budget <= 0:
+            break
+        n = min(r.num_tokens - r.num_computed_tokens, budget)
+        plan.append(PlannedRequest(r.request_id, n, not (n == 1 and r.num_computed_tokens > 0)))
+        new_blocks += max(0, blocks_needed(r.num_computed_tokens + n, bs) - len(r.block_ids))
+        budget -= n
+    for r in snapshot.waiting:
+        if budget <= 0 or seats + 1 + r.num_forks > snapshot.max_num_seqs:
+            break
+        n = r.num_tokens
+        if n > budget:
+            if not enable_chunked_prefill:
+                break
+            n = budget
+        plan.append(PlannedRequest(r.request_id, n, True))
+        new_blocks += blocks_needed(n, bs)
+        seats += 1 + r.num_forks
+        budget -= n
+    if new_blocks > snapshot.num_free_blocks:
+        raise ValueError(f"the next step needs {new_blocks} new KV blocks and {snapshot.num_free_blocks} are free: "
+                         f"the scheduler would preempt, which this question does not model; ask it on an engine "
+                         f"with more num_kv_blocks")
+    return plan
+
+
+def _describe(p: PlannedRequest | None) -> str:
+    if p is None:
+        return "not scheduled this step"
+    return "decode, 1 token" if not p.is_prefill else f"prefill, {p.num_tokens} token{'s' * (p.num_tokens != 1)}"
+
+
+def step_question(snapshot: EngineSnapshot, config: EngineConfig, request_id: str, chapter: int = 5) -> Question:
+    """Will the next step run ``request_id`` as a prefill or a decode, and how many tokens (chapters 5, 6)?"""
+    r = _find_request(snapshot, request_id)
+    plan = plan_next_step(snapshot, config.enable_chunked_prefill)
+    mine = next((p for p in plan if p.request_id == request_id), None)
+    remaining = r.num_tokens - r.num_computed_tokens
+    budget = snapshot.max_num_batched_tokens
+    state = (f"status {r.status}, {r.num_prompt_tokens} prompt tokens, {r.num_output_tokens} generated, "
+             f"{r.num_computed_tokens} of its {r.num_tokens} tokens in the KV cache")
+    others = [p for p in plan if p.request_id != request_id]
+    why_right = {
+        None: f"The {budget}-token budget (or the sequence slots) are used up by requests ahead of it "
+              f"({sum(p.num_tokens for p in others)} tokens), so it waits a step.",
+    }
+    if mine is not None and not mine.is_prefill:
+        right = "One new token over a context that is all in the cache: a decode."
+    elif mine is not None:
+        right = (f"{remaining} token(s) are not in the cache yet; the step gives it "
+                 f"{mine.num_tokens} of them" + (" (a chunk: the budget left is smaller)" if mine.num_tokens < remaining
+                                                 else "") + ", which is prefill work.")
+    else:
+        right = why_right[None]
+    candidates = [
+        ("decode, 1 token", f"A decode needs every earlier token in the cache and exactly one new one; {remaining} "
+                            f"are still to compute." if remaining != 1 else
+         "It would decode if it were scheduled, but the budget ran out before it."),
+        (f"prefill, {remaining} token{'s' * (remaining != 1)}",
+         "That ignores the budget: the scheduler gives it only what is left after the requests ahead of it "
+         "(chunked prefill)." if mine is None or mine.num_tokens < remaining else
+         "One remaining token over a cached context is the decode case, not a prefill."),
+        (f"prefill, {budget} tokens", "The budget is shared: requests ahead of it take their tokens first, and "
+                                      "nobody gets more tokens than it still needs."),
+        ("not scheduled this step", "There is budget and a sequence slot left for it this step."),
+    ]
+    if r.num_computed_tokens:
+        candidates.append((f"prefill, {r.num_tokens} tokens",
+                           f"That recomputes the whole sequence; the {r.num_computed_tokens} tokens already in "
+                           f"the cache are not computed again."))
+    answer = _describe(mine)
+    wrong = [(text, why) for text, why in candidates if text != answer]
+    ahead = plan[:plan.index(mine)] if mine is not None else others
+    return make_question(
+        f"Request {request_id}: {state}. The token budget is {budget} per step, and the requests scheduled "
+        f"before it in the next step take {sum(p.num_tokens for p in ahead)} tokens. What does the next step "
+        f"do with {request_id}?",
+        (answer, right), wrong, chapter)
+
+
+def step_tokens_question(snapshot: EngineSnapshot, config: EngineConfig, chapter: int = 5) -> Question:
+    """How many tokens does the next step schedule in total (chapters 5 and 6)?"""
+    plan = plan_next_step(snapshot, config.enable_chunked_prefill)
+    answer = sum(p.num_tokens for p in plan)
+    budget = snapshot.max_num_batched_tokens
+    wanted = sum(r.num_tokens - r.num_computed_tokens for r in snapshot.running) + \
+        sum(r.num_tokens for r in snapshot.waiting)
+    running = sum(r.num_tokens - r.num_computed_tokens for r in snapshot.running)
+    rows = "; ".join(f"{r.request_id} {r.status} {r.num_computed_tokens}/{r.num_tokens} tokens cached"
+                     for r in snapshot.running + snapshot.waiting)
+    wrong = [
+        (str(wanted), "That gives every request all it still needs; the step's token budget caps the total."),
+        (str(budget), "The budget is a ceiling, not a quota: a step schedules less when the requests need less."),
+        (str(len(plan)), "That counts requests, one token each, as if every request were decoding."),
+        (str(running), "That schedules the running requests only; continuous batching also admits waiting ones "
+                       "into the same step while budget is left."),
+        (str(answer + 1), "One too many: count each request's remaining tokens exactly; a decoding request "
+                          "computes exactly one."),
+        (str(sum(r.num_tokens for r in snapshot.running + snapshot.waiting)),
+         "That recomputes every request's whole sequence; tokens already in the KV cache are not computed again."),
+    ]
+    return make_question(
+        f"Token budget {budget} per step, at most {snapshot.max_num_seqs} sequences, chunked prefill "
+        f"{'on' if config.enable_chunked_prefill else 'off'}. Requests (running first, then waiting): {rows}. "
+        f"How many tokens does the next step compute?",
+        (str(answer), "Running requests first, each its remaining tokens within the budget, then waiting ones "
+                      "while budget and slots last: " + ", ".join(f"{p.request_id} {p.num_tokens}" for p in plan)
+         + f" = {answer}."),
+        wrong, chapter)
+
+
+# ------------------------------------------------------------------ chapter 7
+def prefix_hits(snapshot: EngineSnapshot, prompt: Sequence[int]) -> list[int]:
+    """The cached blocks a new request with ``prompt`` would reuse, from the snapshot's digests.
+
+    Chains the prompt's full blocks exactly as the block manager names them
+    (``hash_block``), stops at the first block whose digest is not cached, and never
+    counts the block that holds the prompt's last token (its logits must be computed).
+    """
+    bs = snapshot.block_size
+    by_hash = {b.block_hash: b for b in snapshot.blocks if b.is_cached and b.block_hash is not None}
+    hits, parent = [], None
+    for i in range((len(prompt) - 1) // bs):
+        digest = hash_block(parent, prompt[i * bs:(i + 1) * bs])
+        block = by_hash.get(digest)
+        if block is None or block.parent_hash != parent:
+            break
+        hits.append(block.block_id)
+        parent = digest
+    return hits
+
+
+def prefix_hit_question(snapshot: EngineSnapshot, prompt: Sequence[int], chapter: int = 7) -> Question:
+    """How many of a prompt's blocks would the prefix cache serve (chapter 7)?"""
+    bs = snapshot.block_size
+    prompt = list(prompt)
+    if len(prompt) < 1:
+        raise ValueError("the prompt is empty")
+    hits = len(prefix_hits(snapshot, prompt))
+    cached = [b for b in snapshot.blocks if b.is_cached and b.block_hash is not None]
+    by_hash = {b.block_hash for b in cached}
+    parents = {b.parent_hash for b in cached}
+    # The "block by block" mistake: count every block whose tokens are cached anywhere, after
+    # any prefix, as if digests were not chained (a block's tokens under some cached parent).
+    unchained = sum(1 for i in range((len(prompt) - 1) // bs)
+                    if any(hash_block(p, prompt[i * bs:(i + 1) * bs]) in by_hash for p in parents))
+    full = len(prompt) // bs
+
+    def text(n: int) -> str:
+        return f"{n} block{'s' * (n != 1)} ({n * bs} tokens skipped)"
+
+    wrong = [
+        (text(full), f"All {full} full blocks: but a hit is a chain from the first block that stops at the first "
+                     f"miss, and the block holding the last prompt token is always computed (its logits are "
+                     f"needed to sample)."),
+        (text(hits + 1), "One too many: the chain stops at the first block whose digest is not in the cache."),
+        (text(unchained), "That looks each block up on its own tokens. Digests are chained (parent digest + "
+                          "tokens), so equal tokens after a different prefix do not match."),
+        (text(0), "There are cached blocks whose chained digests match the start of this prompt."),
+    ]
+    if hits == 0:
+        wrong[-1] = (text(1), "No cached block has the digest of this prompt's first block.")
+    return make_question(
+        f"The prefix cache holds {len(cached)} block digests (blocks of {bs} tokens). A new request arrives with a "
+        f"{len(prompt)}-token prompt. How many of its blocks does the prefix cache serve?",
+        (text(hits), f"Chaining SHA-256 digests over the prompt's blocks, the first {hits} are in the cache and "
+                     f"the next one is not (or holds the last token, which must be computed)."),
+        wrong, chapter)
+
+
+# ------------------------------------------------------------------ chapter 8
+def _token_set(ids: Sequence[int], labels: Sequence[str] | None) -> str:
+    shown = [repr(labels[i]) if labels is not None else str(i) for i in sorted(ids)]
+    return "{" + ", ".join(shown) + "}"
+
+
+def sampling_question(logits: torch.Tensor, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                      min_p: float = 0.0, labels: Sequence[str] | None = None, max_kept: int = 8,
+                      chapter: int = 8) -> Question:
+    """Which tokens survive the sampler's filters on these logits (chapter 8)?
+
+    ``logits`` is one row (V,), e.g. ``engine.next_token_logits(prompt)``; ``labels`` names
+    the tokens (``[engine.decode([i]) for i in range(V)]``) or, if None, ids are shown. The
+    answer is ``nanoengine.layers.sampler.kept_mask``, the engine's own code.
+    """
+    row = torch.as_tensor(logits, dtype=torch.float32).reshape(-1)
+    if temperature <= 0:
+        raise ValueError("temperature 0 is greedy: exactly one token survives, nothing to ask")
+
+    def kept(t=temperature, k=top_k, p=top_p, m=min_p) -> list[int]:
+        return torch.nonzero(kept_mask(row[None], t, k, p, m)[0]).flatten().tolist()
+
+    answer = kept()
+    if len(answer) > max_kept:
+        raise ValueError(f"{len(answer)} tokens survive; choose a smaller top_k, top_p or larger min_p so at most "
+                         f"{max_kept} do (the options list them)")
+    order = torch.argsort(row, descending=True).tolist()
+    wrong = []
+    if top_p < 1.0 and min_p == 0.0:
+        # the boundary mistake: stop *before* the token whose probability crosses p
+        survivors = [i for i in order if i in set(kept(p=1.0))]  # what top-k left, best first
+        probs = torch.softmax(row[survivors] / temperature, dim=-1)
+        within = max(1, int((probs.cumsum(0) <= top_p).sum().item()))
+        wrong.append((_token_set(survivors[:within], labels),
+                      "That stops before the token that crosses p. Top-p keeps the smallest set whose mass "
+                      "reaches p, so the token that crosses it stays."))
+    if top_p < 1.0 and temperature != 1.0:
+        wrong.append((_token_set(kept(t=1.0), labels),
+                      "That applies the filters to the unscaled logits. Temperature comes first and changes "
+                      "the probabilities that top-p adds up."))
+    if top_k > 0:
+        wrong.append((_token_set(kept(k=0), labels), "That ignores top-k: only the k highest logits may survive."))
+        wrong.append((_token_set(order[:top_k], labels) if top_p < 1.0 or min_p > 0 else None,
+                      "That applies top-k alone; top-p and min-p then cut the tail of what top-k kept."))
+    wrong.append((_token_set(order[:len(answer) + 1], labels),
+                  "One token too many: the next token in rank order is cut by the filters."))
+    if len(answer) > 1:
+        wrong.append((_token_set(order[:len(answer) - 1], labels),
+                      "One token too few: the last survivor passes every filter."))
+    wrong = [(t, w) for t, w in wrong if t is not None and t.count(",") < max_kept + 2]
+    settings = f"temperature {temperature}, top_k {top_k}, top_p {top_p}, min_p {min_p}"
+    top = ", ".join(f"{(repr(labels[i]) if labels is not None else i)}: {row[i]:.2f}" for i in order[:max_kept + 2])
+    return make_question(
+        f"Next-token logits, highest first: {top}, ... With {settings}, which tokens can be sampled?",
+        (_token_set(answer, labels), f"The engine's filters in order (temperature, top-k, top-p, min-p) keep "
+                                     f"exactly these {len(answer)}."),
+        wrong, chapter)
