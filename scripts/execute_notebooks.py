@@ -1,6 +1,6 @@
 """Execute the chapters at the current revision and save them with their provenance.
 
-    .venv/bin/python scripts/execute_notebooks.py                 # every chapter
+    .venv/bin/python scripts/execute_notebooks.py                 # every chapter and solution
     .venv/bin/python scripts/execute_notebooks.py notebooks/03_kv_cache.ipynb
 
 Committed outputs must come from the code they sit beside (template v2, "fresh outputs").
@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"revision holds the code behind the outputs\n{dirty}")
     revision = git("rev-parse", "HEAD")
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    paths = args.notebooks or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    paths = args.notebooks or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")) + sorted(
+        (ROOT / "notebooks" / "solutions").glob("[0-9][0-9]_*.ipynb"))
     for path in paths:
         seconds = execute(path.resolve(), revision, args.timeout)
         print(f"{path.name}: {seconds:.1f} s at {revision[:10]}")

@@ -13,7 +13,7 @@ if [ "${1:-}" = "--fast" ]; then
   shift
   exec python -m pytest tests -m "not slow and not browser" -p no:cacheprovider -q "$@"
 fi
-notebooks=$(ls notebooks/[0-9][0-9]_*.ipynb 2>/dev/null || true)
+notebooks=$(ls notebooks/[0-9][0-9]_*.ipynb notebooks/solutions/[0-9][0-9]_*.ipynb 2>/dev/null || true)
 exec python -m pytest tests $notebooks \
   --nbval --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout=300 \
   -p no:cacheprovider -q "$@"

@@ -23,7 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted(ROOT.glob("notebooks/*.ipynb")) + sorted(ROOT.glob("notebooks/solutions/*.ipynb"))
-CHAPTERS = [p for p in NOTEBOOKS if re.match(r"\d\d_", p.name) and p.parent.name == "notebooks"]
+CHAPTERS = [p for p in NOTEBOOKS if re.match(r"\d\d_", p.name)]  # chapters and their solutions
 LISTING = re.compile(r"class='ne-source' data-path='([^']+)' data-first-line='(\d+)' "
                      r"data-lines='(\d+)' data-sha256='([0-9a-f]{64})'")
 MAX_BYTES = 1_000_000

@@ -1,0 +1,48 @@
+"""Exercise checks: a scaffold cell, a check that says right or not yet, a worked solution.
+
+Every chapter ends with at least three exercises (template v2, notebooks/README.md). Each
+is two cells in the chapter:
+
+* a **scaffold** the learner edits, with the value or line to change marked ``TODO``;
+* a **check** that calls this chapter's check function (``widgets.exercises.chNN``), which
+  returns a ``CheckResult`` printed as one line: ``Exercise 4.2: right. <why>`` or
+  ``Exercise 4.2: not yet. Hint: <hint>``.
+
+``notebooks/solutions/NN_*.ipynb`` holds the same exercises solved and explained. CI runs
+both notebooks, and ``tests/test_exercises.py`` requires every check to say "not yet" on
+the untouched scaffold and "right" on the solution, so a check that cannot fail, or a
+solution that does not pass, is caught.
+
+Checks judge what the learner's change *did* (a measured effect, an engine state, a
+computed value), through the engine's public API, never the text of their code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The verdict on one exercise; prints as one line (deterministic: nbval compares it)."""
+
+    exercise: str  # "4.2": chapter 4, exercise 2
+    right: bool
+    message: str  # why it is right, or a hint towards the answer
+
+    def __str__(self) -> str:
+        verdict = "right." if self.right else "not yet. Hint:"
+        return f"Exercise {self.exercise}: {verdict} {self.message}"
+
+    def _repr_pretty_(self, printer, cycle) -> None:  # IPython shows the line, not the dataclass
+        printer.text(str(self))
+
+
+def verdict(exercise: str, right: bool, success: str, hint: str) -> CheckResult:
+    """The result of a check: ``success`` explains a right answer, ``hint`` points towards one."""
+    return CheckResult(exercise, bool(right), success if right else hint)
+
+
+def todo(value) -> bool:
+    """True while a scaffold value is still the placeholder ``...`` (Ellipsis) or None."""
+    return value is ... or value is None
