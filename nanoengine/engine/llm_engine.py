@@ -114,7 +114,7 @@ class LLMEngine:
             net = load_model(source, model_config, device, dtype, max_position=max_model_len)
             runner = ModelRunner(net, model_config, num_blocks, config.block_size, device, dtype, config.seed,
                                  cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512),
-                                 max_model_len=max_model_len)
+                                 max_model_len=max_model_len, compile=config.compile)
         return cls(config, model_config, runner, load_tokenizer(source))
 
     @classmethod
@@ -127,7 +127,7 @@ class LLMEngine:
         runner = ModelRunner(net, model_config, num_blocks, config.block_size, config.torch_device,
                              config.torch_dtype, config.seed,
                              cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512),
-                             max_model_len=max_model_len)
+                             max_model_len=max_model_len, compile=config.compile)
         return cls(config, model_config, runner, tokenizer)
 
     # ------------------------------------------------------------- requests

@@ -1,0 +1,229 @@
+"""torch.compile for the engine's small fused ops (chapter 10), opt-in with ``compile=True``.
+
+What fusion buys
+----------------
+Eager PyTorch runs a model one operator at a time. RMSNorm with its residual add is seven
+operators (add, pow, mean, add, rsqrt, mul, mul) plus dtype casts: seven passes over the
+activations, six temporaries, and seven trips through Python and PyTorch's dispatcher.
+``torch.compile`` traces such a function (TorchDynamo) and its Inductor backend generates
+one loop nest for it: the inputs are read once, the outputs written once, one call does
+the work of seven. nano-vLLM decorates exactly these functions with ``@torch.compile``:
+RMSNorm (+ residual), rotary embedding, SiLU-and-mul and the sampler. On a GPU every
+operator is a kernel launch of a few microseconds, so a 30-layer decode step saves
+hundreds of launches, and each fused kernel reads memory once instead of seven times.
+
+Why on a CPU the gain may be small
+----------------------------------
+A CPU runs an operator as an ordinary function call: there is no launch to save, only
+PyTorch's per-operator overhead and a few extra passes over activations that fit in the
+cache. A decode step spends its time streaming the weights through the matrix multiplies
+(memory-bound, chapter 6) and in attention; the ops fused here touch a few kilobytes per
+token. Fusion can save at most the time these ops take, and a compiled call adds its own
+cost: on every call Dynamo checks its guards (are the inputs still of the kind it
+compiled for?). ``python -m nanoengine bench --compile`` measures both engines in one run
+and the share of a step these ops take (fields in ``results/README.md``).
+
+How it is wired
+---------------
+Each layer keeps its math in a plain function and calls it through an attribute named in
+its class's ``compilable`` tuple: ``RMSNorm.norm_fn`` / ``add_norm_fn``,
+``RotaryEmbedding.rotate_fn``, ``SiluAndMul.silu_and_mul_fn``, ``Sampler.probs_fn``. The
+class attribute is the eager function, the readable default. ``compile_runner`` sets an
+instance attribute of the same name on one runner's modules and sampler only, so other
+engines in the same process stay eager.
+
+* One compiled version per function, shared by all layers and engines of the process
+  (Dynamo's cache lives on the function's code anyway).
+* ``dynamic=True``: the number of tokens changes every step. Compiled with symbolic sizes,
+  one graph serves them all; Dynamo still specialises a size of 1 (one decode token), so
+  the warm-up runs a 1-token and a 2-token step and later steps compile nothing.
+* The warm-up runs when the runner is built and is timed (``CompileReport.seconds``);
+  otherwise the first steps of a compiled engine would take seconds each.
+* Failure: Inductor needs a C++ compiler on a CPU (Triton on a GPU). If it is missing or
+  compiling fails, the engine warns once, naming the cause, and runs eagerly: it never
+  crashes for it and never warns per call.
+* The GEMMs are not compiled: they keep calling oneDNN with the weights prepacked by
+  ``kernels.cpu_gemm``. On CUDA the runner compiles before it captures CUDA graphs, so
+  the graphs record the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from nanoengine import kernels
+
+
+class CompileFallbackWarning(RuntimeWarning):
+    """torch.compile could not be used; the engine runs eagerly (the message says why)."""
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """What ``compile=True`` did for one runner.
+
+    requested: the engine was built with compile=True.
+    compiled: compiled code is in use (False after a fallback).
+    seconds: wall time of compiling and warming up, spent when the runner was built.
+    ops: the compiled functions, e.g. ``RMSNorm.add_norm_fn``.
+    fallback_reason: why the engine runs eagerly although compile=True, else None.
+    """
+
+    requested: bool
+    compiled: bool
+    seconds: float
+    ops: tuple[str, ...]
+    fallback_reason: str | None = None
+
+    @classmethod
+    def not_requested(cls) -> "CompileReport":
+        return cls(requested=False, compiled=False, seconds=0.0, ops=())
+
+
+class CompiledFunction:
+    """One eager function and its ``torch.compile``'d twin; called like the function.
+
+    Compilation happens on the first call with inputs of a new kind. If it raises, the
+    same call is rerun eagerly: when that succeeds the compiler was at fault, the process
+    records it (one warning) and every compiled function runs eagerly from then on; when
+    the eager call fails too, the inputs were bad and that error propagates.
+    """
+
+    def __init__(self, eager: Callable, compiler: "Compiler") -> None:
+        self.eager = eager
+        self.compiler = compiler
+        self.compiled = torch.compile(eager, dynamic=True)
+
+    def __call__(self, *args):
+        if self.compiler.failure is not None:
+            return self.eager(*args)
+        try:
+            return self.compiled(*args)
+        except Exception as exc:  # noqa: BLE001 (any compiler error: Dynamo, Inductor, the C++ build)
+            error = exc
+        result = self.eager(*args)  # outside the handler: an eager error is not chained to it
+        self.compiler.fail(f"compiling {self.eager.__qualname__} failed with {type(error).__name__}: "
+                           f"{_first_line(error)}")
+        return result
+
+
+class Compiler:
+    """The process's compiled functions (one per eager function) and whether compiling failed.
+
+    Process-wide on purpose: Dynamo caches compiled code per function for the whole process,
+    and a missing C++ compiler is missing for every engine.
+    """
+
+    def __init__(self) -> None:
+        self.functions: dict[Callable, CompiledFunction] = {}
+        self.failure: str | None = None
+
+    def compiled(self, eager: Callable) -> CompiledFunction:
+        if eager not in self.functions:
+            self.functions[eager] = CompiledFunction(eager, self)
+        return self.functions[eager]
+
+    def fail(self, reason: str) -> None:
+        """Record the first failure and warn about it; later ones change nothing."""
+        if self.failure is None:
+            self.failure = reason
+            warnings.warn(f"compile=True: {reason}; running eagerly instead", CompileFallbackWarning, stacklevel=2)
+
+
+COMPILER = Compiler()
+
+
+def compiler_problem(device: torch.device) -> str | None:
+    """Why torch.compile cannot work for ``device`` here, or None when it should."""
+    if not hasattr(torch, "compile"):
+        return f"torch {torch.__version__} has no torch.compile"
+    from torch import _dynamo
+
+    if not _dynamo.is_dynamo_supported():
+        return f"torch.compile does not support this Python ({sys.version.split()[0]})"
+    if device.type == "cuda":
+        return None if kernels.triton_available() else "Inductor needs Triton on CUDA, and triton cannot be imported"
+    candidates = _cpp_compilers()
+    if not any(shutil.which(name) for name in candidates):
+        return (f"Inductor needs a C++ compiler to generate CPU code and none of {candidates} is on PATH "
+                f"(install g++ or set CXX)")
+    return None
+
+
+def _cpp_compilers() -> tuple[str, ...]:
+    """The compilers Inductor will try, in order (its ``cpp.cxx`` setting, from ``CXX``)."""
+    try:
+        from torch._inductor import config
+
+        names = config.cpp.cxx if isinstance(config.cpp.cxx, (list, tuple)) else (config.cpp.cxx,)
+    except (ImportError, AttributeError):  # a torch without that setting: its documented default
+        names = (os.environ.get("CXX", "g++"),)
+    return tuple(name for name in names if name)
+
+
+def compilable_objects(runner) -> list:
+    """The runner's modules whose class names ``compilable`` functions, and its sampler."""
+    modules = [m for m in runner.model.modules() if getattr(type(m), "compilable", ())]
+    return modules + [runner.sampler]
+
+
+def compile_runner(runner, compiler: Compiler | None = None) -> CompileReport:
+    """Swap compiled functions into ``runner``'s model and sampler, warm up, time it.
+
+    ``runner`` is a ``ModelRunner`` whose KV cache is bound. On failure its objects get
+    their eager functions back and the report says why.
+    """
+    compiler = compiler or COMPILER
+    problem = compiler_problem(runner.device)
+    if problem is not None:
+        compiler.fail(problem)
+    if compiler.failure is not None:
+        return CompileReport(requested=True, compiled=False, seconds=0.0, ops=(), fallback_reason=compiler.failure)
+    start = time.perf_counter()
+    targets = compilable_objects(runner)
+    names = set()
+    for obj in targets:
+        for attr in type(obj).compilable:
+            setattr(obj, attr, compiler.compiled(getattr(type(obj), attr)))
+            names.add(f"{type(obj).__name__}.{attr}")
+    _warm_up(runner)
+    seconds = time.perf_counter() - start
+    if compiler.failure is not None:
+        for obj in targets:
+            for attr in type(obj).compilable:
+                delattr(obj, attr)  # the class attribute, the eager function, shows again
+        return CompileReport(requested=True, compiled=False, seconds=seconds, ops=(),
+                             fallback_reason=compiler.failure)
+    return CompileReport(requested=True, compiled=True, seconds=seconds, ops=tuple(sorted(names)))
+
+
+def _warm_up(runner) -> None:
+    """Run a 1-token and a 2-token step through the model and the sampler.
+
+    The dummy tokens write nothing into the KV cache (slot -1) and read block 0 only; the
+    sampler draws with a generator of its own, so the engine's random stream is untouched.
+    """
+    from nanoengine.engine.model_runner import BatchPlan, ModelInput
+    from nanoengine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.8, top_k=8, top_p=0.9, min_p=0.01)
+    generator = torch.Generator(device=runner.device).manual_seed(0)
+    for n in (1, 2):
+        plan = BatchPlan(input_ids=[0] * n, positions=list(range(n)), slot_mapping=[-1] * n, num_decode_tokens=0,
+                         decode_block_tables=[], decode_context_lens=[], prefill_block_tables=[[0] * n],
+                         prefill_cu_seqlens_q=[0, n], prefill_context_lens=[n], logits_indices=list(range(n)))
+        logits = runner.run_model(ModelInput.from_plan(plan, runner.device))  # (n, vocab)
+        runner.sampler(logits, [params] * n, [generator] * n)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:300] if text else "(no message)"
