@@ -68,3 +68,52 @@ def test_cuda_graph_buckets_cover_every_batch_size():
         buckets = batch_buckets(max_batch)
         assert buckets == sorted(set(buckets)) and buckets[-1] == max_batch
         assert all(any(b >= n for b in buckets) for n in range(1, max_batch + 1))
+
+
+def test_bench_runs_transformers_on_the_engines_device_and_dtype(tiny_llama_dir, tmp_path):
+    out = tmp_path / "bench-bf16.json"
+    code = main(["bench", "--model", str(tiny_llama_dir), "--device", "cpu", "--dtype", "bfloat16",
+                 "--num-requests", "3", "--min-prompt", "4", "--max-prompt", "12", "--output-len", "4",
+                 "--hf-batch-size", "3", "--single-stream-tokens", "0", "--skip-generate-batch", "--out", str(out)])
+    assert code == 0
+    results = json.loads(out.read_text())
+    assert results["device"] == "cpu" and results["dtype"] == "bfloat16" and results["gemm_peak_dtype"] == "bfloat16"
+    hf = results["systems"]["hf_static"]
+    assert (hf["device"], hf["dtype"]) == ("cpu", "bfloat16")  # read back from the loaded model
+    assert hf["greedy_check"]["total"] == 3
+
+
+def test_load_hf_puts_the_model_on_the_device_in_the_dtype(tiny_llama_dir):
+    import torch
+
+    from nanoengine.benchmark import load_hf
+
+    model = load_hf(tiny_llama_dir, device="cpu", dtype=torch.bfloat16)
+    assert model.device.type == "cpu" and {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.generation_config.eos_token_id is None
+
+
+def test_bench_compile_compares_eager_and_compiled_in_one_run(tiny_llama_dir, tmp_path):
+    out = tmp_path / "bench-compile.json"
+    code = main(["bench", "--model", str(tiny_llama_dir), "--skip-hf", "--compile", "--compile-repeats", "2",
+                 "--num-requests", "4", "--min-prompt", "4", "--max-prompt", "24", "--output-len", "6",
+                 "--single-stream-tokens", "4", "--out", str(out)])
+    assert code == 0
+    results = json.loads(out.read_text())
+    compiled = results["compile"]
+    assert compiled["greedy_tokens_equal"] and compiled["greedy_check"]["identical"] == 4
+    assert compiled["deterministic_across_repeats"]
+    workload = compiled["workload"]
+    assert workload["repeats"] == 2 and all(len(workload["seconds"][k]) == 2 for k in ("eager", "compiled"))
+    assert workload["speedup"] == pytest.approx(
+        workload["output_tokens_per_s"]["compiled"] / workload["output_tokens_per_s"]["eager"])
+    if compiled["compiled"]:
+        assert compiled["compile_seconds"] > 0 and "RMSNorm.add_norm_fn" in compiled["compiled_ops"]
+    else:
+        assert compiled["fallback_reason"]
+    for system in ("eager", "compiled"):
+        shares = compiled["op_time"][system]
+        assert 0 < shares["workload"]["share"] < 1
+        assert set(shares["decode_step"]["per_op_ms"]) >= {"RMSNorm.add_norm_fn", "SiluAndMul.silu_and_mul_fn"}
+    assert "compiled / eager" in compiled["explanation"] and "of the workload's time" in compiled["explanation"]
+    assert compiled["single_stream_decode"]["tokens"] == 4
