@@ -1,8 +1,9 @@
 """``compile=True`` (``engine.compilation``): eager's greedy tokens, no recompiles, one warning on failure.
 
-The tiny Llama keeps compile time small; ``dynamic=True`` plus the runner's 1- and 2-token
-warm-up mean the batches below, of every size, compile nothing more. The compiled
-functions are shared by the whole process, so only the first compiled engine pays.
+The tiny Llama keeps compile time small; ``dynamic=True`` plus the runner's warm-up mean
+the batches below, of every size, compile nothing more. The compiled functions are shared
+by the whole process, so only the first compiled engine pays. On a CPU, inputs of fewer
+than ``CPU_MIN_ROWS`` rows run eagerly, so the batches are chosen to take both paths.
 """
 
 from __future__ import annotations
@@ -15,12 +16,13 @@ import torch
 from nanoengine import SamplingParams
 from nanoengine.config import EngineConfig
 from nanoengine.engine import compilation
-from nanoengine.engine.compilation import CompileFallbackWarning, Compiler, compilable_objects, compiler_problem
+from nanoengine.engine.compilation import (CPU_MIN_ROWS, CompileFallbackWarning, Compiler, compilable_objects,
+                                           compiler_problem, runs_compiled)
 from nanoengine.layers.sampler import Sampler, sampling_params_columns, sampling_probs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest
 
-CONFIG = dict(device="cpu", max_model_len=256, num_kv_blocks=64, block_size=8)
+CONFIG = dict(device="cpu", max_model_len=256, num_kv_blocks=1024, block_size=8)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROBLEM = compiler_problem(torch.device("cpu"))
 needs_compile = pytest.mark.skipif(PROBLEM is not None, reason=f"torch.compile cannot run here: {PROBLEM}")
@@ -28,9 +30,9 @@ ALL_OPS = ("RMSNorm.add_norm_fn", "RMSNorm.norm_fn", "RotaryEmbedding.rotate_fn"
            "SiluAndMul.silu_and_mul_fn")
 
 
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
+def prompts(n: int, seed: int = 0, lengths: tuple[int, int] = (3, 40)) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(1, 5000) for _ in range(rng.randint(3, 40))] for _ in range(n)]
+    return [[rng.randrange(1, 5000) for _ in range(rng.randint(*lengths))] for _ in range(n)]
 
 
 def tokens(llm, batch, params=GREEDY) -> list[list[int]]:
@@ -70,8 +72,14 @@ def test_compiled_greedy_tokens_equal_eager_at_every_batch_size(build_tiny_llm):
     assert report.compiled and report.fallback_reason is None, report
     assert report.ops == ALL_OPS and report.seconds > 0
     graphs = compiled_graphs()
-    for batch in (prompts(1), prompts(3, seed=1), prompts(7, seed=2)):  # prefill chunks and decodes of many sizes
-        assert tokens(compiled, batch) == tokens(eager, batch)
+    batches = {
+        "one short prompt: every step eager": prompts(1),
+        "one long prompt: compiled prefill, eager decodes": prompts(1, seed=1, lengths=(100, 120)),
+        "a few prompts": prompts(3, seed=2),
+        "many prompts: compiled prefill and decodes": prompts(CPU_MIN_ROWS + 6, seed=3),
+    }
+    for name, batch in batches.items():
+        assert tokens(compiled, batch) == tokens(eager, batch), name
     assert compiled_graphs() == graphs, "a step recompiled after the warm-up"
 
 
@@ -89,10 +97,11 @@ def test_compiled_seeded_sampling_matches_eager(build_tiny_llm):
 @needs_compile
 def test_compiled_sampling_probs_match_eager():
     with torch.inference_mode():  # as the runner's logits are: the warm-up's graphs then serve this call
-        logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(0)) * 4
+        logits = torch.randn(CPU_MIN_ROWS + 5, 1000, generator=torch.Generator().manual_seed(0)) * 4
+    assert runs_compiled(logits)
+    settings = ((1.0, -1, 1.0, 0.0), (0.5, 10, 1.0, 0.0), (1.3, -1, 0.8, 0.0), (0.7, 50, 0.95, 0.05), (2.0, 0, 0.5, 0.1))
     params = [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
-              for t, k, p, m in ((1.0, -1, 1.0, 0.0), (0.5, 10, 1.0, 0.0), (1.3, -1, 0.8, 0.0),
-                                 (0.7, 50, 0.95, 0.05), (2.0, 0, 0.5, 0.1))]
+              for t, k, p, m in (settings[i % len(settings)] for i in range(logits.shape[0]))]
     columns = sampling_params_columns(logits, params)
     expected = sampling_probs(logits, *columns)
     got = compilation.COMPILER.compiled(sampling_probs)(logits, *columns)
@@ -144,9 +153,10 @@ def test_an_input_error_is_not_blamed_on_the_compiler(monkeypatch):
     compiler = Compiler()
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)  # "compiled" = eager: both raise
     bad = compiler.compiled(sampling_probs)
-    with pytest.raises(RuntimeError):
-        bad(torch.zeros(2, 5), torch.ones(3, 1), torch.ones(7, 1, dtype=torch.long), torch.ones(2, 1),
-            torch.zeros(2, 1))
+    rows = CPU_MIN_ROWS
+    with pytest.raises(RuntimeError):  # columns of the wrong length
+        bad(torch.zeros(rows, 5), torch.ones(3, 1), torch.ones(7, 1, dtype=torch.long), torch.ones(rows, 1),
+            torch.zeros(rows, 1))
     assert compiler.failure is None
 
 
@@ -157,3 +167,13 @@ def test_sampler_columns_are_per_row_tensors():
     assert top_k.dtype == torch.long and top_k.tolist() == [[-1], [3]]
     assert top_p.tolist() == [[1.0], [pytest.approx(0.9)]] and min_p.tolist() == [[0.0], [pytest.approx(0.1)]]
     assert Sampler.probs_fn is sampling_probs
+
+
+def test_small_inputs_run_eagerly_on_a_cpu():
+    assert not runs_compiled(torch.zeros(CPU_MIN_ROWS - 1, 8)) and runs_compiled(torch.zeros(CPU_MIN_ROWS, 8))
+    calls = []
+    compiler = Compiler()
+    function = compiler.compiled(lambda x: x + 1)
+    function.compiled = lambda x: calls.append(len(x)) or x + 1
+    function(torch.zeros(3)), function(torch.zeros(CPU_MIN_ROWS))
+    assert calls == [CPU_MIN_ROWS]

@@ -19,9 +19,18 @@ PyTorch's per-operator overhead and a few extra passes over activations that fit
 cache. A decode step spends its time streaming the weights through the matrix multiplies
 (memory-bound, chapter 6) and in attention; the ops fused here touch a few kilobytes per
 token. Fusion can save at most the time these ops take, and a compiled call adds its own
-cost: on every call Dynamo checks its guards (are the inputs still of the kind it
-compiled for?). ``python -m nanoengine bench --compile`` measures both engines in one run
-and the share of a step these ops take (fields in ``results/README.md``).
+fixed cost: on every call Dynamo checks its guards (are the inputs still of the kind it
+compiled for?) before the generated code runs. Measured on the course's 2-core EPYC
+(2026-11-30, torch 2.13, one process, medians; the machine was shared, so roughly): a
+compiled call costs some 20-40 us more than eager at 1 row, so eager wins for small
+batches (1 row: SiLU-and-mul 5 vs 42 us, RMSNorm + residual 14 vs 29 us); around 64 rows
+the fused loop catches up (RMSNorm + residual 72 vs 91 us) and at 512 rows it is clearly
+ahead (SiLU-and-mul 472 vs 659 us, RMSNorm + residual 197 vs 242 us). So on a CPU a
+compiled function runs its compiled code only for inputs of at least ``CPU_MIN_ROWS`` rows
+(prefill chunks, large decode batches) and calls the eager function below that. On CUDA
+the compiled code always runs: CUDA graphs replay it without any Python at all.
+``python -m nanoengine bench --compile`` measures both engines in one run and the share of
+a step these ops take (fields in ``results/README.md``).
 
 How it is wired
 ---------------
@@ -35,8 +44,9 @@ engines in the same process stay eager.
 * One compiled version per function, shared by all layers and engines of the process
   (Dynamo's cache lives on the function's code anyway).
 * ``dynamic=True``: the number of tokens changes every step. Compiled with symbolic sizes,
-  one graph serves them all; Dynamo still specialises a size of 1 (one decode token), so
-  the warm-up runs a 1-token and a 2-token step and later steps compile nothing.
+  one graph serves them all; Dynamo still specialises a size of 1 (one decode token). The
+  warm-up runs the sizes that will use compiled code (one step of ``WARM_UP_ROWS`` tokens
+  on a CPU; also a 1-token step on CUDA), so later steps compile nothing.
 * The warm-up runs when the runner is built and is timed (``CompileReport.seconds``);
   otherwise the first steps of a compiled engine would take seconds each.
 * Failure: Inductor needs a C++ compiler on a CPU (Triton on a GPU). If it is missing or
@@ -45,6 +55,13 @@ engines in the same process stay eager.
 * The GEMMs are not compiled: they keep calling oneDNN with the weights prepacked by
   ``kernels.cpu_gemm``. On CUDA the runner compiles before it captures CUDA graphs, so
   the graphs record the compiled kernels.
+
+Why not compile the whole decode step (the model's forward)? Tried on the course machine
+(2026-11-30, torch 2.13, ``torch.compile(model.forward, dynamic=True)``): Dynamo breaks the
+graph in every layer at store-KV's data-dependent ``bool(keep.all())``, and Inductor then
+fails to lower ``mkldnn._linear_pointwise`` on the prepacked weights (``LoweringException``).
+Compiling the forward would mean giving up the packed weights, which are worth 1.2-2.6x on
+the GEMMs (``kernels.cpu_gemm``), for fusing ops that take a small share of a step.
 """
 
 from __future__ import annotations
@@ -91,7 +108,9 @@ class CompileReport:
 class CompiledFunction:
     """One eager function and its ``torch.compile``'d twin; called like the function.
 
-    Compilation happens on the first call with inputs of a new kind. If it raises, the
+    On a CPU, calls with fewer than ``CPU_MIN_ROWS`` rows run the eager function
+    (``runs_compiled``). Compilation happens on the first compiled call with inputs of a
+    new kind. If it raises, the
     same call is rerun eagerly: when that succeeds the compiler was at fault, the process
     records it (one warning) and every compiled function runs eagerly from then on; when
     the eager call fails too, the inputs were bad and that error propagates.
@@ -103,7 +122,7 @@ class CompiledFunction:
         self.compiled = torch.compile(eager, dynamic=True)
 
     def __call__(self, *args):
-        if self.compiler.failure is not None:
+        if self.compiler.failure is not None or not runs_compiled(args[0]):
             return self.eager(*args)
         try:
             return self.compiled(*args)
@@ -139,6 +158,26 @@ class Compiler:
 
 
 COMPILER = Compiler()
+
+# Below this many rows (tokens, or sampled sequences) a CPU runs the eager function: the
+# compiled call's fixed cost exceeds what fusion saves (measured: see the module docstring).
+CPU_MIN_ROWS = 64
+
+
+def runs_compiled(rows: torch.Tensor) -> bool:
+    """Whether a call whose first argument is ``rows`` (dim 0 = tokens) uses compiled code."""
+    return rows.is_cuda or (rows.dim() > 0 and rows.shape[0] >= CPU_MIN_ROWS)
+
+
+# The warm-up's step size for the general (symbolic) graph: >= CPU_MIN_ROWS, and a prime, so
+# that it equals no model dimension. Dynamo's "duck sizing" gives equal sizes one symbol and
+# ties them together (64 tokens in a model of hidden size 64 compiled a graph for 64 tokens only).
+WARM_UP_ROWS = 67
+
+
+def warm_up_sizes(device: torch.device) -> tuple[int, ...]:
+    """The step sizes that compile every graph later steps use (see ``runs_compiled``)."""
+    return (1, WARM_UP_ROWS) if device.type == "cuda" else (WARM_UP_ROWS,)
 
 
 def compiler_problem(device: torch.device) -> str | None:
@@ -206,18 +245,19 @@ def compile_runner(runner, compiler: Compiler | None = None) -> CompileReport:
 
 
 def _warm_up(runner) -> None:
-    """Run a 1-token and a 2-token step through the model and the sampler.
+    """Run steps of ``warm_up_sizes`` tokens through the model and the sampler.
 
-    The dummy tokens write nothing into the KV cache (slot -1) and read block 0 only; the
-    sampler draws with a generator of its own, so the engine's random stream is untouched.
+    The dummy tokens sit at position 0, write nothing into the KV cache (slot -1) and read
+    block 0 only; the sampler draws with a generator of its own, so the engine's random
+    stream is untouched.
     """
     from nanoengine.engine.model_runner import BatchPlan, ModelInput
     from nanoengine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.8, top_k=8, top_p=0.9, min_p=0.01)
     generator = torch.Generator(device=runner.device).manual_seed(0)
-    for n in (1, 2):
-        plan = BatchPlan(input_ids=[0] * n, positions=list(range(n)), slot_mapping=[-1] * n, num_decode_tokens=0,
+    for n in warm_up_sizes(runner.device):
+        plan = BatchPlan(input_ids=[0] * n, positions=[0] * n, slot_mapping=[-1] * n, num_decode_tokens=0,
                          decode_block_tables=[], decode_context_lens=[], prefill_block_tables=[[0] * n],
                          prefill_cu_seqlens_q=[0, n], prefill_context_lens=[n], logits_indices=list(range(n)))
         logits = runner.run_model(ModelInput.from_plan(plan, runner.device))  # (n, vocab)
