@@ -300,6 +300,17 @@ def environment() -> dict:
     return info
 
 
+def load_average() -> list[float] | None:
+    """The machine's 1, 5 and 15-minute load averages (runnable processes; None where unknown).
+
+    Above the core count, other work competed with the benchmark for the CPU.
+    """
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
 def source_revision() -> str | None:
     """The git commit of the engine's source tree, "+modified" if it has local changes."""
     import subprocess
@@ -330,6 +341,7 @@ def run_from_args(args: argparse.Namespace) -> dict:
     device, dtype = resolved.torch_device, resolved.torch_dtype
     dtype_name = str(dtype).removeprefix("torch.")
     engine_kwargs = dict(device=args.device, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens)
+    load_at_start = load_average()
     model_dir = resolve_model_source(args.model)
     config = ModelConfig.from_pretrained(model_dir)
     prompts = make_workload(args.num_requests, args.min_prompt, args.max_prompt, args.seed,
@@ -398,6 +410,7 @@ def run_from_args(args: argparse.Namespace) -> dict:
                      "output_len": args.output_len, "seed": args.seed, "greedy": True, "ignore_eos": True,
                      "prompt_tokens": sum(len(p) for p in prompts)},
         "gemm_peak_gflops": peak, "gemm_peak_dtype": dtype_name, "model": model_dir.name,
+        "load_average": {"start": load_at_start, "end": load_average()},
         "environment": environment(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": getattr(args, "command_line", None) or " ".join(sys.argv),

@@ -28,6 +28,7 @@ def test_bench_command_compares_with_transformers_and_writes_results(tiny_llama_
     assert results["workload"]["num_requests"] == 6 and results["workload"]["output_len"] == 8
     assert results["environment"]["torch"] and results["date"] and "bench" in results["command"]
     assert "nanoengine_revision" in results["environment"] and results["environment"]["omp_wait_policy"]
+    assert all(value is None or len(value) == 3 for value in results["load_average"].values())
     single = results["single_stream_decode"]
     assert single["repeats"] >= 3 and single["tokens"] == 4
     assert single["ratio"] is None or single["ratio"] == pytest.approx(single["nanoengine_tok_s"] / single["hf_tok_s"])
