@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from nanoengine.benchmark import compare_greedy, decode_rates, engine_decoder
-from nanoengine.engine.compilation import compilable_objects
+from nanoengine.engine.compilation import CPU_MIN_ROWS, compilable_objects
 
 SYSTEMS = ("eager", "compiled")
 
@@ -71,6 +71,7 @@ def compare_compile(model_dir: Path, prompts: list[list[int]], output_len: int, 
     result = {
         "compiled": report.compiled, "fallback_reason": report.fallback_reason, "compiled_ops": list(report.ops),
         "compile_seconds": report.seconds, "engine_build_seconds": build_seconds,
+        "cpu_min_rows": CPU_MIN_ROWS if engines["compiled"].engine.runner.device.type == "cpu" else None,
         "inductor_cache": {"dir": cache_dir, "warm_before_run": cache_was_warm},
         "workload": {"repeats": repeats, "seconds": seconds, "output_tokens_per_s": tok_s,
                      "speedup": tok_s["compiled"] / tok_s["eager"]},
@@ -183,6 +184,9 @@ def explain(result: dict) -> str:
     if single and single["speedup"] is not None:
         text += f", {single['speedup']:.2f}x in single-stream decode"
     parts.append(text + f"; compiling and warming up took {result['compile_seconds']:.1f} s.")
+    if result.get("cpu_min_rows"):
+        parts.append(f"On a CPU compiled code runs for inputs of at least {result['cpu_min_rows']} rows (tokens in "
+                     f"a step, or sampled sequences); smaller steps, such as single-stream decode, run eagerly.")
     op_time = result.get("op_time")
     if op_time:
         eager, compiled = op_time["eager"], op_time["compiled"]

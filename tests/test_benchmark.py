@@ -8,6 +8,7 @@ import pytest
 
 from nanoengine.__main__ import main
 from nanoengine.benchmark import compare_greedy, make_workload, workload_flops
+from nanoengine.engine.compilation import CPU_MIN_ROWS
 from nanoengine.engine.cuda_graphs import batch_buckets
 from nanoengine.models.presets import PRESETS
 
@@ -118,3 +119,4 @@ def test_bench_compile_compares_eager_and_compiled_in_one_run(tiny_llama_dir, tm
         assert set(shares["decode_step"]["per_op_ms"]) >= {"RMSNorm.add_norm_fn", "SiluAndMul.silu_and_mul_fn"}
     assert "compiled / eager" in compiled["explanation"] and "of the workload's time" in compiled["explanation"]
     assert compiled["single_stream_decode"]["tokens"] == 4
+    assert compiled["cpu_min_rows"] == CPU_MIN_ROWS and f"at least {CPU_MIN_ROWS} rows" in compiled["explanation"]

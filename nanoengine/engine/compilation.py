@@ -110,10 +110,10 @@ class CompiledFunction:
 
     On a CPU, calls with fewer than ``CPU_MIN_ROWS`` rows run the eager function
     (``runs_compiled``). Compilation happens on the first compiled call with inputs of a
-    new kind. If it raises, the
-    same call is rerun eagerly: when that succeeds the compiler was at fault, the process
-    records it (one warning) and every compiled function runs eagerly from then on; when
-    the eager call fails too, the inputs were bad and that error propagates.
+    new kind. If it raises, the same call is rerun eagerly: when that succeeds the
+    compiler was at fault, the process records it (one warning) and every compiled
+    function runs eagerly from then on; when the eager call fails too, the inputs were
+    bad and that error propagates.
     """
 
     def __init__(self, eager: Callable, compiler: "Compiler") -> None:
