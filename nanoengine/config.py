@@ -42,6 +42,9 @@ class EngineConfig:
         runs until all of it has finished before anyone new is admitted).
     tensor_parallel_size: processes the model is split over.
     enforce_eager: never capture CUDA graphs.
+    compile: torch.compile the small fused ops (RMSNorm + residual, rotary, SiLU-and-mul,
+        the sampler's filters); on failure the engine warns once and stays eager. Independent
+        of enforce_eager, which is about CUDA graphs only (``engine.compilation``).
     seed: seeds the engine's generator for requests without a seed of their own.
     """
 
@@ -58,6 +61,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    compile: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -80,9 +84,12 @@ class EngineConfig:
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.compile and self.tensor_parallel_size > 1:
+            raise ValueError(f"compile=True runs in one process only; it is not supported with "
+                             f"tensor_parallel_size > 1 (got {self.tensor_parallel_size})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) (torch.Generator's range), got {self.seed!r}")
 

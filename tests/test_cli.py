@@ -99,6 +99,7 @@ def test_bad_engine_values(capsys, flags, fragments):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_cuda(capsys):
     assert_cli_error(capsys, ["generate", "hi", "--device", "cuda"], "device='cuda'", "no CUDA")
+    assert_cli_error(capsys, ["bench", "--device", "cuda", "--skip-hf"], "device='cuda'", "no CUDA")
 
 
 def test_bad_prompts(capsys, tiny_llama_tok_dir, tiny_llama_dir):
@@ -115,6 +116,9 @@ def test_bad_prompts(capsys, tiny_llama_tok_dir, tiny_llama_dir):
     pytest.param(["--min-prompt", "0"], ("min_prompt", "0"), id="min-prompt zero"),
     pytest.param(["--min-prompt", "10", "--max-prompt", "5"], ("min_prompt <= max_prompt", "10", "5"), id="min > max"),
     pytest.param(["--single-stream-tokens", "1"], ("single_stream_tokens", ">= 2", "1"), id="single-stream one token"),
+    pytest.param(["--device", "tpu"], ("device", "'tpu'", "cpu", "cuda"), id="bench device unknown"),
+    pytest.param(["--dtype", "float64"], ("dtype", "'float64'", "float32", "bfloat16"), id="bench dtype unknown"),
+    pytest.param(["--compile-repeats", "0"], ("compile_repeats", ">= 1", "0"), id="compile repeats zero"),
 ])
 def test_bad_bench_values(capsys, tiny_llama_dir, flags, fragments):
     # Checked before the GEMM measurement and before any model is loaded.
@@ -132,6 +136,7 @@ def test_bad_bench_values(capsys, tiny_llama_dir, flags, fragments):
     pytest.param(["generate", "hi", "--tempreature", "0"], "unrecognized arguments: --tempreature", id="typo flag"),
     pytest.param(["chat", "extra"], "unrecognized arguments: extra", id="chat positional"),
     pytest.param(["bench", "--num-requests", "many"], "invalid int value: 'many'", id="bench not int"),
+    pytest.param(["bench", "--compile-repeats", "2.5"], "invalid int value: '2.5'", id="bench repeats not int"),
 ])
 def test_argparse_errors(capsys, argv, fragment):
     with pytest.raises(SystemExit) as info:

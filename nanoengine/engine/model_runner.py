@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from nanoengine import kernels
+from nanoengine.engine.compilation import CompileReport, compile_runner
 from nanoengine.engine.host_memory import keep_freed_memory
 from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import SchedulerOutput
@@ -156,6 +157,7 @@ class SamplingRunner:
 
     sampler: Sampler
     generator: torch.Generator
+    compilation: CompileReport = CompileReport.not_requested()  # what compile=True did (engine.compilation)
 
     def prepare_inputs(self, plan: BatchPlan) -> object:
         """This step's model input, built from the plan."""
@@ -202,7 +204,7 @@ class ModelRunner(SamplingRunner):
 
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, seed: int = 0, cuda_graph_max_batch: int = 0,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, compile: bool = False) -> None:
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
@@ -227,6 +229,11 @@ class ModelRunner(SamplingRunner):
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.cuda_graphs = None
+        # compile=True: torch.compile the fused elementwise ops and warm them up now, timed
+        # (engine.compilation); before CUDA graphs, so those record the compiled kernels.
+        self.compilation = CompileReport.not_requested()
+        if compile:
+            self.compilation = compile_runner(self)
         if cuda_graph_max_batch and device.type == "cuda" and kernels.triton_available():
             from nanoengine.engine.cuda_graphs import CudaGraphDecoder
 

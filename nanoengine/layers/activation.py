@@ -1,6 +1,9 @@
 """SiLU-and-multiply: the gated MLP's activation (SwiGLU).
 
 The merged gate_up projection produces [gate | up]; the MLP output is silu(gate) * up.
+Eager PyTorch makes two passes (silu, then the product) and a temporary the size of the
+intermediate activations; with ``compile=True`` (``engine.compilation``) the module's
+``silu_and_mul_fn`` becomes one compiled loop that reads gate and up once.
 """
 
 from __future__ import annotations
@@ -10,7 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """(T, 2*I) -> (T, I): silu(first half) * second half."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class SiluAndMul(nn.Module):
+    compilable = ("silu_and_mul_fn",)  # see engine.compilation; the class attribute is the eager one
+    silu_and_mul_fn = staticmethod(silu_and_mul)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, 2*I) -> (T, I)
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return self.silu_and_mul_fn(x)

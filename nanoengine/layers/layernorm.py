@@ -2,7 +2,14 @@
 
 RMSNorm(x) = x / sqrt(mean(x^2) + eps) * weight. Transformer blocks add the residual
 stream right before normalising it, so ``forward(x, residual)`` returns both the
-normalised sum and the new residual: one pass over the activations instead of two.
+normalised sum and the new residual.
+
+The math lives in two plain functions, ``rms_norm`` and ``add_rms_norm``; the module
+calls them through ``norm_fn`` / ``add_norm_fn``. Eager PyTorch runs them op by op (add,
+pow, mean, add, rsqrt, mul, mul: a pass over the activations each). With
+``compile=True`` the engine swaps in ``torch.compile``'d versions on this model's
+instances (``engine.compilation``): one generated loop that reads ``x`` and ``residual``
+once and writes both outputs.
 """
 
 from __future__ import annotations
@@ -11,20 +18,34 @@ import torch
 from torch import nn
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x (..., H) -> (..., H), computed in float32 and returned in x's dtype."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(normalised x + residual, x + residual): the sum is the next residual stream."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
 class RMSNorm(nn.Module):
+    # The functions ``forward`` calls; ``engine.compilation`` may replace them on one
+    # instance with compiled versions. The class attributes are always the eager ones.
+    compilable = ("norm_fn", "add_norm_fn")
+    norm_fn = staticmethod(rms_norm)
+    add_norm_fn = staticmethod(add_rms_norm)
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
-            return self._norm(x)
-        residual = x + residual
-        return self._norm(residual), residual
+            return self.norm_fn(x, self.weight, self.eps)
+        return self.add_norm_fn(x, residual, self.weight, self.eps)

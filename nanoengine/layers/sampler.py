@@ -13,6 +13,12 @@ Cut tokens get a logit of -inf, then one token is drawn from the softmax. A requ
 seed draws from its own ``torch.Generator``, so what else shares the batch never changes
 its samples. ``filter_logits`` and ``kept_mask`` are public so the sampling playground
 shows exactly what the engine does.
+
+The filter math runs on whole (B, V) tensors with the per-row parameters as (B, 1)
+columns (``sampling_probs``), so ``torch.compile`` can fuse it when the engine runs with
+``compile=True`` (``engine.compilation`` swaps the sampler's ``probs_fn``). The draw itself
+stays outside: each row has its own generator. A greedy batch needs only an argmax and
+never reaches the filters.
 """
 
 from __future__ import annotations
@@ -63,6 +69,11 @@ def filter_logits(logits: torch.Tensor, temperature, top_k, top_p, min_p) -> tor
     return scaled.masked_fill(~kept_mask(logits, temperature, top_k, top_p, min_p), float("-inf"))
 
 
+def sampling_probs(logits: torch.Tensor, temperature, top_k, top_p, min_p) -> torch.Tensor:
+    """The distribution one token is drawn from: softmax of ``filter_logits``. (B, V) -> (B, V)."""
+    return torch.softmax(filter_logits(logits, temperature, top_k, top_p, min_p), dim=-1)
+
+
 @dataclass(frozen=True)
 class SampleResult:
     token_ids: list[int]
@@ -70,8 +81,23 @@ class SampleResult:
     logprobs: list[tuple[float, tuple[tuple[int, float], ...]] | None]
 
 
+def sampling_params_columns(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, ...]:
+    """Each row's temperature, top_k, top_p and min_p as (B, 1) tensors on the logits' device.
+
+    Tensors, not Python numbers: a compiled ``probs_fn`` would specialise on numbers and
+    recompile for every new temperature. A greedy row is filtered at temperature 1 (its
+    token is the argmax whatever the filters say).
+    """
+    temperature = _column([1.0 if p.greedy else p.temperature for p in params], logits)
+    return (temperature, _column([p.top_k for p in params], logits, torch.long),
+            _column([p.top_p for p in params], logits), _column([p.min_p for p in params], logits))
+
+
 class Sampler:
     """Samples one token per row, honouring each row's own parameters and generator."""
+
+    compilable = ("probs_fn",)  # see engine.compilation; the class attribute is the eager one
+    probs_fn = staticmethod(sampling_probs)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
@@ -81,10 +107,7 @@ class Sampler:
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
-            filtered = filter_logits(logits, [p.temperature if not g else 1.0 for p, g in zip(params, greedy)],
-                                     [p.top_k for p in params], [p.top_p for p in params],
-                                     [p.min_p for p in params])
-            probs = torch.softmax(filtered, dim=-1)
+            probs = self.probs_fn(logits, *sampling_params_columns(logits, params))
             tokens = logits.argmax(dim=-1)
             for row, (is_greedy, generator) in enumerate(zip(greedy, generators)):
                 if not is_greedy:
