@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system prompt")
     _sampling_args(chat)
     bench = sub.add_parser("bench", help="throughput against Hugging Face transformers")
-    from nanoengine.benchmark import add_arguments
+    from nanoengine.measure.benchmark import add_arguments
 
     add_arguments(bench)
     return parser
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "bench":
-            from nanoengine.benchmark import run_from_args
+            from nanoengine.measure.benchmark import run_from_args
 
             words = sys.argv[1:] if argv is None else argv
             args.command_line = "python -m nanoengine " + " ".join(words)  # recorded in the results

@@ -1,4 +1,4 @@
-"""The GPU check script (``nanoengine/gpu_check.py``), exercised on the CPU.
+"""The GPU check script (``nanoengine/measure/gpu_check.py``), exercised on the CPU.
 
 The real check needs a CUDA GPU; here ``--cpu-smoke`` runs every stage at tiny sizes
 (Triton under its interpreter, the engine and transformers on the CPU), in a child
@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoengine import gpu_check
+from nanoengine.measure import gpu_check
 from nanoengine.models.presets import PRESETS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nanoengine.gpu_check", *args], cwd=REPO_ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "nanoengine.measure.gpu_check", *args], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 

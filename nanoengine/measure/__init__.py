@@ -1,7 +1,10 @@
-"""Measuring tools: the benchmark, the GPU check, the load report, the prefix-hash cost.
+"""Measuring tools: the benchmark, the GPU check, the load report, the prefix-hash cost, timing.
 
-Each is a command (``python -m nanoengine bench``, ``./course gpu-check``,
-``python -m nanoengine.measure.load_report``, ``python -m nanoengine.measure.prefix_hash``)
-that writes a results file naming the machine, the engine revision, the date and the
-command that produced it. The engine never imports this package.
+``benchmark`` (``python -m nanoengine bench``), ``benchmark_compile`` (its ``--compile``
+A/B), ``gpu_check`` (``./course gpu-check``) and ``prefix_hash``
+(``python -m nanoengine.measure.prefix_hash``) write results files under ``results/`` that
+name the machine, the engine revision, the date and the command (``results/README.md``);
+``load_report`` (``python -m nanoengine.measure.load_report``) prints its figures and backs
+``tests/test_load.py``; ``timing`` is the one measuring helper the chapters use. The engine
+never imports this package.
 """

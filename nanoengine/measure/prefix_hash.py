@@ -85,7 +85,7 @@ def measure(num_tokens: int, repeats: int, prefill_repeats: int, block_size: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nanoengine.benchmark import environment
+    from nanoengine.measure.benchmark import environment
 
     p = argparse.ArgumentParser(prog="python -m nanoengine.measure.prefix_hash", description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=8000, help="prompt length (default 8000)")

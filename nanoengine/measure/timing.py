@@ -106,7 +106,7 @@ def _machine() -> str:
 
 @functools.lru_cache(maxsize=1)
 def _revision() -> str:
-    from nanoengine.benchmark import source_revision
+    from nanoengine.measure.benchmark import source_revision
 
     return source_revision() or "unknown (not a git checkout)"
 

@@ -1,8 +1,8 @@
 """The GPU check: what CPU CI cannot test, in one command on a CUDA machine (chapters 4, 6, 11).
 
-    ./course gpu-check                            # python -m nanoengine.gpu_check; < 8 min on an H200
-    python -m nanoengine.gpu_check --quick        # a reduced workload, a few minutes
-    python -m nanoengine.gpu_check --cpu-smoke    # tiny shapes on the CPU: how CI tests this script
+    ./course gpu-check                            # python -m nanoengine.measure.gpu_check; < 8 min on an H200
+    python -m nanoengine.measure.gpu_check --quick        # a reduced workload, a few minutes
+    python -m nanoengine.measure.gpu_check --cpu-smoke    # tiny shapes on the CPU: how CI tests this script
 
 Four sub-checks, each recorded as pass / fail / skipped with its numbers:
 
@@ -69,7 +69,7 @@ TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}  #
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 NO_CUDA_MESSAGE = ("nanoengine gpu-check: no CUDA device is visible, so there is nothing to check here: the "
                    "Triton kernels, CUDA graphs and the GPU benchmark need an NVIDIA GPU.\n"
-                   "Run `python -m nanoengine.gpu_check --cpu-smoke` to exercise every stage at tiny sizes on "
+                   "Run `python -m nanoengine.measure.gpu_check --cpu-smoke` to exercise every stage at tiny sizes on "
                    "the CPU (what CI runs).")
 
 # A small Qwen3 for the correctness stages: big enough to use every code path (GQA, q/k
@@ -330,7 +330,7 @@ def save_random_qwen3(shape: ModelConfig, path: Path, peaked: bool, dtype: str =
 
 def _workload(mode: Mode, num_requests: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
     """Random prompts (``benchmark.make_workload``) and a random output length for each."""
-    from nanoengine.benchmark import make_workload
+    from nanoengine.measure.benchmark import make_workload
 
     prompts = make_workload(num_requests, mode.prompt_len[0], mode.prompt_len[1], seed,
                             vocab_limit=min(10000, vocab))
@@ -437,14 +437,14 @@ class InputsOnModelDevice:
 
 def _load_hf(model_dir: Path, device: str, dtype: str):
     """``benchmark.load_hf`` (fp32, CPU, EOS off), then moved to ``device`` and ``dtype``."""
-    from nanoengine.benchmark import load_hf
+    from nanoengine.measure.benchmark import load_hf
 
     return load_hf(model_dir).to(device=device, dtype=DTYPES[dtype])
 
 
 def check_hf_parity(model_dir: Path, mode: Mode) -> dict:
     """Greedy tokens equal transformers', request by request (fp32 gates; bf16 is reported)."""
-    from nanoengine.benchmark import compare_greedy, run_engine, run_hf_static
+    from nanoengine.measure.benchmark import compare_greedy, run_engine, run_hf_static
 
     prompts, output_lens = _check_workload(mode, seed=9)
     prompts, output_len = prompts[:8], max(output_lens)
@@ -507,7 +507,7 @@ def run_hf_static_varlen(model, prompts: list[list[int]], output_lens: list[int]
                          time_limit_s: float) -> dict:
     """``benchmark.run_hf_static`` batch by batch: each batch runs to its longest output and
     every request is truncated to its own length; no new batch starts after ``time_limit_s``."""
-    from nanoengine.benchmark import run_hf_static
+    from nanoengine.measure.benchmark import run_hf_static
 
     tokens, top2, seconds, useful, generated = [], [], 0.0, 0, 0
     deadline = time.monotonic() + time_limit_s
@@ -617,7 +617,7 @@ def run_benchmark(model_dir: Path, mode: Mode, budget: Budget) -> dict:
 
 
 def _bench_hf_static(hf, mode, budget, prompts, output_lens, engine_tokens, notes) -> dict:
-    from nanoengine.benchmark import compare_greedy
+    from nanoengine.measure.benchmark import compare_greedy
 
     n = min(mode.hf_static_requests, len(prompts))
     static = run_hf_static_varlen(InputsOnModelDevice(hf), prompts[:n], output_lens[:n], mode.hf_static_batch,
@@ -656,7 +656,7 @@ def _bench_hf_continuous(hf, mode, budget, prompts, output_lens, engine_tokens, 
 # ---------------------------------------------------------------------- main
 def environment(device: str) -> dict:
     """``benchmark.environment()`` plus the GPU, CUDA and Triton versions."""
-    from nanoengine.benchmark import environment as base
+    from nanoengine.measure.benchmark import environment as base
 
     info = base()
     info["cuda_available"] = torch.cuda.is_available()
@@ -675,7 +675,7 @@ def environment(device: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m nanoengine.gpu_check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m nanoengine.measure.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a reduced workload (a few minutes)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="run every stage at tiny sizes on the CPU (Triton interpreted); what CI runs")
@@ -710,7 +710,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path("results") / (
         f"gpu-check-{'cpu-smoke-' if mode.device == 'cpu' else ''}{today}.json")
     report = {"mode": mode.name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": "python -m nanoengine.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv),
+              "command": "python -m nanoengine.measure.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv),
               "environment": environment(mode.device), "time_budget_s": budget.total_s, "checks": {}}
     print(f"nanoengine gpu-check ({mode.name}) on {report['environment'].get('gpu', 'the CPU')}; "
           f"time budget {budget.total_s:.0f} s")

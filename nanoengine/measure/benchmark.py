@@ -296,7 +296,7 @@ def source_revision() -> str | None:
     """The git commit of the engine's source tree, "+modified" if it has local changes."""
     import subprocess
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]  # the repository: nanoengine/measure/ -> ../..
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                              text=True, timeout=10, check=True).stdout.strip()
@@ -344,7 +344,7 @@ def run_from_args(args: argparse.Namespace) -> dict:
           f"{flops / seconds / 1e9:.1f} GFLOP/s = {flops / seconds / 1e9 / peak:.0%} of the GEMM peak)")
 
     if args.compile:
-        from nanoengine.benchmark_compile import compare_compile
+        from nanoengine.measure.benchmark_compile import compare_compile
 
         results["compile"] = compare_compile(model_dir, prompts, args.output_len, args.compile_repeats,
                                              args.single_stream_tokens, **engine_kwargs)
