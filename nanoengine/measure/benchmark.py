@@ -137,7 +137,7 @@ def run_hf_static(model, prompts: list[list[int]], output_len: int, batch_size: 
     return tokens, time.perf_counter() - start, scores
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: generate_batch's worker thread updates tensors made in this one
 def run_hf_generate_batch(model, prompts: list[list[int]], output_len: int):
     """transformers' continuous batching (``generate_batch``, paged attention)."""
     from transformers import GenerationConfig
@@ -149,7 +149,12 @@ def run_hf_generate_batch(model, prompts: list[list[int]], output_len: int):
     by_prompt = {}
     for out in outputs.values():
         by_prompt.setdefault(tuple(out.prompt_ids), []).append(list(out.generated_tokens))
-    return [by_prompt[tuple(p)].pop(0) for p in prompts], seconds
+    tokens = [by_prompt[tuple(p)].pop(0) for p in prompts]
+    short = sum(1 for t in tokens if len(t) != output_len)
+    if short:  # EOS is off: anything else means its generation loop failed (it logs why)
+        raise RuntimeError(f"transformers' generate_batch returned {short} of {len(tokens)} requests without "
+                           f"exactly {output_len} tokens: its generation loop failed, see its log above")
+    return tokens, seconds
 
 
 def single_stream_decode(model_dir: Path, hf_model, prompt: list[int], n: int, repeats: int = 5,

@@ -530,7 +530,7 @@ def run_hf_static_varlen(model, prompts: list[list[int]], output_lens: list[int]
             "generated_tokens": generated, "requests": len(tokens)}
 
 
-@torch.inference_mode()
+@torch.no_grad()  # not inference_mode: the manager's own thread updates tensors made here (see below)
 def run_hf_continuous_varlen(model, prompts: list[list[int]], output_lens: list[int], time_limit_s: float,
                              cb_config: dict | None = None) -> dict:
     """transformers' continuous batching (the manager behind ``generate_batch``), one
@@ -566,6 +566,15 @@ def run_hf_continuous_varlen(model, prompts: list[list[int]], output_lens: list[
             if request_id not in done:
                 manager.cancel_request(request_id)
     tokens = [done.get(i) for i in ids]
+    # EOS is off, so a finished request has exactly the tokens it asked for. Fewer means the
+    # manager's generation loop failed (it logs the error and finishes the requests empty):
+    # with torch 2.11, tensors made under inference_mode in this thread and updated in the
+    # manager's thread did exactly that. Never count such a run as a measurement.
+    short = sum(1 for t, n in zip(tokens, output_lens) if t is not None and len(t) != n)
+    if short:
+        raise RuntimeError(f"transformers' continuous batching finished {short} of {len(done)} requests with a "
+                           f"different number of tokens than asked (EOS is off): its generation loop failed, "
+                           f"see its log above")
     return {"tokens": tokens, "seconds": seconds, "complete": len(done) == len(ids),
             "attn_implementation": attn_implementation,
             "output_tokens": sum(len(t) for t in tokens if t is not None), "finished_requests": len(done)}
