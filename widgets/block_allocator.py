@@ -198,15 +198,19 @@ class BlockAllocatorController:
         self.sync()
 
     # ------------------------------------------------------------------ actions
-    def add_request(self, prompt_len: int, max_tokens: int, shared_prefix: bool = False) -> str:
+    def add_request(self, prompt_len: int, max_tokens: int, shared_prefix: bool = False, n: int = 1) -> str:
         """Queue a request of ``prompt_len`` random tokens (starting with the shared prefix).
 
-        Everything is checked first; on a bad value nothing changes.
+        ``n > 1`` asks for n completions of the prompt (parallel sampling): once the prompt
+        is computed, its full blocks are held by all n (reference count n, drawn with a
+        thick border). Everything is checked first; on a bad value nothing changes.
         """
         prompt_len = check_int("prompt length", prompt_len, 1)
         max_tokens = check_int("max tokens", max_tokens, 1)
+        n = check_int("completions (n)", n, 1)
         check_request_fits(self.engine, prompt_len, max_tokens)
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0.8 if n > 1 else 0.0, seed=0 if n > 1 else None, n=n,
+                                max_tokens=max_tokens, ignore_eos=True)
         if shared_prefix:
             head = self.shared_prefix[:prompt_len]
             prompt = head + self.tokens.tokens(prompt_len - len(head))
