@@ -10,6 +10,7 @@ from widgets.exercises import ch02
 def test_prefill_chunks_follow_the_budget():
     assert ch02.prefill_chunks(16) == [16, 16, 8]
     assert ch02.prefill_chunks(64) == [40]
+    assert ch02.prefill_chunks(13) == [13, 13, 13, 1]  # the last token's chunk runs the decode kernel
 
 
 @pytest.mark.parametrize("budget, right", [(..., False), (14, True), (16, True), (19, True), (20, False),

@@ -40,12 +40,21 @@ def _whole_number(value: object) -> bool:
 
 # ------------------------------------------------------------------ exercise 2.1
 def prefill_chunks(max_num_batched_tokens: int) -> list[int]:
-    """Tokens of each prefill chunk of one 40-token prompt under this per-step token budget."""
+    """Prompt tokens computed in each step that works on one 40-token prompt, under this token budget.
+
+    Counted from ``RequestScheduled`` events while the prompt is not all in the cache. (Their
+    ``is_prefill`` flag names the kernel: a last chunk of exactly one token runs through the
+    decode kernel and says False, yet it is still prompt work.)
+    """
     engine = tiny_engine(num_kv_blocks=64, block_size=4, max_model_len=64,
                          max_num_batched_tokens=max_num_batched_tokens)
     chunks: list[int] = []
-    unsubscribe = engine.events.subscribe(
-        lambda e: chunks.append(e.num_tokens) if isinstance(e, RequestScheduled) and e.is_prefill else None)
+
+    def record(e) -> None:
+        if isinstance(e, RequestScheduled) and e.num_computed_tokens < PROMPT_TOKENS:
+            chunks.append(min(e.num_tokens, PROMPT_TOKENS - e.num_computed_tokens))
+
+    unsubscribe = engine.events.subscribe(record)
     try:
         engine.add_request(_prompt(PROMPT_TOKENS), SamplingParams(temperature=0.0, max_tokens=2))
         while engine.has_unfinished_requests():
