@@ -5,7 +5,7 @@ Each check takes the value the learner chose, runs the experiment on a tiny rand
 it observed (the waste of the paged pool, the preemptions, the blocks the completions
 share), never the learner's code:
 
-* ``check_block_size`` (4.1): a block size for which the paged engine wastes under 2% of
+* ``check_block_size`` (4.1): a block size for which the paged engine wastes under 0.5% of
   the memory it uses on the chapter's request trace (``chapter_trace``);
 * ``check_pool_size`` (4.2): a KV pool small enough that the engine preempts at least 3
   times on the same trace, yet still serves every request;
@@ -18,6 +18,7 @@ worked solutions (``notebooks/solutions/04_paged_attention.ipynb``) run the same
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,11 +27,12 @@ from nanoengine import SamplingParams
 from nanoengine.events import RequestPreempted, RequestScheduled
 from widgets._common import TokenSource, single_thread, tiny_engine
 from widgets.block_allocator import BlockAllocatorController
-from widgets.exercises import CheckResult, todo, verdict
+from widgets.exercises import CheckResult, todo
+from widgets.exercises import verdict as _verdict
 
 TOKEN_SLOTS = 2048  # the memory of every pool below, in token slots (blocks x block size)
 MAX_MODEL_LEN = 512
-WASTE_TARGET = 0.02  # exercise 4.1
+WASTE_TARGET = 0.005  # exercise 4.1
 MIN_PREEMPTIONS = 3  # exercise 4.2
 SAVED_TARGET = 1000  # exercise 4.3: token slots
 SAMPLING_PROMPT_LEN = 200  # exercise 4.3
@@ -68,7 +70,7 @@ def replay_trace(block_size: int = 16, num_kv_blocks: int | None = None, trace=N
     trace = chapter_trace() if trace is None else list(trace)
     num_kv_blocks = num_kv_blocks or TOKEN_SLOTS // block_size
     engine = tiny_engine(num_kv_blocks=num_kv_blocks, block_size=block_size, max_model_len=MAX_MODEL_LEN)
-    controller = BlockAllocatorController(engine)
+    controller = BlockAllocatorController(engine, shared_prefix_len=1)  # the trace's prompts share nothing
     reached: dict[str, int] = {}  # request id -> tokens it had computed before
     recomputed = 0
 
@@ -99,6 +101,15 @@ def replay_trace(block_size: int = 16, num_kv_blocks: int | None = None, trace=N
                        float(np.mean(tables)) if tables else 0.0, preemptions, recomputed, finished)
 
 
+def verdict(exercise: str, right: bool, success: str, hint: str) -> CheckResult:
+    """``widgets.exercises.verdict`` with the message broken into lines of at most 96 characters
+    (JupyterLab would otherwise wrap a long output line wherever it runs out of room)."""
+    result = _verdict(exercise, right, success, hint)
+    head = str(result)[:len(str(result)) - len(result.message)]
+    wrapped = textwrap.fill(head + result.message, width=96)
+    return CheckResult(result.exercise, result.right, wrapped[len(head):])
+
+
 def _whole(value, low: int, high: int) -> int | None:
     """``value`` as an int in [low, high], or None."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -108,7 +119,7 @@ def _whole(value, low: int, high: int) -> int | None:
 
 # ------------------------------------------------------------------ exercise 4.1
 def check_block_size(block_size) -> CheckResult:
-    """4.1: the paged pool wastes under 2% of the memory it uses on the chapter's trace."""
+    """4.1: the paged pool wastes under 0.5% of the memory it uses on the chapter's trace."""
     if todo(block_size):
         return verdict("4.1", False, "", "replace ... with a block size in tokens (a whole number from 1 to 256), "
                                          "then run the cell again.")
@@ -116,12 +127,12 @@ def check_block_size(block_size) -> CheckResult:
     if bs is None:
         return verdict("4.1", False, "", f"block_size must be a whole number from 1 to 256, got {block_size!r}.")
     r = replay_trace(bs)
-    seen = (f"with {bs}-token blocks ({r.num_blocks} of them) the paged pool wasted {100 * r.paged_waste:.1f}% "
+    seen = (f"With {bs}-token blocks ({r.num_blocks} of them) the paged pool wasted {100 * r.paged_waste:.1f}% "
             f"of the memory in use, and block tables held {r.mean_table_len:.1f} entries on average")
     return verdict("4.1", r.paged_waste < WASTE_TARGET,
                    f"{seen}. Only the unfilled end of each request's last block is wasted, so smaller blocks "
                    f"waste less, at the price of longer block tables (more entries to read per token).",
-                   f"{seen}: above {100 * WASTE_TARGET:.0f}%. The waste is the unfilled end of each request's "
+                   f"{seen}: above {100 * WASTE_TARGET:.1f}%. The waste is the unfilled end of each request's "
                    f"last block, up to block_size - 1 slots per request.")
 
 
@@ -137,7 +148,7 @@ def check_pool_size(num_kv_blocks) -> CheckResult:
         return verdict("4.2", False, "", f"num_kv_blocks must be a whole number from {low} to 128, "
                                          f"got {num_kv_blocks!r}.")
     r = replay_trace(16, n)
-    seen = (f"with {n} blocks ({16 * n:,} token slots) the engine preempted {r.num_preemptions} time(s), "
+    seen = (f"With {n} blocks ({16 * n:,} token slots) the engine preempted {r.num_preemptions} time(s), "
             f"recomputed {r.recomputed_tokens:,} tokens and took {r.steps} steps; {r.num_finished} of "
             f"{len(chapter_trace())} requests finished")
     right = r.num_preemptions >= MIN_PREEMPTIONS and r.num_finished == len(chapter_trace())
