@@ -44,10 +44,11 @@ def _report(dtype: torch.dtype, name: str):
 
 
 def test_half_bytes_is_judged_on_the_memory_report() -> None:
-    fp32 = _report(torch.float32, "float32")
-    assert ch01.check_half_bytes(_report(torch.bfloat16, "bfloat16"), fp32).right
-    assert not ch01.check_half_bytes(_report(torch.float32, "float32"), fp32).right
-    assert not ch01.check_half_bytes(None, fp32).right
+    n = sum(p.numel() for p in random_model("tiny-llama", vocab_size=256, max_position_embeddings=64).parameters())
+    assert ch01.check_half_bytes(_report(torch.bfloat16, "bfloat16"), n).right
+    wrong = ch01.check_half_bytes(_report(torch.float32, "float32"), n)
+    assert not wrong.right and "4 per parameter" in str(wrong)
+    assert not ch01.check_half_bytes(None, n).right
 
 
 def _samples(temperature: float, n: int = 5):

@@ -7,7 +7,7 @@ report, the outputs of a request) and judges the effect, never the code that pro
 exercise   the learner changes        the check reads
 =========  =========================  ============================================
 1.1        ``max_num_seqs``           ``StepFinished`` events: did 8 sequences decode together?
-1.2        ``dtype``                  ``memory_report()``: do the weights take half the bytes?
+1.2        ``dtype``                  ``memory_report()``: 2 bytes per parameter, half of float32?
 1.3        ``temperature``            the ``RequestOutput``: do seeded completions differ?
 =========  =========================  ============================================
 
@@ -51,18 +51,19 @@ def check_batched_decode(steps: Sequence[StepFinished], num_requests: int = NUM_
 
 
 # ------------------------------------------------------------------ exercise 1.2
-def check_half_bytes(report: MemoryReport | None, float32_report: MemoryReport) -> CheckResult:
-    """Right when ``report``'s weights take half the bytes of the float32 engine's."""
+def check_half_bytes(report: MemoryReport | None, num_parameters: int) -> CheckResult:
+    """Right when ``report``'s weights take 2 bytes per parameter: half of float32's 4."""
     if report is None:
         return verdict("1.2", False, "", "no second engine yet: set dtype in the scaffold and run it.")
-    right = 2 * report.weight_bytes == float32_report.weight_bytes
+    float32_bytes = 4 * num_parameters
+    right = 2 * report.weight_bytes == float32_bytes
     return verdict(
         "1.2", right,
-        f"{report.dtype} weights take {report.weight_bytes:,} bytes, half of float32's "
-        f"{float32_report.weight_bytes:,}: the same parameters at 2 bytes each. Packed copies: "
-        f"{report.packed_weight_bytes:,} bytes (the CPU packing is for float32 only).",
-        f"these weights take {report.weight_bytes:,} bytes against float32's {float32_report.weight_bytes:,}. "
-        f"Pick a number format of 2 bytes per value.")
+        f"{report.dtype} weights take {report.weight_bytes:,} bytes, half of float32's {float32_bytes:,}: the "
+        f"same {num_parameters:,} parameters at 2 bytes each. Packed copies: {report.packed_weight_bytes:,} "
+        f"bytes (the CPU packing is for float32 only).",
+        f"these weights take {report.weight_bytes:,} bytes, {report.weight_bytes / num_parameters:g} per "
+        f"parameter; float32's take {float32_bytes:,}. Pick a number format of 2 bytes per value.")
 
 
 # ------------------------------------------------------------------ exercise 1.3
