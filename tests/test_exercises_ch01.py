@@ -51,6 +51,20 @@ def test_half_bytes_is_judged_on_the_memory_report() -> None:
     assert not ch01.check_half_bytes(None, n).right
 
 
+def test_kv_pool_must_hold_exactly_the_tokens_needed() -> None:
+    def report(blocks: int):
+        net = random_model("tiny-llama", vocab_size=256, max_position_embeddings=64)
+        return LLMEngine.from_model(net, None, device="cpu", num_kv_blocks=blocks, block_size=4,
+                                    max_model_len=64).memory_report()
+
+    assert ch01.check_kv_pool(report(32), conversations=2, tokens_each=64).right
+    short = ch01.check_kv_pool(report(20), conversations=2, tokens_each=64)
+    assert not short.right and "need 128" in str(short)
+    spare = ch01.check_kv_pool(report(40), conversations=2, tokens_each=64)
+    assert not spare.right and "32 more than needed" in str(spare)
+    assert not ch01.check_kv_pool(None, 2, 64).right
+
+
 def _samples(temperature: float, n: int = 5):
     engine = tiny_engine()
     engine.add_request([101, 102, 103], SamplingParams(n=n, seed=0, temperature=temperature, max_tokens=4,
@@ -85,6 +99,6 @@ def test_live_questions_are_valid_and_computed() -> None:
     assert q.options[q.answer].text == str(len(Words().encode("a short sentence")))
 
 
-@pytest.mark.parametrize("exercise", ["1.1", "1.2", "1.3"])
+@pytest.mark.parametrize("exercise", ["1.1", "1.2", "1.3", "1.4"])
 def test_every_exercise_is_listed_in_the_module_docstring(exercise: str) -> None:
     assert exercise in ch01.__doc__

@@ -9,6 +9,7 @@ exercise   the learner changes        the check reads
 1.1        ``max_num_seqs``           ``StepFinished`` events: did 8 sequences decode together?
 1.2        ``dtype``                  ``memory_report()``: 2 bytes per parameter, half of float32?
 1.3        ``temperature``            the ``RequestOutput``: do seeded completions differ?
+1.4        ``num_kv_blocks``          ``memory_report()``: a KV pool of exactly the tokens needed?
 =========  =========================  ============================================
 
 The quiz questions at the end (``layer_parameters_question``, ``token_count_question``)
@@ -81,6 +82,27 @@ def check_sampling(output: RequestOutput | None) -> CheckResult:
         f"distribution instead of taking its top token, and each seed draws differently.",
         f"all {len(texts)} completions are the same tokens. At temperature 0 the sampler always takes the most "
         f"likely token, whatever the seed.")
+
+
+# ------------------------------------------------------------------ exercise 1.4
+def check_kv_pool(report: MemoryReport | None, conversations: int, tokens_each: int) -> CheckResult:
+    """Right when the KV pool holds exactly ``conversations`` x ``tokens_each`` tokens, no block spare."""
+    if report is None:
+        return verdict("1.4", False, "", "no engine yet: set num_kv_blocks in the scaffold and run it.")
+    needed = conversations * tokens_each
+    have = report.kv_capacity_tokens
+    if have < needed:
+        hint = (f"the pool holds {have:,} tokens ({report.num_kv_blocks} blocks of {report.block_size}); "
+                f"{conversations} conversations of {tokens_each:,} tokens need {needed:,}.")
+    else:
+        hint = (f"the pool holds {have:,} tokens, {have - needed:,} more than needed: "
+                f"{(have - needed) * report.kv_bytes_per_token:,} bytes allocated for nothing.")
+    return verdict(
+        "1.4", have == needed,
+        f"{report.num_kv_blocks} blocks x {report.block_size} tokens = {needed:,} tokens, at "
+        f"{report.kv_bytes_per_token:,} bytes each: {report.kv_cache_bytes:,} bytes, exactly the memory "
+        f"estimator's KV cache for this context and batch.",
+        hint)
 
 
 # ------------------------------------------------------------------ live quiz questions
