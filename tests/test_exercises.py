@@ -31,16 +31,10 @@ def verdicts(path: Path) -> dict[str, list[str]]:
     return found
 
 
-def _has_exercises(path: Path) -> bool:
-    return bool(verdicts(path))
-
-
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.name)
 def test_every_check_fails_on_the_scaffold_and_passes_on_the_solution(chapter: Path):
     number = int(chapter.name[:2])
     found = verdicts(chapter)
-    if not found:
-        pytest.xfail(f"{chapter.name} is not on template v2 yet (no exercise checks)")
     assert len(found) >= 3, f"{chapter.name} has {len(found)} checked exercises; template v2 asks for 3"
     assert all(e.startswith(f"{number}.") for e in found), f"{chapter.name} checks another chapter's exercises"
     assert all(v == ["not yet."] for v in found.values()), \

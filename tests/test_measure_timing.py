@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import os
 import subprocess
 import sys
@@ -130,6 +132,8 @@ def test_plot_roofline_has_the_roof_and_hoverable_points() -> None:
     assert list(points.text) == ["decode", "prefill"] and "achieved" in points.hovertemplate
     assert points.customdata[0][1] == "memory" and points.customdata[1][1] == "compute"
     assert points.customdata[0][0] == pytest.approx(8e9 / 10e9)
+    (label,) = fig.layout.annotations  # on the log x axis an annotation sits at log10 of its value
+    assert label.x == pytest.approx(math.log10(roof.ridge_point)) and "ridge 5" in label.text
 
 
 def test_gemm_peak_uses_the_engines_packed_path_on_cpu(monkeypatch) -> None:

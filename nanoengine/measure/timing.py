@@ -29,6 +29,7 @@ drawn by ``plot_roofline`` with measured points on it.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import platform
 import statistics
@@ -427,8 +428,10 @@ def plot_roofline(roof: Roofline, points: Sequence[RooflinePoint | tuple[float, 
     fig = go.Figure()
     fig.add_trace(go.Scatter(x=xs, y=[roof.attainable(x) / 1e9 for x in xs], mode="lines", name="attainable",
                              hovertemplate="intensity %{x:.3g} FLOP/B<br>roof %{y:.3g} GFLOP/s<extra></extra>"))
-    fig.add_vline(x=roof.ridge_point, line_dash="dot",
-                  annotation_text=f"ridge {roof.ridge_point:.3g} FLOP/B", annotation_position="top left")
+    fig.add_vline(x=roof.ridge_point, line_dash="dot")
+    # On a log axis plotly places lines by value but annotations by log10(value).
+    fig.add_annotation(x=math.log10(roof.ridge_point), y=1, yref="paper", text=f"ridge {roof.ridge_point:.3g} FLOP/B",
+                       showarrow=False, xanchor="right", yanchor="bottom")
     if pts:
         fig.add_trace(go.Scatter(
             x=[p.intensity for p in pts], y=[p.flops_per_s / 1e9 for p in pts], mode="markers+text",
