@@ -166,8 +166,9 @@ def lab(tmp_path_factory):
     pytest.importorskip("playwright.sync_api", reason="the playwright Python package is not installed")
     root = tmp_path_factory.mktemp("lab-root")
     home = tmp_path_factory.mktemp("lab-home")
-    for path in [NOTEBOOKS / "README.md", *NOTEBOOKS.glob("*.ipynb")]:  # the course's folder, as a learner has it
-        shutil.copy(path, root / path.name)
+    (root / "solutions").mkdir()
+    for path in [NOTEBOOKS / "README.md", *NOTEBOOKS.glob("*.ipynb"), *NOTEBOOKS.glob("solutions/*.ipynb")]:
+        shutil.copy(path, root / path.relative_to(NOTEBOOKS))  # the course's folder, as a learner has it
     server = JupyterLab(root, home)
     server.root = root
     try:
