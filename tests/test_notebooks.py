@@ -83,3 +83,25 @@ def test_saved_listings_are_todays_source(path: Path):
         now = "".join(lines[start:start + int(count)])
         assert hashlib.sha256(now.encode()).hexdigest() == digest, \
             f"{path.name} shows {shown} from line {first} as it was, not as it is: re-execute it"
+
+
+SKELETON = ["## Learning goals", "## The analogy", "## Myths and common mistakes", "## Quiz", "## Takeaways",
+            "## Exercises"]
+
+
+@pytest.mark.parametrize("path", [p for p in CHAPTERS if p.parent.name == "notebooks"], ids=lambda p: p.name)
+def test_chapter_follows_the_template_skeleton(path: Path):
+    """Template v2: the same headings in the same order, numbered sections between the analogy
+    and the myths, and a first code cell that prepares the environment before torch loads."""
+    cells = json.loads(path.read_text())["cells"]
+    headings = [line for c in cells if c["cell_type"] == "markdown"
+                for line in "".join(c["source"]).splitlines() if line.startswith("## ")]
+    named = [h for h in headings if not re.match(r"## \d+\.", h)]
+    assert named == SKELETON, f"{path.name} headings {named} differ from the template's {SKELETON}"
+    sections = [i for i, h in enumerate(headings) if re.match(r"## \d+\.", h)]
+    assert sections and headings.index("## The analogy") < sections[0] < sections[-1] < \
+        headings.index("## Myths and common mistakes"), f"{path.name}: numbered sections must sit between"
+    first_code = next("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+    assert "prepare_environment()" in first_code, f"{path.name}: the first code cell must be the setup cell"
+    assert first_code.index("prepare_environment()") < first_code.find("import torch") or \
+        "import torch" not in first_code, f"{path.name}: prepare_environment() must run before torch is imported"
