@@ -459,8 +459,17 @@ def test_5_save_restart_reopen_shows_how_to_bring_the_simulators_back(lab, page)
     mtime = saved.stat().st_mtime
     page.locator(".lm-MenuBar-itemLabel", has_text="File").first.click()
     page.locator("li.lm-Menu-item[data-command='docmanager:save']").first.click()
-    _wait_until(lambda: saved.stat().st_mtime != mtime, 30, "the notebook to be saved")
-    nb = json.loads(saved.read_text())
+
+    def saved_notebook() -> dict | None:
+        if saved.stat().st_mtime == mtime:
+            return None
+        try:
+            return json.loads(saved.read_text())
+        except json.JSONDecodeError:  # the server is still writing it
+            return None
+
+    _wait_until(lambda: saved_notebook() is not None, 30, "the notebook to be saved")
+    nb = saved_notebook()
     assert WIDGET_VIEW not in json.dumps(nb) and "widgets" not in nb["metadata"]
     widget_cells = [c for c in nb["cells"] if RERUN_NOTE in json.dumps(c.get("outputs", []))]
     assert len(widget_cells) == 6  # playground, stepper, allocator, estimator, token editor, quiz
