@@ -150,7 +150,7 @@ class LLMEngine:
 
     def _id_taken(self, request_id: str, n: int) -> bool:
         """Whether ``request_id`` (or one of its completions' ids) names an unfinished request."""
-        ids = {request_id} | {child_id for child_id, _ in _completions(request_id, SamplingParams(n=n))}
+        ids = {request_id, *_completion_ids(request_id, n)}
         return bool(ids & (set(self.output_processor.states) | set(self.requests)))
 
     @staticmethod
@@ -351,16 +351,21 @@ class LLMEngine:
             close()
 
 
+def _completion_ids(request_id: str, n: int) -> list[str]:
+    """The ids of a request's n completions: the request's own when n == 1, else "{i}_{id}" (vLLM's names)."""
+    return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+
+
 def _completions(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
-    """(id, params) of each completion: the request itself when n == 1, else "{i}_{id}" (vLLM's names).
+    """(id, params) of each completion.
 
     A seeded request's completion i gets seed ``seed + i``, so each is reproducible and
     they differ from one another.
     """
     if params.n == 1:
         return [(request_id, params)]
-    return [(f"{i}_{request_id}", params if params.seed is None
-             else dataclasses.replace(params, seed=(params.seed + i) % 2**63)) for i in range(params.n)]
+    return [(child_id, params if params.seed is None else dataclasses.replace(params, seed=(params.seed + i) % 2**63))
+            for i, child_id in enumerate(_completion_ids(request_id, params.n))]
 
 
 def _local_runner(net: torch.nn.Module, config: EngineConfig, max_model_len: int, num_blocks: int) -> ModelRunner:

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from nanoengine.measure.timing import cpu_model
 from nanoengine.models.config import ModelConfig
 
 
@@ -273,12 +274,7 @@ def environment() -> dict:
             "transformers": transformers.__version__, "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        info["cpu_model"] = names[0] if names else None
-    except OSError:
-        pass
+    info["cpu_model"] = cpu_model()
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     info["nanoengine_revision"] = source_revision()

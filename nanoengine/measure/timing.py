@@ -79,6 +79,15 @@ def passive_wait_in_effect() -> bool:
     return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == PASSIVE and not _policy_set_too_late
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo (None where there is none, e.g. off Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def machine_description() -> str:
     """Where a measurement ran, in one line: GPU if any, CPU model and cores, torch and threads.
 
@@ -87,12 +96,7 @@ def machine_description() -> str:
     """
     import torch
 
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            name = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    name = cpu_model() or platform.processor() or platform.machine()
     parts = [f"CPU {name}, {os.cpu_count()} cores"]
     if torch.cuda.is_available():
         parts.insert(0, f"GPU {torch.cuda.get_device_name(0)}")
