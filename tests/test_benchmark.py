@@ -7,7 +7,9 @@ import json
 import pytest
 
 from nanoengine.__main__ import main
-from nanoengine.measure.benchmark import compare_greedy, make_workload, workload_flops
+from nanoengine.measure.benchmark import (compare_greedy, latency_summary, make_output_lens, make_workload,
+                                          percentiles, poisson_arrivals, spread, static_computed_tokens,
+                                          workload_flops)
 from nanoengine.engine.compilation import CPU_MIN_ROWS
 from nanoengine.models.presets import PRESETS
 
@@ -17,7 +19,7 @@ def test_bench_command_compares_with_transformers_and_writes_results(tiny_llama_
     out = tmp_path / "bench.json"
     code = main(["bench", "--model", str(tiny_llama_dir), "--num-requests", "6", "--min-prompt", "8",
                  "--max-prompt", "40", "--output-len", "8", "--hf-batch-size", "3",
-                 "--single-stream-tokens", "4", "--out", str(out)])
+                 "--single-stream-tokens", "4", "--repeats", "1", "--out", str(out)])
     assert code == 0
     results = json.loads(out.read_text())
     systems = results["systems"]
@@ -112,3 +114,65 @@ def test_bench_compile_compares_eager_and_compiled_in_one_run(tiny_llama_dir, tm
     assert "compiled / eager" in compiled["explanation"] and "of the workload's time" in compiled["explanation"]
     assert compiled["single_stream_decode"]["tokens"] == 4
     assert compiled["cpu_min_rows"] == CPU_MIN_ROWS and f"at least {CPU_MIN_ROWS} rows" in compiled["explanation"]
+
+
+@pytest.mark.slow  # every option on a tiny checkpoint: uneven lengths, repeats, online arrivals, a sweep
+def test_bench_uneven_lengths_online_and_sweep(tiny_llama_dir, tmp_path):
+    out = tmp_path / "bench-all.json"
+    code = main(["bench", "--model", str(tiny_llama_dir), "--num-requests", "6", "--min-prompt", "8",
+                 "--max-prompt", "30", "--output-len", "10", "--min-output-len", "2", "--repeats", "2",
+                 "--hf-batch-size", "3", "--single-stream-tokens", "0", "--online-rates", "50", "2",
+                 "--batch-sizes", "1", "4", "--out", str(out)])
+    assert code == 0
+    results = json.loads(out.read_text())
+    lens = make_output_lens(6, 2, 10, seed=0)
+    assert results["workload"]["output_len_range"] == [2, 10] and results["workload"]["output_tokens"] == sum(lens)
+    engine = results["systems"]["nanoengine"]
+    assert engine["repeats"] == 2 and len(engine["tokens_per_s_spread"]["runs"]) == 2
+    assert engine["deterministic_across_repeats"]
+    assert engine["latency"]["ttft_ms"]["count"] == 12  # 6 requests x 2 repeats
+    assert engine["latency"]["itl_ms"]["count"] == 2 * sum(n - 1 for n in lens)
+    for name in ("hf_static", "hf_generate_batch"):  # each request's own length, greedy equal to the engine's
+        check = results["systems"][name]["greedy_check"]
+        assert check["total"] == 6 and not check["unexplained"], (name, check)
+    assert results["systems"]["hf_static"]["computed_output_tokens"] == static_computed_tokens(lens, 3) > sum(lens)
+    online = {row["rate_requests_per_s"]: row for row in results["online"]}
+    assert set(online) == {50.0, 2.0}
+    # At 2 requests/s the 6 arrivals span seconds, far longer than this tiny model needs to serve them
+    assert online[2.0]["seconds"] >= online[2.0]["arrival_span_s"] > online[50.0]["arrival_span_s"]
+    assert online[2.0]["ttft_ms"]["count"] == 6
+    sweep = {row["max_num_seqs"]: row for row in results["batch_sweep"]}
+    assert set(sweep) == {1, 4} and all(row["output_tokens_per_s"] > 0 for row in sweep.values())
+    roof = results["roofline"]
+    assert roof["ridge_flops_per_byte"] == pytest.approx(roof["gemm_peak_gflops"] / roof["memory_bandwidth_gbs"])
+
+
+def test_output_lengths_and_arrivals_are_seeded_and_in_range():
+    lens = make_output_lens(50, 4, 9, seed=1)
+    assert lens == make_output_lens(50, 4, 9, seed=1) and set(lens) == set(range(4, 10))
+    assert make_output_lens(3, 7, 7, seed=0) == [7, 7, 7]
+    arrivals = poisson_arrivals(2000, rate=4.0, seed=2)
+    assert arrivals[0] == 0 and arrivals == sorted(arrivals)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert sum(gaps) / len(gaps) == pytest.approx(0.25, rel=0.1)  # mean gap 1/rate
+    with pytest.raises(ValueError, match="rate"):
+        poisson_arrivals(3, rate=0, seed=0)
+
+
+def test_statistics_helpers():
+    s = spread([3.0, 1.0, 2.0, 10.0])
+    assert (s["median"], s["min"], s["max"]) == (2.5, 1.0, 10.0) and s["q1"] <= s["median"] <= s["q3"]
+    p = percentiles([0.001 * i for i in range(1, 101)])
+    assert p["count"] == 100 and p["p50"] == pytest.approx(50.5) and p["p99"] == pytest.approx(99.01)
+    assert percentiles([]) is None
+    assert static_computed_tokens([2, 8, 3, 3], batch_size=2) == 2 * 8 + 2 * 3
+
+
+def test_latency_summary_reads_the_engines_timestamps():
+    from nanoengine.outputs import RequestMetrics
+
+    m = RequestMetrics(arrival_time=10.0, first_scheduled_time=10.1, first_token_time=10.5, finished_time=10.9,
+                       num_output_tokens=3, token_times=(10.5, 10.7, 10.9))
+    summary = latency_summary([m])
+    assert summary["ttft_ms"]["p50"] == pytest.approx(500) and summary["tpot_ms"]["p50"] == pytest.approx(200)
+    assert summary["itl_ms"]["count"] == 2 and summary["e2e_ms"]["p99"] == pytest.approx(900)

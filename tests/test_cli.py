@@ -119,6 +119,16 @@ def test_bad_prompts(capsys, tiny_llama_tok_dir, tiny_llama_dir):
     pytest.param(["--device", "tpu"], ("device", "'tpu'", "cpu", "cuda"), id="bench device unknown"),
     pytest.param(["--dtype", "float64"], ("dtype", "'float64'", "float32", "bfloat16"), id="bench dtype unknown"),
     pytest.param(["--compile-repeats", "0"], ("compile_repeats", ">= 1", "0"), id="compile repeats zero"),
+    pytest.param(["--repeats", "0"], ("repeats", ">= 1", "0"), id="repeats zero"),
+    pytest.param(["--output-len", "0"], ("output_len", ">= 1", "0"), id="output-len zero"),
+    pytest.param(["--min-output-len", "9", "--output-len", "4"], ("min_output_len <= output_len", "9", "4"),
+                 id="min-output-len above output-len"),
+    pytest.param(["--min-output-len", "0"], ("min_output_len", ">= 1", "0"), id="min-output-len zero"),
+    pytest.param(["--online-rates", "1", "0"], ("online_rates", "> 0", "requests per second"), id="rate zero"),
+    pytest.param(["--online-rates", "inf"], ("online_rates", "finite"), id="rate infinite"),
+    pytest.param(["--batch-sizes", "4", "-1"], ("batch_sizes", ">= 1", "-1"), id="batch size negative"),
+    pytest.param(["--hf-batch-size", "0"], ("hf_batch_size", ">= 1", "0"), id="hf batch zero"),
+    pytest.param(["--tie-tolerance", "-1"], ("tie_tolerance", ">= 0"), id="tie tolerance negative"),
 ])
 def test_bad_bench_values(capsys, tiny_llama_dir, flags, fragments):
     # Checked before the GEMM measurement and before any model is loaded.
@@ -137,6 +147,8 @@ def test_bad_bench_values(capsys, tiny_llama_dir, flags, fragments):
     pytest.param(["chat", "extra"], "unrecognized arguments: extra", id="chat positional"),
     pytest.param(["bench", "--num-requests", "many"], "invalid int value: 'many'", id="bench not int"),
     pytest.param(["bench", "--compile-repeats", "2.5"], "invalid int value: '2.5'", id="bench repeats not int"),
+    pytest.param(["bench", "--online-rates"], "expected at least one argument", id="bench rates missing"),
+    pytest.param(["bench", "--batch-sizes", "4", "x"], "invalid int value: 'x'", id="bench batch size text"),
 ])
 def test_argparse_errors(capsys, argv, fragment):
     with pytest.raises(SystemExit) as info:

