@@ -24,6 +24,7 @@ def test_bench_command_compares_with_transformers_and_writes_results(tiny_llama_
     results = json.loads(out.read_text())
     systems = results["systems"]
     assert set(systems) == {"nanoengine", "hf_static", "hf_generate_batch"}
+    assert systems["hf_generate_batch"]["setup_seconds"]["median"] > 0  # timed apart from generation
     for name in ("hf_static", "hf_generate_batch"):
         check = systems[name]["greedy_check"]
         assert check["total"] == 6 and not check["unexplained"], check

@@ -4,7 +4,8 @@ One process, one run, the same prompts for everyone:
 
 * nanoengine (paged KV, continuous batching, chunked prefill),
 * transformers ``generate`` with static batches (left-padded, ``--hf-batch-size`` at a time),
-* transformers ``generate_batch`` (its own continuous batching with paged attention),
+* transformers' continuous batching (the manager behind ``generate_batch``, paged
+  attention), timed after its setup as the engine is timed after its construction,
 
 all greedy with EOS ignored, on the same device and in the same dtype (``--device``,
 ``--dtype``, resolved as the engine resolves them: "auto" is float32 on a CPU, bfloat16 on
@@ -68,6 +69,9 @@ import torch
 
 from nanoengine.measure.timing import cpu_model
 from nanoengine.models.config import ModelConfig
+
+
+CB_PAGE_SIZE = 256  # tokens per page of transformers' paged cache (its default)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -324,50 +328,62 @@ def static_computed_tokens(output_lens: list[int], batch_size: int) -> int:
                for i in range(0, len(output_lens), batch_size))
 
 
-@torch.no_grad()  # not inference_mode: generate_batch's worker thread updates tensors made in this one
-def run_hf_generate_batch(model, prompts: list[list[int]], output_len: int | list[int]):
-    """transformers' continuous batching (``generate_batch``, paged attention).
+@torch.no_grad()  # not inference_mode: the manager's own thread updates tensors made here (see below)
+def run_hf_continuous(model, prompts: list[list[int]], output_lens: list[int], time_limit_s: float | None = None,
+                      cb_config: dict | None = None) -> dict:
+    """transformers' continuous batching: the manager behind ``generate_batch``, one
+    ``max_new_tokens`` per request, timed from the first request added to the last finished.
 
-    One length for all goes through ``generate_batch``; one length per request goes
-    through the same manager, each request added with its own ``max_new_tokens``.
+    Its setup (building the manager and its static buffers, which ``generate_batch`` redoes
+    on every call and which took ~30 s on a 2-core CPU even for a tiny model) is timed
+    apart, as the engine's construction is: a server pays it once. Stops after
+    ``time_limit_s`` (None: no limit), cancelling what is left.
     """
-    from transformers import GenerationConfig
+    from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    lens = output_len if isinstance(output_len, list) else [output_len] * len(prompts)
-    config = GenerationConfig(max_new_tokens=max(lens), do_sample=False, eos_token_id=None, pad_token_id=0)
-    start = time.perf_counter()
-    if len(set(lens)) == 1:
-        outputs = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
-        by_prompt = {}
-        for out in outputs.values():
-            by_prompt.setdefault(tuple(out.prompt_ids), []).append(list(out.generated_tokens))
-        tokens = [by_prompt[tuple(p)].pop(0) for p in prompts]
-    else:
-        tokens = _generate_batch_own_lengths(model, config, prompts, lens)
-    seconds = time.perf_counter() - start
-    short = sum(1 for t, n in zip(tokens, lens) if t is None or len(t) != n)
-    if short:  # EOS is off: anything else means its generation loop failed (it logs why)
-        raise RuntimeError(f"transformers' generate_batch returned {short} of {len(tokens)} requests without "
-                           f"exactly their requested tokens: its generation loop failed, see its log above")
-    return tokens, seconds
-
-
-def _generate_batch_own_lengths(model, config, prompts: list[list[int]], lens: list[int],
-                                timeout_s: float = 600.0) -> list[list[int] | None]:
-    manager = model.init_continuous_batching(generation_config=config)
-    manager.start()
     try:
-        ids = [manager.add_request(input_ids=p, max_new_tokens=n) for p, n in zip(prompts, lens)]
-        results, deadline = {}, time.monotonic() + timeout_s
-        while len(results) < len(ids) and time.monotonic() < deadline:
-            result = manager.get_result(timeout=1)
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        hints = WorkloadHints(max_prompt_length=max(len(p) for p in prompts),
+                              max_generated_length=max(output_lens), num_requests=len(prompts))
+    except ImportError:  # an internal module: without hints transformers picks its defaults
+        hints = None
+    config = GenerationConfig(max_new_tokens=max(output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
+    done = {}
+    setup_start = time.perf_counter()
+    # The warm-up captures CUDA graphs at the largest batch; on the CPU it would only run
+    # one huge dummy forward (tens of seconds), so it is skipped there.
+    with model.continuous_batching_context_manager(
+            generation_config=config, continuous_batching_config=ContinuousBatchingConfig(**(cb_config or {})),
+            block=True, timeout=5, workload_hints=hints, warmup=model.device.type == "cuda") as manager:
+        attn_implementation = model.config._attn_implementation  # what the manager switched to
+        start = time.perf_counter()
+        setup_seconds = start - setup_start
+        deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+        ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in zip(prompts, output_lens)]
+        while len(done) < len(ids) and (deadline is None or time.monotonic() < deadline):
+            result = manager.get_result(timeout=0.5)
             if result is not None and result.is_finished():
-                results[result.request_id] = list(result.generated_tokens)
+                done[result.request_id] = list(result.generated_tokens)
             elif result is None and not manager.is_running():
-                break  # its generation thread died; the caller reports the missing requests
-    finally:
-        manager.stop(block=True)
-    return [results.get(i) for i in ids]
+                raise RuntimeError("transformers' continuous batching loop stopped unexpectedly")
+        seconds = time.perf_counter() - start
+        for request_id in ids:
+            if request_id not in done:
+                manager.cancel_request(request_id)
+    tokens = [done.get(i) for i in ids]
+    # EOS is off, so a finished request has exactly the tokens it asked for. Fewer means the
+    # manager's generation loop failed (it logs the error and finishes the requests empty):
+    # with torch 2.11, tensors made under inference_mode in this thread and updated in the
+    # manager's thread did exactly that. Never count such a run as a measurement.
+    short = sum(1 for t, n in zip(tokens, output_lens) if t is not None and len(t) != n)
+    if short:
+        raise RuntimeError(f"transformers' continuous batching finished {short} of {len(done)} requests with a "
+                           f"different number of tokens than asked (EOS is off): its generation loop failed, "
+                           f"see its log above")
+    return {"tokens": tokens, "seconds": seconds, "setup_seconds": setup_seconds, "complete": len(done) == len(ids),
+            "attn_implementation": attn_implementation,
+            "output_tokens": sum(len(t) for t in tokens if t is not None), "finished_requests": len(done)}
 
 
 def single_stream_decode(model_dir: Path, hf_model, prompt: list[int], n: int, repeats: int = 5,
@@ -617,6 +633,11 @@ def run_from_args(args: argparse.Namespace) -> dict:
           f"{roof['memory_bandwidth_gbs']:.1f} GB/s, ridge at {roof['ridge_flops_per_byte']:.1f} FLOP/byte")
 
     llm = build_engine(model_dir, **engine_kwargs)
+    # transformers' continuous batching gets the engine's token budget and pages enough for
+    # every request at once (it never needs more): by default it sizes its cache to 90% of
+    # free memory (on a CPU, of the machine's RAM) and spends tens of seconds filling it.
+    cb_config = {"page_size": CB_PAGE_SIZE, "max_batch_tokens": args.max_num_batched_tokens,
+                 "num_blocks": sum(math.ceil((len(p) + n) / CB_PAGE_SIZE) for p, n in zip(prompts, output_lens))}
     hf = None
     if not args.skip_hf:
         hf = load_hf(model_dir, device=device, dtype=dtype)
@@ -627,8 +648,7 @@ def run_from_args(args: argparse.Namespace) -> dict:
         if hf is not None:
             runs["hf_static"].append(run_hf_static(hf, prompts, output_lens, args.hf_batch_size, device=hf.device))
             if not args.skip_generate_batch:
-                # transformers >= 5.23 runs generate_batch with paged attention over sdpa itself
-                runs["hf_generate_batch"].append(run_hf_generate_batch(hf, prompts, output_lens))
+                    runs["hf_generate_batch"].append(run_hf_continuous(hf, prompts, output_lens, cb_config=cb_config))
 
     engine_runs = runs["nanoengine"]
     engine_tokens = engine_runs[0].tokens
@@ -653,9 +673,11 @@ def run_from_args(args: argparse.Namespace) -> dict:
               f"; greedy tokens identical for {check['identical']}/{check['total']} requests, "
               f"{check['near_tie_divergences']} near-tie divergences, {len(check['unexplained'])} unexplained")
         if runs["hf_generate_batch"]:
-            cb_check = compare_greedy(engine_tokens, runs["hf_generate_batch"][0][0], hf_top2, args.tie_tolerance)
-            batch = system_record([r[1] for r in runs["hf_generate_batch"]], total_out)
-            batch.update({**hf_where, "greedy_check": cb_check})
+            cb_runs = runs["hf_generate_batch"]
+            cb_check = compare_greedy(engine_tokens, cb_runs[0]["tokens"], hf_top2, args.tie_tolerance)
+            batch = system_record([r["seconds"] for r in cb_runs], total_out)
+            batch.update({**hf_where, "greedy_check": cb_check, "setup_seconds": spread([r["setup_seconds"] for r in cb_runs]),
+                          "attn_implementation": cb_runs[0]["attn_implementation"], "config": cb_config})
             results["systems"]["hf_generate_batch"] = batch
             print(describe("transformers generate_batch", batch) +
                   f"; identical for {cb_check['identical']}/{cb_check['total']} requests")

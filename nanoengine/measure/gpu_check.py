@@ -530,56 +530,6 @@ def run_hf_static_varlen(model, prompts: list[list[int]], output_lens: list[int]
             "generated_tokens": generated, "requests": len(tokens)}
 
 
-@torch.no_grad()  # not inference_mode: the manager's own thread updates tensors made here (see below)
-def run_hf_continuous_varlen(model, prompts: list[list[int]], output_lens: list[int], time_limit_s: float,
-                             cb_config: dict | None = None) -> dict:
-    """transformers' continuous batching (the manager behind ``generate_batch``), one
-    ``max_new_tokens`` per request; timed after its warm-up, stopped after ``time_limit_s``."""
-    from transformers import ContinuousBatchingConfig, GenerationConfig
-
-    try:
-        from transformers.generation.continuous_batching.utils import WorkloadHints
-
-        hints = WorkloadHints(max_prompt_length=max(len(p) for p in prompts),
-                              max_generated_length=max(output_lens), num_requests=len(prompts))
-    except ImportError:  # an internal module: without hints transformers picks its defaults
-        hints = None
-    config = GenerationConfig(max_new_tokens=max(output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
-    done = {}
-    # The warm-up captures CUDA graphs at the largest batch; on the CPU it would only run
-    # one huge dummy forward (tens of seconds), so it is skipped there.
-    with model.continuous_batching_context_manager(
-            generation_config=config, continuous_batching_config=ContinuousBatchingConfig(**(cb_config or {})),
-            block=True, timeout=5, workload_hints=hints, warmup=model.device.type == "cuda") as manager:
-        attn_implementation = model.config._attn_implementation  # what the manager switched to
-        start = time.perf_counter()
-        deadline = time.monotonic() + time_limit_s
-        ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in zip(prompts, output_lens)]
-        while len(done) < len(ids) and time.monotonic() < deadline:
-            result = manager.get_result(timeout=0.5)
-            if result is not None and result.is_finished():
-                done[result.request_id] = list(result.generated_tokens)
-            elif result is None and not manager.is_running():
-                raise RuntimeError("transformers' continuous batching loop stopped unexpectedly")
-        seconds = time.perf_counter() - start
-        for request_id in ids:
-            if request_id not in done:
-                manager.cancel_request(request_id)
-    tokens = [done.get(i) for i in ids]
-    # EOS is off, so a finished request has exactly the tokens it asked for. Fewer means the
-    # manager's generation loop failed (it logs the error and finishes the requests empty):
-    # with torch 2.11, tensors made under inference_mode in this thread and updated in the
-    # manager's thread did exactly that. Never count such a run as a measurement.
-    short = sum(1 for t, n in zip(tokens, output_lens) if t is not None and len(t) != n)
-    if short:
-        raise RuntimeError(f"transformers' continuous batching finished {short} of {len(done)} requests with a "
-                           f"different number of tokens than asked (EOS is off): its generation loop failed, "
-                           f"see its log above")
-    return {"tokens": tokens, "seconds": seconds, "complete": len(done) == len(ids),
-            "attn_implementation": attn_implementation,
-            "output_tokens": sum(len(t) for t in tokens if t is not None), "finished_requests": len(done)}
-
-
 def run_benchmark(model_dir: Path, mode: Mode, budget: Budget) -> dict:
     """Stage (d): the engine on the whole workload, then transformers' two ways on theirs."""
     prompts, output_lens = _workload(mode, mode.num_requests, mode.bench_model.vocab_size)
@@ -646,9 +596,11 @@ def _bench_hf_static(hf, mode, budget, prompts, output_lens, engine_tokens, note
 
 
 def _bench_hf_continuous(hf, mode, budget, prompts, output_lens, engine_tokens, notes) -> dict:
+    from nanoengine.measure.benchmark import run_hf_continuous
+
     n = min(mode.hf_cb_requests, len(prompts))
-    cb = run_hf_continuous_varlen(hf, prompts[:n], output_lens[:n], budget.stage_limit("hf_generate_batch"),
-                                  mode.hf_cb_config)
+    cb = run_hf_continuous(hf, prompts[:n], output_lens[:n], budget.stage_limit("hf_generate_batch"),
+                           mode.hf_cb_config)
     pairs = [(o, t) for o, t in zip(engine_tokens, cb["tokens"]) if o is not None and t is not None]
     if not cb["complete"]:
         notes.append("transformers continuous batching ran out of its stage budget: its rate counts finished "
