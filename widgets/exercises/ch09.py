@@ -125,13 +125,14 @@ def check_mlp_split(shard_mlp, llm) -> CheckResult:
     err = (summed - full).abs().max().item()
     scale = full.abs().max().item()
     right = err <= 1e-4 * max(1.0, scale)
-    seen = (f"layer {EX1_LAYER}'s MLP over {EX1_TP} ranks ({share} of {inter} features each), {x.shape[0]} real "
-            f"tokens: the summed partial outputs differ from the unsplit layer by at most {err:.1e}")
+    seen = f"layer {EX1_LAYER}'s MLP over {EX1_TP} ranks ({share} of {inter} features each), {x.shape[0]} real tokens"
     return verdict("9.1", right,
-                   f"{seen} (float rounding: the sum is taken in another order). Gate and up are cut by rows "
-                   f"(column-parallel), down by the same columns (row-parallel), so SiLU-and-multiply stays local.",
-                   f"{seen}, far from rounding. Rank r must take the same intermediate features r*{share} to "
-                   f"(r+1)*{share} in all three: rows of gate and up, columns of down.")
+                   f"{seen}: the summed partial outputs equal the unsplit layer's output up to float rounding (the "
+                   f"sum is taken in another order). Gate and up are cut by rows (column-parallel), down by the same "
+                   f"columns (row-parallel), so SiLU-and-multiply stays local.",
+                   f"{seen}: the summed partial outputs differ from the unsplit layer by up to {err:.1e}, far from "
+                   f"rounding. Rank r must take the same intermediate features r*{share} to (r+1)*{share} in all "
+                   f"three: rows of gate and up, columns of down.")
 
 
 # ------------------------------------------------------------------ exercise 9.2
