@@ -79,7 +79,7 @@ def _model_of(llm):
 def hidden_states(engine, model, layer: int, prompt: str = EX1_PROMPT) -> torch.Tensor:
     """Real inputs for ``layer``'s MLP: the prompt's token embeddings, RMS-normalised by that
     layer's own post-attention norm. -> (T, hidden)."""
-    ids = torch.tensor(engine.tokenize_prompt(prompt)[1])
+    ids = torch.tensor(engine.tokenize_prompt(prompt)[1], device=model.model.embed_tokens.weight.device)
     with torch.no_grad():
         embedded = model.model.embed_tokens(ids)  # (T, hidden)
         return model.model.layers[layer].post_attention_layernorm(embedded)
