@@ -125,7 +125,7 @@ def check_mlp_split(shard_mlp, llm) -> CheckResult:
     err = (summed - full).abs().max().item()
     scale = full.abs().max().item()
     right = err <= 1e-4 * max(1.0, scale)
-    seen = f"layer {EX1_LAYER}'s MLP over {EX1_TP} ranks ({share} of {inter} features each), {x.shape[0]} real tokens"
+    seen = f"Layer {EX1_LAYER}'s MLP over {EX1_TP} ranks ({share} of {inter} features each), {x.shape[0]} real tokens"
     return verdict("9.1", right,
                    f"{seen}: the summed partial outputs equal the unsplit layer's output up to float rounding (the "
                    f"sum is taken in another order). Gate and up are cut by rows (column-parallel), down by the same "
@@ -152,16 +152,16 @@ def check_tp_size(tp_size) -> CheckResult:
     try:
         check_tensor_parallel_size(shape, n, torch.device("cpu"))
     except ValueError as err:
-        return verdict("9.2", False, "", f"the engine refuses it: {err}")
+        return verdict("9.2", False, "", f"The engine refuses it: {err}")
     best = max(s for s in allowed_tensor_parallel_sizes(shape) if s <= EX2_GPUS)
     refused = [s for s in range(n + 1, EX2_GPUS + 1)]
     sizes = (f"{shape.num_attention_heads} heads, {shape.num_key_value_heads} KV heads, vocabulary "
              f"{shape.vocab_size}, MLP {shape.intermediate_size}")
     return verdict("9.2", n == best,
-                   f"the engine accepts tensor_parallel_size={n} for {EX2_MODEL} ({sizes}) and no larger size fits "
+                   f"The engine accepts tensor_parallel_size={n} for {EX2_MODEL} ({sizes}) and no larger size fits "
                    f"on {EX2_GPUS} GPUs (it refuses {', '.join(map(str, refused))}), so {EX2_GPUS - n} GPU(s) stay "
                    f"idle: a head never spans two ranks.",
-                   f"the engine accepts {n}, but a larger size up to {EX2_GPUS} also divides {sizes}.")
+                   f"The engine accepts {n}, but a larger size up to {EX2_GPUS} also divides {sizes}.")
 
 
 # ------------------------------------------------------------------ exercise 9.3
