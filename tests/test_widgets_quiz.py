@@ -314,3 +314,16 @@ def test_prefix_question_offers_the_unchained_lookup_as_a_mistake(engine) -> Non
     texts = {o.text: o for o in question.options}
     assert texts["0 blocks (0 tokens skipped)"].correct
     assert not texts["2 blocks (8 tokens skipped)"].correct  # equal tokens, different prefix
+
+
+def test_allreduce_bytes_question_counts_the_row_parallel_layers() -> None:
+    """Chapter 9's live question: two all-reduces per layer of (tokens, hidden) partial sums."""
+    from nanoengine.loader.weights import random_model
+    from widgets.live_questions import allreduce_bytes_question
+
+    net = random_model("tiny-llama")  # 2 layers, hidden 32
+    question = allreduce_bytes_question(net, dtype_bytes=4, num_tokens=3, tp_size=2)
+    assert _answer(question) == f"{2 * 2 * 3 * 32 * 4:,}"
+    assert len(question.options) >= 4 and len({o.text for o in question.options}) == len(question.options)
+    with pytest.raises(ValueError):
+        allreduce_bytes_question(net, dtype_bytes=4, num_tokens=1, tp_size=1)

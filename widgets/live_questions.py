@@ -407,3 +407,43 @@ def sampling_question(logits: torch.Tensor, *, temperature: float = 1.0, top_k: 
         (_token_set(answer, labels), f"The engine's filters in order (temperature, top-k, top-p, min-p) keep "
                                      f"exactly these {len(answer)}."),
         wrong, chapter)
+
+
+# ------------------------------------------------------------------ chapter 9
+def allreduce_bytes_question(model: torch.nn.Module, dtype_bytes: int, num_tokens: int, tp_size: int,
+                             chapter: int = 9) -> Question:
+    """How many bytes do the row-parallel all-reduces carry in one step (chapter 9)?
+
+    Counted from ``model``'s own module tree: every ``RowParallelLinear`` (attention's
+    o_proj, the MLP's down_proj) ends in one all-reduce of a (tokens, output features)
+    tensor, and every rank contributes the whole tensor whatever ``tp_size`` is.
+    """
+    from nanoengine.layers.linear import RowParallelLinear
+
+    if num_tokens < 1 or tp_size < 2:
+        raise ValueError(f"need num_tokens >= 1 and tp_size >= 2, got {num_tokens} and {tp_size}")
+    c = model.config
+    rows = [m for m in model.modules() if isinstance(m, RowParallelLinear)]
+    answer = sum(num_tokens * m.weight.shape[0] * dtype_bytes for m in rows)
+    per_layer = len(rows) // c.num_hidden_layers
+    wrong = [
+        (f"{answer // per_layer:,}" if per_layer > 1 else None,
+         f"That is one all-reduce per layer; attention's o_proj and the MLP's down_proj end in one each "
+         f"({per_layer} per layer)."),
+        (f"{answer // tp_size:,}", f"That divides by the {tp_size} ranks. A row-parallel rank's output is full width "
+                                   f"(a partial sum of every feature), so each rank contributes all of it."),
+        (f"{answer * c.intermediate_size // c.hidden_size:,}",
+         f"That uses the MLP's intermediate width {c.intermediate_size}; what is summed is down_proj's output, "
+         f"{c.hidden_size} wide."),
+        (f"{answer // num_tokens:,}" if num_tokens > 1 else None,
+         f"That is one token; the step runs {num_tokens}, each with its own row of partial sums."),
+        (f"{answer * 8:,}", "That is bits, not bytes."),
+    ]
+    wrong = [(t, w) for t, w in wrong if t is not None]
+    return make_question(
+        f"The loaded model ({c.num_hidden_layers} layers, hidden size {c.hidden_size}, {dtype_bytes}-byte numbers) "
+        f"runs at tensor_parallel_size={tp_size}. One decode step serves {num_tokens} sequences. How many bytes do "
+        f"the row-parallel all-reduces carry in that step (one rank's contribution, all all-reduces together)?",
+        (f"{answer:,}", f"{len(rows)} row-parallel layers ({per_layer} per layer x {c.num_hidden_layers}) x "
+                        f"{num_tokens} tokens x {c.hidden_size} x {dtype_bytes} bytes = {answer:,}."),
+        wrong, chapter)

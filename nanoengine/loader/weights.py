@@ -10,6 +10,7 @@ fails loudly on a missing or unexpected tensor instead of running with garbage.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -105,6 +106,48 @@ def random_model(preset: str | ModelConfig = "tiny-llama", seed: int = 0, std: f
     model = build_model(config, torch.device(device), dtype)
     init_random_weights(model, seed=seed, std=std)
     return model
+
+
+def save_pretrained(model: nn.Module, path: str | Path) -> Path:
+    """Write ``model`` as a Hugging Face directory (``config.json`` + ``model.safetensors``).
+
+    The inverse of loading: packed parameters are cut back into the checkpoint's separate
+    tensors (``qkv_proj`` -> ``q_proj``, ``k_proj``, ``v_proj``; ``gate_up_proj`` ->
+    ``gate_proj``, ``up_proj``). Chapter 9 uses it to give a ``random_model`` a directory,
+    because tensor-parallel workers load their shards from a checkpoint, not from a module
+    in the driver. Only a model built for one rank (the whole matrices) can be saved.
+    """
+    from safetensors.torch import save_file
+
+    from nanoengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config: ModelConfig = model.config
+    unpacked = {packed: [] for packed, _ in model.packed_modules.values()}
+    for fragment, (packed, _) in model.packed_modules.items():
+        unpacked[packed].append(fragment)  # in shard order: q, k, v and gate, up
+    tensors = {}
+    for module_name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{pname}"
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue  # the embedding matrix is the head
+            if isinstance(module, QKVParallelLinear):
+                sizes = [module.num_heads * module.head_dim] + [module.num_kv_heads * module.head_dim] * 2
+            elif isinstance(module, MergedColumnParallelLinear):
+                sizes = [size // module.tp.size for size in module.output_sizes]
+            else:
+                tensors[name] = param.detach().cpu().contiguous()
+                continue
+            if module.tp.size != 1:
+                raise ValueError("save_pretrained needs a model built for one rank (tensor_parallel_size 1)")
+            packed = module_name.rsplit(".", 1)[-1]
+            for fragment, part in zip(unpacked[packed], param.detach().cpu().split(sizes, dim=0)):
+                tensors[f"{module_name.rsplit('.', 1)[0]}.{fragment}.{pname}"] = part.contiguous()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    return path
 
 
 def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,

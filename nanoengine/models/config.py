@@ -86,6 +86,22 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
+    def to_dict(self) -> dict:
+        """A Hugging Face ``config.json`` for this shape (the inverse of ``from_dict``)."""
+        model_type = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}[self.architecture]
+        eos = list(self.eos_token_ids)
+        return {
+            "architectures": [self.architecture], "model_type": model_type,
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size, "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling, "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
+            "bos_token_id": self.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+            "hidden_act": "silu",
+        }
+
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
         path = Path(model_dir) / "config.json"
