@@ -70,6 +70,8 @@ def test_operator_calls_counts_passes_not_views() -> None:
     x = torch.randn(8, 6)
     assert ch10.operator_calls(lambda: x.chunk(2, dim=-1)) == []
     assert ch10.operator_calls(lambda: torch.nn.functional.silu(x[:, :3]) * x[:, 3:]) == ["aten::silu", "aten::mul"]
+    assert ch10.operator_calls(lambda: x.float()) == []  # already float32: nothing happens
+    assert ch10.operator_calls(lambda: x.double()) == ["aten::to"]  # a real cast is a pass over the data
 
 
 def test_fusion_check_rejects_an_unfused_or_wrong_function() -> None:

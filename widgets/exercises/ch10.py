@@ -21,6 +21,7 @@ checks count the same way.
 from __future__ import annotations
 
 import math
+import os
 import textwrap
 from typing import Callable
 
@@ -102,10 +103,11 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 def operator_calls(fn: Callable[[], object]) -> list[str]:
     """The operators one call of ``fn`` runs that pass over data, as ``torch.profiler`` records
     them: the outermost aten operators (an operator's own sub-operators are part of it), minus
-    views and allocations; a call into torch.compile's generated code counts as one
+    views, allocations and casts to the dtype a tensor already has; a call into torch.compile's generated code counts as one
     ``"compiled graph"``."""
     from torch.profiler import ProfilerActivity, profile
 
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no profiler start/stop log lines in the outputs
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     names = []
@@ -114,6 +116,8 @@ def operator_calls(fn: Callable[[], object]) -> list[str]:
             names.append(COMPILED_GRAPH)
             continue
         if not event.name.startswith("aten::") or event.name in NO_DATA_OPS:
+            continue
+        if event.name == "aten::to" and not event.cpu_children:  # already that dtype: returns its input
             continue
         parent, nested = event.cpu_parent, False
         while parent is not None:
