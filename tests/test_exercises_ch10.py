@@ -1,0 +1,81 @@
+"""Chapter 10's exercise checks (widgets.exercises.ch10): placeholders and bad values are
+"not yet", the byte formulas count what a tiled loop moves, and the checks judge effects."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from widgets.exercises import ch10
+
+
+def tiled_attention(q, k, v, block_q, block_k):
+    """The chapter's online-softmax loop (a test copy): (n, d) -> ((n, d), bytes moved)."""
+    n, d = q.shape
+    out, moved, size = torch.empty_like(q), 0, q.element_size()
+    for i in range(0, n, block_q):
+        q_tile = q[i:i + block_q]
+        moved += q_tile.numel() * size
+        m = torch.full((len(q_tile),), -math.inf)
+        l = torch.zeros(len(q_tile))
+        acc = torch.zeros(len(q_tile), d)
+        for j in range(0, n, block_k):
+            k_tile, v_tile = k[j:j + block_k], v[j:j + block_k]
+            moved += (k_tile.numel() + v_tile.numel()) * size
+            s = q_tile @ k_tile.T * d ** -0.5
+            m_new = torch.maximum(m, s.max(dim=1).values)
+            alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[:, None])
+            l = l * alpha + p.sum(dim=1)
+            acc = acc * alpha[:, None] + p @ v_tile
+            m = m_new
+        out[i:i + block_q] = acc / l[:, None]
+        moved += acc.numel() * size
+    return out, moved
+
+
+@pytest.mark.parametrize("value", [..., None, "4", 2.5, True, -1, 10**6])
+def test_placeholders_and_bad_values_are_not_yet(value) -> None:
+    for result in (ch10.check_tile_size(tiled_attention, value, 16), ch10.check_tile_size(tiled_attention, 128, value),
+                   ch10.check_fusion(value if value is not ... else ...)):
+        assert not result.right and str(result).startswith(f"Exercise {result.exercise}: not yet. Hint: ")
+    if not isinstance(value, str):
+        result = ch10.check_dtype(value)
+        assert not result.right and "not yet. Hint:" in str(result)
+
+
+@pytest.mark.parametrize("n, d, bq, bk", [(64, 8, 16, 8), (100, 16, 32, 24), (37, 4, 37, 5)])
+def test_the_byte_formula_counts_what_the_loop_moves(n, d, bq, bk) -> None:
+    q, k, v = ch10.attention_inputs(n, d)
+    out, moved = tiled_attention(q, k, v, bq, bk)
+    assert moved == ch10.tiled_attention_bytes(n, d, bq)
+    torch.testing.assert_close(out, ch10.naive_attention(q, k, v), atol=1e-5, rtol=1e-5)
+
+
+def test_naive_bytes_grow_with_the_square_of_the_length() -> None:
+    assert ch10.naive_attention_bytes(2048, 64) - ch10.naive_attention_bytes(1024, 64) > \
+        3 * (ch10.naive_attention_bytes(1024, 64) - ch10.naive_attention_bytes(512, 64))
+
+
+def test_tile_size_check_needs_fit_traffic_and_equality() -> None:
+    assert ch10.check_tile_size(tiled_attention, 128, 16).right
+    assert not ch10.check_tile_size(tiled_attention, 64, 64).right  # too many bytes
+    assert not ch10.check_tile_size(tiled_attention, 128, 64).right  # does not fit
+    wrong = lambda q, k, v, bq, bk: (tiled_attention(q, k, v, bq, bk)[0] * 1.01, 0)  # noqa: E731
+    assert not ch10.check_tile_size(wrong, 128, 16).right
+
+
+def test_operator_calls_counts_passes_not_views() -> None:
+    x = torch.randn(8, 6)
+    assert ch10.operator_calls(lambda: x.chunk(2, dim=-1)) == []
+    assert ch10.operator_calls(lambda: torch.nn.functional.silu(x[:, :3]) * x[:, 3:]) == ["aten::silu", "aten::mul"]
+    assert ch10.operator_calls(lambda: x.float()) == []  # already float32: nothing happens
+    assert ch10.operator_calls(lambda: x.double()) == ["aten::to"]  # a real cast is a pass over the data
+
+
+def test_fusion_check_rejects_an_unfused_or_wrong_function() -> None:
+    from nanoengine.layers.activation import silu_and_mul
+
+    assert not ch10.check_fusion(silu_and_mul).right
+    assert not ch10.check_fusion(lambda x: x[:, :x.shape[1] // 2]).right
