@@ -168,7 +168,7 @@ class ArrivalRun:
 
 def arrival_engine(budget: int, policy: str = "fcfs") -> LLMEngine:
     """The engine of the arrival experiment: the default model, the given token budget and
-    policy, the prefix cache off (every run computes the whole prompt), a small KV pool."""
+    policy, the prefix cache off (every run computes the whole prompt), 320 KV blocks of 16 tokens."""
     return LLMEngine.from_pretrained(max_num_batched_tokens=budget, scheduling_policy=policy,
                                      enable_prefix_caching=False, num_kv_blocks=320, max_model_len=2048)
 
