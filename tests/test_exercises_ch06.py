@@ -1,0 +1,99 @@
+"""Chapter 6's exercise checks and helpers (widgets.exercises.ch06): placeholders and bad values
+are "not yet", the cost model counts what it says, and the checks judge what the engine did.
+
+The cost-model tests use the default model's shapes only (no weights). The experiment
+tests run the real default model once or twice on a short prompt: they check structure
+(which step carried which tokens), never timings.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from nanoengine.measure.timing import model_gemm_shapes, roofline
+from nanoengine.models.presets import PRESETS
+from widgets.exercises import ch06
+
+SMOL = PRESETS["SmolLM2-135M"]
+
+
+@pytest.mark.parametrize("value", [..., None, "4", 2.5, True, -1, 10**6])
+def test_placeholders_and_bad_values_are_not_yet(value) -> None:
+    roof = roofline(100e9, 10e9)
+    for result in (ch06.check_decode_batch(value, roof, None), ch06.check_token_budget(value, None),
+                   ch06.check_policy("fcfs", value), ch06.check_policy(value, 512)):
+        assert not result.right and str(result).startswith(f"Exercise {result.exercise}: not yet. Hint: ")
+
+
+def test_step_cost_counts_two_flops_per_weight_per_token_and_reads_weights_once() -> None:
+    h, v, layers = SMOL.hidden_size, SMOL.vocab_size, SMOL.num_hidden_layers
+    weights = sum(o * i for o, i in model_gemm_shapes(SMOL)) + h * SMOL.num_attention_heads * SMOL.head_dim
+    one, _ = ch06.step_cost(SMOL, [(1, 1)])
+    attention = 2 * 2 * SMOL.num_attention_heads * SMOL.head_dim * layers
+    assert one == 2 * (weights * layers + v * h) + attention
+    # batching decodes: FLOPs grow with the batch, the weight bytes do not
+    f8, m8 = ch06.step_cost(SMOL, [(1, 1)] * 8)
+    f1, m1 = ch06.step_cost(SMOL, [(1, 1)])
+    assert f8 == pytest.approx(8 * f1) and m8 < 2 * m1
+    # bfloat16 halves the bytes, not the FLOPs
+    assert ch06.step_cost(SMOL, [(1, 1)], dtype_bytes=2)[0] == f1
+    assert ch06.step_cost(SMOL, [(1, 1)], dtype_bytes=2)[1] == pytest.approx(m1 / 2, rel=0.01)
+
+
+def test_prefill_is_far_more_intense_than_decode() -> None:
+    assert ch06.intensity(SMOL, [(1, 1)]) == pytest.approx(0.5, rel=0.05)  # 2 FLOPs per 4-byte weight
+    assert ch06.intensity(SMOL, [(512, 512)]) > 100 * ch06.intensity(SMOL, [(1, 512)])
+
+
+@pytest.mark.parametrize("ridge", [1.0, 7.5, 20.0, 30.0])
+@pytest.mark.parametrize("context", [16, 128])
+def test_ridge_batch_is_the_smallest_batch_reaching_the_ridge(ridge, context) -> None:
+    b = ch06.ridge_batch(SMOL, ridge, context)
+    assert b is not None
+    assert ch06.decode_intensity(SMOL, b, context) >= ridge
+    assert b == 1 or ch06.decode_intensity(SMOL, b - 1, context) < ridge
+
+
+def test_ridge_batch_is_none_when_kv_reads_cap_the_intensity() -> None:
+    # an H100's ridge (989 TFLOP/s dense BF16 over 3.35 TB/s) with long contexts: KV bytes grow with the batch
+    assert ch06.ridge_batch(PRESETS["Llama-3-8B"], 989e12 / 3.35e12, 4096, dtype_bytes=2) is None
+    assert ch06.ridge_batch(PRESETS["Llama-3-8B"], 989e12 / 3.35e12, 16, dtype_bytes=2) is not None
+
+
+def test_exercise_6_1_judges_the_batch_against_the_ridge_without_an_engine_for_wrong_answers() -> None:
+    roof = roofline(150e9, 10e9)
+    best = ch06.ridge_batch(SMOL, roof.ridge_point)
+    # wrong answers are judged from the cost model alone (no engine is touched)
+    engine = types.SimpleNamespace(model_config=SMOL)  # no methods: a step would fail loudly
+    assert not ch06.check_decode_batch(best - 1, roof, engine).right
+    assert not ch06.check_decode_batch(best + 1, roof, engine).right
+
+
+@pytest.fixture(scope="module")
+def short_runs():
+    """The arrival experiment on a 300-token prompt: budget 64 fcfs, and prefill_first."""
+    return {policy: ch06.run_arrival(64, policy, prompt_tokens=300, num_decoders=2, decode_tokens=6, arrive_after=1)
+            for policy in ("fcfs", "prefill_first")}
+
+
+def test_chunked_fcfs_gives_decodes_a_token_in_every_prefill_step(short_runs) -> None:
+    run = short_runs["fcfs"]
+    chunks = [run.steps[i].num_prefill_tokens for i in run.prefill_steps]
+    assert sum(chunks) == 300 and max(chunks) == 64 - 2  # the 2 decodes come first
+    assert run.stalled_steps == 0 and run.largest_step_tokens <= 64
+    assert len(run.decoder_itls) == 2 * 5 and all(x > 0 for x in run.decoder_itls)
+    assert run.long_ttft > 0
+
+
+def test_prefill_first_leaves_decodes_out_of_every_prefill_step(short_runs) -> None:
+    run = short_runs["prefill_first"]
+    assert [run.steps[i].num_prefill_tokens for i in run.prefill_steps] == [64] * 4 + [300 - 4 * 64]
+    assert run.stalled_steps == len(run.prefill_steps) == 5
+
+
+def test_exercise_6_2_refuses_budgets_that_chunk_the_prompt_too_finely() -> None:
+    reference = ch06.ArrivalRun(2048, "fcfs", (), (), (4,), (1.0,), (4,), 1.0)
+    result = ch06.check_token_budget(64, reference)
+    assert not result.right and "more than 8" in str(result)

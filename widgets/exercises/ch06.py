@@ -1,0 +1,367 @@
+"""Chapter 6 (prefill vs decode): the cost model of a step, the arrival experiment, the checks.
+
+Two pieces of the chapter live here so that the notebook, its exercises and the worked
+solutions (``notebooks/solutions/06_prefill_vs_decode.ipynb``) run the very same code:
+
+* ``step_cost``: the FLOPs and the bytes one engine step moves, computed from the model's
+  shapes (``nanoengine.measure.timing.model_gemm_shapes`` plus the attention output
+  projection, the attention itself and the LM head), so that a step's *arithmetic
+  intensity* (FLOPs per byte) can be placed on the roofline;
+* ``run_arrival``: a long prompt arrives while a few short requests are decoding, on the real
+  default model with a chosen token budget (``max_num_batched_tokens``) and scheduling
+  policy; the engine's ``StepFinished`` events and per-token timestamps
+  (``RequestMetrics.token_times``) say what each step carried and how long the decoding
+  requests waited between tokens.
+
+The checks judge what the engine did through its public API, with margins wide enough for
+a noisy shared machine, or by structural facts (how many tokens each step carried):
+
+* ``check_decode_batch`` (6.1): the smallest decode batch whose arithmetic intensity reaches
+  this machine's ridge point, confirmed on the engine (a step of that many decodes);
+* ``check_token_budget`` (6.2): a token budget that keeps the decoding requests' ITL p99
+  under half of the unchunked case, while the long prompt's prefill takes at most 8 steps;
+* ``check_policy`` (6.3): a policy and budget under which the decoding requests produce a
+  token in every step of the long prefill, and the prefill takes at most 4 steps.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import textwrap
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from nanoengine import LLMEngine, SamplingParams
+from nanoengine.events import StepFinished
+from nanoengine.measure.timing import Roofline, measure, model_gemm_shapes
+from nanoengine.models.config import ModelConfig
+from widgets.exercises import CheckResult, todo
+from widgets.exercises import verdict as _verdict
+
+DECODE_CONTEXT = 16  # exercise 6.1: tokens already in each decoding request's context
+MAX_PREFILL_STEPS = 8  # exercise 6.2: the long prompt may take at most this many steps
+ITL_RATIO = 0.5  # exercise 6.2: decode ITL p99 at most this share of the unchunked case's
+POLICY_PREFILL_STEPS = 4  # exercise 6.3
+LONG_PROMPT_TOKENS = 1500
+SHORT_QUESTIONS = ("Write a haiku about the sea.", "Name three colours of autumn leaves.",
+                   "What is a good name for a cat?", "Describe a rainy morning in one sentence.")
+
+
+# ------------------------------------------------------------------ the cost of a step
+def step_cost(config: ModelConfig, sequences: Sequence[tuple[int, int]], dtype_bytes: int = 4) -> tuple[float, float]:
+    """(FLOPs, bytes moved) of one forward pass over ``sequences``.
+
+    Each sequence is ``(new_tokens, context_len)``: it computes ``new_tokens`` tokens and ends
+    with ``context_len`` tokens in the KV cache (a decode is ``(1, context)``, a whole prompt's
+    prefill ``(n, n)``). The counts follow what the engine runs:
+
+    * every layer's matrix multiplies (fused QKV, attention output, fused gate/up, down) on
+      all new tokens: 2 FLOPs (multiply, add) per weight per token; each weight is read once
+      per step, whatever the number of tokens (that is the whole point of batching), and
+      each token's input and output rows are read and written;
+    * attention: each new token scores and mixes ``context_len`` keys and values per head
+      (2 x 2 FLOPs per head dimension); the cached K and V of every sequence are read once;
+    * the LM head only on each sequence's last token (the engine computes logits there only).
+
+    Norms, rotary and the activation function are left out: they are a few FLOPs per value.
+    """
+    h, heads, hd = config.hidden_size, config.num_attention_heads, config.head_dim
+    shapes = list(model_gemm_shapes(config)) + [(h, heads * hd)]  # + the attention output projection
+    tokens = sum(n for n, _ in sequences)
+    kv_per_token_layer = config.kv_bytes_per_token(dtype_bytes) // config.num_hidden_layers
+    flops = bytes_ = 0.0
+    for out_f, in_f in shapes:
+        flops += 2 * tokens * out_f * in_f
+        bytes_ += dtype_bytes * (out_f * in_f + tokens * (in_f + out_f))  # weight once, rows in and out
+    for n, ctx in sequences:
+        flops += 2 * 2 * n * ctx * heads * hd  # q.k and p.v over the context (causal: an upper bound)
+        bytes_ += ctx * kv_per_token_layer  # this sequence's cached K and V, read once per layer
+    flops *= config.num_hidden_layers
+    bytes_ *= config.num_hidden_layers
+    rows = len(sequences)  # the LM head runs on each sequence's last token only
+    flops += 2 * rows * config.vocab_size * h
+    bytes_ += dtype_bytes * (config.vocab_size * h + rows * (h + config.vocab_size))
+    return float(flops), float(bytes_)
+
+
+def intensity(config: ModelConfig, sequences: Sequence[tuple[int, int]], dtype_bytes: int = 4) -> float:
+    """Arithmetic intensity (FLOPs per byte) of one step over ``sequences`` (see ``step_cost``)."""
+    flops, moved = step_cost(config, sequences, dtype_bytes)
+    return flops / moved
+
+
+def decode_intensity(config: ModelConfig, batch: int, context: int = DECODE_CONTEXT, dtype_bytes: int = 4) -> float:
+    """Intensity of a decode step of ``batch`` requests, each with ``context`` tokens cached."""
+    return intensity(config, [(1, context)] * batch, dtype_bytes)
+
+
+def ridge_batch(config: ModelConfig, ridge_point: float, context: int = DECODE_CONTEXT,
+                dtype_bytes: int = 4) -> int | None:
+    """The smallest decode batch whose intensity reaches ``ridge_point``, or None if none does.
+
+    A decode step's FLOPs and bytes both grow linearly with the batch: the weights are a
+    fixed cost, but every sequence adds its own cached K and V to read. So the intensity
+    rises towards a ceiling (FLOPs per sequence / KV bytes per sequence); when that ceiling
+    is below the ridge point, no batch makes decode compute-bound.
+    """
+    f1, m1 = step_cost(config, [(1, context)], dtype_bytes)
+    f2, m2 = step_cost(config, [(1, context)] * 2, dtype_bytes)
+    df, dm = f2 - f1, m2 - m1  # per extra sequence
+    f0, m0 = f1 - df, m1 - dm  # the fixed part (weights)
+    if df <= ridge_point * dm:
+        return None
+    return max(1, math.ceil((ridge_point * m0 - f0) / (df - ridge_point * dm) - 1e-9))
+
+
+# ------------------------------------------------------------------ the arrival experiment
+def long_prompt_ids(tokenizer, num_tokens: int = LONG_PROMPT_TOKENS) -> list[int]:
+    """A real ~``num_tokens``-token prompt: a request to summarise the engine's scheduler source."""
+    import inspect
+
+    from nanoengine.engine import scheduler
+
+    head = tokenizer.encode("Summarise what the following Python module does:\n\n", add_special_tokens=False)
+    body = tokenizer.encode(inspect.getsource(scheduler), add_special_tokens=False)
+    return (head + body)[:num_tokens]
+
+
+@dataclass(frozen=True)
+class ArrivalRun:
+    """What one run of the arrival experiment did, read from the engine's events and metrics."""
+
+    budget: int
+    policy: str
+    steps: tuple[StepFinished, ...]  # every step of the run, in order
+    step_ends: tuple[float, ...]  # when each step finished (perf_counter seconds)
+    prefill_steps: tuple[int, ...]  # indices of the steps that carried part of the long prompt
+    decoder_itls: tuple[float, ...]  # every gap between two tokens of a decoding request (seconds)
+    gap_steps: tuple[int, ...]  # index of the step that ended each of those gaps
+    long_ttft: float  # the long prompt's time to first token (seconds)
+
+    @property
+    def itl_p50(self) -> float:
+        return float(np.percentile(self.decoder_itls, 50))
+
+    @property
+    def itl_p99(self) -> float:
+        return float(np.percentile(self.decoder_itls, 99))
+
+    @property
+    def stalled_steps(self) -> int:
+        """Steps of the long prefill in which the decoding requests got no token."""
+        return sum(self.steps[i].num_decode_tokens == 0 for i in self.prefill_steps)
+
+    @property
+    def largest_step_tokens(self) -> int:
+        """The most tokens (prefill + decode) any step of the run computed."""
+        return max(s.num_prefill_tokens + s.num_decode_tokens for s in self.steps)
+
+    def describe(self) -> str:
+        return (f"budget {self.budget:>4}, {self.policy:<13}: long prompt in {len(self.prefill_steps)} step(s), "
+                f"{self.stalled_steps} without decodes; decode ITL p50 {1e3 * self.itl_p50:.0f} ms, "
+                f"p99 {1e3 * self.itl_p99:.0f} ms; long prompt TTFT {1e3 * self.long_ttft:.0f} ms")
+
+
+def arrival_engine(budget: int, policy: str = "fcfs") -> LLMEngine:
+    """The engine of the arrival experiment: the default model, the given token budget and
+    policy, the prefix cache off (every run computes the whole prompt), 320 KV blocks of 16 tokens."""
+    return LLMEngine.from_pretrained(max_num_batched_tokens=budget, scheduling_policy=policy,
+                                     enable_prefix_caching=False, num_kv_blocks=320, max_model_len=2048)
+
+
+def run_arrival(budget: int, policy: str = "fcfs", *, prompt_tokens: int = LONG_PROMPT_TOKENS,
+                num_decoders: int = 4, decode_tokens: int = 14, arrive_after: int = 3) -> ArrivalRun:
+    """A long prompt arrives while ``num_decoders`` short requests decode; measure what they feel.
+
+    Builds the default model's engine with ``max_num_batched_tokens=budget`` and
+    ``scheduling_policy=policy`` (``arrival_engine``), starts the short chat requests
+    (greedy, ``decode_tokens`` tokens each, end-of-sequence ignored so they all decode to the
+    end), lets them decode for ``arrive_after`` steps after their prefill, then adds the long
+    prompt (2 output tokens) and steps until everything is done.
+    """
+    engine = arrival_engine(budget, policy)
+    tok = engine.tokenizer
+    steps: list[StepFinished] = []
+    ends: list[float] = []
+
+    def observe(event) -> None:
+        if isinstance(event, StepFinished):
+            steps.append(event)
+            ends.append(time.perf_counter())
+
+    unsubscribe = engine.events.subscribe(observe)
+    short = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in SHORT_QUESTIONS[:num_decoders]]
+    decoders = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True))
+                for p in short]
+    final = {}
+    long_id, prefill_steps = None, []
+    while engine.has_unfinished_requests():
+        if long_id is None and len(steps) == 1 + arrive_after:  # the decoders' prefill, then their decodes
+            long_id = engine.add_request(long_prompt_ids(tok, prompt_tokens),
+                                         SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        snap = engine.snapshot()
+        mine = [r for r in snap.waiting + snap.running if r.request_id == long_id]
+        before = mine[0].num_computed_tokens if mine else None
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        if mine and before < mine[0].num_prompt_tokens:
+            after = engine.snapshot()
+            now = [r for r in after.running if r.request_id == long_id]
+            if long_id in final or (now and now[0].num_computed_tokens > before):
+                prefill_steps.append(len(steps) - 1)
+    unsubscribe()
+    itls, gap_steps = [], []
+    for rid in decoders:
+        times = final[rid].metrics.token_times
+        for a, b in zip(times, times[1:]):
+            itls.append(b - a)
+            gap_steps.append(next(i for i, end in enumerate(ends) if end >= b))
+    run = ArrivalRun(budget, policy, tuple(steps), tuple(ends), tuple(prefill_steps), tuple(itls),
+                     tuple(gap_steps), float(final[long_id].metrics.ttft))
+    engine.shutdown()
+    del engine
+    gc.collect()
+    return run
+
+
+# ------------------------------------------------------------------ the checks
+def verdict(exercise: str, right: bool, success: str, hint: str) -> CheckResult:
+    """``widgets.exercises.verdict`` with the message wrapped at 96 characters."""
+    result = _verdict(exercise, right, success, hint)
+    head = str(result)[:len(str(result)) - len(result.message)]
+    wrapped = textwrap.fill(head + result.message, width=96)
+    return CheckResult(result.exercise, result.right, wrapped[len(head):])
+
+
+def _whole(value, low: int, high: int) -> int | None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        return None
+    return int(value) if low <= value <= high else None
+
+
+# ------------------------------------------------------------------ exercise 6.1
+def decode_step_tokens(engine: LLMEngine, batch: int, repeats: int = 5):
+    """Run ``batch`` requests to their decode phase on ``engine`` and time ``repeats`` decode steps.
+
+    Returns the timed steps' ``StepFinished`` events, their ``Timing`` and the requests' mean
+    context length during the timed steps; the requests are aborted afterwards, so the engine
+    is left as it was.
+    """
+    prompt = engine.tokenizer.encode("Once upon a time, in a small village by the sea,", add_special_tokens=False)
+    ids = [engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True))
+           for _ in range(batch)]
+    while engine.snapshot().waiting or any(r.num_output_tokens == 0 for r in engine.snapshot().running):
+        engine.step()  # the prompts' prefill
+    seen: list[StepFinished] = []
+    unsubscribe = engine.events.subscribe(lambda e: seen.append(e) if isinstance(e, StepFinished) else None)
+    timing = measure(engine.step, repeats=repeats, warmup=1, label=f"decode step, batch {batch}")
+    unsubscribe()
+    context = len(prompt) + 1 + repeats // 2 + 1  # the middle timed step: prompt, the warm-up and half the runs
+    for rid in ids:
+        if engine.has_request(rid):
+            engine.abort(rid)
+    return seen[-repeats:], timing, context
+
+
+def check_decode_batch(decode_batch, roof: Roofline | None, engine: LLMEngine | None) -> CheckResult:
+    """6.1: the smallest decode batch (contexts of ``DECODE_CONTEXT`` tokens) whose arithmetic
+    intensity reaches ``roof``'s ridge point; a step of that many decodes is run on ``engine``."""
+    if todo(decode_batch):
+        return verdict("6.1", False, "", "replace ... with a decode batch size (a whole number from 1 to 4096), "
+                                         "then run the cell again.")
+    b = _whole(decode_batch, 1, 4096)
+    if b is None:
+        return verdict("6.1", False, "", f"decode_batch must be a whole number from 1 to 4096, got {decode_batch!r}.")
+    if roof is None or engine is None:
+        return verdict("6.1", False, "", "run the chapter's roofline section first (it defines roof and engine).")
+    cfg = engine.model_config
+    ai, below = decode_intensity(cfg, b), decode_intensity(cfg, b - 1) if b > 1 else 0.0
+    best = ridge_batch(cfg, roof.ridge_point)
+    seen = (f"a decode step of {b} requests ({DECODE_CONTEXT}-token contexts) does {ai:.1f} FLOPs per byte; "
+            f"this machine's ridge point is {roof.ridge_point:.1f} FLOPs per byte")
+    if ai < roof.ridge_point:
+        return verdict("6.1", False, "", f"{seen}: still memory-bound. Raise the batch: each extra sequence reuses "
+                                         f"the weights the step reads anyway.")
+    if below >= roof.ridge_point:
+        return verdict("6.1", False, "", f"{seen}; {b - 1} requests already reach it ({below:.1f}). Find the "
+                                         f"smallest batch.")
+    steps, timing, context = decode_step_tokens(engine, min(b, engine.config.max_num_seqs))
+    decodes = {s.num_decode_tokens for s in steps}
+    ran = all(s.num_prefill_tokens == 0 for s in steps) and decodes == {b}
+    right = ran and b == best
+    achieved = step_cost(cfg, [(1, context)] * b)[0] / timing.median
+    return verdict("6.1", right,
+                   f"{seen}, and {b - 1} requests stay below it ({below:.1f}). On the engine the step computed "
+                   f"{b} decode tokens in {1e3 * timing.median:.0f} ms median, {achieved / 1e9:.0f} GFLOP/s of "
+                   f"the roof's {roof.attainable(ai) / 1e9:.0f} GFLOP/s: from here on, more sequences per step "
+                   f"cost compute time, no longer only memory time.",
+                   f"{seen}, but the engine's steps carried {sorted(decodes)} decode tokens; raise max_num_seqs.")
+
+
+# ------------------------------------------------------------------ exercise 6.2
+def check_token_budget(budget, reference: ArrivalRun | None) -> CheckResult:
+    """6.2: a budget keeping the decoders' ITL p99 under ``ITL_RATIO`` of the unchunked case's
+    (``reference``, a run with the whole prompt in one step), the prompt done in at most
+    ``MAX_PREFILL_STEPS`` steps."""
+    if todo(budget):
+        return verdict("6.2", False, "", "replace ... with a token budget (max_num_batched_tokens, a whole number "
+                                         "from 16 to 4096), then run the cell again.")
+    b = _whole(budget, 16, 4096)
+    if b is None:
+        return verdict("6.2", False, "", f"the budget must be a whole number from 16 to 4096, got {budget!r}.")
+    if reference is None or len(reference.prefill_steps) != 1:
+        return verdict("6.2", False, "", "run section 6 first: it measures the unchunked reference (budget 2048).")
+    if -(-LONG_PROMPT_TOKENS // max(1, b - 4)) > MAX_PREFILL_STEPS:
+        return verdict("6.2", False, "", f"with {b} tokens a step (4 of them for the decodes) the "
+                                         f"{LONG_PROMPT_TOKENS}-token prompt needs more than {MAX_PREFILL_STEPS} "
+                                         f"steps: its TTFT would suffer. Raise the budget.")
+    run = run_arrival(b)
+    ratio = run.itl_p99 / reference.itl_p99
+    seen = (f"budget {b}: the long prompt took {len(run.prefill_steps)} step(s) of at most "
+            f"{run.largest_step_tokens} tokens; the decoders' ITL p99 was {1e3 * run.itl_p99:.0f} ms, "
+            f"against {1e3 * reference.itl_p99:.0f} ms unchunked")
+    right = len(run.prefill_steps) <= MAX_PREFILL_STEPS and ratio <= ITL_RATIO
+    return verdict("6.2", right,
+                   f"{seen}: the worst wait fell to a fraction of it. A step's time grows with its tokens, so "
+                   f"the budget bounds how long a decoding request can wait for its next token.",
+                   f"{seen}, above half of it. Each step carries up to the budget's tokens: a smaller budget "
+                   f"makes shorter steps.")
+
+
+# ------------------------------------------------------------------ exercise 6.3
+def check_policy(policy, budget) -> CheckResult:
+    """6.3: decoders get a token in every step of the long prefill, which takes at most
+    ``POLICY_PREFILL_STEPS`` steps (structural: read from the steps' token counts)."""
+    from nanoengine.config import POLICIES
+
+    if todo(policy) or todo(budget):
+        return verdict("6.3", False, "", "replace both ... with a policy ('fcfs' or 'prefill_first') and a token "
+                                         "budget, then run the cell again.")
+    if policy not in ("fcfs", "prefill_first"):
+        return verdict("6.3", False, "", f"policy must be 'fcfs' or 'prefill_first' (the engine knows "
+                                         f"{POLICIES}), got {policy!r}.")
+    b = _whole(budget, 16, 4096)
+    if b is None:
+        return verdict("6.3", False, "", f"the budget must be a whole number from 16 to 4096, got {budget!r}.")
+    run = run_arrival(b, policy)
+    n = len(run.prefill_steps)
+    seen = (f"{policy} with budget {b}: the long prompt took {n} step(s); in {run.stalled_steps} of them the "
+            f"decoding requests got no token (decode tokens per step: "
+            f"{[run.steps[i].num_decode_tokens for i in run.prefill_steps]})")
+    right = run.stalled_steps == 0 and n <= POLICY_PREFILL_STEPS
+    hint = ("prefill_first runs a step with prefill work as prefill only: the decoders wait in every one of those "
+            "steps, however small the chunks" if run.stalled_steps else
+            f"too many chunks: the prompt must fit in {POLICY_PREFILL_STEPS} steps")
+    return verdict("6.3", right, f"{seen}. fcfs schedules the running decodes first and gives the prefill what is "
+                                 f"left of the budget, so nobody stalls.", f"{seen}: {hint}.")
+
+
+__all__ = ["ArrivalRun", "arrival_engine", "check_decode_batch", "check_policy", "check_token_budget",
+           "decode_intensity", "decode_step_tokens", "intensity", "long_prompt_ids", "ridge_batch", "run_arrival",
+           "step_cost"]
