@@ -1,0 +1,56 @@
+"""Chapter 7's exercise checks (widgets.exercises.ch07): placeholders and bad values are
+"not yet", the checks judge what the prefix cache did, and the helpers measure what they say."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoengine import LLM
+from widgets.exercises import ch07
+
+
+@pytest.fixture(scope="module")
+def text_llm(tiny_llama_tok_dir):
+    """A tiny random Llama with SmolLM2's tokenizer: prefix hits depend on tokens, not on weights."""
+    return LLM(str(tiny_llama_tok_dir), device="cpu", max_model_len=512, num_kv_blocks=64)
+
+
+@pytest.mark.parametrize("check", [ch07.check_pool_size, ch07.check_block_size])
+@pytest.mark.parametrize("value", [..., None, "14", 2.5, True, -1, 10**6])
+def test_placeholders_and_bad_values_are_not_yet(check, value) -> None:
+    result = check(value)
+    assert not result.right and str(result).startswith(f"Exercise {result.exercise}: not yet. Hint: ")
+
+
+@pytest.mark.parametrize("layout", [..., None, 42, "{rules}{date}", "{rules}{date}{question}{x}",
+                                    "{rules}{date}{question}{rules}", "{rules", "{0}{date}{question}"])
+def test_prompt_layout_refuses_placeholders_and_malformed_layouts(text_llm, layout) -> None:
+    result = ch07.check_prompt_layout(layout, text_llm)
+    assert not result.right and str(result).startswith("Exercise 7.3: not yet. Hint: ")
+
+
+def test_pool_size_hits_grow_one_block_at_a_time_until_both_prompts_fit() -> None:
+    blocks = ch07.TENANT_PROMPT_LEN // 16
+    for n in (8, 10, 14):
+        r = ch07.tenant_turns(n)
+        assert r.cached_tokens[:2] == (0, 0)  # each tenant's first request finds nothing
+        # the head of a prompt is freed last, so it is evicted last: a smaller pool keeps a shorter head
+        assert set(r.later_requests) == {16 * min(blocks, n - 8)}
+    assert ch07.check_pool_size(14).right
+    assert not ch07.check_pool_size(13).right and not ch07.check_pool_size(15).right
+
+
+def test_block_size_must_divide_the_shared_prefix() -> None:
+    assert ch07.shared_prefix_hits(16) == (0, 96, 96)
+    assert ch07.shared_prefix_hits(20) == (0, 100, 100)
+    assert ch07.shared_prefix_hits(128) == (0, 0, 0)  # the prefix never fills a block
+    assert ch07.check_block_size(25).right and not ch07.check_block_size(32).right
+
+
+def test_prompt_layout_shares_the_rules_only_when_they_come_first(text_llm) -> None:
+    hits, rules_tokens = ch07.layout_hits("Today is {date}.\n{rules}\nQuestion: {question}", text_llm)
+    assert hits == (0, 0, 0)
+    hits, rules_tokens = ch07.layout_hits("{rules}\nToday is {date}.\nQuestion: {question}", text_llm)
+    assert hits[0] == 0 and all(h == 16 * (rules_tokens // 16) for h in hits[1:])
+    assert ch07.check_prompt_layout("{rules}\n{question}\n{date}", text_llm).right
+    assert not ch07.check_prompt_layout("{question}\n{rules}\n{date}", text_llm).right

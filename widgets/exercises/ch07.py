@@ -1,0 +1,222 @@
+"""Exercise checks of chapter 7 (prefix caching): pool size, block size, prompt layout.
+
+Each check takes the value the learner chose, runs the experiment through the engine's
+public API and judges what the prefix cache did (prompt tokens served from it, read from
+``RequestOutput.num_cached_tokens``, and evictions, from the snapshot), never the learner's
+code and never a timing:
+
+* ``check_pool_size`` (7.1): the smallest KV pool in which two tenants, taking turns, are
+  each served their whole system prompt from the cache on every request after their first
+  (a tiny random engine: mechanics only, ``widgets.tiny_engine``);
+* ``check_block_size`` (7.2): a block size of at least 16 tokens with which requests that
+  share a 100-token prefix are served all 100 of those tokens (tiny engine);
+* ``check_prompt_layout`` (7.3): a prompt layout, as a format string, that lets requests
+  with different dates and questions share the fixed rules (the real model and tokenizer,
+  passed in by the chapter).
+
+``tenant_turns``, ``shared_prefix_hits`` and ``layout_hits`` are the experiments behind the
+checks, kept here so the checks and the worked solutions
+(``notebooks/solutions/07_prefix_caching.ipynb``) run the same thing.
+"""
+
+from __future__ import annotations
+
+import string
+import textwrap
+from dataclasses import dataclass
+
+import numpy as np
+
+from nanoengine import LLM, LLMEngine, SamplingParams
+from widgets._common import TokenSource, single_thread, tiny_engine
+from widgets.exercises import CheckResult, todo
+from widgets.exercises import verdict as _verdict
+
+# exercise 7.1: two tenants, each with its own system prompt, take turns
+TENANT_PROMPT_LEN = 96  # tokens of each tenant's system prompt (6 blocks of 16)
+TENANT_QUESTION_LEN = 20  # tokens of each request's own question
+TENANT_MAX_TOKENS = 8
+TENANT_ROUNDS = 3  # A, B, A, B, A, B
+TENANT_MAX_MODEL_LEN = 128  # so a pool needs at least 8 blocks of 16 tokens
+# exercise 7.2: a prefix that is not a multiple of 16 tokens
+SHARED_PREFIX_LEN = 100
+SHARED_SUFFIX_LEN = 20
+# exercise 7.3: the rules every prompt carries, and what changes from request to request
+LAYOUT_FIELDS = ("rules", "date", "question")
+LAYOUT_RULES = (
+    "You are the help desk of the Northfield public library. Answer in at most two short sentences. "
+    "Opening hours: Monday to Friday 9:00 to 20:00, Saturday 10:00 to 17:00, closed on Sunday and on public "
+    "holidays. Members may borrow up to twelve items at once: books for three weeks, films and games for one "
+    "week. Renewals are possible online twice, unless someone has reserved the item. Late returns cost twenty "
+    "cents per day per item, never more than the item's price. Library cards are free for anyone who lives, "
+    "works or studies in Northfield; bring a document with your address. Printing costs ten cents a page. "
+    "Never invent a rule that is not listed here: if you do not know, say so and suggest asking at the desk.")
+LAYOUT_REQUESTS = (("Monday 3 March", "Can I borrow a film for two weeks?"),
+                   ("Tuesday 4 March", "How much is printing?"),
+                   ("Wednesday 5 March", "Is the library open on Sunday?"))
+LAYOUT_SHARE = 0.8  # later requests must be served at least this share of the rules' tokens
+
+
+def verdict(exercise: str, right: bool, success: str, hint: str) -> CheckResult:
+    """``widgets.exercises.verdict`` with the message broken into lines of at most 96 characters."""
+    result = _verdict(exercise, right, success, hint)
+    head = str(result)[:len(str(result)) - len(result.message)]
+    wrapped = textwrap.fill(head + result.message, width=96)
+    return CheckResult(result.exercise, result.right, wrapped[len(head):])
+
+
+def _whole(value, low: int, high: int) -> int | None:
+    """``value`` as an int in [low, high], or None."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        return None
+    return int(value) if low <= value <= high else None
+
+
+def _run_alone(engine: LLMEngine, prompt, max_tokens: int) -> int:
+    """Run one request to the end, alone; return its prompt tokens served from the prefix cache."""
+    rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    final = None
+    while engine.has_request(rid):
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                final = out
+    return final.num_cached_tokens
+
+
+# ------------------------------------------------------------------ exercise 7.1
+@dataclass(frozen=True)
+class TurnsResult:
+    """What the prefix cache did while two tenants took turns."""
+
+    num_kv_blocks: int
+    cached_tokens: tuple[int, ...]  # per request, in order A, B, A, B, ...
+    num_evictions: int
+
+    @property
+    def later_requests(self) -> tuple[int, ...]:
+        """Cached tokens of every request after each tenant's first."""
+        return self.cached_tokens[2:]
+
+
+def tenant_turns(num_kv_blocks: int, block_size: int = 16) -> TurnsResult:
+    """Two tenants (A, B), each with its own 96-token system prompt, send requests in turn, one
+    at a time; each request adds a 20-token question and generates 8 tokens (tiny engine)."""
+    engine = tiny_engine(num_kv_blocks=num_kv_blocks, block_size=block_size, max_model_len=TENANT_MAX_MODEL_LEN)
+    source = TokenSource(engine.model_config.vocab_size, seed=7)
+    systems = [source.tokens(TENANT_PROMPT_LEN), source.tokens(TENANT_PROMPT_LEN)]
+    cached = []
+    with single_thread():  # the tiny model's matrices are too small for a second thread to help
+        for _ in range(TENANT_ROUNDS):
+            for system in systems:
+                cached.append(_run_alone(engine, system + source.tokens(TENANT_QUESTION_LEN), TENANT_MAX_TOKENS))
+    return TurnsResult(num_kv_blocks, tuple(cached), engine.snapshot().num_evictions)
+
+
+def check_pool_size(num_kv_blocks) -> CheckResult:
+    """7.1: the smallest pool where every later request is served its whole system prompt."""
+    low = TENANT_MAX_MODEL_LEN // 16
+    if todo(num_kv_blocks):
+        return verdict("7.1", False, "", f"replace ... with a number of 16-token blocks, from {low} (one "
+                                         f"{TENANT_MAX_MODEL_LEN}-token request must fit) to 64, then run the cell "
+                                         f"again.")
+    n = _whole(num_kv_blocks, low, 64)
+    if n is None:
+        return verdict("7.1", False, "", f"num_kv_blocks must be a whole number from {low} to 64, "
+                                         f"got {num_kv_blocks!r}.")
+    r = tenant_turns(n)
+    seen = (f"With {n} blocks the requests were served {list(r.cached_tokens)} prompt tokens from the cache "
+            f"({r.num_evictions} evictions)")
+    kept = all(c == TENANT_PROMPT_LEN for c in r.later_requests)
+    if not kept:
+        return verdict("7.1", False, "", f"{seen}: the later requests should get all {TENANT_PROMPT_LEN}. "
+                                         f"Count the blocks both system prompts occupy, plus what one request "
+                                         f"needs beyond its prompt's shared blocks.")
+    smaller = tenant_turns(n - 1) if n > low else None
+    if smaller is not None and all(c == TENANT_PROMPT_LEN for c in smaller.later_requests):
+        return verdict("7.1", False, "", f"{seen}. That works, but {n - 1} blocks would too: find the "
+                                         f"smallest pool.")
+    below = (f"; with {n - 1} the later requests get only {smaller.later_requests[0]}" if smaller is not None
+             else "")
+    return verdict("7.1", True,
+                   f"{seen}{below}. Both system prompts (6 blocks each) stay cached and each request needs 2 "
+                   f"blocks of its own; the evictions left are old questions' blocks, the least recently used.",
+                   "")
+
+
+# ------------------------------------------------------------------ exercise 7.2
+def shared_prefix_hits(block_size: int, num_requests: int = 3) -> tuple[int, ...]:
+    """Prompt tokens served from the cache to each of ``num_requests`` requests that share their
+    first 100 tokens and then differ (20 tokens each), run one after another (tiny engine)."""
+    max_model_len = 256
+    engine = tiny_engine(num_kv_blocks=max(64, -(-2 * max_model_len // block_size)), block_size=block_size,
+                         max_model_len=max_model_len)
+    source = TokenSource(engine.model_config.vocab_size, seed=3)
+    prefix = source.tokens(SHARED_PREFIX_LEN)
+    with single_thread():
+        return tuple(_run_alone(engine, prefix + source.tokens(SHARED_SUFFIX_LEN), 2) for _ in range(num_requests))
+
+
+def check_block_size(block_size) -> CheckResult:
+    """7.2: a block size >= 16 with which later requests are served all 100 shared tokens."""
+    if todo(block_size):
+        return verdict("7.2", False, "", "replace ... with a block size in tokens (a whole number from 16 to "
+                                         "128), then run the cell again.")
+    bs = _whole(block_size, 16, 128)
+    if bs is None:
+        return verdict("7.2", False, "", f"block_size must be a whole number from 16 to 128, got {block_size!r}.")
+    hits = shared_prefix_hits(bs)
+    seen = f"With {bs}-token blocks the three requests were served {list(hits)} prompt tokens from the cache"
+    later = hits[1:]
+    if all(h == SHARED_PREFIX_LEN for h in later):
+        return verdict("7.2", True, f"{seen}: all {SHARED_PREFIX_LEN} shared tokens, because {bs} divides "
+                                    f"{SHARED_PREFIX_LEN}. Only full blocks are cached, and a block that mixes "
+                                    f"shared and private tokens has a digest of its own.", "")
+    return verdict("7.2", False, "", f"{seen}. Only full blocks whose tokens are all shared can match: the "
+                                     f"block that holds the first private token never does.")
+
+
+# ------------------------------------------------------------------ exercise 7.3
+def _layout_fields(layout: str) -> list[str]:
+    return [name for _, name, _, _ in string.Formatter().parse(layout) if name is not None]
+
+
+def layout_hits(layout: str, llm: LLM | LLMEngine) -> tuple[tuple[int, ...], int]:
+    """(prompt tokens each request was served from the cache, tokens of the rules) for the three
+    requests of exercise 7.3 built with ``layout``, run one after another on ``llm``.
+
+    The prefix cache is emptied first, so earlier cells cannot help; each request
+    generates one token (its time to first token is what prefix caching shortens).
+    """
+    engine = llm.engine if isinstance(llm, LLM) else llm
+    engine.reset_prefix_cache()
+    hits = tuple(_run_alone(engine, layout.format(rules=LAYOUT_RULES, date=date, question=question), 1)
+                 for date, question in LAYOUT_REQUESTS)
+    return hits, len(engine.tokenizer.encode(LAYOUT_RULES, add_special_tokens=False))
+
+
+def check_prompt_layout(layout, llm: LLM | LLMEngine) -> CheckResult:
+    """7.3: a layout whose later requests are served most of the rules from the prefix cache."""
+    if todo(layout):
+        return verdict("7.3", False, "", "replace ... with a format string that uses {rules}, {date} and "
+                                         "{question} once each, then run the cell again.")
+    if not isinstance(layout, str):
+        return verdict("7.3", False, "", f"layout must be a string, got {type(layout).__name__}.")
+    try:
+        fields = _layout_fields(layout)
+    except ValueError as error:
+        return verdict("7.3", False, "", f"layout is not a valid format string ({error}).")
+    if sorted(fields) != sorted(LAYOUT_FIELDS):
+        return verdict("7.3", False, "", f"layout must use {{rules}}, {{date}} and {{question}} exactly once "
+                                         f"each (and no other field), got {fields}.")
+    hits, rules_tokens = layout_hits(layout, llm)
+    seen = (f"The three requests were served {list(hits)} prompt tokens from the cache (the rules are "
+            f"{rules_tokens} tokens)")
+    if all(h >= LAYOUT_SHARE * rules_tokens for h in hits[1:]):
+        return verdict("7.3", True, f"{seen}. What every request shares comes first and what changes comes "
+                                    f"after it, so the chained digests of the rules' blocks match.", "")
+    return verdict("7.3", False, "", f"{seen}. A block matches only if every token before it matches too: "
+                                     f"whatever changes between requests must come after what they share.")
+
+
+__all__ = ["TurnsResult", "check_block_size", "check_pool_size", "check_prompt_layout", "layout_hits",
+           "shared_prefix_hits", "tenant_turns"]
