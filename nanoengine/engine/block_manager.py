@@ -11,8 +11,10 @@ not just equal blocks. A new request whose leading blocks hash the same reuses t
 physical blocks (their reference count goes up) and skips computing them.
 
 Why a cryptographic digest: a 64-bit hash such as Python's ``hash`` can be made to collide
-on purpose, and a collision would serve one request another's KV (vLLM's CVE-2025-25183,
-fixed there by moving to SHA-256). Two more checks make a hit safe even if digests did
+on purpose, and a collision would serve one request another's KV. vLLM's CVE-2025-25183 was
+that: from Python 3.12 ``hash(None)``, the start of its chain, is a known constant. The fix
+(vLLM PR #12621) randomised the chain's start; SHA-256 became an option in vLLM 0.8.3 and
+the default in 0.10.2. Two more checks make a hit safe even if digests did
 collide: the block's stored token ids must equal the request's, and the block must have
 been computed after the very block matched just before it in the chain (each cached block
 records the *cache serial* of its parent, a number no other cached block ever gets).

@@ -55,7 +55,7 @@ class EngineSnapshot:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
-    num_evictions: int = 0  # cached blocks handed out again for new tokens (their digest forgotten)
+    num_evictions: int = 0  # cached digests forgotten: blocks handed out again, and reset_prefix_cache() drops
     scheduling_policy: str = "fcfs"
 
     @property
