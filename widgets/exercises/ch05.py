@@ -1,0 +1,328 @@
+"""Exercise checks of chapter 5 (the scheduler): token budget, KV pool, scheduling policy.
+
+``run_trace`` is the chapter's experiment: it feeds requests to a live engine at given
+steps, steps it until every request has finished, and records what each step did from the
+engine's public events and snapshots (who was scheduled, prefill and decode tokens, who
+waited, who was preempted, which running decodes were skipped). The chapter runs it on the
+real model (static vs continuous batching, preemption); the checks below run it on a tiny
+random engine (``widgets.tiny_engine``: mechanics only, the same scheduling decisions for
+the same token counts, in milliseconds):
+
+* ``check_token_budget`` (5.1): the smallest ``max_num_batched_tokens`` with which a
+  120-token prompt, arriving while three requests decode, is prefilled within 3 steps;
+* ``check_pool_size`` (5.2): the smallest ``num_kv_blocks`` for which the preemption trace
+  runs without a single preemption;
+* ``check_policy`` (5.3): the ``scheduling_policy`` under which that newcomer starts at
+  once and no running request ever skips a decode step.
+"""
+
+from __future__ import annotations
+
+import textwrap
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from nanoengine import LLMEngine, RequestOutput, SamplingParams
+from nanoengine.config import POLICIES
+from nanoengine.events import RequestPreempted, RequestScheduled, StepFinished
+from widgets._common import TokenSource, single_thread, tiny_engine
+from widgets.exercises import CheckResult, todo
+from widgets.exercises import verdict as _verdict
+
+NEWCOMER_LEN = 120  # exercises 5.1 and 5.3: the long prompt that arrives while others decode
+NEWCOMER_STEP = 3  # ... at this step
+PREFILL_WITHIN = 3  # exercise 5.1: its prefill must be done within this many steps
+BLOCK_SIZE = 16
+PREEMPTION_PROMPTS = (20, 28, 36, 44)  # exercise 5.2: prompt tokens of the four requests
+PREEMPTION_OUTPUT = 40  # ... each generating this many tokens (EOS ignored)
+
+
+@dataclass(frozen=True)
+class StepStat:
+    """One engine step as ``run_trace`` saw it."""
+
+    step: int
+    chunks: tuple[tuple[str, int, bool], ...]  # (request id, tokens, is prefill) in scheduling order
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    preempted: tuple[str, ...]
+    waiting_before: int  # requests waiting when the step began
+    running_before: int  # requests running when the step began
+    stalled: tuple[str, ...]  # running requests ready to decode that got no token this step
+    seconds: float  # the engine's own timing of the step (StepFinished.total_time)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def scheduled(self) -> tuple[str, ...]:
+        """Request ids that computed tokens this step."""
+        return tuple(rid for rid, _, _ in self.chunks)
+
+
+@dataclass(frozen=True)
+class RequestStat:
+    request_id: str
+    arrival_step: int
+    first_scheduled_step: int | None
+    first_token_step: int | None
+    finish_step: int | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    ttft: float | None  # seconds, from the engine's RequestMetrics
+    text: str
+
+
+@dataclass(frozen=True)
+class TraceRun:
+    """What one run of a trace did, step by step and request by request."""
+
+    policy: str
+    max_num_seqs: int
+    steps: tuple[StepStat, ...]
+    requests: tuple[RequestStat, ...]  # in the order they were added
+    preemptions: tuple[tuple[int, str, int, int], ...]  # (step, request id, blocks freed, tokens it had computed)
+    recomputed_tokens: int  # tokens computed a second time after a preemption
+    seconds: float  # wall time of the whole run
+    cpu_seconds: float = 0.0  # CPU time this process spent on it (all threads): steadier on a shared machine
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.steps)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.num_output_tokens for r in self.requests)
+
+    @property
+    def slot_utilisation(self) -> float:
+        """Busy (step, slot) pairs over all of them: requests computing / (steps x max_num_seqs)."""
+        return sum(len(s.scheduled) for s in self.steps) / (self.num_steps * self.max_num_seqs)
+
+    @property
+    def utilisation_while_waiting(self) -> float:
+        """The same, over the steps that began with a request waiting (work was there to do)."""
+        busy = [s for s in self.steps if s.waiting_before]
+        return sum(len(s.scheduled) for s in busy) / (len(busy) * self.max_num_seqs) if busy else float("nan")
+
+    @property
+    def num_stalls(self) -> int:
+        """(step, request) pairs where a running request ready to decode got no token."""
+        return sum(len(s.stalled) for s in self.steps)
+
+    def request(self, request_id: str) -> RequestStat:
+        return next(r for r in self.requests if r.request_id == request_id)
+
+
+Trace = Sequence[tuple[int, "str | list[int]", SamplingParams]]  # (arrival step, prompt, params)
+
+
+def run_trace(engine: LLMEngine, trace: Trace) -> TraceRun:
+    """Add each request of ``trace`` when its arrival step comes, step until all have finished.
+
+    Everything recorded comes from ``engine.events`` and ``engine.snapshot()``. Recomputed
+    tokens are counted as in chapter 4: after a ``RequestPreempted``, scheduled tokens
+    below the progress the request had reached are computed a second time.
+    """
+    if engine.has_unfinished_requests():
+        raise ValueError("run_trace needs an idle engine: finish or abort its requests first")
+    pending = sorted(trace, key=lambda t: t[0])
+    steps: list[StepStat] = []
+    preemptions: list[tuple[int, str, int, int]] = []
+    arrival: dict[str, int] = {}
+    first_sched: dict[str, int] = {}
+    first_token: dict[str, int] = {}
+    finish: dict[str, int] = {}
+    final: dict[str, RequestOutput] = {}
+    reached: dict[str, int] = {}
+    progress: dict[str, int] = {}  # tokens computed, from the last snapshot
+    current: dict = {"scheduled": [], "preempted": []}
+    recomputed = 0
+
+    def on_event(event) -> None:
+        nonlocal recomputed
+        if isinstance(event, RequestScheduled):
+            current["scheduled"].append((event.request_id, event.num_tokens, event.is_prefill))
+            first_sched.setdefault(event.request_id, event.step)
+            start, end = event.num_computed_tokens, event.num_computed_tokens + event.num_tokens
+            before = reached.get(event.request_id, 0)
+            recomputed += max(0, min(end, before) - start)
+            reached[event.request_id] = max(before, end)
+        elif isinstance(event, RequestPreempted):
+            current["preempted"].append(event.request_id)
+            preemptions.append((event.step, event.request_id, event.num_blocks_freed,
+                                progress.get(event.request_id, 0)))
+        elif isinstance(event, StepFinished):
+            current["finished"] = event
+
+    unsubscribe = engine.events.subscribe(on_event)
+    step = 0
+    start_time, start_cpu = time.perf_counter(), time.process_time()
+    try:
+        while pending or engine.has_unfinished_requests():
+            while pending and pending[0][0] <= step:
+                _, prompt, params = pending.pop(0)
+                arrival[engine.add_request(prompt, params)] = step
+            snap = engine.snapshot()
+            progress.update({r.request_id: r.num_computed_tokens for r in snap.running})
+            ready = [r.request_id for r in snap.running
+                     if r.num_output_tokens > 0 and r.num_computed_tokens == r.num_tokens - 1]
+            current.update(scheduled=[], preempted=[], finished=None)
+            outputs = engine.step()
+            done = current["finished"]
+            if done is not None:
+                sched = tuple(current["scheduled"])
+                steps.append(StepStat(step, sched, done.num_prefill_tokens, done.num_decode_tokens,
+                                      tuple(current["preempted"]), len(snap.waiting), len(snap.running),
+                                      tuple(r for r in ready if r not in {c[0] for c in sched}), done.total_time))
+            for out in outputs:
+                if out.token_ids:
+                    first_token.setdefault(out.request_id, step)
+                if out.finished:
+                    finish[out.request_id] = step
+                    final[out.request_id] = out
+            step += 1
+    finally:
+        unsubscribe()
+    seconds, cpu_seconds = time.perf_counter() - start_time, time.process_time() - start_cpu
+    requests = tuple(RequestStat(rid, arrival[rid], first_sched.get(rid), first_token.get(rid), finish.get(rid),
+                                 len(final[rid].prompt_token_ids), len(final[rid].token_ids),
+                                 final[rid].metrics.ttft, final[rid].text) for rid in arrival)
+    return TraceRun(engine.config.scheduling_policy, engine.config.max_num_seqs, tuple(steps), requests,
+                    tuple(preemptions), recomputed, seconds, cpu_seconds)
+
+
+def verdict(exercise: str, right: bool, success: str, hint: str) -> CheckResult:
+    """``widgets.exercises.verdict`` with the message wrapped at 96 characters."""
+    result = _verdict(exercise, right, success, hint)
+    head = str(result)[:len(str(result)) - len(result.message)]
+    wrapped = textwrap.fill(head + result.message, width=96)
+    return CheckResult(result.exercise, result.right, wrapped[len(head):])
+
+
+def _whole(value, low: int, high: int) -> int | None:
+    """``value`` as an int in [low, high], or None."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        return None
+    return int(value) if low <= value <= high else None
+
+
+# --------------------------------------------------------- exercises 5.1 and 5.3
+def newcomer_trace(vocab_size: int = 256) -> list[tuple[int, list[int], SamplingParams]]:
+    """Three short requests decoding 40 tokens each; at step 3 a 120-token prompt arrives."""
+    tokens = TokenSource(vocab_size, seed=5)
+    decoding = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    trace = [(0, tokens.tokens(8), decoding) for _ in range(3)]
+    trace.append((NEWCOMER_STEP, tokens.tokens(NEWCOMER_LEN), SamplingParams(temperature=0.0, max_tokens=8,
+                                                                             ignore_eos=True)))
+    return trace
+
+
+def newcomer_run(max_num_batched_tokens: int = 32, scheduling_policy: str = "fcfs") -> TraceRun:
+    """``newcomer_trace`` on a tiny engine with the given budget and policy."""
+    engine = tiny_engine(num_kv_blocks=64, block_size=BLOCK_SIZE, max_model_len=256, max_num_seqs=8,
+                         max_num_batched_tokens=max_num_batched_tokens, scheduling_policy=scheduling_policy,
+                         enable_prefix_caching=False)
+    with single_thread():
+        return run_trace(engine, newcomer_trace())
+
+
+def check_token_budget(max_num_batched_tokens) -> CheckResult:
+    """5.1: the smallest budget that prefills the newcomer within 3 steps of its arrival."""
+    if todo(max_num_batched_tokens):
+        return verdict("5.1", False, "", "replace ... with a token budget per step (a whole number from 1 to "
+                                         "512), then run the cell again.")
+    b = _whole(max_num_batched_tokens, 1, 512)
+    if b is None:
+        return verdict("5.1", False, "", f"max_num_batched_tokens must be a whole number from 1 to 512, "
+                                         f"got {max_num_batched_tokens!r}.")
+
+    def steps_to_prefill(budget: int) -> tuple[int, TraceRun]:
+        run = newcomer_run(budget)
+        newcomer = run.requests[-1]
+        return newcomer.first_token_step - newcomer.arrival_step + 1, run
+
+    took, run = steps_to_prefill(b)
+    chunks = [n for s in run.steps for rid, n, prefill in s.chunks
+              if rid == run.requests[-1].request_id and prefill]
+    seen = (f"With a {b}-token budget the {NEWCOMER_LEN}-token prompt took {took} step(s) "
+            f"(chunks of {chunks}) and running decodes were skipped "
+            f"{run.num_stalls} time(s)")
+    if took > PREFILL_WITHIN:
+        return verdict("5.1", False, "", f"{seen}: too slow. Each step the three decodes take their token first; "
+                                         f"the prompt gets what is left of the budget.")
+    smaller, _ = steps_to_prefill(b - 1) if b > 1 else (PREFILL_WITHIN + 1, None)
+    if smaller <= PREFILL_WITHIN:
+        return verdict("5.1", False, "", f"{seen}; but {b - 1} tokens would do it too: find the smallest budget.")
+    return verdict("5.1", True, f"{seen}; {b - 1} would need {smaller}. Three decodes take 3 tokens of every "
+                                f"step, so 3 x ({b} - 3) >= {NEWCOMER_LEN} is what the chunks need.", "")
+
+
+# ------------------------------------------------------------------ exercise 5.2
+def preemption_trace(vocab_size: int = 256) -> list[tuple[int, list[int], SamplingParams]]:
+    """Four requests at once: prompts of 20, 28, 36 and 44 tokens, 40 output tokens each."""
+    tokens = TokenSource(vocab_size, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=PREEMPTION_OUTPUT, ignore_eos=True)
+    return [(0, tokens.tokens(n), params) for n in PREEMPTION_PROMPTS]
+
+
+def preemption_run(num_kv_blocks: int, scheduling_policy: str = "fcfs",
+                   max_num_batched_tokens: int = 2048) -> TraceRun:
+    """``preemption_trace`` on a tiny engine with a pool of ``num_kv_blocks`` 16-token blocks."""
+    engine = tiny_engine(num_kv_blocks=num_kv_blocks, block_size=BLOCK_SIZE, max_model_len=96,
+                         scheduling_policy=scheduling_policy, enable_prefix_caching=False,
+                         max_num_batched_tokens=max_num_batched_tokens)
+    with single_thread():
+        return run_trace(engine, preemption_trace())
+
+
+def check_pool_size(num_kv_blocks) -> CheckResult:
+    """5.2: the smallest pool with which the preemption trace runs without a preemption."""
+    low = 96 // BLOCK_SIZE
+    if todo(num_kv_blocks):
+        return verdict("5.2", False, "", f"replace ... with a number of {BLOCK_SIZE}-token blocks (a whole number "
+                                         f"from {low} to 64), then run the cell again.")
+    n = _whole(num_kv_blocks, low, 64)
+    if n is None:
+        return verdict("5.2", False, "", f"num_kv_blocks must be a whole number from {low} to 64, "
+                                         f"got {num_kv_blocks!r}.")
+    run = preemption_run(n)
+    seen = (f"With {n} blocks the trace took {run.num_steps} steps, {len(run.preemptions)} preemption(s) and "
+            f"{run.recomputed_tokens} recomputed tokens")
+    if run.preemptions:
+        return verdict("5.2", False, "", f"{seen}: the pool is too small. Count the blocks each request holds "
+                                         f"when it finishes.")
+    fewer = preemption_run(n - 1) if n > low else None
+    if fewer is not None and not fewer.preemptions:
+        return verdict("5.2", False, "", f"{seen}; but {n - 1} blocks are enough too: find the smallest pool.")
+    return verdict("5.2", True, f"{seen}; with {n - 1} blocks it preempts {len(fewer.preemptions)} time(s). "
+                                f"A request holds ceil((prompt + output - 1) / {BLOCK_SIZE}) blocks at the end: the "
+                                f"last sampled token is never written to the cache.", "")
+
+
+# ------------------------------------------------------------------ exercise 5.3
+def check_policy(scheduling_policy) -> CheckResult:
+    """5.3: the policy under which the newcomer starts at once and no decode is ever skipped."""
+    if todo(scheduling_policy):
+        return verdict("5.3", False, "", f"replace ... with one of {', '.join(map(repr, POLICIES))}, then run "
+                                         f"the cell again.")
+    if scheduling_policy not in POLICIES:
+        return verdict("5.3", False, "", f"scheduling_policy must be one of {POLICIES}, got {scheduling_policy!r}.")
+    run = newcomer_run(32, scheduling_policy)
+    newcomer = run.requests[-1]
+    waited = newcomer.first_scheduled_step - newcomer.arrival_step
+    seen = (f"Under {scheduling_policy!r} the newcomer waited {waited} step(s) before its first chunk, and "
+            f"running requests skipped {run.num_stalls} decode step(s) in all")
+    right = waited == 0 and run.num_stalls == 0
+    return verdict("5.3", right,
+                   f"{seen}. Running requests take their decode token first and the prompt fills the rest of "
+                   f"the budget in chunks: continuous batching with chunked prefill, vLLM v1's scheduler.",
+                   f"{seen}. Look for the policy that mixes prefill chunks and decodes in the same step.")
+
+
+__all__ = ["RequestStat", "StepStat", "TraceRun", "check_policy", "check_pool_size", "check_token_budget",
+           "newcomer_run", "newcomer_trace", "preemption_run", "preemption_trace", "run_trace"]
