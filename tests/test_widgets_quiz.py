@@ -314,3 +314,23 @@ def test_prefix_question_offers_the_unchained_lookup_as_a_mistake(engine) -> Non
     texts = {o.text: o for o in question.options}
     assert texts["0 blocks (0 tokens skipped)"].correct
     assert not texts["2 blocks (8 tokens skipped)"].correct  # equal tokens, different prefix
+
+
+def test_sampling_question_filters_a_real_vocabulary_a_bounded_number_of_times(monkeypatch) -> None:
+    """On a full-size row (49,152 logits, SmolLM2's vocabulary) with top-p set, the question
+    calls the engine's filter a few times, not once per vocabulary token."""
+    import torch
+
+    import widgets.live_questions as live_questions
+
+    calls = []
+    real = live_questions.kept_mask
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(live_questions, "kept_mask", spy)
+    logits = torch.randn(49_152, generator=torch.Generator().manual_seed(0)) * 3
+    question = live_questions.sampling_question(logits, temperature=0.8, top_k=6, top_p=0.95)
+    assert len(question.options) >= 2 and len(calls) <= 10
