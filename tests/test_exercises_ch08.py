@@ -9,14 +9,16 @@ import pytest
 import torch
 
 from nanoengine import SamplingParams
-from widgets import default_engine, single_thread
+from widgets import single_thread
 from widgets.exercises import ch08
+
+pytestmark = pytest.mark.slow  # loads the default model
 
 
 @pytest.fixture(scope="module")
-def engine():
-    with single_thread():
-        yield default_engine()
+def engine(default_llm):
+    with single_thread():  # one vocabulary row at a time: a second thread only costs time
+        yield default_llm.engine
 
 
 @pytest.mark.parametrize("check", [ch08.check_top_p, ch08.check_temperature])
