@@ -327,3 +327,23 @@ def test_allreduce_bytes_question_counts_the_row_parallel_layers() -> None:
     assert len(question.options) >= 4 and len({o.text for o in question.options}) == len(question.options)
     with pytest.raises(ValueError):
         allreduce_bytes_question(net, dtype_bytes=4, num_tokens=1, tp_size=1)
+
+
+def test_sampling_question_filters_a_real_vocabulary_a_bounded_number_of_times(monkeypatch) -> None:
+    """On a full-size row (49,152 logits, SmolLM2's vocabulary) with top-p set, the question
+    calls the engine's filter a few times, not once per vocabulary token."""
+    import torch
+
+    import widgets.live_questions as live_questions
+
+    calls = []
+    real = live_questions.kept_mask
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(live_questions, "kept_mask", spy)
+    logits = torch.randn(49_152, generator=torch.Generator().manual_seed(0)) * 3
+    question = live_questions.sampling_question(logits, temperature=0.8, top_k=6, top_p=0.95)
+    assert len(question.options) >= 2 and len(calls) <= 10

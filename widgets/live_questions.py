@@ -380,7 +380,8 @@ def sampling_question(logits: torch.Tensor, *, temperature: float = 1.0, top_k: 
     wrong = []
     if top_p < 1.0 and min_p == 0.0:
         # the boundary mistake: stop *before* the token whose probability crosses p
-        survivors = [i for i in order if i in set(kept(p=1.0))]  # what top-k left, best first
+        left = set(kept(p=1.0))  # what top-k left (computed once: ``order`` spans the whole vocabulary)
+        survivors = [i for i in order if i in left]  # best first
         probs = torch.softmax(row[survivors] / temperature, dim=-1)
         within = max(1, int((probs.cumsum(0) <= top_p).sum().item()))
         wrong.append((_token_set(survivors[:within], labels),
