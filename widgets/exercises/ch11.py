@@ -31,7 +31,7 @@ MIN_PROMPT, MAX_PROMPT = 16, 32
 MIN_OUTPUT, MAX_OUTPUT = 4, 12
 SEED = 0
 MAX_REPEATS = 15  # exercise 11.1: more repeats than this only cost time in a chapter
-COUNT_QUESTIONS = ["Answer yes or no: is water wet?", "Say hi.", "Reply with one word: the colour of the sky."]
+COUNT_QUESTIONS = ["What is 2+2?", "Name one colour.", "What is the capital of France?"]  # short answers
 COUNT_MAX_TOKENS = 24  # exercise 11.3
 
 
