@@ -97,7 +97,7 @@ def check_measurement(warmup, repeats) -> CheckResult:
     return _verdict(
         name, right,
         f"the cold first call ({1e3 * calls[0]:.1f} ms) ran untimed; the median of the {repeats} timed runs is "
-        f"{1e3 * timing.median:.1f} ms (IQR {1e3 * timing.quartiles[0]:.1f}-{1e3 * timing.quartiles[1]:.1f} ms).",
+        f"{1e3 * timing.median:.1f} ms (IQR {1e3 * timing.quartiles[0]:.1f} ms to {1e3 * timing.quartiles[1]:.1f} ms).",
         "with warmup=0 the first timed run is the cold one (first allocations, first kernels), and the median "
         "would mix it in: warm up at least once.")
 
