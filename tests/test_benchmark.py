@@ -7,7 +7,7 @@ import json
 import pytest
 
 from nanoengine.__main__ import main
-from nanoengine.measure.benchmark import (compare_greedy, latency_summary, make_output_lens, make_workload,
+from nanoengine.measure.benchmark import (cb_config_for, compare_greedy, latency_summary, make_output_lens, make_workload,
                                           percentiles, poisson_arrivals, spread, static_computed_tokens,
                                           workload_flops)
 from nanoengine.engine.compilation import CPU_MIN_ROWS
@@ -177,3 +177,10 @@ def test_latency_summary_reads_the_engines_timestamps():
     summary = latency_summary([m])
     assert summary["ttft_ms"]["p50"] == pytest.approx(500) and summary["tpot_ms"]["p50"] == pytest.approx(200)
     assert summary["itl_ms"]["count"] == 2 and summary["e2e_ms"]["p99"] == pytest.approx(900)
+
+
+def test_transformers_cache_is_sized_for_every_request_at_once():
+    prompts = [[1] * 250, [2] * 10, [3] * 600]
+    config = cb_config_for(prompts, [10, 5, 100], max_batch_tokens=512)
+    # pages of 256 tokens: 260 -> 2, 15 -> 1, 700 -> 3
+    assert config == {"page_size": 256, "max_batch_tokens": 512, "num_blocks": 6}
