@@ -39,11 +39,12 @@ def test_rows_come_from_races_only_with_ratios_from_the_same_run(tmp_path):
     assert [r.file for r in rows] == ["bench-cpu-a.json", "gpu-check.json"]
     cpu, gpu_row = rows
     assert cpu.ratios == {"hf_static": 2.0, "hf_generate_batch": 4.0} and cpu.machine == "Test CPU, 2 cores"
+    assert cpu.setup_counted and not gpu_row.setup_counted  # an old-style file: no setup_seconds recorded
     assert "2-8 output tokens" in cpu.setting and "M;" in cpu.setting  # the package suffix is dropped
     assert gpu_row.ratios == {"hf_static": 10.0} and gpu_row.machine == "Test GPU"
     section = render_section(rows)
     assert section.startswith(BEGIN) and section.endswith(END)
-    assert "| 2.00x | 4.00x |" in section and "| 10.00x | - |" in section
+    assert "| 2.00x | 4.00x (setup counted, too high) |" in section and "| 10.00x | - |" in section
     assert "`python -m nanoengine bench --num-requests 4`" in section
 
 
@@ -66,3 +67,12 @@ def test_readme_without_markers_is_refused(tmp_path):
     (tmp_path / "README.md").write_text("# no markers\n")
     with pytest.raises(ValueError, match="no results markers"):
         main(["--root", str(tmp_path)])
+
+
+def test_a_file_that_timed_the_setup_apart_is_not_flagged(tmp_path):
+    _bench_file(tmp_path / "bench-new.json", engine=100.0, static=50.0, batch=40.0)
+    data = json.loads((tmp_path / "bench-new.json").read_text())
+    data["systems"]["hf_generate_batch"]["setup_seconds"] = {"median": 0.2}
+    (tmp_path / "bench-new.json").write_text(json.dumps(data))
+    (row,) = collect(tmp_path)
+    assert not row.setup_counted and "| 2.50x |" in render_section([row])
