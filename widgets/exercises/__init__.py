@@ -19,7 +19,10 @@ computed value), through the engine's public API, never the text of their code.
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass
+
+LINE_WIDTH = 96  # a check's verdict is broken into lines this long (JupyterLab would wrap it anywhere)
 
 
 @dataclass(frozen=True)
@@ -39,8 +42,24 @@ class CheckResult:
 
 
 def verdict(exercise: str, right: bool, success: str, hint: str) -> CheckResult:
-    """The result of a check: ``success`` explains a right answer, ``hint`` points towards one."""
-    return CheckResult(exercise, bool(right), success if right else hint)
+    """The result of a check: ``success`` explains a right answer, ``hint`` points towards one.
+
+    The message is broken into lines so that the printed verdict, its "Exercise N.k: ..."
+    head included, has no line longer than ``LINE_WIDTH`` characters.
+    """
+    head = str(CheckResult(exercise, bool(right), ""))
+    message = success if right else hint
+    wrapped = textwrap.fill(head + message, width=LINE_WIDTH)
+    return CheckResult(exercise, bool(right), wrapped[len(head):])
+
+
+def whole(value, low: int, high: int) -> int | None:
+    """``value`` as an int if it is a whole number (not a bool) in [low, high], else None."""
+    import numbers
+
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value) if low <= value <= high else None
 
 
 def todo(value) -> bool:

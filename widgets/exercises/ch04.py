@@ -18,7 +18,6 @@ worked solutions (``notebooks/solutions/04_paged_attention.ipynb``) run the same
 
 from __future__ import annotations
 
-import textwrap
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,8 +26,7 @@ from nanoengine import SamplingParams
 from nanoengine.events import RequestPreempted, RequestScheduled
 from widgets._common import TokenSource, single_thread, tiny_engine
 from widgets.block_allocator import BlockAllocatorController
-from widgets.exercises import CheckResult, todo
-from widgets.exercises import verdict as _verdict
+from widgets.exercises import CheckResult, todo, verdict, whole
 
 TOKEN_SLOTS = 2048  # the memory of every pool below, in token slots (blocks x block size)
 MAX_MODEL_LEN = 512
@@ -101,29 +99,13 @@ def replay_trace(block_size: int = 16, num_kv_blocks: int | None = None, trace=N
                        float(np.mean(tables)) if tables else 0.0, preemptions, recomputed, finished)
 
 
-def verdict(exercise: str, right: bool, success: str, hint: str) -> CheckResult:
-    """``widgets.exercises.verdict`` with the message broken into lines of at most 96 characters
-    (JupyterLab would otherwise wrap a long output line wherever it runs out of room)."""
-    result = _verdict(exercise, right, success, hint)
-    head = str(result)[:len(str(result)) - len(result.message)]
-    wrapped = textwrap.fill(head + result.message, width=96)
-    return CheckResult(result.exercise, result.right, wrapped[len(head):])
-
-
-def _whole(value, low: int, high: int) -> int | None:
-    """``value`` as an int in [low, high], or None."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        return None
-    return int(value) if low <= value <= high else None
-
-
 # ------------------------------------------------------------------ exercise 4.1
 def check_block_size(block_size) -> CheckResult:
     """4.1: the paged pool wastes under 0.5% of the memory it uses on the chapter's trace."""
     if todo(block_size):
         return verdict("4.1", False, "", "replace ... with a block size in tokens (a whole number from 1 to 256), "
                                          "then run the cell again.")
-    bs = _whole(block_size, 1, 256)
+    bs = whole(block_size, 1, 256)
     if bs is None:
         return verdict("4.1", False, "", f"block_size must be a whole number from 1 to 256, got {block_size!r}.")
     r = replay_trace(bs)
@@ -143,7 +125,7 @@ def check_pool_size(num_kv_blocks) -> CheckResult:
     if todo(num_kv_blocks):
         return verdict("4.2", False, "", f"replace ... with a number of 16-token blocks, from {low} (one "
                                          f"{MAX_MODEL_LEN}-token request must fit) to 128, then run the cell again.")
-    n = _whole(num_kv_blocks, low, 128)
+    n = whole(num_kv_blocks, low, 128)
     if n is None:
         return verdict("4.2", False, "", f"num_kv_blocks must be a whole number from {low} to 128, "
                                          f"got {num_kv_blocks!r}.")
@@ -178,7 +160,7 @@ def check_parallel_sampling(n) -> CheckResult:
     if todo(n):
         return verdict("4.3", False, "", "replace ... with the number of completions n (a whole number from 1 "
                                          "to 64), then run the cell again.")
-    k = _whole(n, 1, 64)
+    k = whole(n, 1, 64)
     if k is None:
         return verdict("4.3", False, "", f"n must be a whole number from 1 to 64, got {n!r}.")
     entries, distinct = sampling_savings(k)

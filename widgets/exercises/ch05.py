@@ -18,19 +18,16 @@ the same token counts, in milliseconds):
 
 from __future__ import annotations
 
-import textwrap
 import time
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 
 from nanoengine import LLMEngine, RequestOutput, SamplingParams
 from nanoengine.config import POLICIES
 from nanoengine.events import RequestPreempted, RequestScheduled, StepFinished
 from widgets._common import TokenSource, single_thread, tiny_engine
-from widgets.exercises import CheckResult, todo
-from widgets.exercises import verdict as _verdict
+from widgets.exercises import CheckResult, todo, verdict, whole
 
 NEWCOMER_LEN = 120  # exercises 5.1 and 5.3: the long prompt that arrives while others decode
 NEWCOMER_STEP = 3  # ... at this step
@@ -196,21 +193,6 @@ def run_trace(engine: LLMEngine, trace: Trace) -> TraceRun:
                     tuple(preemptions), recomputed, seconds, cpu_seconds)
 
 
-def verdict(exercise: str, right: bool, success: str, hint: str) -> CheckResult:
-    """``widgets.exercises.verdict`` with the message wrapped at 96 characters."""
-    result = _verdict(exercise, right, success, hint)
-    head = str(result)[:len(str(result)) - len(result.message)]
-    wrapped = textwrap.fill(head + result.message, width=96)
-    return CheckResult(result.exercise, result.right, wrapped[len(head):])
-
-
-def _whole(value, low: int, high: int) -> int | None:
-    """``value`` as an int in [low, high], or None."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        return None
-    return int(value) if low <= value <= high else None
-
-
 # --------------------------------------------------------- exercises 5.1 and 5.3
 def newcomer_trace(vocab_size: int = 256) -> list[tuple[int, list[int], SamplingParams]]:
     """Three short requests decoding 40 tokens each; at step 3 a 120-token prompt arrives."""
@@ -236,7 +218,7 @@ def check_token_budget(max_num_batched_tokens) -> CheckResult:
     if todo(max_num_batched_tokens):
         return verdict("5.1", False, "", "replace ... with a token budget per step (a whole number from 1 to "
                                          "512), then run the cell again.")
-    b = _whole(max_num_batched_tokens, 1, 512)
+    b = whole(max_num_batched_tokens, 1, 512)
     if b is None:
         return verdict("5.1", False, "", f"max_num_batched_tokens must be a whole number from 1 to 512, "
                                          f"got {max_num_batched_tokens!r}.")
@@ -286,7 +268,7 @@ def check_pool_size(num_kv_blocks) -> CheckResult:
     if todo(num_kv_blocks):
         return verdict("5.2", False, "", f"replace ... with a number of {BLOCK_SIZE}-token blocks (a whole number "
                                          f"from {low} to 64), then run the cell again.")
-    n = _whole(num_kv_blocks, low, 64)
+    n = whole(num_kv_blocks, low, 64)
     if n is None:
         return verdict("5.2", False, "", f"num_kv_blocks must be a whole number from {low} to 64, "
                                          f"got {num_kv_blocks!r}.")

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import gc
 import math
-import textwrap
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -39,8 +38,7 @@ from nanoengine import LLMEngine, SamplingParams
 from nanoengine.events import StepFinished
 from nanoengine.measure.timing import Roofline, measure, model_gemm_shapes
 from nanoengine.models.config import ModelConfig
-from widgets.exercises import CheckResult, todo
-from widgets.exercises import verdict as _verdict
+from widgets.exercises import CheckResult, todo, verdict, whole
 
 DECODE_CONTEXT = 16  # exercise 6.1: tokens already in each decoding request's context
 MAX_PREFILL_STEPS = 8  # exercise 6.2: the long prompt may take at most this many steps
@@ -231,20 +229,6 @@ def run_arrival(budget: int, policy: str = "fcfs", *, prompt_tokens: int = LONG_
 
 
 # ------------------------------------------------------------------ the checks
-def verdict(exercise: str, right: bool, success: str, hint: str) -> CheckResult:
-    """``widgets.exercises.verdict`` with the message wrapped at 96 characters."""
-    result = _verdict(exercise, right, success, hint)
-    head = str(result)[:len(str(result)) - len(result.message)]
-    wrapped = textwrap.fill(head + result.message, width=96)
-    return CheckResult(result.exercise, result.right, wrapped[len(head):])
-
-
-def _whole(value, low: int, high: int) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        return None
-    return int(value) if low <= value <= high else None
-
-
 # ------------------------------------------------------------------ exercise 6.1
 def decode_step_tokens(engine: LLMEngine, batch: int, repeats: int = 5):
     """Run ``batch`` requests to their decode phase on ``engine`` and time ``repeats`` decode steps.
@@ -275,7 +259,7 @@ def check_decode_batch(decode_batch, roof: Roofline | None, engine: LLMEngine | 
     if todo(decode_batch):
         return verdict("6.1", False, "", "replace ... with a decode batch size (a whole number from 1 to 4096), "
                                          "then run the cell again.")
-    b = _whole(decode_batch, 1, 4096)
+    b = whole(decode_batch, 1, 4096)
     if b is None:
         return verdict("6.1", False, "", f"decode_batch must be a whole number from 1 to 4096, got {decode_batch!r}.")
     if roof is None or engine is None:
@@ -312,7 +296,7 @@ def check_token_budget(budget, reference: ArrivalRun | None) -> CheckResult:
     if todo(budget):
         return verdict("6.2", False, "", "replace ... with a token budget (max_num_batched_tokens, a whole number "
                                          "from 16 to 4096), then run the cell again.")
-    b = _whole(budget, 16, 4096)
+    b = whole(budget, 16, 4096)
     if b is None:
         return verdict("6.2", False, "", f"the budget must be a whole number from 16 to 4096, got {budget!r}.")
     if reference is None or len(reference.prefill_steps) != 1:
@@ -346,7 +330,7 @@ def check_policy(policy, budget) -> CheckResult:
     if policy not in ("fcfs", "prefill_first"):
         return verdict("6.3", False, "", f"policy must be 'fcfs' or 'prefill_first' (the engine knows "
                                          f"{POLICIES}), got {policy!r}.")
-    b = _whole(budget, 16, 4096)
+    b = whole(budget, 16, 4096)
     if b is None:
         return verdict("6.3", False, "", f"the budget must be a whole number from 16 to 4096, got {budget!r}.")
     run = run_arrival(b, policy)

@@ -22,15 +22,12 @@ checks, kept here so the checks and the worked solutions
 from __future__ import annotations
 
 import string
-import textwrap
 from dataclasses import dataclass
 
-import numpy as np
 
 from nanoengine import LLM, LLMEngine, SamplingParams
 from widgets._common import TokenSource, single_thread, tiny_engine
-from widgets.exercises import CheckResult, todo
-from widgets.exercises import verdict as _verdict
+from widgets.exercises import CheckResult, todo, verdict, whole
 
 # exercise 7.1: two tenants, each with its own system prompt, take turns
 TENANT_PROMPT_LEN = 96  # tokens of each tenant's system prompt (6 blocks of 16)
@@ -55,21 +52,6 @@ LAYOUT_REQUESTS = (("Monday 3 March", "Can I borrow a film for two weeks?"),
                    ("Tuesday 4 March", "How much is printing?"),
                    ("Wednesday 5 March", "Is the library open on Sunday?"))
 LAYOUT_SHARE = 0.8  # later requests must be served at least this share of the rules' tokens
-
-
-def verdict(exercise: str, right: bool, success: str, hint: str) -> CheckResult:
-    """``widgets.exercises.verdict`` with the message broken into lines of at most 96 characters."""
-    result = _verdict(exercise, right, success, hint)
-    head = str(result)[:len(str(result)) - len(result.message)]
-    wrapped = textwrap.fill(head + result.message, width=96)
-    return CheckResult(result.exercise, result.right, wrapped[len(head):])
-
-
-def _whole(value, low: int, high: int) -> int | None:
-    """``value`` as an int in [low, high], or None."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        return None
-    return int(value) if low <= value <= high else None
 
 
 def _run_alone(engine: LLMEngine, prompt, max_tokens: int) -> int:
@@ -119,7 +101,7 @@ def check_pool_size(num_kv_blocks) -> CheckResult:
         return verdict("7.1", False, "", f"replace ... with a number of 16-token blocks, from {low} (one "
                                          f"{TENANT_MAX_MODEL_LEN}-token request must fit) to 64, then run the cell "
                                          f"again.")
-    n = _whole(num_kv_blocks, low, 64)
+    n = whole(num_kv_blocks, low, 64)
     if n is None:
         return verdict("7.1", False, "", f"num_kv_blocks must be a whole number from {low} to 64, "
                                          f"got {num_kv_blocks!r}.")
@@ -161,7 +143,7 @@ def check_block_size(block_size) -> CheckResult:
     if todo(block_size):
         return verdict("7.2", False, "", "replace ... with a block size in tokens (a whole number from 16 to "
                                          "128), then run the cell again.")
-    bs = _whole(block_size, 16, 128)
+    bs = whole(block_size, 16, 128)
     if bs is None:
         return verdict("7.2", False, "", f"block_size must be a whole number from 16 to 128, got {block_size!r}.")
     hits = shared_prefix_hits(bs)

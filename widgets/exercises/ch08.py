@@ -18,15 +18,13 @@ sampler's public functions (``nanoengine.layers.sampler``), never the learner's 
 from __future__ import annotations
 
 import dataclasses
-import textwrap
 
 import torch
 
 from nanoengine import LLM, LLMEngine, SamplingParams
 from nanoengine.layers.sampler import kept_mask, sampling_probs
 from widgets._common import single_thread, token_label
-from widgets.exercises import CheckResult, todo
-from widgets.exercises import verdict as _verdict
+from widgets.exercises import CheckResult, todo, verdict, whole
 
 PEAKED_PROMPT = "The capital of France is"  # exercises 8.1 and 8.2: a confident next token
 KEEP_TOKENS = 3  # exercise 8.1
@@ -34,14 +32,6 @@ TOP_PROB_LOW, TOP_PROB_HIGH = 0.40, 0.50  # exercise 8.2
 STORY_PROMPT = "Once upon a time, there was a"  # exercise 8.3: an open next token
 FIRST_SEED, LAST_SEED = 10, 12  # exercise 8.3
 STORY_PARAMS = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=8)  # exercise 8.3, before n and seed
-
-
-def verdict(exercise: str, right: bool, success: str, hint: str) -> CheckResult:
-    """``widgets.exercises.verdict`` with the message broken into lines of at most 96 characters."""
-    result = _verdict(exercise, right, success, hint)
-    head = str(result)[:len(str(result)) - len(result.message)]
-    wrapped = textwrap.fill(head + result.message, width=96)
-    return CheckResult(result.exercise, result.right, wrapped[len(head):])
 
 
 def _engine(llm_or_engine) -> LLMEngine:
@@ -57,13 +47,6 @@ def _number(value, low: float, high: float) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         return None
     return float(value) if low < value <= high else None
-
-
-def _whole(value, low: int, high: int) -> int | None:
-    """``value`` as an int in [low, high], or None."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        return None
-    return int(value) if low <= value <= high else None
 
 
 def peaked_logits(engine: LLMEngine) -> torch.Tensor:
@@ -152,7 +135,7 @@ def check_seed_and_n(llm, n, seed) -> CheckResult:
     if todo(n) or todo(seed):
         return verdict("8.3", False, "", "replace both ... with whole numbers (n from 1 to 8, seed from 0), "
                                          "then run the cell again.")
-    k, s = _whole(n, 1, 8), _whole(seed, 0, 2**62)
+    k, s = whole(n, 1, 8), whole(seed, 0, 2**62)
     if k is None or s is None:
         return verdict("8.3", False, "", f"n must be a whole number from 1 to 8 and seed a whole number from 0, "
                                          f"got n={n!r}, seed={seed!r}.")

@@ -21,15 +21,13 @@ share.
 from __future__ import annotations
 
 import functools
-import textwrap
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from nanoengine.layers.linear import RowParallelLinear
-from widgets.exercises import CheckResult, todo
-from widgets.exercises import verdict as _verdict
+from widgets.exercises import CheckResult, todo, verdict, whole
 
 EX1_TP = 4  # exercise 9.1: ranks to split the MLP over (1536 / 4 = 384 features each)
 EX1_LAYER = 15  # exercise 9.1: which decoder layer of the loaded model
@@ -41,20 +39,6 @@ EX3_TP = 8
 EX3_TOKENS = 16  # one decode step of 16 sequences
 EX3_DTYPE = torch.bfloat16
 NVLINK_BYTES_PER_S = 900e9  # H100 SXM, NVLink 4 (NVIDIA H100 Tensor Core GPU datasheet)
-
-
-def verdict(exercise: str, right: bool, success: str, hint: str) -> CheckResult:
-    """``widgets.exercises.verdict`` with the message wrapped at 96 characters."""
-    result = _verdict(exercise, right, success, hint)
-    head = str(result)[:len(str(result)) - len(result.message)]
-    wrapped = textwrap.fill(head + result.message, width=96)
-    return CheckResult(result.exercise, result.right, wrapped[len(head):])
-
-
-def _whole(value, low: int, high: int) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        return None
-    return value if low <= value <= high else None
 
 
 # ------------------------------------------------------------------ shared rule
@@ -144,7 +128,7 @@ def check_tp_size(tp_size) -> CheckResult:
     if todo(tp_size):
         return verdict("9.2", False, "", f"replace ... with a tensor_parallel_size (a whole number from 1 to "
                                          f"{EX2_GPUS}), then run the cell again.")
-    n = _whole(tp_size, 1, EX2_GPUS)
+    n = whole(tp_size, 1, EX2_GPUS)
     if n is None:
         return verdict("9.2", False, "", f"tensor_parallel_size must be a whole number from 1 to {EX2_GPUS} (one "
                                          f"rank per GPU), got {tp_size!r}.")

@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import math
 import os
-import textwrap
 from typing import Callable
 
 import torch
 
-from widgets.exercises import CheckResult, todo
-from widgets.exercises import verdict as _verdict
+from widgets.exercises import CheckResult, todo, verdict, whole
 
 # Exercise 10.1: one head, 1,024 tokens, head_dim 64, fp32 (4 bytes a number).
 ATTN_TOKENS = 1024
@@ -53,14 +51,6 @@ NO_DATA_OPS = {"aten::chunk", "aten::split", "aten::split_with_sizes", "aten::na
                "aten::detach", "aten::alias", "aten::empty", "aten::empty_strided", "aten::empty_like",
                "aten::resolve_conj", "aten::resolve_neg", "aten::lift_fresh", "aten::unbind"}
 COMPILED_GRAPH = "compiled graph"
-
-
-def verdict(exercise: str, right: bool, success: str, hint: str) -> CheckResult:
-    """``widgets.exercises.verdict`` with the message broken into lines of at most 96 characters."""
-    result = _verdict(exercise, right, success, hint)
-    head = str(result)[:len(str(result)) - len(result.message)]
-    wrapped = textwrap.fill(head + result.message, width=96)
-    return CheckResult(result.exercise, result.right, wrapped[len(head):])
 
 
 # ------------------------------------------------------------------ bytes moved by attention
@@ -130,12 +120,6 @@ def operator_calls(fn: Callable[[], object]) -> list[str]:
     return names
 
 
-def _whole(value, low: int, high: int) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        return None
-    return value if low <= value <= high else None
-
-
 # ------------------------------------------------------------------ exercise 10.1
 def check_tile_size(attention_fn, block_q, block_k) -> CheckResult:
     """10.1: tiles that fit ``SRAM_BYTES``, move <= 30% of naive's bytes, same result."""
@@ -143,7 +127,7 @@ def check_tile_size(attention_fn, block_q, block_k) -> CheckResult:
     if todo(block_q) or todo(block_k):
         return verdict("10.1", False, "", "replace both ... with tile sizes in tokens (whole numbers from 1 to "
                                           f"{n}), then run the cell again.")
-    bq, bk = _whole(block_q, 1, n), _whole(block_k, 1, n)
+    bq, bk = whole(block_q, 1, n), whole(block_k, 1, n)
     if bq is None or bk is None:
         return verdict("10.1", False, "", f"block_q and block_k must be whole numbers from 1 to {n}, got "
                                           f"{block_q!r} and {block_k!r}.")

@@ -23,8 +23,7 @@ from nanoengine.events import StepFinished
 from nanoengine.measure.benchmark import make_output_lens, make_workload
 from nanoengine.measure.timing import MIN_REPEATS, measure
 from widgets._common import single_thread, tiny_engine
-from widgets.exercises import CheckResult, todo
-from widgets.exercises import verdict as _verdict
+from widgets.exercises import CheckResult, todo, verdict
 
 NUM_REQUESTS = 8  # the chapter's workload: 8 requests, prompts 16-32 ids, 4-12 output tokens
 MIN_PROMPT, MAX_PROMPT = 16, 32
@@ -68,12 +67,12 @@ def check_measurement(warmup, repeats) -> CheckResult:
     times the cold call apart and reports it next to the median, as information."""
     name = "11.1"
     if todo(warmup) or todo(repeats):
-        return _verdict(name, False, "", "set both warmup and repeats (whole numbers).")
+        return verdict(name, False, "", "set both warmup and repeats (whole numbers).")
     if not _is_count(warmup, 0) or not _is_count(repeats, 1) or warmup > MAX_REPEATS:
-        return _verdict(name, False, "", f"warmup is a whole number >= 0 (at most {MAX_REPEATS}) and repeats a "
+        return verdict(name, False, "", f"warmup is a whole number >= 0 (at most {MAX_REPEATS}) and repeats a "
                         "whole number of timed runs.")
     if not MIN_REPEATS <= repeats <= MAX_REPEATS:
-        return _verdict(name, False, "", f"a median and quartiles need at least {MIN_REPEATS} timed runs; more than "
+        return verdict(name, False, "", f"a median and quartiles need at least {MIN_REPEATS} timed runs; more than "
                         f"{MAX_REPEATS} only costs time here.")
     prompts, lens = chapter_workload(vocab_limit=256)
     engine = tiny_engine(num_kv_blocks=256, block_size=4, max_model_len=64)
@@ -94,7 +93,7 @@ def check_measurement(warmup, repeats) -> CheckResult:
         timing = measure(workload, warmup=warmup, repeats=repeats, label="tiny engine, chapter workload")
     cold_timed = warmup == 0
     right = not cold_timed and len(timing.runs) == repeats
-    return _verdict(
+    return verdict(
         name, right,
         f"the cold first call ({1e3 * calls[0]:.1f} ms) ran untimed; the median of the {repeats} timed runs is "
         f"{1e3 * timing.median:.1f} ms (IQR {1e3 * timing.quartiles[0]:.1f} ms to {1e3 * timing.quartiles[1]:.1f} ms).",
@@ -106,19 +105,19 @@ def check_max_num_seqs(max_num_seqs) -> CheckResult:
     """11.2: the smallest ``max_num_seqs`` that serves the chapter's workload in the fewest steps."""
     name = "11.2"
     if todo(max_num_seqs):
-        return _verdict(name, False, "", "set max_num_seqs to a whole number of sequences.")
+        return verdict(name, False, "", "set max_num_seqs to a whole number of sequences.")
     if not _is_count(max_num_seqs, 1) or max_num_seqs > 256:
-        return _verdict(name, False, "", "max_num_seqs is a whole number of sequences per step, 1 to 256.")
+        return verdict(name, False, "", "max_num_seqs is a whole number of sequences per step, 1 to 256.")
     fewest = steps_to_serve(NUM_REQUESTS)  # every request in every step: nothing waits
     steps = steps_to_serve(max_num_seqs)
     if steps > fewest:
-        return _verdict(name, False, "", f"with {max_num_seqs} sequences per step the workload takes {steps} steps, "
+        return verdict(name, False, "", f"with {max_num_seqs} sequences per step the workload takes {steps} steps, "
                         f"not the fewest ({fewest}): some requests wait for a slot. Allow more.")
     if max_num_seqs > 1 and steps_to_serve(max_num_seqs - 1) == steps:
-        return _verdict(name, False, "", f"{max_num_seqs} reaches the fewest steps ({steps}), but so does "
+        return verdict(name, False, "", f"{max_num_seqs} reaches the fewest steps ({steps}), but so does "
                         f"{max_num_seqs - 1}: look for the smallest. Requests that start late still finish "
                         "in time if they are short.")
-    return _verdict(name, True, f"{max_num_seqs} sequences per step serve the workload in {steps} steps, the fewest; "
+    return verdict(name, True, f"{max_num_seqs} sequences per step serve the workload in {steps} steps, the fewest; "
                     f"{max_num_seqs - 1} would need {steps_to_serve(max_num_seqs - 1) if max_num_seqs > 1 else '-'}. "
                     "Beyond it, more slots cannot help: nothing is waiting for one.", "")
 
@@ -129,13 +128,13 @@ def check_counted_tokens(llm, ignore_eos) -> CheckResult:
     so a benchmark's token count is the same for every system and every run."""
     name = "11.3"
     if todo(ignore_eos) or not isinstance(ignore_eos, bool):
-        return _verdict(name, False, "", "ignore_eos is True or False.")
+        return verdict(name, False, "", "ignore_eos is True or False.")
     params = SamplingParams(temperature=0.0, max_tokens=COUNT_MAX_TOKENS, ignore_eos=ignore_eos)
     outs = llm.generate([llm.apply_chat_template([{"role": "user", "content": q}]) for q in COUNT_QUESTIONS],
                         params, use_tqdm=False)
     counts = [len(o.token_ids) for o in outs]
     right = all(c == COUNT_MAX_TOKENS for c in counts)
-    return _verdict(
+    return verdict(
         name, right,
         f"every request produced {COUNT_MAX_TOKENS} tokens ({counts}): the count no longer depends on when the "
         "model chooses to stop, so tok/s means the same tokens for every system.",
