@@ -35,7 +35,7 @@ class ResultRow:
     """One benchmark run: where, when, what, and how the engine did against transformers."""
 
     file: str
-    date: str  # YYYY-MM-DD
+    date: str  # when the file was written (ISO 8601, UTC)
     machine: str
     setting: str  # device, dtype, model, workload
     engine_tok_s: float
@@ -69,7 +69,7 @@ def read_row(path: Path) -> ResultRow | None:
     # the setup apart, and the GPU check (its benchmark nested under checks) always did.
     setup_counted = ("hf_generate_batch" in systems and "checks" not in data
                      and "setup_seconds" not in systems["hf_generate_batch"])
-    return ResultRow(path.name, str(data.get("date", ""))[:10], machine, setting,
+    return ResultRow(path.name, str(data.get("date", "")), machine, setting,
                      systems["nanoengine"]["output_tokens_per_s"], ratios, data.get("command", ""), setup_counted)
 
 
@@ -86,7 +86,7 @@ def render_table(rows: list[ResultRow]) -> str:
         ratio = {name: f"{r.ratios[name]:.2f}x" if name in r.ratios else "-" for name in SYSTEM_LABELS}
         if r.setup_counted:
             ratio["hf_generate_batch"] += " (setup counted, too high)"
-        lines.append(f"| [`{r.file}`](results/{r.file}) | {r.date} | {r.machine} | {r.setting} | "
+        lines.append(f"| [`{r.file}`](results/{r.file}) | {r.date[:10]} | {r.machine} | {r.setting} | "
                      f"{r.engine_tok_s:,.1f} | {ratio['hf_static']} | {ratio['hf_generate_batch']} | "
                      f"`{r.command}` |")
     return "\n".join(lines)
@@ -125,7 +125,7 @@ def plot(rows: list[ResultRow], path: Path) -> None:
         values = [r.ratios.get(name, 0.0) for r in rows]
         bars = ax.barh(ys, values, height=height, label=f"engine / {label}")
         ax.bar_label(bars, labels=[f"{v:.1f}x" if v else "" for v in values], padding=2, fontsize=8)
-    ax.set_yticks(range(len(rows)), [f"{r.date} {r.machine.split(',')[0]}\n{r.file}"
+    ax.set_yticks(range(len(rows)), [f"{r.date[:10]} {r.machine.split(',')[0]}\n{r.file}"
                                      + ("\n(generate_batch setup counted)" if r.setup_counted else "")
                                      for r in rows], fontsize=7)
     ax.axvline(1.0, color="grey", lw=0.8, ls="--")
