@@ -131,7 +131,18 @@ class BatchPrepared(Event):
 
 @dataclass(frozen=True)
 class StepFinished(Event):
-    """One engine step: its batch and where its time went (seconds)."""
+    """One engine step: its batch and where its time went (seconds).
+
+    The phases do not overlap: ``schedule_time`` is the scheduler's own decisions,
+    ``block_manager_time`` every block-manager call of the step (allocating while
+    scheduling, registering full blocks and freeing while updating), ``prepare_time``
+    planning the batch and building its tensors, ``model_time`` the forward pass and
+    logits, ``sample_time`` the sampler, ``update_time`` appending tokens, stop checks and
+    building outputs, ``detokenize_time`` turning token ids into text. What ``total_time``
+    holds beyond their sum is the engine's own bookkeeping (events, timestamps).
+    Everything except ``model_time`` is *host* time: Python and small tensor work that a
+    GPU waits on.
+    """
 
     num_prefill_tokens: int
     num_decode_tokens: int
@@ -143,6 +154,14 @@ class StepFinished(Event):
     model_time: float
     sample_time: float
     total_time: float
+    block_manager_time: float = 0.0
+    update_time: float = 0.0
+    detokenize_time: float = 0.0
+
+    @property
+    def host_time(self) -> float:
+        """Everything but the model: the overhead a faster model cannot remove."""
+        return self.total_time - self.model_time
 
 
 Observer = Callable[[Event], None]

@@ -129,6 +129,9 @@ def test_bad_prompts(capsys, tiny_llama_tok_dir, tiny_llama_dir):
     pytest.param(["--batch-sizes", "4", "-1"], ("batch_sizes", ">= 1", "-1"), id="batch size negative"),
     pytest.param(["--hf-batch-size", "0"], ("hf_batch_size", ">= 1", "0"), id="hf batch zero"),
     pytest.param(["--tie-tolerance", "-1"], ("tie_tolerance", ">= 0"), id="tie tolerance negative"),
+    pytest.param(["--overhead", "--overhead-requests", "64", "0"], ("overhead_requests", ">= 1", "0"),
+                 id="overhead requests zero"),
+    pytest.param(["--overhead", "--overhead-steps", "0"], ("overhead_steps", ">= 1", "0"), id="overhead steps zero"),
 ])
 def test_bad_bench_values(capsys, tiny_llama_dir, flags, fragments):
     # Checked before the GEMM measurement and before any model is loaded.
@@ -149,6 +152,8 @@ def test_bad_bench_values(capsys, tiny_llama_dir, flags, fragments):
     pytest.param(["bench", "--compile-repeats", "2.5"], "invalid int value: '2.5'", id="bench repeats not int"),
     pytest.param(["bench", "--online-rates"], "expected at least one argument", id="bench rates missing"),
     pytest.param(["bench", "--batch-sizes", "4", "x"], "invalid int value: 'x'", id="bench batch size text"),
+    pytest.param(["bench", "--overhead", "--overhead-steps", "many"], "invalid int value: 'many'",
+                 id="overhead steps text"),
 ])
 def test_argparse_errors(capsys, argv, fragment):
     with pytest.raises(SystemExit) as info:

@@ -36,8 +36,10 @@ tokens (an *eviction*). Invariants, checked by ``check_invariants``:
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import itertools
+import time
 from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
@@ -64,6 +66,18 @@ def hash_block(parent_hash: bytes | None, token_ids: Iterable[int]) -> bytes:
 
 
 BlockHashFn = Callable[[bytes | None, Iterable[int]], bytes]
+
+
+def _timed(method):
+    """Add the method's wall time to ``self.busy_seconds`` (the engine's per-step timers)."""
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.busy_seconds += time.perf_counter() - start
+    return timed
 
 
 class Block:
@@ -131,6 +145,9 @@ class BlockManager:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
         self.num_evictions = 0
+        # Seconds spent in the public actions below, summed; the engine reads it around each
+        # step to report the block manager's share of the step (``StepFinished``).
+        self.busy_seconds = 0.0
 
     # ----------------------------------------------------------------- queries
     @property
@@ -148,6 +165,7 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    @_timed
     def get_computed_blocks(self, request: "Request") -> tuple[list[int], int]:
         """Leading full blocks of ``request`` already in the prefix cache.
 
@@ -181,6 +199,7 @@ class BlockManager:
             self.num_free_blocks - sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
 
     # ----------------------------------------------------------------- actions
+    @_timed
     def allocate_slots(self, request: "Request", num_new_tokens: int,
                        computed_blocks: list[int] = ()) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``request``.
@@ -213,6 +232,7 @@ class BlockManager:
             self.events.emit(BlocksAllocated(self.step, request.request_id, tuple(new_ids)))
         return True
 
+    @_timed
     def cache_full_blocks(self, request: "Request") -> None:
         """Register the hashes of ``request``'s blocks that its computed tokens filled."""
         if not self.enable_prefix_caching:
@@ -241,6 +261,7 @@ class BlockManager:
                 serials.append(block.serial)
                 self.events.emit(BlockStored(self.step, block.block_id, block_hash, parent))
 
+    @_timed
     def fork(self, parent: "Request", child: "Request", num_blocks: int) -> None:
         """Share ``parent``'s first ``num_blocks`` blocks with ``child`` (parallel sampling).
 
@@ -263,6 +284,7 @@ class BlockManager:
         if shared:
             self.events.emit(BlocksForked(self.step, child.request_id, parent.request_id, tuple(shared)))
 
+    @_timed
     def free(self, request: "Request") -> None:
         """Drop ``request``'s hold on its blocks; blocks nobody holds become free.
 
@@ -282,6 +304,7 @@ class BlockManager:
         if freed:
             self.events.emit(BlocksFreed(self.step, request.request_id, tuple(freed)))
 
+    @_timed
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash of a free block; returns how many were dropped."""
         dropped = 0

@@ -253,11 +253,14 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        self.block_manager.step = self.scheduler.step = self.step_count
+        block_manager, output_processor = self.block_manager, self.output_processor
+        bm_start, detok_start = block_manager.busy_seconds, output_processor.detokenize_seconds
+        block_manager.step = self.scheduler.step = self.step_count
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         if sched.is_empty:
             return []
+        bm_schedule = block_manager.busy_seconds - bm_start
         for scheduled in sched.scheduled:
             if scheduled.request.first_scheduled_time is None:
                 scheduled.request.first_scheduled_time = t1
@@ -266,13 +269,18 @@ class LLMEngine:
         if self.events.has_observers:  # a copy of every index list: only for someone watching
             self.events.emit(BatchPrepared(self.step_count, plan.rows()), keep=False)
         result = self.runner.execute_model(plan, sampled)
+        t2 = time.perf_counter()
         produced = self.scheduler.update_from_output(sched, result.sampled)
-        outputs = self.output_processor.process(produced, result.logprobs)
-        total = time.perf_counter() - t0
-        self.events.emit(StepFinished(self.step_count, sched.num_prefill_tokens, sched.num_decode_tokens,
-                                      len(sched.scheduled), len(sched.preempted), sched.token_budget, t1 - t0,
-                                      plan_time + result.prepare_time, result.model_time, result.sample_time,
-                                      total))
+        outputs = output_processor.process(produced, result.logprobs)
+        t3 = time.perf_counter()
+        bm_total = block_manager.busy_seconds - bm_start
+        detokenize = output_processor.detokenize_seconds - detok_start
+        self.events.emit(StepFinished(
+            self.step_count, sched.num_prefill_tokens, sched.num_decode_tokens, len(sched.scheduled),
+            len(sched.preempted), sched.token_budget, schedule_time=t1 - t0 - bm_schedule,
+            prepare_time=plan_time + result.prepare_time, model_time=result.model_time,
+            sample_time=result.sample_time, total_time=time.perf_counter() - t0, block_manager_time=bm_total,
+            update_time=t3 - t2 - (bm_total - bm_schedule) - detokenize, detokenize_time=detokenize))
         self.step_count += 1
         return outputs
 

@@ -17,6 +17,8 @@ state forgotten, so nothing per request outlives it.
 
 from __future__ import annotations
 
+import time
+
 from nanoengine.engine.detokenizer import IncrementalDetokenizer
 from nanoengine.engine.request import Request, RequestStatus
 from nanoengine.engine.scheduler import Scheduler
@@ -46,6 +48,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.states: dict[str, RequestState] = {}  # unfinished user requests by id
+        self.detokenize_seconds = 0.0  # time in the detokenizers, summed (the engine's step timers)
 
     def add_request(self, state: RequestState) -> None:
         self.states[state.request_id] = state
@@ -58,7 +61,9 @@ class OutputProcessor:
             if request.request_id in logprobs:
                 request.output_logprobs.append(logprobs[request.request_id])
             detokenizer = state.detokenizers[request.index]
+            start = time.perf_counter()
             delta = detokenizer.update([request.output_token_ids[-1]], request.is_finished)
+            self.detokenize_seconds += time.perf_counter() - start
             if detokenizer.stop_hit is not None and not request.is_finished:
                 request.stop_reason = detokenizer.stop_hit
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
@@ -70,7 +75,9 @@ class OutputProcessor:
         """The request's output now (its final one if every completion has finished)."""
         for request, detokenizer in zip(state.completions, state.detokenizers):
             if request.is_finished and not detokenizer.flushed:  # release text held back for a stop string
+                start = time.perf_counter()
                 state.pending_deltas[request.index] += detokenizer.update([], True)
+                self.detokenize_seconds += time.perf_counter() - start
         completions = tuple(self._completion(state, i) for i in range(len(state.completions)))
         state.pending_deltas = [""] * len(state.completions)
         if state.finished:

@@ -102,6 +102,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="also compare the engine eager against compile=True (same run, alternating)")
     p.add_argument("--compile-repeats", type=int, default=3, help="workload runs per engine for --compile")
+    p.add_argument("--overhead", action="store_true",
+                   help="instead: the engine's host time per decode step on a tiny random model (no GPU needed, "
+                        "no transformers), split by phase (nanoengine/measure/overhead.py)")
+    p.add_argument("--overhead-requests", type=int, nargs="+", default=[1, 64, 256], metavar="N",
+                   help="with --overhead: running requests per measured step, for each N (default 1 64 256)")
+    p.add_argument("--overhead-steps", type=int, default=30, help="with --overhead: timed decode steps per N")
     p.add_argument("--out", default=None, help="results JSON (default: results/bench-<device>-<date>.json)")
 
 
@@ -130,6 +136,9 @@ def check_arguments(args: argparse.Namespace) -> None:
         at_least("each of batch_sizes", size, 1)
     if not (math.isfinite(args.tie_tolerance) and args.tie_tolerance >= 0):
         raise ValueError(f"tie_tolerance must be a finite number >= 0, got {args.tie_tolerance}")
+    for count in args.overhead_requests:
+        at_least("each of overhead_requests", count, 1)
+    at_least("overhead_steps", args.overhead_steps, 1)
 
 
 def make_workload(num_requests: int, min_prompt: int, max_prompt: int, seed: int,
@@ -630,6 +639,10 @@ def run_from_args(args: argparse.Namespace) -> dict:
     from nanoengine.loader.weights import resolve_model_source
 
     check_arguments(args)
+    if args.overhead:
+        from nanoengine.measure.overhead import run_overhead
+
+        return run_overhead(args.overhead_requests, args.overhead_steps, args.out, getattr(args, "command_line", None))
     # Resolved once, the engine's way, for every system: transformers runs where the engine does.
     resolved = EngineConfig(device=args.device, dtype=args.dtype)
     device, dtype = resolved.torch_device, resolved.torch_dtype
