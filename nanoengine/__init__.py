@@ -21,6 +21,7 @@ _PUBLIC = {
     "RequestMetrics": "nanoengine.outputs",
     "RequestOutput": "nanoengine.outputs",
     "SamplingParams": "nanoengine.sampling_params",
+    "RequestOutputKind": "nanoengine.sampling_params",
     # The default-model helpers load lazily too, so `python -m nanoengine.default_model`
     # does not import its own module twice.
     "default_model_dir": "nanoengine.default_model",
@@ -33,9 +34,9 @@ if TYPE_CHECKING:
     from nanoengine.engine.snapshots import EngineSnapshot, MemoryReport, RequestSnapshot
     from nanoengine.llm import LLM
     from nanoengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-    from nanoengine.sampling_params import SamplingParams
+    from nanoengine.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "RequestMetrics",
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "RequestMetrics",
            "EngineConfig", "EngineSnapshot", "RequestSnapshot", "MemoryReport", "default_model_dir",
            "DEFAULT_MODEL_NAME"]
 __version__ = "0.2.0"

@@ -170,31 +170,44 @@ Observer = Callable[[Event], None]
 class EventBus:
     """Fan events out to observers and keep a bounded history.
 
-    An observer that raises does not break the engine: the exception becomes a warning
-    and the step goes on.
+    An observer may ask for some event types only (``subscribe(fn, StepFinished)``); the
+    engine asks ``wants(EventType)`` before building an event that costs something to
+    build (``BatchPrepared`` copies every index list of the step), so it is never built
+    for observers that would drop it. An observer that raises does not break the engine:
+    the exception becomes a warning and the step goes on.
     """
 
     def __init__(self, history: int = 10_000) -> None:
-        self._observers: list[Observer] = []
+        self._observers: list[tuple[Observer, tuple[type, ...] | None]] = []
         self.history: collections.deque[Event] = collections.deque(maxlen=history)
 
-    def subscribe(self, observer: Observer) -> Callable[[], None]:
-        """Register ``observer``; returns a function that unsubscribes it."""
+    def subscribe(self, observer: Observer, *event_types: type) -> Callable[[], None]:
+        """Register ``observer`` for every event, or for ``event_types`` only; returns an unsubscribe function."""
         if not callable(observer):
             raise TypeError(f"observer must be callable, got {observer!r}")
-        self._observers.append(observer)
-        return lambda: self._observers.remove(observer) if observer in self._observers else None
+        bad = [t for t in event_types if not (isinstance(t, type) and issubclass(t, Event))]
+        if bad:
+            raise TypeError(f"event_types must be Event classes (e.g. StepFinished), got {bad!r}")
+        entry = (observer, event_types or None)
+        self._observers.append(entry)
+        return lambda: self._observers.remove(entry) if entry in self._observers else None
 
     @property
     def has_observers(self) -> bool:
-        """True when someone listens: events that are costly to build are skipped otherwise."""
+        """True when someone listens (to anything)."""
         return bool(self._observers)
 
+    def wants(self, event_type: type) -> bool:
+        """True when some observer would receive an event of ``event_type``."""
+        return any(types is None or issubclass(event_type, types) for _, types in self._observers)
+
     def emit(self, event: Event, keep: bool = True) -> None:
-        """Send ``event`` to every observer; ``keep=False`` leaves it out of the history."""
+        """Send ``event`` to every observer that asked for it; ``keep=False`` leaves it out of the history."""
         if keep:
             self.history.append(event)
-        for observer in list(self._observers):
+        for observer, types in list(self._observers):
+            if types is not None and not isinstance(event, types):
+                continue
             try:
                 observer(event)
             except Exception as exc:  # observers must never take the engine down

@@ -11,12 +11,13 @@ untouched; if it is interrupted, it aborts its own requests so no blocks stay he
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Iterator, Sequence
 
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.outputs import RequestOutput
-from nanoengine.sampling_params import SamplingParams
+from nanoengine.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -37,7 +38,9 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order."""
         prompts = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompts))
+        # Only final outputs are read here, so the engine makes text only once a request ends.
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) if isinstance(p, SamplingParams)
+                  else p for p in _as_params_list(sampling_params, len(prompts))]
         for prompt, p in zip(prompts, params):  # validate everything before queueing anything
             self.engine.make_request(prompt, p, None)
         ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]

@@ -6,7 +6,23 @@ engine: each error says which field was wrong, the value given, and what is allo
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.Enum):
+    """When ``LLMEngine.step`` hands out a request's output (vLLM's names).
+
+    CUMULATIVE: every step that gave the request a token, with its text so far and the
+        ``delta`` since the last output (streaming reads these).
+    FINAL_ONLY: once, when the request has finished. Nobody reads the text before then,
+        so it is never made before then: no per-step detokenization and no per-step
+        output objects (``LLM.generate`` asks for this). Stop strings still need the text,
+        so a request that has them is detokenized as it goes, but still reported once.
+    """
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
 
 
 @dataclass(frozen=True)
@@ -28,6 +44,8 @@ class SamplingParams:
         computed once and its KV blocks are shared by the n sequences. With a seed,
         completion i draws from its own generator seeded ``seed + i``, so each one is
         reproducible whatever else is in the batch.
+    output_kind: when ``LLMEngine.step`` reports the request (``RequestOutputKind``):
+        every step (the default) or only once finished.
     """
 
     temperature: float = 1.0
@@ -41,6 +59,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     n: int = 1
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -80,6 +99,9 @@ class SamplingParams:
         _check_number("n", self.n, int)
         if self.n < 1:
             raise ValueError(f"n must be an integer >= 1 (the number of completions), got {self.n}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind ({', '.join(k.name for k in RequestOutputKind)}), "
+                             f"got {self.output_kind!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
 

@@ -115,3 +115,35 @@ def test_budget_caps_each_stage_by_what_is_left():
     assert budget.stage_limit("engine") <= 10.0
     budget.start -= 20.0
     assert budget.stage_limit("engine") == 0.0
+
+
+# ------------------------------------------------------------------ --nano-vllm
+def test_nano_vllm_workload_on_the_cpu_reports_rate_steps_and_host_share(tmp_path):
+    out = tmp_path / "nano-vllm.json"
+    assert gpu_check.main(["--nano-vllm", "--cpu-smoke", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    bench = report["nano_vllm_bench"]
+    from nanoengine.measure.nano_vllm_bench import NanoVllmWorkload, draw_workload
+
+    _, lens = draw_workload(NanoVllmWorkload(**gpu_check.NANO_VLLM_WORKLOADS["cpu-smoke"]))
+    assert bench["complete"] and bench["output_tokens"] == sum(lens) == bench["workload"]["output_tokens"]
+    assert bench["output_tokens_per_s"] == pytest.approx(bench["output_tokens"] / bench["seconds"])
+    assert 0 < bench["host_share_of_step"]["median"] < 1 and bench["decode_steps"] > 0
+    assert 0 < bench["median_decode_step_ms"]["model"] < bench["median_decode_step_ms"]["whole_step"]
+    assert set(bench["median_decode_phase_ms"]) >= {"schedule", "block_manager", "prepare", "model", "sample"}
+    assert report["environment"]["torch"] and report["date"] and "--nano-vllm" in report["command"]
+
+
+def test_nano_vllm_workload_is_nano_vllms_bench():
+    cuda = gpu_check.NANO_VLLM_WORKLOADS["cuda"]
+    from nanoengine.measure.nano_vllm_bench import NanoVllmWorkload
+
+    w = NanoVllmWorkload(**cuda)
+    assert (w.model, w.dtype, w.num_requests, w.prompt_len, w.output_len, w.seed) == (
+        PRESETS["Qwen3-0.6B"], "bfloat16", 256, (100, 1024), (100, 1024), 0)
+    assert w.time_limit_s <= 5 * 60  # loading and warm-up included, the command must end within 6 minutes
+
+
+def test_nano_vllm_refuses_other_stage_flags(capsys):
+    assert gpu_check.main(["--nano-vllm", "--cpu-smoke", "--stages", "kernels"]) == 2
+    assert "--nano-vllm" in capsys.readouterr().err

@@ -38,7 +38,7 @@ import ipywidgets as W
 import torch
 
 from nanoengine import LLMEngine, RequestOutput, SamplingParams
-from nanoengine.layers.sampler import filter_logits
+from nanoengine.layers.sampler import Sampler, filter_logits
 from widgets._common import MessageView, check_int, escape, guarded, shared_engine_note, single_thread, token_label
 
 STAGES = ("model (T=1)", "temperature", "top-k", "top-p", "min-p")
@@ -188,7 +188,7 @@ class SamplingPlaygroundController:
         Default: one generator seeded ``seed`` draws all ``n`` (independent draws, fast).
         ``per_request=True``: the first token each of ``n`` requests seeded ``seed``,
         ``seed+1``, ... would get from the engine, drawn exactly as the engine's sampler
-        draws it (one generator per request); about 3 ms per draw over 49k tokens.
+        draws it: by the engine's ``Sampler`` itself, one generator per request.
         """
         n = check_int("samples", n, 1, 1_000_000)
         seed = check_int("seed", seed, 0, 2**63 - 1 - n)
@@ -199,11 +199,9 @@ class SamplingPlaygroundController:
             if not per_request:
                 generator = torch.Generator().manual_seed(seed)
                 return torch.multinomial(probs, n, replacement=True, generator=generator).tolist()
-            draws = []
-            for i in range(n):
-                generator = torch.Generator().manual_seed(seed + i)  # the engine seeds a request's like this
-                draws.append(int(torch.multinomial(probs, 1, generator=generator)[0]))
-            return draws
+            sampler, row = Sampler(), self.logits[None].float()  # the engine's own sampler, so the same draw
+            return [sampler(row, [self.params], [torch.Generator().manual_seed(seed + i)]).token_ids[0]
+                    for i in range(n)]  # the engine seeds request i's generator like this
 
     def histogram(self, n: int, seed: int = 0, per_request: bool = False) -> list[tuple[int, int]]:
         """(token id, count) of ``sample(n, seed, per_request)``, most frequent first."""

@@ -24,6 +24,11 @@ class IncrementalDetokenizer:
         self.stop_hit: str | None = None
         self.flushed = False  # an update with finished=True has released everything held back
 
+    @property
+    def num_tokens(self) -> int:
+        """How many of the request's tokens this detokenizer has seen."""
+        return len(self.token_ids)
+
     def update(self, new_token_ids: list[int], finished: bool) -> str:
         """Add tokens; return the text delta that became safe to show.
 

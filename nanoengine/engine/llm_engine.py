@@ -266,7 +266,7 @@ class LLMEngine:
                 scheduled.request.first_scheduled_time = t1
         plan, sampled = plan_batch(sched, self.config.block_size)
         plan_time = time.perf_counter() - t1
-        if self.events.has_observers:  # a copy of every index list: only for someone watching
+        if self.events.wants(BatchPrepared):  # a copy of every index list: only for someone watching
             self.events.emit(BatchPrepared(self.step_count, plan.rows()), keep=False)
         result = self.runner.execute_model(plan, sampled)
         t2 = time.perf_counter()

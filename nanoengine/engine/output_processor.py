@@ -5,6 +5,8 @@ into what the user sees. For every request that produced a token it
 
 * records the token's logprobs (when asked for),
 * detokenizes incrementally (``IncrementalDetokenizer``: no half characters in a stream),
+  and only what somebody reads: a ``FINAL_ONLY`` request (``LLM.generate``) gets its text
+  once, when it finishes,
 * ends the request when a stop *string* appears in its text (stop token ids and lengths
   are the scheduler's business, since they need no text),
 * and builds one ``RequestOutput`` per user request, gathering its ``n`` completions.
@@ -23,6 +25,7 @@ from nanoengine.engine.detokenizer import IncrementalDetokenizer
 from nanoengine.engine.request import Request, RequestStatus
 from nanoengine.engine.scheduler import Scheduler
 from nanoengine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from nanoengine.sampling_params import RequestOutputKind
 
 
 class RequestState:
@@ -33,8 +36,11 @@ class RequestState:
         self.request_id = request_id
         self.prompt = prompt
         self.completions = completions  # index order; completion i has index i
+        self.stop = stop
         self.detokenizers = [IncrementalDetokenizer(tokenizer, stop) for _ in completions]
         self.pending_deltas = [""] * len(completions)  # text not yet handed out
+        # CUMULATIVE: an output (and so text) every step; FINAL_ONLY: only the final output.
+        self.reads_every_step = completions[0].sampling_params.output_kind == RequestOutputKind.CUMULATIVE
 
     @property
     def finished(self) -> bool:
@@ -54,30 +60,31 @@ class OutputProcessor:
         self.states[state.request_id] = state
 
     def process(self, produced: list[Request], logprobs: dict[str, tuple]) -> list[RequestOutput]:
-        """Outputs of the user requests whose completions produced a token this step."""
+        """Outputs of the user requests whose completions produced a token this step.
+
+        A ``FINAL_ONLY`` request is reported once it has finished, and its text is made
+        then, from all its tokens at once, unless it has stop strings to look for.
+        """
         touched: dict[str, RequestState] = {}
         for request in produced:
             state = self.states[request.parent_id]
             if request.request_id in logprobs:
                 request.output_logprobs.append(logprobs[request.request_id])
-            detokenizer = state.detokenizers[request.index]
-            start = time.perf_counter()
-            delta = detokenizer.update([request.output_token_ids[-1]], request.is_finished)
-            self.detokenize_seconds += time.perf_counter() - start
-            if detokenizer.stop_hit is not None and not request.is_finished:
-                request.stop_reason = detokenizer.stop_hit
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-            state.pending_deltas[request.index] += delta
-            touched[state.request_id] = state
+            if state.reads_every_step or state.stop:
+                detokenizer = state.detokenizers[request.index]
+                state.pending_deltas[request.index] += self._detokenize(request, detokenizer)
+                if detokenizer.stop_hit is not None and not request.is_finished:
+                    request.stop_reason = detokenizer.stop_hit
+                    self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+            if state.reads_every_step or state.finished:
+                touched[state.request_id] = state
         return [self.make_output(state) for state in touched.values()]
 
     def make_output(self, state: RequestState) -> RequestOutput:
         """The request's output now (its final one if every completion has finished)."""
         for request, detokenizer in zip(state.completions, state.detokenizers):
-            if request.is_finished and not detokenizer.flushed:  # release text held back for a stop string
-                start = time.perf_counter()
-                state.pending_deltas[request.index] += detokenizer.update([], True)
-                self.detokenize_seconds += time.perf_counter() - start
+            if request.is_finished and not detokenizer.flushed:  # all its text, held-back tail included
+                state.pending_deltas[request.index] += self._detokenize(request, detokenizer)
         completions = tuple(self._completion(state, i) for i in range(len(state.completions)))
         state.pending_deltas = [""] * len(state.completions)
         if state.finished:
@@ -87,6 +94,13 @@ class OutputProcessor:
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=tuple(first.prompt_token_ids),
             outputs=completions, finished=state.finished, num_cached_tokens=first.num_cached_tokens,
             metrics=_metrics(state.completions))
+
+    def _detokenize(self, request: Request, detokenizer: IncrementalDetokenizer) -> str:
+        """Feed the detokenizer the tokens it has not seen yet; the text delta (timed)."""
+        start = time.perf_counter()
+        delta = detokenizer.update(request.output_token_ids[detokenizer.num_tokens:], request.is_finished)
+        self.detokenize_seconds += time.perf_counter() - start
+        return delta
 
     def _completion(self, state: RequestState, index: int) -> CompletionOutput:
         request = state.completions[index]

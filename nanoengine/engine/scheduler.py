@@ -248,10 +248,12 @@ class Scheduler:
         """
         produced = []
         now = time.perf_counter()
+        block_size = self.block_manager.block_size
         for s in out.scheduled:
             request = s.request
             request.num_computed_tokens += s.num_tokens
-            self.block_manager.cache_full_blocks(request)
+            if request.num_computed_tokens >= (len(request.block_hashes) + 1) * block_size:  # a block filled up
+                self.block_manager.cache_full_blocks(request)
             token = sampled.get(request.request_id)
             if token is None:
                 continue

@@ -215,10 +215,14 @@ def latency_summary(metrics) -> dict:
 
 # --------------------------------------------------------------------- systems
 def greedy_params(output_lens: list[int]) -> list:
-    """Greedy sampling, EOS ignored: request i produces exactly ``output_lens[i]`` tokens."""
-    from nanoengine import SamplingParams
+    """Greedy sampling, EOS ignored: request i produces exactly ``output_lens[i]`` tokens.
 
-    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in output_lens]
+    Only final outputs are read, as ``LLM.generate`` reads them (``FINAL_ONLY``).
+    """
+    from nanoengine.sampling_params import RequestOutputKind, SamplingParams
+
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
+            for n in output_lens]
 
 
 def build_engine(model_dir: Path, **engine_kwargs):

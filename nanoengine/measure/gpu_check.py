@@ -3,6 +3,7 @@
     ./course gpu-check                            # python -m nanoengine.measure.gpu_check; < 8 min on an H200
     python -m nanoengine.measure.gpu_check --quick        # a reduced workload, a few minutes
     python -m nanoengine.measure.gpu_check --cpu-smoke    # tiny shapes on the CPU: how CI tests this script
+    python -m nanoengine.measure.gpu_check --nano-vllm    # nano-vLLM's bench workload alone (< 6 min on an H200)
 
 Four sub-checks, each recorded as pass / fail / skipped with its numbers:
 
@@ -643,6 +644,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", default="kernels,cuda_graphs,hf_parity,benchmark",
                    help="comma-separated subset of kernels,cuda_graphs,hf_parity,benchmark")
     p.add_argument("--time-budget-s", type=float, default=None, help="overall time limit (default per mode)")
+    p.add_argument("--nano-vllm", action="store_true",
+                   help="instead: nano-vLLM's bench workload (256 requests, prompts and outputs 100-1024 tokens, "
+                        "Qwen3-0.6B shape, bf16): tok/s, decode-step time, host share (measure/nano_vllm_bench.py)")
     p.add_argument("--out", default=None, help="results JSON (default: results/gpu-check-<date>.json)")
     return p
 
@@ -657,6 +661,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown stage(s) {unknown}; known: {list(STAGES)}", file=sys.stderr)
         return 2
+    if args.nano_vllm:
+        if args.stages != build_parser().get_default("stages") or args.quick:
+            print("--nano-vllm runs nano-vLLM's workload alone: leave out --stages and --quick", file=sys.stderr)
+            return 2
+        return nano_vllm_main(args, argv)
     if args.cpu_smoke:
         # The interpreter must be chosen before triton_kernels is first imported.
         os.environ["TRITON_INTERPRET"] = "1"
@@ -710,6 +719,56 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'all checks passed' if report['passed'] else 'SOME CHECKS FAILED'} in {report['seconds']:.0f} s; "
           f"results written to {out}")
     return 0 if report["passed"] else 1
+
+
+NANO_VLLM_WORKLOADS = {
+    # One H200: 256 sequences of up to 2,048 tokens need ~59 GB of bf16 KV for Qwen3-0.6B's shape;
+    # nano-vLLM's defaults: a 16,384-token budget per step, up to 512 sequences (256 here: all of them).
+    "cuda": dict(model_name="Qwen3-0.6B", model=PRESETS["Qwen3-0.6B"], dtype="bfloat16", device="cuda",
+                 engine_kwargs=dict(max_num_seqs=256, max_num_batched_tokens=16384, kv_cache_memory_gb=64.0),
+                 time_limit_s=300.0),
+    "cpu-smoke": dict(model_name="tiny Qwen3 (stands in for Qwen3-0.6B on the CPU)", model=TINY_QWEN3,
+                      dtype="float32", device="cpu", num_requests=8, prompt_len=(8, 32), output_len=(4, 16),
+                      engine_kwargs=dict(max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=64),
+                      time_limit_s=120.0),
+}
+
+
+def nano_vllm_main(args, argv) -> int:
+    """``--nano-vllm``: nano-vLLM's bench workload on the engine; writes its own results file."""
+    from nanoengine.measure.nano_vllm_bench import NanoVllmWorkload, run_nano_vllm_bench
+
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print(NO_CUDA_MESSAGE)
+        return 0
+    kind = "cpu-smoke" if args.cpu_smoke else "cuda"
+    workload = NanoVllmWorkload(**NANO_VLLM_WORKLOADS[kind])
+    if args.time_budget_s is not None:
+        workload = dataclasses.replace(workload, time_limit_s=args.time_budget_s)
+    today = datetime.date.today().isoformat()
+    out = Path(args.out) if args.out else Path("results") / (
+        f"gpu-check-nano-vllm-{'cpu-smoke-' if kind == 'cpu-smoke' else ''}{today}.json")
+    start = time.monotonic()
+    print(f"nano-vLLM's workload on {workload.device}: {workload.num_requests} requests, prompts "
+          f"{workload.prompt_len[0]}-{workload.prompt_len[1]}, outputs {workload.output_len[0]}-{workload.output_len[1]}, "
+          f"{workload.model_name}, {workload.dtype}")
+    result = run_nano_vllm_bench(workload)
+    report = {"mode": f"nano-vllm ({kind})",
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": "python -m nanoengine.measure.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv),
+              "environment": environment(workload.device), "nano_vllm_bench": result,
+              "anchor": "nano-vLLM README: vLLM 0.10.2 ran this workload shape (133,966 output tokens, Qwen3-0.6B) "
+                        "at 8,588 tok/s on an A800-80GB (ANCHORS.md)",
+              "seconds": round(time.monotonic() - start, 2)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str))
+    decode = result["median_decode_step_ms"]
+    print(f"  {result['output_tokens']:,} output tokens in {result['seconds']:.1f} s: "
+          f"{result['output_tokens_per_s']:,.0f} tok/s ({'complete' if result['complete'] else 'TIME LIMIT'}); "
+          f"median decode step {decode['whole_step']:.2f} ms, of which model {decode['model']:.2f} ms; "
+          f"host share of a step {result['host_share_of_step']['median']:.0%} (median)")
+    print(f"results written to {out}")
+    return 0 if result["complete"] else 1
 
 
 def _summary(stage: str, result: dict) -> str:

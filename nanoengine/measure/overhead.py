@@ -57,16 +57,17 @@ def overhead_engine(num_requests: int, tokenizer, vocab_size: int, max_model_len
 
 def measure_overhead(engine, num_requests: int, sampling: dict, steps: int, seed: int = 0) -> dict:
     """Admit ``num_requests`` requests, then time ``steps`` decode steps of all of them."""
-    from nanoengine import SamplingParams
     from nanoengine.events import StepFinished
+    from nanoengine.sampling_params import RequestOutputKind, SamplingParams
 
     generator = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=WARM_UP_STEPS + steps + 8, ignore_eos=True, seed=None, **sampling)
+    params = SamplingParams(max_tokens=WARM_UP_STEPS + steps + 8, ignore_eos=True, seed=None,
+                            output_kind=RequestOutputKind.FINAL_ONLY, **sampling)
     ids = [engine.add_request(torch.randint(5, vocab, (PROMPT_TOKENS,), generator=generator).tolist(), params)
            for _ in range(num_requests)]
     seen: list[StepFinished] = []
-    unsubscribe = engine.events.subscribe(lambda e: seen.append(e) if isinstance(e, StepFinished) else None)
+    unsubscribe = engine.events.subscribe(seen.append, StepFinished)
     try:
         while not seen or seen[-1].num_decode_tokens < num_requests:  # admission and prefill
             engine.step()
