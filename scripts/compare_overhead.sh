@@ -6,12 +6,12 @@
 # noisy machine hits both. Writes OUT_PREFIX-before-{1,2}.json and OUT_PREFIX-after-{1,2}.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-before_rev="$1"; prefix="$2"; shift 2
+before_rev="$1"; prefix="$(realpath -m "$2")"; shift 2
 tree="$(mktemp -d)/before"
 git worktree add --detach "$tree" "$before_rev" >/dev/null
 trap 'git worktree remove --force "$tree"' EXIT
 py="$PWD/.venv/bin/python"
 for round in 1 2; do
-  (cd "$tree" && PYTHONPATH="$tree" "$py" -m nanoengine bench --overhead "$@" --out "$OLDPWD/$prefix-before-$round.json")
+  (cd "$tree" && PYTHONPATH="$tree" "$py" -m nanoengine bench --overhead "$@" --out "$prefix-before-$round.json")
   PYTHONPATH="$PWD" "$py" -m nanoengine bench --overhead "$@" --out "$prefix-after-$round.json"
 done

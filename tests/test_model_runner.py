@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from nanoengine import LLMEngine, SamplingParams
 from nanoengine.engine.model_runner import BatchPlan, plan_batch
@@ -76,3 +77,22 @@ def test_memory_report_adds_up():
     assert (report.packed_weight_bytes > 0) == packed
     assert report.total_bytes == report.weight_bytes + report.packed_weight_bytes + report.kv_cache_bytes
 
+
+
+def test_a_batch_bigger_than_one_logits_chunk_samples_every_row_as_one_chunk_would():
+    # tiny-llama-eos has hidden size 64, so CPU logits come in chunks of at most 64 rows.
+    eng = engine(max_num_seqs=100, num_kv_blocks=512, block_size=16, max_num_batched_tokens=1024)
+    runner = eng.runner
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(5)] for i in range(100)]
+    for p in prompts:
+        eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=1, logprobs=1))
+    sched = eng.scheduler.schedule()
+    plan, sampled = plan_batch(sched, eng.config.block_size)
+    model_input = runner.prepare_inputs(plan)
+    chunks = [(rows, logits.clone()) for rows, logits in runner.logits_chunks(model_input)]
+    assert [rows.stop - rows.start for rows, _ in chunks] == [64, 36]
+    whole = runner.run_model(runner.prepare_inputs(plan))  # the same K/V are written again: same values
+    assert torch.equal(torch.cat([logits for _, logits in chunks]), whole)
+    result = runner.execute_model(plan, sampled)
+    assert [result.sampled[r.request_id] for r in sampled] == whole.argmax(dim=-1).tolist()
+    assert len(result.logprobs) == 100 and result.sample_time > 0 and result.model_time > 0
