@@ -77,3 +77,26 @@ def test_engine_packs_every_gemm_weight_and_generates_what_plain_weights_do(tiny
     assert plain.engine.runner.packed_weights == 0
     torch.testing.assert_close(packed_logits, plain.engine.next_token_logits(prompts[1]), rtol=1e-4, atol=1e-4)
     assert packed_tokens == [o.token_ids for o in plain.generate(prompts, params)]
+
+
+def test_one_row_takes_the_way_this_cpu_ran_faster(monkeypatch):
+    from nanoengine.kernels import cpu_gemm as gemm
+    from nanoengine.layers.linear import ReplicatedLinear
+
+    if not gemm.packing_available():
+        pytest.skip("this PyTorch build has no oneDNN prepacking")
+    monkeypatch.setattr(gemm, "_SINGLE_ROW_PACKED", {})
+    layers = [ReplicatedLinear(48, 40), ReplicatedLinear(48, 40), ReplicatedLinear(40, 24)]
+    for layer in layers:
+        torch.nn.init.normal_(layer.weight)
+        layer.pack_weight()
+    decided = gemm.tune_single_row(layers)
+    assert set(decided) == {(40, 48), (24, 40)}  # one timing per shape, over all its modules
+    assert gemm.tune_single_row(layers) == {}  # once per process
+    x = torch.randn(1, 48)
+    for packed_is_faster, expected in ((False, F.linear(x, layers[0].weight)),
+                                       (True, gemm.packed_linear(x, layers[0].packed_weight, 40))):
+        gemm._SINGLE_ROW_PACKED[(40, 48)] = packed_is_faster
+        assert torch.equal(layers[0](x), expected)
+    rows = torch.randn(3, 48)  # several rows: always the packed copy
+    assert torch.equal(layers[0](rows), gemm.packed_linear(rows, layers[0].packed_weight, 40))

@@ -35,7 +35,8 @@ def test_plan_puts_decodes_first_and_maps_every_position_to_its_slot():
     assert plan.request_ids == ["d", "p"] and plan.num_decode_tokens == 1
     assert plan.positions == [4, 0, 1, 2, 3, 4, 5]
     # slot = block_table[pos // 4] * 4 + pos % 4
-    assert plan.slot_mapping == [2 * 4 + 0, 12, 13, 14, 15, 0, 1]
+    assert plan.slot_mapping.tolist() == [2 * 4 + 0, 12, 13, 14, 15, 0, 1]
+    assert plan.decode_block_tables.tolist() == [[7, 2]] and plan.prefill_block_tables.tolist() == [[3, 0]]
     assert plan.decode_context_lens == [5] and plan.prefill_context_lens == [6]
     assert plan.query_start_loc == [0, 1, 7]
     # The waiting sibling samples from the same logits row as the request it forks from.

@@ -29,6 +29,7 @@ import torch
 
 from nanoengine.config import EngineConfig, resolve_max_model_len, resolve_num_kv_blocks
 from nanoengine.engine.block_manager import BlockManager
+from nanoengine.engine.block_table import BlockTables
 from nanoengine.engine.model_runner import ModelRunner, SamplingRunner, plan_batch
 from nanoengine.engine.output_processor import OutputProcessor, RequestState
 from nanoengine.engine.request import Request, RequestStatus
@@ -58,6 +59,9 @@ class LLMEngine:
                                    self.max_model_len, config.enable_chunked_prefill,
                                    config.scheduling_policy, self.events)
         self.output_processor = OutputProcessor(tokenizer, self.scheduler)
+        # Block tables of the requests in flight, as one tensor updated in place (engine.block_table).
+        self.block_tables = BlockTables(-(-self.max_model_len // config.block_size),
+                                        capacity=config.max_num_seqs + 1)
         self._next_id = 0  # automatic request ids are "0", "1", ...
         self._probe_ids = itertools.count()  # next_token_logits' private requests
         self.step_count = 0
@@ -264,7 +268,7 @@ class LLMEngine:
         for scheduled in sched.scheduled:
             if scheduled.request.first_scheduled_time is None:
                 scheduled.request.first_scheduled_time = t1
-        plan, sampled = plan_batch(sched, self.config.block_size)
+        plan, sampled = plan_batch(sched, self.config.block_size, self.block_tables)
         plan_time = time.perf_counter() - t1
         if self.events.wants(BatchPrepared):  # a copy of every index list: only for someone watching
             self.events.emit(BatchPrepared(self.step_count, plan.rows()), keep=False)
@@ -307,7 +311,7 @@ class LLMEngine:
         try:
             batch = SchedulerOutput()
             batch.add(probe, num_new)
-            logits = self.runner.compute_logits(plan_batch(batch, self.config.block_size)[0])[0]
+            logits = self.runner.compute_logits(plan_batch(batch, self.config.block_size, self.block_tables)[0])[0]
             probe.num_computed_tokens = len(token_ids)
             self.block_manager.cache_full_blocks(probe)
         finally:

@@ -4,8 +4,9 @@ It owns the model and the KV cache, one preallocated tensor::
 
     kv_cache: (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
 
-The scheduler's decision becomes a ``BatchPlan`` of plain lists (``plan_batch``), then
-tensors (``prepare_inputs``):
+The scheduler's decision becomes a ``BatchPlan`` (``plan_batch``: short lists, and the
+block tables and slots gathered from the engine's persistent ``BlockTables``), then
+tensors on the model's device (``prepare_inputs``):
 
 * ``input_ids`` / ``positions``: the tokens to compute, decodes first then prefill chunks,
 * ``slot_mapping``: where each token's K/V goes (``block_table[pos // B] * B + pos % B``),
@@ -26,6 +27,8 @@ import torch
 from torch import nn
 
 from nanoengine import kernels
+from nanoengine.kernels import cpu_gemm
+from nanoengine.engine.block_table import BlockTables
 from nanoengine.engine.compilation import CompileReport, compile_runner
 from nanoengine.engine.host_memory import keep_freed_memory
 from nanoengine.engine.request import Request
@@ -45,18 +48,20 @@ LOGITS_CHUNK_BYTES = 30 * 1024 * 1024
 
 @dataclass
 class BatchPlan:
-    """One step's batch as plain Python lists: what ``prepare_inputs`` turns into tensors.
+    """One step's batch: what ``prepare_inputs`` puts on the model's device.
 
-    Plain data so it can also be sent to tensor-parallel worker processes.
+    Plain data (lists and CPU tensors) so it can also be sent to tensor-parallel worker
+    processes. The block tables and the slot mapping are tensors gathered from the
+    engine's persistent ``BlockTables``; everything else is a short list.
     """
 
     input_ids: list[int]
     positions: list[int]
-    slot_mapping: list[int]
+    slot_mapping: torch.Tensor | list[int]  # (T,) int64
     num_decode_tokens: int
-    decode_block_tables: list[list[int]]
+    decode_block_tables: torch.Tensor | list[list[int]]  # (decodes, blocks) int32, -1 past a table's end
     decode_context_lens: list[int]
-    prefill_block_tables: list[list[int]]
+    prefill_block_tables: torch.Tensor | list[list[int]]  # (prefills, blocks) int32
     prefill_cu_seqlens_q: list[int]
     prefill_context_lens: list[int]
     logits_indices: list[int]
@@ -65,13 +70,18 @@ class BatchPlan:
 
     def rows(self) -> tuple[BatchRow, ...]:
         """Per request: its positions, slots and block table (for the ``BatchPrepared`` event)."""
-        tables = self.decode_block_tables + self.prefill_block_tables
+        tables = _as_lists(self.decode_block_tables) + _as_lists(self.prefill_block_tables)
+        slots = _as_lists(self.slot_mapping)
         sampling_rows = set(self.logits_indices)
         starts, ends = self.query_start_loc[:-1], self.query_start_loc[1:]
         return tuple(
             BatchRow(request_id, i >= self.num_decode_tokens, tuple(self.positions[a:b]),
-                     tuple(self.slot_mapping[a:b]), tuple(tables[i]), b - 1 in sampling_rows)
+                     tuple(slots[a:b]), tuple(t for t in tables[i] if t >= 0), b - 1 in sampling_rows)
             for i, (request_id, a, b) in enumerate(zip(self.request_ids, starts, ends)))
+
+
+def _as_lists(values) -> list:
+    return values.tolist() if isinstance(values, torch.Tensor) else list(values)
 
 
 @dataclass
@@ -84,14 +94,16 @@ class ModelInput:
     @classmethod
     def from_plan(cls, plan: BatchPlan, device: torch.device) -> "ModelInput":
         def ints(values, dtype=torch.int32):
+            if isinstance(values, torch.Tensor):
+                return values.to(device=device, dtype=dtype)
             return torch.tensor(values, dtype=dtype, device=device)
 
         meta = AttentionMetadata(
             slot_mapping=ints(plan.slot_mapping, torch.long),
             num_decode_tokens=plan.num_decode_tokens,
-            decode_block_tables=_padded(plan.decode_block_tables, device),
+            decode_block_tables=_table(plan.decode_block_tables, device),
             decode_context_lens=ints(plan.decode_context_lens),
-            prefill_block_tables=_padded(plan.prefill_block_tables, device),
+            prefill_block_tables=_table(plan.prefill_block_tables, device),
             prefill_cu_seqlens_q=ints(plan.prefill_cu_seqlens_q),
             prefill_context_lens=ints(plan.prefill_context_lens))
         return cls(ints(plan.input_ids, torch.long), ints(plan.positions, torch.long), meta,
@@ -103,29 +115,44 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _padded(tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    """(num_seqs, max_blocks) int32, rows padded with -1 (never read by the kernels)."""
+def _table(tables, device: torch.device) -> torch.Tensor:
+    """(num_seqs, max_blocks) int32 on ``device``; from lists, rows are padded with -1 (never read by the kernels)."""
+    if isinstance(tables, torch.Tensor):
+        return tables.to(device=device, dtype=torch.int32)
     width = max((len(t) for t in tables), default=0)
     rows = [t + [-1] * (width - len(t)) for t in tables]
     return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(tables), width)
 
 
-def plan_batch(out: SchedulerOutput, block_size: int) -> tuple[BatchPlan, list[Request]]:
+def plan_batch(out: SchedulerOutput, block_size: int,
+               block_tables: BlockTables | None = None) -> tuple[BatchPlan, list[Request]]:
     """Flatten the scheduled requests into one batch: decodes first, then prefill chunks.
 
     Returns the plan and the requests that sample this step, in the order of
     ``logits_indices`` (forked siblings right after the request whose logits they share).
+    ``block_tables`` is the engine's persistent ``BlockTables``: only blocks gained since
+    the last step are copied into it, and the slot of every token is computed from it with
+    tensor arithmetic, ``table[row, pos // B] * B + pos % B``. Without one (tests, tools),
+    a temporary one is used.
     """
     decodes = [s for s in out.scheduled if not s.is_prefill]
     prefills = [s for s in out.scheduled if s.is_prefill]
-    input_ids, positions, slots, logits_indices, sampled = [], [], [], [], []
-    cu_seqlens, query_start = [0], [0]
-    for scheduled in decodes + prefills:
-        request, table = scheduled.request, scheduled.request.block_ids
-        span = scheduled.positions
-        input_ids.extend(request.all_token_ids[span.start:span.stop])
-        positions.extend(span)
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in span)
+    ordered = decodes + prefills
+    if block_tables is None:
+        most = max((len(s.request.block_ids) for s in ordered), default=1)
+        block_tables = BlockTables(max(most, 1), capacity=max(len(ordered), 1))
+    rows = block_tables.rows([s.request for s in ordered])
+    input_ids, positions, logits_indices, sampled = [], [], [], []
+    counts, cu_seqlens, query_start = [], [0], [0]
+    for scheduled in ordered:
+        request, span = scheduled.request, scheduled.positions
+        if scheduled.num_tokens == 1:
+            input_ids.append(request.all_token_ids[span.start])
+            positions.append(span.start)
+        else:
+            input_ids.extend(request.all_token_ids[span.start:span.stop])
+            positions.extend(span)
+        counts.append(scheduled.num_tokens)
         query_start.append(len(input_ids))
         if scheduled.is_prefill:
             cu_seqlens.append(cu_seqlens[-1] + scheduled.num_tokens)
@@ -133,15 +160,25 @@ def plan_batch(out: SchedulerOutput, block_size: int) -> tuple[BatchPlan, list[R
             for requester in [request] + request.forks:
                 logits_indices.append(len(input_ids) - 1)
                 sampled.append(requester)
+    # Every token's slot from the persistent table: one gather, no per-token Python.
+    pos = torch.tensor(positions, dtype=torch.long)
+    token_rows = torch.tensor(rows, dtype=torch.long).repeat_interleave(torch.tensor(counts, dtype=torch.long)) \
+        if len(ordered) != len(positions) else torch.tensor(rows, dtype=torch.long)
+    slots = block_tables.table[token_rows, pos // block_size].long() * block_size + pos % block_size
+    num_decodes = len(decodes)
+
+    def width(group) -> int:
+        return max((len(s.request.block_ids) for s in group), default=0)
+
     plan = BatchPlan(
-        input_ids=input_ids, positions=positions, slot_mapping=slots, num_decode_tokens=len(decodes),
-        decode_block_tables=[list(s.request.block_ids) for s in decodes],
+        input_ids=input_ids, positions=positions, slot_mapping=slots, num_decode_tokens=num_decodes,
+        decode_block_tables=block_tables.gather(rows[:num_decodes], width(decodes)),
         decode_context_lens=[s.num_computed_tokens + 1 for s in decodes],
-        prefill_block_tables=[list(s.request.block_ids) for s in prefills],
+        prefill_block_tables=block_tables.gather(rows[num_decodes:], width(prefills)),
         prefill_cu_seqlens_q=cu_seqlens,
         prefill_context_lens=[s.num_computed_tokens + s.num_tokens for s in prefills],
         logits_indices=logits_indices,
-        request_ids=[s.request.request_id for s in decodes + prefills], query_start_loc=query_start)
+        request_ids=[s.request.request_id for s in ordered], query_start_loc=query_start)
     return plan, sampled
 
 
@@ -257,6 +294,7 @@ class ModelRunner(SamplingRunner):
         packable = [module for module in model.modules() if hasattr(module, "pack_weight")]
         self.packed_weights = sum(module.pack_weight() for module in packable)
         self.packed_weight_bytes = sum(_nbytes(m.weight) for m in packable if m.packed_weight is not None)
+        cpu_gemm.tune_single_row(packable)  # one row: packed or plain, whichever this CPU runs faster
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.cuda_graphs = None

@@ -1,0 +1,70 @@
+"""The persistent block tables (``engine/block_table.py``): rows updated in place, never rebuilt."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoengine import SamplingParams
+from nanoengine.engine.block_table import BlockTables
+from nanoengine.engine.request import Request, RequestStatus
+
+
+def running(request_id: str, block_ids: list[int]) -> Request:
+    request = Request(request_id, [1, 2, 3], SamplingParams())
+    request.block_ids, request.status = block_ids, RequestStatus.RUNNING
+    return request
+
+
+def test_a_step_copies_only_the_blocks_gained_since_the_last(monkeypatch):
+    tables = BlockTables(max_blocks_per_seq=8, capacity=4)
+    a, b = running("a", [5, 1]), running("b", [3])
+    rows = tables.rows([a, b])
+    assert tables.gather(rows, 2).tolist() == [[5, 1], [3, -1]]
+    copied = []
+    real_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda data, **kw: copied.append(list(data)) or real_tensor(data, **kw))
+    a.block_ids.append(9)  # the block manager appends in place
+    assert tables.rows([a, b]) == rows  # same rows, step after step
+    assert copied == [[9]]  # only the new block was written
+    monkeypatch.undo()
+    assert tables.gather(rows, 3).tolist() == [[5, 1, 9], [3, -1, -1]]
+
+
+def test_a_new_block_list_rewrites_the_row_and_clears_its_tail():
+    tables = BlockTables(max_blocks_per_seq=8, capacity=2)
+    a = running("a", [4, 6, 7])
+    row = tables.rows([a])[0]
+    a.block_ids = [2]  # freed (preempted) and admitted again: a new list
+    assert tables.rows([a]) == [row]
+    assert tables.table[row].tolist() == [2] + [-1] * 7
+
+
+def test_rows_of_requests_that_stopped_running_are_reused_and_the_table_grows_when_needed():
+    tables = BlockTables(max_blocks_per_seq=4, capacity=2)
+    a, b = running("a", [1]), running("b", [2])
+    first = tables.rows([a, b])
+    a.status = RequestStatus.FINISHED_LENGTH
+    c = running("c", [3, 4])
+    assert tables.rows([b, c]) == [first[1], first[0]]  # c took a's row
+    assert tables.gather([first[0]], 4).tolist() == [[3, 4, -1, -1]]
+    d, e = running("d", [5]), running("e", [6])
+    rows = tables.rows([b, c, d, e])  # nobody to reclaim: the table doubles
+    assert tables.capacity == 4 and len(set(rows)) == 4
+    assert tables.gather(rows, 2).tolist() == [[2, -1], [3, 4], [5, -1], [6, -1]]
+
+
+def test_a_reused_request_id_gets_its_own_row():
+    tables = BlockTables(max_blocks_per_seq=4, capacity=2)
+    old = running("x", [1, 2])
+    tables.rows([old])
+    old.status = RequestStatus.FINISHED_STOPPED
+    new = running("x", [7])
+    row = tables.rows([new])[0]
+    assert tables.gather([row], 2).tolist() == [[7, -1]]
+
+
+def test_a_table_longer_than_a_row_is_refused():
+    tables = BlockTables(max_blocks_per_seq=2)
+    with pytest.raises(ValueError, match="holds 3 blocks, more than a row's 2"):
+        tables.rows([running("a", [1, 2, 3])])
