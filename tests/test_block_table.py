@@ -68,3 +68,17 @@ def test_a_table_longer_than_a_row_is_refused():
     tables = BlockTables(max_blocks_per_seq=2)
     with pytest.raises(ValueError, match="holds 3 blocks, more than a row's 2"):
         tables.rows([running("a", [1, 2, 3])])
+
+
+def test_a_row_never_keeps_a_finished_request_alive():
+    import gc
+    import weakref
+
+    tables = BlockTables(max_blocks_per_seq=4, capacity=1)
+    gone = running("gone", [1])
+    tables.rows([gone])
+    ref = weakref.ref(gone)
+    del gone
+    gc.collect()
+    assert ref() is None
+    assert tables.rows([running("next", [2])]) == [0]  # its row is free again

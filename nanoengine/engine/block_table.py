@@ -17,11 +17,14 @@ A row knows which list it mirrors (``Request.block_ids``): the block manager onl
 appends to that list, and replaces it with a new one when it frees or forks. A new list
 (a preempted request admitted again, a forked sibling) means the row is written afresh.
 Rows of requests that are no longer running are taken back only when a new request
-needs one and none is free, so nothing has to tell this class that a request ended.
+needs one and none is free, so nothing has to tell this class that a request ended; a
+row refers to its request weakly, so it never keeps a finished request alive (it keeps
+at most its last block list, until the row is reused).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -39,7 +42,9 @@ class BlockTables:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.table = torch.full((capacity, max_blocks_per_seq), -1, dtype=torch.int32)
         self._row_of: dict[str, int] = {}  # request id -> its row
-        self._owner: list[Request | None] = [None] * capacity
+        # Weak references: a row never keeps a finished request alive.
+        self._owner: list[weakref.ref | None] = [None] * capacity
+        self._owner_id: list[str | None] = [None] * capacity
         self._source: list[list[int] | None] = [None] * capacity  # the block_ids list a row mirrors
         self._filled = [0] * capacity  # entries of the row copied so far
         self._free = list(range(capacity - 1, -1, -1))
@@ -53,7 +58,7 @@ class BlockTables:
         rows: list[int] = []
         for request in requests:
             row = self._row_of.get(request.request_id)
-            if row is None or self._owner[row] is not request:
+            if row is None or self._owner[row] is None or self._owner[row]() is not request:
                 row = self._assign(request, rows)
             ids, filled = request.block_ids, self._filled[row]
             if self._source[row] is not ids or len(ids) < filled:  # a new list: write the row afresh
@@ -81,11 +86,8 @@ class BlockTables:
         if not self._free:
             self._grow()
         row = self._free.pop()
-        old = self._owner[row]
-        if old is not None and self._row_of.get(old.request_id) == row:
-            del self._row_of[old.request_id]
         self._row_of[request.request_id] = row
-        self._owner[row] = request
+        self._owner[row], self._owner_id[row] = weakref.ref(request), request.request_id
         self._source[row] = None  # written afresh by the caller
         return row
 
@@ -93,17 +95,21 @@ class BlockTables:
         """Free the rows of requests that are not running (finished, waiting again, a probe)."""
         from nanoengine.engine.request import RequestStatus
 
-        for row, owner in enumerate(self._owner):
-            if owner is not None and row not in in_use and owner.status != RequestStatus.RUNNING:
-                if self._row_of.get(owner.request_id) == row:
-                    del self._row_of[owner.request_id]
-                self._owner[row], self._source[row] = None, None
+        for row, ref in enumerate(self._owner):
+            if ref is None or row in in_use:
+                continue
+            owner = ref()
+            if owner is None or owner.status != RequestStatus.RUNNING:
+                if self._row_of.get(self._owner_id[row]) == row:
+                    del self._row_of[self._owner_id[row]]
+                self._owner[row] = self._owner_id[row] = self._source[row] = None
                 self._free.append(row)
 
     def _grow(self) -> None:
         old = self.capacity
         self.table = torch.cat((self.table, torch.full_like(self.table, -1)))
         self._owner += [None] * old
+        self._owner_id += [None] * old
         self._source += [None] * old
         self._filled += [0] * old
         self._free = list(range(2 * old - 1, old - 1, -1))
