@@ -46,3 +46,22 @@ def test_a_tail_that_could_start_a_stop_string_is_released_when_it_does_not(toke
 def test_without_a_tokenizer_there_is_no_text():
     detok = IncrementalDetokenizer(None)
     assert detok.update([1, 2, 3], finished=True) == "" and detok.text == "" and detok.flushed
+
+
+def test_the_window_gives_the_whole_decode_and_reads_a_bounded_number_of_tokens(tokenizer, monkeypatch):
+    import random
+
+    rng = random.Random(0)
+    text = "Streaming 안녕하세요 🙂 naïve text, " * 20
+    sequences = [tokenizer.encode(text, add_special_tokens=False),
+                 [rng.randrange(tokenizer.vocab_size) for _ in range(400)]]  # random ids: broken bytes too
+    for ids in sequences:
+        decoded = []
+        real = tokenizer.decode
+        monkeypatch.setattr(tokenizer, "decode", lambda t, **kw: decoded.append(len(t)) or real(t, **kw))
+        detok = IncrementalDetokenizer(tokenizer)
+        deltas = [detok.update([t], finished=i == len(ids) - 1) for i, t in enumerate(ids)]
+        monkeypatch.undo()
+        whole = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert "".join(deltas) == detok.text == whole
+        assert max(decoded) <= 16  # a window of a few tokens, never the whole output

@@ -1,12 +1,18 @@
 """Incremental detokenization: token ids -> text deltas for streaming (chapter 8).
 
 A byte-level BPE token may hold half of a multi-byte UTF-8 character (Korean, emoji), so
-decoding one token at a time would print broken characters. Instead the detokenizer
-decodes the request's whole output so far and emits only what is new, holding back a
-trailing U+FFFD (an incomplete character) until the next token completes it. It also
-finds stop strings, cuts the text before them, and holds back a tail that could still
-grow into a stop string, so a stream never shows text that the final result drops.
+decoding one token at a time would print broken characters. Decoding the request's whole
+output at every step and keeping what is new would be correct, but its cost grows with
+the output: step n decodes n tokens, a 1,000-token stream decodes half a million. So the
+detokenizer decodes a *window*: the tokens since ``prefix_offset``, compared with the
+decoding of the same window without the unread tokens (``prefix_offset:read_offset``).
+What the unread tokens add is the new text; a result that ends in U+FFFD (an incomplete
+character) is held until the next token completes it. The few tokens of context before the
+unread ones keep spacing right for tokenizers whose decoding of a token depends on what
+precedes it. vLLM's detokenizer uses the same two offsets.
 
+It also finds stop strings, cuts the text before them, and holds back a tail that could
+still grow into a stop string, so a stream never shows text that the final result drops.
 The deltas always concatenate to the final text: ``text`` is built from them.
 """
 
@@ -20,6 +26,9 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.stop = stop
         self.token_ids: list[int] = []
+        self.decoded = ""  # the text of the tokens before read_offset (held-back tails included)
+        self.prefix_offset = 0  # start of the decoding window
+        self.read_offset = 0  # tokens before this are in ``decoded``
         self.text = ""  # everything emitted so far
         self.stop_hit: str | None = None
         self.flushed = False  # an update with finished=True has released everything held back
@@ -38,8 +47,7 @@ class IncrementalDetokenizer:
         self.flushed = self.flushed or finished
         if self.tokenizer is None:
             return ""
-        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True,
-                                     clean_up_tokenization_spaces=False)
+        full = self._decode_new(finished)
         visible = full
         search_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
         for stop in self.stop:
@@ -55,6 +63,21 @@ class IncrementalDetokenizer:
         delta = visible[len(self.text):]
         self.text += delta
         return delta
+
+    def _decode_new(self, finished: bool) -> str:
+        """``decoded`` extended by the unread tokens, decoding only the window since ``prefix_offset``."""
+        if self.read_offset < len(self.token_ids):
+            window = self.token_ids[self.prefix_offset:]
+            before = self._decode(window[:self.read_offset - self.prefix_offset])
+            after = self._decode(window)
+            if finished or not after.endswith(REPLACEMENT_CHAR):  # else wait for the rest of a character
+                self.decoded += after[len(before):]
+                self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return self.decoded
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) \
+            if token_ids else ""
 
     def _partial_stop_len(self, text: str) -> int:
         """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""

@@ -13,9 +13,10 @@ that part, on any machine, GPU or not:
   decode steps of ``N`` rows each are timed by the engine's own timers
   (``StepFinished``: schedule, block manager, input preparation, model, sampling, update,
   detokenization);
-* twice: greedy, and sampling at temperature 0.8 with top-k 50 and top-p 0.95;
-* requests are read as ``LLM.generate`` reads them: only their final outputs (so text is
-  made only when someone reads it).
+* three times: greedy and sampling at temperature 0.8 with top-k 50 and top-p 0.95, both
+  read as ``LLM.generate`` reads them (final outputs only, so text is made only when a
+  request ends), and greedy read as a stream (an output with its text every step, as
+  ``LLM.stream`` and a server read them).
 
 The figure of merit is ``host_ms``, the median over steps of the step's wall time minus
 its model time. Medians are reported per phase (so they need not add up exactly).
@@ -37,8 +38,10 @@ import torch
 # StepFinished fields, in step order, and the names the report gives them.
 PHASES = {"schedule_time": "schedule", "block_manager_time": "block manager", "prepare_time": "prepare inputs",
           "sample_time": "sample", "update_time": "update outputs", "detokenize_time": "detokenize"}
-SAMPLING = {"greedy": {"temperature": 0.0},
-            "top-k/top-p": {"temperature": 0.8, "top_k": 50, "top_p": 0.95}}
+GREEDY = {"temperature": 0.0}
+TOP_K_TOP_P = {"temperature": 0.8, "top_k": 50, "top_p": 0.95}
+# (label, sampling parameters, read every step): the cases measured, each at every N.
+CASES = (("greedy", GREEDY, False), ("top-k/top-p", TOP_K_TOP_P, False), ("greedy, streamed", GREEDY, True))
 PROMPT_TOKENS = 128
 WARM_UP_STEPS = 3
 
@@ -55,15 +58,21 @@ def overhead_engine(num_requests: int, tokenizer, vocab_size: int, max_model_len
                                 num_kv_blocks=num_requests * blocks_per_request + 1, seed=0)
 
 
-def measure_overhead(engine, num_requests: int, sampling: dict, steps: int, seed: int = 0) -> dict:
-    """Admit ``num_requests`` requests, then time ``steps`` decode steps of all of them."""
+def measure_overhead(engine, num_requests: int, sampling: dict, steps: int, seed: int = 0,
+                     streamed: bool = False) -> dict:
+    """Admit ``num_requests`` requests, then time ``steps`` decode steps of all of them.
+
+    ``streamed``: every request reports its output (and text) every step, as a stream does;
+    otherwise only at the end, as ``LLM.generate`` reads them.
+    """
     from nanoengine.events import StepFinished
     from nanoengine.sampling_params import RequestOutputKind, SamplingParams
 
     generator = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(max_tokens=WARM_UP_STEPS + steps + 8, ignore_eos=True, seed=None,
-                            output_kind=RequestOutputKind.FINAL_ONLY, **sampling)
+    kind = RequestOutputKind.CUMULATIVE if streamed else RequestOutputKind.FINAL_ONLY
+    params = SamplingParams(max_tokens=WARM_UP_STEPS + steps + 8, ignore_eos=True, seed=None, output_kind=kind,
+                            **sampling)
     ids = [engine.add_request(torch.randint(5, vocab, (PROMPT_TOKENS,), generator=generator).tolist(), params)
            for _ in range(num_requests)]
     seen: list[StepFinished] = []
@@ -112,16 +121,17 @@ def run_overhead(request_counts: list[int], steps: int, out: str | None = None, 
     load_at_start = load_average()
     print(f"host overhead per decode step: tiny random model, vocabulary {vocab:,} with {source.name}'s tokenizer, "
           f"{PROMPT_TOKENS}-token prompts, {steps} timed steps (medians, ms)")
-    header = f"{'sampling':<12} {'N':>4} {'host':>8} " + " ".join(f"{n:>14}" for n in PHASES.values()) + \
+    header = f"{'case':<17} {'N':>4} {'host':>8} " + " ".join(f"{n:>14}" for n in PHASES.values()) + \
         f" {'model':>8}"
     print(header)
     rows = []
-    for name, sampling in SAMPLING.items():
+    for name, sampling, streamed in CASES:
         for n in request_counts:
             engine = overhead_engine(n, tokenizer, vocab, max_model_len=PROMPT_TOKENS + steps + 64)
-            row = {"sampling": name, "sampling_params": sampling, **measure_overhead(engine, n, sampling, steps)}
+            row = {"sampling": name, "sampling_params": sampling, "streamed": streamed,
+                   **measure_overhead(engine, n, sampling, steps, streamed=streamed)}
             rows.append(row)
-            print(f"{name:<12} {n:>4} {row['host_ms']:>8.2f} " +
+            print(f"{name:<17} {n:>4} {row['host_ms']:>8.2f} " +
                   " ".join(f"{v:>14.2f}" for v in row["phases_ms"].values()) + f" {row['model_ms']:>8.2f}")
     results = {
         "kind": "host overhead per step",
