@@ -292,6 +292,9 @@ class AsyncLLMEngine:
     def _add(self, command: _Add) -> None:
         engine = self.engine
         waiting = len(engine.scheduler.waiting)
+        if self.max_waiting is not None and len(command.requests) > self.max_waiting:
+            raise ValueError(f"this request has {len(command.requests)} prompts, but at most {self.max_waiting} "
+                             f"may wait for the engine at once: send fewer per request")
         if self.max_waiting is not None and waiting + len(command.requests) > self.max_waiting:
             raise QueueFullError(f"{waiting} requests are already waiting for the engine (the server's limit is "
                                  f"{self.max_waiting}); retry later")

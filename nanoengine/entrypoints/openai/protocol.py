@@ -93,7 +93,8 @@ def _explain(exc: ValidationError) -> ProtocolError:
     alternatives = {tuple(e["loc"][:1]) for e in exc.errors()}
     if field in _EXPECTED and len(exc.errors()) > 1 and len(alternatives) == 1:
         return ProtocolError(f"{field} must be {_EXPECTED[field]}", param=field, code="invalid_type")
-    where = ".".join(part for part in loc if not part.startswith(("list[", "str", "int")))
+    # pydantic names the union member it tried ("str", "list[int]"); the reader wants the field's path
+    where = ".".join(part for part in loc if "[" not in part and part not in ("str", "int", "float", "bool"))
     return ProtocolError(f"{where}: {first['msg']}, got {first.get('input')!r:.80}", param=field,
                          code="invalid_type")
 
