@@ -1,8 +1,9 @@
-"""Command line: ``python -m nanoengine {generate,chat,bench}``.
+"""Command line: ``python -m nanoengine {generate,chat,bench,serve}``.
 
     python -m nanoengine generate "The capital of France is" --max-tokens 20 --stream
     python -m nanoengine chat                      # type messages, /exit to leave
     python -m nanoengine bench                     # engine vs transformers, writes results JSON
+    python -m nanoengine serve                     # OpenAI-compatible server on 127.0.0.1:8000
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     from nanoengine.measure.benchmark import add_arguments
 
     add_arguments(bench)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    from nanoengine.entrypoints.openai.cli_args import add_arguments as add_serve_arguments
+
+    add_serve_arguments(serve)
     return parser
 
 
@@ -56,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
             words = sys.argv[1:] if argv is None else argv
             args.command_line = "python -m nanoengine " + " ".join(words)  # recorded in the results
             run_from_args(args)
+            return 0
+        if args.command == "serve":
+            from nanoengine.entrypoints.openai.cli_args import run as serve
+
+            serve(args)
             return 0
         from nanoengine import LLM
 

@@ -141,7 +141,7 @@ def test_bad_bench_values(capsys, tiny_llama_dir, flags, fragments):
 # -------------------------------------------------------------- argparse (exit 2)
 @pytest.mark.parametrize("argv, fragment", [
     pytest.param([], "required: command", id="no command"),
-    pytest.param(["serve"], "invalid choice: 'serve'", id="unknown command"),
+    pytest.param(["sever"], "invalid choice: 'sever'", id="unknown command"),
     pytest.param(["generate"], "the following arguments are required: prompt", id="no prompt"),
     pytest.param(["generate", "hi", "--max-tokens", "abc"], "invalid int value: 'abc'", id="max-tokens not int"),
     pytest.param(["generate", "hi", "--temperature", "warm"], "invalid float value: 'warm'", id="temperature text"),

@@ -9,7 +9,7 @@ SchedulerStepper       SchedulerStepperController          5 (the scheduler)
 SamplingPlayground     SamplingPlaygroundController        8 (sampling)
 MemoryEstimator        MemoryEstimatorController           1, 3
 TokenEditor            token_pieces (widgets.tokens)       1
-Quiz                   QuizController                      all eleven
+Quiz                   QuizController                      all twelve
 =====================  ==================================  ==========================
 
 Controllers use only the engine's public API (``add_request``, ``step``, ``abort``,

@@ -31,7 +31,8 @@ Options beyond the default offline race:
   request and only the tokens requested count (the cost static batching really pays);
   ``generate_batch`` gets each request's own length.
 * ``--online-rates R ...``: the engine serving Poisson arrivals at R requests/s: requests
-  join while others run, and TTFT counts from each request's arrival.
+  join while others run, and TTFT counts from each request's arrival. With ``--server URL``
+  the same arrivals go to an OpenAI-compatible server instead (``online_client``).
 * ``--batch-sizes B ...``: the engine with at most B sequences per step, for each B.
 * The roofline of the machine (GEMM peak and copy bandwidth, same dtype and device) is
   always recorded; ``--compile`` adds an A/B of the engine itself, eager against
@@ -92,6 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--online-rates", type=float, nargs="+", default=[], metavar="RATE",
                    help="also serve the workload to the engine as Poisson arrivals at each RATE requests/s")
+    p.add_argument("--server", default=None, metavar="URL",
+                   help="with --online-rates: send those arrivals to this OpenAI-compatible server (its root or "
+                   "/v1 URL) through a streaming client instead, and measure only that (measure/online_client.py)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[], metavar="B",
                    help="also run the engine with at most B sequences per step, for each B")
     p.add_argument("--single-stream-tokens", type=int, default=32,
@@ -132,6 +136,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     for rate in args.online_rates:
         if not (math.isfinite(rate) and rate > 0):
             raise ValueError(f"online_rates must be finite request rates > 0 (requests per second), got {rate}")
+    server = getattr(args, "server", None)
+    if server is not None:
+        if not server.startswith(("http://", "https://")):
+            raise ValueError(f"server must be a URL starting with http:// or https://, got {server!r}")
+        if not args.online_rates:
+            raise ValueError("server needs --online-rates: the server is measured with Poisson arrivals at those rates")
     for size in args.batch_sizes:
         at_least("each of batch_sizes", size, 1)
     if not (math.isfinite(args.tie_tolerance) and args.tie_tolerance >= 0):
@@ -647,6 +657,10 @@ def run_from_args(args: argparse.Namespace) -> dict:
         from nanoengine.measure.overhead import run_overhead
 
         return run_overhead(args.overhead_requests, args.overhead_steps, args.out, getattr(args, "command_line", None))
+    if getattr(args, "server", None):
+        from nanoengine.measure.online_client import run_server_bench
+
+        return run_server_bench(args)
     # Resolved once, the engine's way, for every system: transformers runs where the engine does.
     resolved = EngineConfig(device=args.device, dtype=args.dtype)
     device, dtype = resolved.torch_device, resolved.torch_dtype

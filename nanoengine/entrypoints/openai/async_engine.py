@@ -1,0 +1,367 @@
+"""The async engine: asyncio on one side, the engine's step loop on the other (chapter 12).
+
+A server must do two things at once: accept HTTP requests as they arrive, and keep the
+engine stepping so that the requests already admitted make progress. ``LLMEngine`` is
+plain synchronous code (``add_request``, ``step``, ``abort``) and not thread-safe, and one
+step takes milliseconds to seconds, far too long to run inside an asyncio event loop that
+must keep answering other clients. So the work is split between two threads:
+
+* **the engine thread** (one, started by ``start``) owns the ``LLMEngine``: it is the only
+  thread that ever calls its methods, tokenizer included. It loops: take the commands that
+  arrived (add, abort, call), apply them between two steps, run one ``step()``, hand each
+  output to the request it belongs to. When there is nothing to do it sleeps on a
+  condition variable instead of spinning, and a new command wakes it.
+* **the asyncio side** (the HTTP server's event loop) never touches the engine. It submits
+  commands through a list guarded by that condition, and receives each request's outputs
+  on the request's own ``asyncio.Queue``, filled by the engine thread through
+  ``loop.call_soon_threadsafe`` (asyncio objects may only be touched from their loop's
+  thread; that call is the one sanctioned way in).
+
+A request's life: ``add_requests`` -> (engine thread) tokenize, check, ``engine.add_request``
+-> each ``step()`` puts a ``RequestOutput`` on its queue -> ``RequestStream`` yields them
+-> the final output (``finished``) ends the stream. ``abort`` (a client disconnected)
+queues an abort command; the engine thread calls ``engine.abort`` between two steps, which
+frees the request's KV blocks at once.
+
+Because commands are applied only between steps, a request arriving mid-step waits for
+that step to end: its TTFT (measured from its arrival) includes that wait, as it would in
+vLLM, whose engine core runs in its own process for the same reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from nanoengine.engine.llm_engine import LLMEngine
+from nanoengine.outputs import RequestOutput
+from nanoengine.sampling_params import SamplingParams
+
+logger = logging.getLogger("nanoengine.serve")
+
+Prompt = str | list[int]
+# SamplingParams, or a function of the prompt's token count that returns them (the server
+# fits max_tokens to the context window, which needs the count; tokenizing is the engine
+# thread's job, so the function runs there).
+ParamsFor = SamplingParams | Callable[[int], SamplingParams]
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than the server's limit allows (HTTP 429)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down, or a step failed); nothing more can be served."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine thread publishes after every iteration, for ``/metrics`` and tests.
+
+    Read from the engine between two steps (by its own thread), so the numbers agree with
+    one another; readers on other threads only ever see a complete, frozen record.
+    """
+
+    num_running: int  # sequences (completions) in the running queue
+    num_waiting: int  # sequences waiting for admission (new or preempted)
+    num_kv_blocks: int
+    num_free_kv_blocks: int  # including free blocks that still hold a cached prefix
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache since start
+    prefix_cache_hits: int  # of which found
+    num_preemptions: int
+    num_steps: int
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> "EngineStats":
+        """The counters ``snapshot()`` reports, without copying every block (cheap per step)."""
+        scheduler, blocks = engine.scheduler, engine.block_manager
+        return cls(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+                   num_kv_blocks=engine.runner.num_blocks, num_free_kv_blocks=blocks.num_free_blocks,
+                   prefix_cache_queries=blocks.prefix_queries, prefix_cache_hits=blocks.prefix_hits,
+                   num_preemptions=scheduler.num_preemptions, num_steps=engine.step_count)
+
+    @property
+    def num_used_kv_blocks(self) -> int:
+        return self.num_kv_blocks - self.num_free_kv_blocks
+
+
+# Commands from the asyncio side to the engine thread. Each result travels back on a
+# concurrent.futures.Future, which any thread may wait on (asyncio wraps it with wrap_future).
+@dataclass
+class _Add:
+    requests: list[tuple[str, Prompt, ParamsFor]]  # (request id, prompt, params) per prompt
+    queue: asyncio.Queue  # where every one of them delivers its outputs
+    arrival_time: float
+    done: concurrent.futures.Future
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    done: concurrent.futures.Future
+
+
+class RequestStream:
+    """The outputs of the engine requests one HTTP request made (one per prompt), in the
+    order the engine produced them; ``async for`` ends once every one has finished."""
+
+    def __init__(self, owner: "AsyncLLMEngine", request_ids: list[str], queue: asyncio.Queue) -> None:
+        self.request_ids = list(request_ids)
+        self._owner = owner
+        self._queue = queue
+        self._unfinished = set(request_ids)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):  # the engine thread stopped
+            self._unfinished.clear()
+            raise item
+        if item.finished:
+            self._unfinished.discard(item.request_id)
+        return item
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def abort(self) -> None:
+        """Abort whatever has not finished (a no-op once all have); safe to call twice."""
+        if self._unfinished:
+            self._owner.abort(sorted(self._unfinished))
+            self._unfinished.clear()
+
+
+class AsyncLLMEngine:
+    """An ``LLMEngine`` stepped by its own thread, driven from asyncio (vLLM's name).
+
+    ``max_waiting``: refuse an add (``QueueFullError``) that would leave more than this many
+    sequences waiting for admission; None for no limit. ``on_finished`` is called on the
+    engine thread with every final output (finished, stopped or aborted), e.g. for metrics.
+    """
+
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
+                 on_finished: Callable[[RequestOutput], None] | None = None) -> None:
+        if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)
+                                        or max_waiting < 1):
+            raise ValueError(f"max_waiting must be None or an integer >= 1, got {max_waiting!r}")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.on_finished = on_finished
+        self._cond = threading.Condition()
+        self._commands: list[_Add | _Abort | _Call] = []  # guarded by _cond
+        self._stopping = False  # guarded by _cond
+        self._queues: dict[str, asyncio.Queue] = {}  # request id -> its stream; engine thread only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stats = EngineStats.of(engine)
+        self.error: BaseException | None = None  # why the engine thread stopped, if it failed
+
+    # ----------------------------------------------------------- lifecycle
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start the engine thread; outputs are delivered on ``loop`` (default: the running one)."""
+        if self._thread is not None:
+            raise RuntimeError("this AsyncLLMEngine was already started; build a new one")
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="nanoengine-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread: unfinished requests are aborted (their blocks freed) and
+        their streams end with ``EngineDeadError``. Afterwards the engine is the caller's again."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise RuntimeError(f"the engine thread did not stop within {timeout} s")
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def stats(self) -> EngineStats:
+        """The latest ``EngineStats`` (published after every step; no waiting)."""
+        return self._stats
+
+    # ----------------------------------------------------- the asyncio side
+    async def add_requests(self, requests: Sequence[tuple[str, Prompt, ParamsFor]],
+                           arrival_time: float | None = None) -> RequestStream:
+        """Queue one engine request per (id, prompt, params); all are added or none is.
+
+        Raises ``ValueError`` (a bad prompt or params: the engine's own checks),
+        ``QueueFullError`` or ``EngineDeadError``. ``arrival_time`` (``time.perf_counter()``)
+        is when the HTTP request came in; TTFT counts from it.
+        """
+        queue: asyncio.Queue = asyncio.Queue()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        requests = list(requests)
+        self._submit(_Add(requests, queue, time.perf_counter() if arrival_time is None else arrival_time, done))
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:  # the caller went away while waiting: undo the add if it happened
+            self.abort([request_id for request_id, _, _ in requests])
+            raise
+        return RequestStream(self, [request_id for request_id, _, _ in requests], queue)
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort these requests between two steps (unknown or finished ids are ignored)."""
+        self._submit(_Abort(list(request_ids)))
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the engine thread between two steps; its result arrives on the
+        returned Future (``.result(timeout)`` from a plain thread, ``await asyncio.wrap_future``
+        from asyncio). The one safe way to read or change the engine while it is served."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Call(fn, done))
+        return done
+
+    def _submit(self, command: _Add | _Abort | _Call) -> None:
+        with self._cond:
+            if self._stopping or self.error is not None or self._thread is None:
+                if not isinstance(command, _Abort):
+                    command.done.set_exception(EngineDeadError(self._why_dead()))
+                return
+            self._commands.append(command)
+            self._cond.notify()
+
+    def _why_dead(self) -> str:
+        if self._thread is None:
+            return "the engine thread has not been started"
+        if self.error is not None:
+            return f"the engine failed and stopped: {self.error!r}"
+        return "the engine is shutting down"
+
+    # ---------------------------------------------------- the engine thread
+    def _run(self) -> None:
+        """The engine thread: apply commands, step, deliver outputs; sleep when idle."""
+        engine = self.engine
+        while True:
+            with self._cond:
+                while not (self._commands or self._stopping or engine.has_unfinished_requests()):
+                    self._cond.wait()  # idle: no spinning, no polling
+                if self._stopping:
+                    break
+                commands, self._commands = self._commands, []
+            try:
+                while commands:
+                    self._apply(commands[0])
+                    commands.pop(0)
+                if engine.has_unfinished_requests():
+                    self._deliver(engine.step())
+                self._stats = EngineStats.of(engine)
+            except Exception as exc:  # a bug or a device error: fail every request, stop serving
+                logger.exception("the engine failed; every request in flight gets an error")
+                self.error = exc
+                with self._cond:  # the commands not yet applied are failed with the rest
+                    self._commands[:0] = commands[1:]
+                break
+        self._stop_everything()
+
+    def _apply(self, command: _Add | _Abort | _Call) -> None:
+        if isinstance(command, _Abort):
+            for request_id in command.request_ids:
+                if self.engine.has_request(request_id):
+                    self._deliver([self.engine.abort(request_id)])
+            return
+        if not command.done.set_running_or_notify_cancel():
+            return
+        try:
+            result = self._add(command) if isinstance(command, _Add) else command.fn(self.engine)
+        except Exception as exc:  # the caller's error (a bad request), not the engine's
+            command.done.set_exception(exc)
+        else:
+            command.done.set_result(result)
+
+    def _add(self, command: _Add) -> None:
+        engine = self.engine
+        waiting = len(engine.scheduler.waiting)
+        if self.max_waiting is not None and len(command.requests) > self.max_waiting:
+            raise ValueError(f"this request has {len(command.requests)} prompts, but at most {self.max_waiting} "
+                             f"may wait for the engine at once: send fewer per request")
+        if self.max_waiting is not None and waiting + len(command.requests) > self.max_waiting:
+            raise QueueFullError(f"{waiting} requests are already waiting for the engine (the server's limit is "
+                                 f"{self.max_waiting}); retry later")
+        added: list[str] = []
+        try:
+            for request_id, prompt, params in command.requests:
+                _, token_ids = engine.tokenize_prompt(prompt)  # ValueError: empty, too long, bad ids
+                if callable(params):
+                    params = params(len(token_ids))
+                engine.add_request(token_ids, params, request_id, arrival_time=command.arrival_time)
+                self._queues[request_id] = command.queue
+                added.append(request_id)
+        except BaseException:
+            for request_id in added:  # all or nothing: nothing was computed for them yet
+                engine.abort(request_id)
+                del self._queues[request_id]
+            raise
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand outputs to their streams: one thread-safe hop onto the event loop per step."""
+        batch = []
+        for out in outputs:
+            queue = self._queues.pop(out.request_id, None) if out.finished else self._queues.get(out.request_id)
+            if out.finished:
+                self._finished(out)
+            if queue is not None:
+                batch.append((queue, out))
+        if batch:
+            self._call_soon(_put_all, batch)
+
+    def _finished(self, out: RequestOutput) -> None:
+        if self.on_finished is not None:
+            try:
+                self.on_finished(out)
+            except Exception:  # an observer's bug must not stop the engine
+                logger.exception("on_finished failed for request %s", out.request_id)
+
+    def _call_soon(self, fn: Callable, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def _stop_everything(self) -> None:
+        """On the way out: abort what is unfinished, fail waiting commands and streams."""
+        with self._cond:
+            self._stopping = True
+            commands, self._commands = self._commands, []
+        error = EngineDeadError(self._why_dead())
+        for command in commands:
+            if not isinstance(command, _Abort) and command.done.set_running_or_notify_cancel():
+                command.done.set_exception(error)
+        for request_id in list(self._queues):
+            try:
+                if self.engine.has_request(request_id):
+                    self._finished(self.engine.abort(request_id))
+            except Exception:  # after a failed step the bookkeeping may be broken; keep going
+                logger.exception("could not abort request %s", request_id)
+        self._call_soon(_put_all, [(queue, error) for queue in set(self._queues.values())])
+        self._queues.clear()
+        try:
+            self._stats = EngineStats.of(self.engine)
+        except Exception:
+            pass
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    """On the event loop: put each item on its queue."""
+    for queue, item in batch:
+        queue.put_nowait(item)

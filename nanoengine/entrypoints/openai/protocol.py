@@ -1,0 +1,337 @@
+"""The OpenAI wire format: what a client sends, what the server answers (chapter 12).
+
+A request body is JSON. It is parsed *strictly* into a pydantic model (``CompletionRequest``
+or ``ChatCompletionRequest``): a field the server does not know, a string where a number
+belongs or a body that is not JSON at all is refused with status 400 and a message naming
+the field, before anything reaches the engine. Values are then checked by the engine's
+own ``SamplingParams``, the single place that knows what a valid temperature or
+``max_tokens`` is; its ``ValueError`` becomes a 400 too.
+
+The field names are OpenAI's, plus vLLM's extras (``top_k``, ``min_p``, ``ignore_eos``,
+``stop_token_ids``), which the ``openai`` client sends through ``extra_body``. Fields
+OpenAI defines but this engine cannot honour (``echo``, penalties, ``logit_bias``,
+``suffix``, ``best_of`` above ``n``) are accepted only at their neutral value, and
+refused otherwise rather than silently ignored.
+
+Two OpenAI conventions differ between the endpoints and are mapped here:
+
+* logprobs: ``/v1/completions`` takes ``logprobs: N`` (the top N per token) and answers
+  with parallel lists (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``);
+  ``/v1/chat/completions`` takes ``logprobs: true`` with ``top_logprobs: N`` and answers
+  with one record per token (``{"token", "logprob", "bytes", "top_logprobs"}``).
+* ``max_tokens``: a completion defaults to 16 (OpenAI's default); a chat reply defaults
+  to the rest of the context window, ``max_model_len`` minus the prompt (vLLM's). Either
+  way prompt + ``max_tokens`` must fit in ``max_model_len``, or the request is refused
+  (``fit_to_context``), as vLLM and OpenAI refuse it.
+
+Every error is ``{"error": {"message", "type", "param", "code"}}`` (``error_body``), the
+shape the ``openai`` client turns into ``openai.BadRequestError`` and friends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from nanoengine.outputs import TokenLogprob
+from nanoengine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+# ----------------------------------------------------------------------- errors
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """OpenAI's error object (the ``openai`` client reads ``message`` into its exception)."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class ProtocolError(Exception):
+    """A request the server refuses: its HTTP status and the fields of ``error_body``."""
+
+    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+# What a field must be, for messages about a value that matched none of its types.
+_EXPECTED = {
+    "prompt": "a string, a list of token ids, or a list of strings or of token-id lists",
+    "stop": "a string or a list of strings",
+    "messages": "a list of {\"role\": ..., \"content\": ...} objects",
+}
+
+
+def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:
+    """``body`` (raw JSON bytes) as ``model``, or a ``ProtocolError`` naming what was wrong."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        raise _explain(exc) from None
+
+
+def _explain(exc: ValidationError) -> ProtocolError:
+    first = exc.errors()[0]
+    kind, loc = first["type"], [str(part) for part in first["loc"]]
+    if kind == "json_invalid":
+        return ProtocolError(f"the request body is not valid JSON: {first['msg']}", code="invalid_json")
+    if not loc:
+        return ProtocolError(f"the request body must be a JSON object: {first['msg']}", code="invalid_body")
+    field = loc[0]
+    if kind == "extra_forbidden":
+        return ProtocolError(f"unknown or unsupported field {'.'.join(loc)!r}", param=field, code="unknown_field")
+    if kind == "missing":
+        return ProtocolError(f"{'.'.join(loc)} is required", param=field, code="missing_field")
+    alternatives = {tuple(e["loc"][:1]) for e in exc.errors()}
+    if field in _EXPECTED and len(exc.errors()) > 1 and len(alternatives) == 1:
+        return ProtocolError(f"{field} must be {_EXPECTED[field]}", param=field, code="invalid_type")
+    # pydantic names the union member it tried ("str", "list[int]"); the reader wants the field's path
+    where = ".".join(part for part in loc if "[" not in part and part not in ("str", "int", "float", "bool"))
+    return ProtocolError(f"{where}: {first['msg']}, got {first.get('input')!r:.80}", param=field,
+                         code="invalid_type")
+
+
+def value_error(exc: ValueError, request: BaseModel) -> ProtocolError:
+    """A ``ValueError`` from ``SamplingParams`` or the engine as a 400 (``param`` when its
+    message starts with one of the request's field names, as SamplingParams' messages do)."""
+    message = str(exc)
+    first = message.split(" ", 1)[0].strip(":=,")
+    param = first if first in type(request).model_fields else None
+    return ProtocolError(message, param=param)
+
+
+# ------------------------------------------------------------------- requests
+class _Strict(BaseModel):
+    # Strict: "5" is not 5 and true is not 1; unknown fields are refused, not dropped.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False  # one last chunk with the request's token counts
+
+
+class _SamplingRequest(_Strict):
+    """The fields both endpoints share: the model, sampling, stopping, streaming."""
+
+    model: str | None = None  # None: the served model (vLLM allows leaving it out)
+    n: int = 1
+    temperature: float | None = None  # None: 1.0, OpenAI's default
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM's extra
+    min_p: float | None = None  # vLLM's extra
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's extra
+    ignore_eos: bool = False  # vLLM's extra: benchmarks generate exactly max_tokens
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id OpenAI accepts; recorded nowhere here
+    # OpenAI fields this engine does not implement: accepted at their neutral value only.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def check_supported(self) -> None:
+        """Refuse values of fields the engine does not implement (never ignore them silently)."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0.0:
+                raise ProtocolError(f"{name} is not supported by this server; leave it at 0", param=name,
+                                    code="unsupported")
+        if self.logit_bias:
+            raise ProtocolError("logit_bias is not supported by this server", param="logit_bias", code="unsupported")
+        if self.stream_options is not None and not self.stream:
+            raise ProtocolError("stream_options is only allowed with stream: true", param="stream_options")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's SamplingParams; its checks raise ValueError naming the bad field."""
+        optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p}
+        return SamplingParams(**{k: v for k, v in optional.items() if v is not None}, max_tokens=max_tokens,
+                              seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                              ignore_eos=self.ignore_eos, logprobs=logprobs, n=self.n)
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``: continue one prompt, or each of a list of prompts."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None  # the top N tokens per position
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise ProtocolError("echo is not supported by this server", param="echo", code="unsupported")
+        if self.suffix is not None:
+            raise ProtocolError("suffix is not supported by this server", param="suffix", code="unsupported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ProtocolError(f"best_of must equal n ({self.n}) here: the server returns every completion it "
+                                f"samples", param="best_of", code="unsupported")
+        self.prompts()  # refuses an empty list
+
+    def prompts(self) -> list[Prompt]:
+        """The prompts as a list: one string or token-id list, or several."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise ProtocolError("prompt is empty", param="prompt", code="invalid_value")
+        return list(prompt)
+
+    def to_sampling_params(self) -> SamplingParams:
+        return self.sampling_params(16 if self.max_tokens is None else self.max_tokens, self.logprobs)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``: the next assistant message of a conversation."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # None: the rest of the context window
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if not self.messages:
+            raise ProtocolError("messages must hold at least one message", param="messages", code="invalid_value")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ProtocolError("top_logprobs needs logprobs: true", param="top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= 20:
+            raise ProtocolError(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs}",
+                                param="top_logprobs")
+        if None not in (self.max_tokens, self.max_completion_tokens) and self.max_tokens != self.max_completion_tokens:
+            raise ProtocolError("max_tokens and max_completion_tokens differ; give one", param="max_tokens")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def to_sampling_params(self) -> SamplingParams:
+        """With the placeholder max_tokens=1 when none was asked for: ``fit_to_context``
+        sets it to the rest of the context once the prompt's length is known."""
+        requested = self.requested_max_tokens
+        return self.sampling_params(1 if requested is None else requested,
+                                    (self.top_logprobs or 0) if self.logprobs else None)
+
+
+def fit_to_context(params: SamplingParams, requested: int | None, num_prompt_tokens: int,
+                   max_model_len: int) -> SamplingParams:
+    """``params`` with ``max_tokens`` fitted to the context window, or a ValueError.
+
+    Called on the engine's thread once the prompt is tokenized: ``requested`` None means
+    "the rest of the window"; an explicit value that does not fit is refused, because the
+    engine would silently cut the reply at ``max_model_len`` (finish_reason "length").
+    """
+    room = max_model_len - num_prompt_tokens
+    if requested is None:
+        if room < 1:
+            raise ValueError(f"the prompt has {num_prompt_tokens} tokens and fills the model's context window "
+                             f"(max_model_len {max_model_len}): no room to generate")
+        return dataclasses.replace(params, max_tokens=room)
+    if requested > room:
+        raise ValueError(f"max_tokens ({requested}) plus the prompt's {num_prompt_tokens} tokens exceed the model's "
+                         f"context window (max_model_len {max_model_len}); ask for at most {max(room, 0)}")
+    return params
+
+
+# ------------------------------------------------------------------ responses
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(entries: tuple[tuple[TokenLogprob, ...], ...], text_offset: int = 0) -> dict:
+    """Completions-style logprobs of some tokens (each entry: the sampled token first, then
+    the top N others, as ``CompletionOutput.logprobs`` holds them)."""
+    tokens, offsets = [e[0].text for e in entries], []
+    for token in tokens:
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": tokens, "token_logprobs": [e[0].logprob for e in entries],
+            "top_logprobs": [{c.text: c.logprob for c in e} for e in entries], "text_offset": offsets}
+
+
+def chat_logprobs(entries: tuple[tuple[TokenLogprob, ...], ...], top_n: int) -> dict:
+    """Chat-style logprobs: one record per token with its ``top_n`` most likely candidates."""
+    def record(c: TokenLogprob) -> dict:
+        return {"token": c.text, "logprob": c.logprob, "bytes": list(c.text.encode("utf-8"))}
+
+    return {"content": [{**record(e[0]), "top_logprobs": [record(c) for c in
+                                                          sorted(e, key=lambda c: -c.logprob)[:top_n]]}
+                        for e in entries]}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, stop_reason: str | int | None,
+                      logprobs: dict | None) -> dict:
+    """One choice of a completion (or of one streamed chunk of it)."""
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None, stop_reason: str | int | None,
+                logprobs: dict | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": finish_reason, "stop_reason": stop_reason}
+
+
+def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None = None,
+                      logprobs: dict | None = None) -> dict:
+    """One choice of a streamed chat chunk: ``delta`` holds the role (first chunk) or new text."""
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def response(kind: str, response_id: str, created: int, model: str, choices: list[dict],
+             usage_: dict | None = None) -> dict:
+    """A whole response or one chunk. ``kind``: "text_completion", "chat.completion" or
+    "chat.completion.chunk" (a completion's chunks are "text_completion" too). A whole
+    response carries ``usage``; in a stream only the last chunk does, when asked for."""
+    body = {"id": response_id, "object": kind, "created": created, "model": model, "choices": choices}
+    if usage_ is not None:
+        body["usage"] = usage_
+    return body
+
+
+def now() -> int:
+    """``created``: Unix seconds."""
+    return int(time.time())
+
+
+def sse(data: dict | str) -> str:
+    """One server-sent event: ``data: <json>`` and a blank line (``data: [DONE]`` ends a stream)."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+DONE = sse("[DONE]")

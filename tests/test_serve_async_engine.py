@@ -1,0 +1,231 @@
+"""The async engine (nanoengine.entrypoints.openai.async_engine): one thread owns the engine,
+asyncio callers add and abort through commands, outputs come back on per-request queues.
+
+A tiny random model (mechanics only), token-id prompts, no HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from nanoengine import LLMEngine, SamplingParams
+from nanoengine.entrypoints.openai.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from nanoengine.loader.weights import random_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny model: see conftest
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+
+
+def tiny(**config) -> LLMEngine:
+    settings = {**dict(device="cpu", num_kv_blocks=256, block_size=4, max_model_len=1024, max_num_seqs=4), **config}
+    return LLMEngine.from_model(random_model("tiny-llama", seed=0, std=0.08), None, **settings)
+
+
+def run(coroutine_fn, engine: LLMEngine, **options):
+    """Run ``coroutine_fn(async_engine)`` on a fresh event loop with the engine thread
+    started, and always stop the thread (bounded: 60 s)."""
+    async def main():
+        async_engine = AsyncLLMEngine(engine, **options)
+        async_engine.start()
+        try:
+            return await asyncio.wait_for(coroutine_fn(async_engine), 60)
+        finally:
+            async_engine.shutdown()
+            assert not async_engine.is_running
+
+    return asyncio.run(main())
+
+
+def test_outputs_stream_back_in_order_and_match_the_engine_alone():
+    alone = tiny()
+    alone.add_request([5, 6, 7], GREEDY, request_id="a")
+    expected = None
+    while alone.has_unfinished_requests():
+        expected = alone.step()[0].token_ids
+
+    async def scenario(ae: AsyncLLMEngine):
+        stream = await ae.add_requests([("a", [5, 6, 7], GREEDY)])
+        outs = [out async for out in stream]
+        return outs, stream.finished
+
+    outs, finished = run(scenario, tiny())
+    assert [len(o.token_ids) for o in outs] == list(range(1, 7)) and finished  # one output per step
+    assert outs[-1].finished and outs[-1].token_ids == expected
+
+
+def test_several_prompts_share_one_stream_and_params_can_depend_on_the_prompt_length():
+    async def scenario(ae: AsyncLLMEngine):
+        fitted = lambda num_prompt_tokens: SamplingParams(temperature=0.0, max_tokens=num_prompt_tokens,
+                                                          ignore_eos=True)
+        stream = await ae.add_requests([("r-0", [1, 2], fitted), ("r-1", [3, 4, 5, 6], fitted)])
+        return {o.request_id: len(o.token_ids) async for o in stream if o.finished}
+
+    assert run(scenario, tiny()) == {"r-0": 2, "r-1": 4}
+
+
+def test_a_bad_prompt_adds_nothing_and_later_requests_still_run():
+    engine = tiny()
+
+    async def scenario(ae: AsyncLLMEngine):
+        with pytest.raises(ValueError, match="prompt token ids"):
+            await ae.add_requests([("ok", [1, 2], GREEDY), ("bad", [1, 10**6], GREEDY)])
+        with pytest.raises(ValueError, match="max_model_len is 1024"):
+            await ae.add_requests([("long", [1] * 1025, GREEDY)])
+        assert await asyncio.wrap_future(ae.call(lambda e: e.has_unfinished_requests())) is False
+        stream = await ae.add_requests([("ok", [1, 2], GREEDY)])  # the id is free again: nothing was left
+        return [o async for o in stream][-1]
+
+    assert run(scenario, engine).finish_reason == "length"
+
+
+def test_abort_frees_the_blocks_between_two_steps():
+    engine = tiny()
+    free_at_start = engine.block_manager.num_free_blocks
+
+    async def scenario(ae: AsyncLLMEngine):
+        stream = await ae.add_requests([("long", list(range(1, 30)), LONG)])
+        first = await stream.__anext__()
+        held = await asyncio.wrap_future(ae.call(lambda e: e.block_manager.num_free_blocks))
+        stream.abort()
+        stream.abort()  # twice is harmless
+        state = await asyncio.wrap_future(ae.call(lambda e: (e.has_request("long"), e.block_manager.num_free_blocks)))
+        return first, held, state
+
+    first, held, (still_there, free_after) = run(scenario, engine)
+    assert len(first.token_ids) == 1 and held < free_at_start
+    assert not still_there and free_after == free_at_start
+    engine.check_invariants()
+
+
+def test_the_queue_limit_refuses_what_would_wait_beyond_it():
+    async def scenario(ae: AsyncLLMEngine):
+        running = await ae.add_requests([("run", [1, 2, 3], LONG)])
+        await running.__anext__()  # it holds the only seat now
+        waiting = [await ae.add_requests([(f"w{i}", [4, 5], GREEDY)]) for i in range(2)]
+        with pytest.raises(QueueFullError, match="2 requests are already waiting"):
+            await ae.add_requests([("w2", [4, 5], GREEDY)])
+        with pytest.raises(QueueFullError):  # two more at once would leave 3 waiting
+            await ae.add_requests([("x0", [4], GREEDY), ("x1", [4], GREEDY)])
+        stats = await asyncio.wrap_future(ae.call(lambda e: (len(e.scheduler.waiting), e.has_request("x0"))))
+        running.abort()
+        finished = [[o async for o in s][-1].finish_reason for s in waiting]
+        return stats, finished
+
+    (num_waiting, x0_added), finished = run(scenario, tiny(max_num_seqs=1), max_waiting=2)
+    assert num_waiting == 2 and not x0_added and finished == ["length", "length"]
+
+
+def _thread_cpu_seconds(native_id: int) -> float:
+    import psutil
+
+    thread = next(t for t in psutil.Process().threads() if t.id == native_id)
+    return thread.user_time + thread.system_time
+
+
+def test_the_thread_sleeps_when_idle_and_publishes_stats():
+    engine = tiny()
+
+    async def scenario(ae: AsyncLLMEngine):
+        stream = await ae.add_requests([("a", [1, 2, 3], GREEDY)])
+        [_ async for _ in stream]
+        await asyncio.sleep(0.05)
+        steps, cpu = ae.stats.num_steps, _thread_cpu_seconds(ae._thread.native_id)
+        await asyncio.sleep(0.5)  # idle: the thread waits on its condition; no step, no spinning
+        return steps, ae.stats, _thread_cpu_seconds(ae._thread.native_id) - cpu
+
+    steps, stats, idle_cpu = run(scenario, engine)
+    assert steps == stats.num_steps == 6 and stats.num_running == stats.num_waiting == 0
+    assert idle_cpu < 0.05, f"the idle engine thread used {idle_cpu:.3f} s of CPU in 0.5 s"
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks == 256
+    assert not any(t.name == "nanoengine-engine" for t in threading.enumerate())  # stopped by shutdown
+
+
+def test_shutdown_aborts_what_is_running_and_ends_its_stream_with_an_error():
+    engine = tiny()
+    finals = []
+
+    async def main():
+        ae = AsyncLLMEngine(engine, on_finished=finals.append)
+        ae.start()
+        stream = await ae.add_requests([("long", [1, 2, 3], LONG)])
+        await stream.__anext__()
+        ae.shutdown()
+        with pytest.raises(EngineDeadError, match="shutting down"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await ae.add_requests([("late", [1], GREEDY)])
+        with pytest.raises(EngineDeadError):
+            ae.call(lambda e: None).result(1)
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    assert [f.finish_reason for f in finals] == ["abort"]
+    assert engine.block_manager.num_free_blocks == 256 and not engine.has_unfinished_requests()  # the caller's again
+
+
+def test_a_failing_step_fails_every_request_and_stops_the_thread():
+    engine = tiny()
+
+    def broken_step():
+        raise RuntimeError("device lost")
+
+    async def main():
+        ae = AsyncLLMEngine(engine)
+        ae.start()
+        engine.step = broken_step  # the next step fails (set before any request exists)
+        stream = await ae.add_requests([("a", [1, 2, 3], GREEDY)])
+        with pytest.raises(EngineDeadError, match="device lost"):
+            await stream.__anext__()
+        for _ in range(100):
+            if not ae.is_running:
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineDeadError, match="device lost"):
+            await ae.add_requests([("b", [1], GREEDY)])
+        return ae
+
+    ae = asyncio.run(asyncio.wait_for(main(), 60))
+    assert not ae.is_running and isinstance(ae.error, RuntimeError)
+    assert not engine.has_unfinished_requests()  # aborted on the way out
+
+
+def test_a_caller_cancelled_while_adding_leaves_nothing_behind():
+    engine = tiny()
+
+    async def scenario(ae: AsyncLLMEngine):
+        slow = await ae.add_requests([("slow", list(range(1, 60)), LONG)])  # keeps the thread stepping
+        task = asyncio.ensure_future(ae.add_requests([("gone", [1, 2], LONG)]))
+        await asyncio.sleep(0)  # the add is submitted
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        slow.abort()
+        deadline = time.monotonic() + 10
+        while await asyncio.wrap_future(ae.call(lambda e: e.has_unfinished_requests())):
+            assert time.monotonic() < deadline, "the cancelled add was not undone"
+            await asyncio.sleep(0.01)
+        return True
+
+    assert run(scenario, engine)
+
+
+def test_bad_settings_and_a_second_start_are_refused():
+    with pytest.raises(ValueError, match="max_waiting"):
+        AsyncLLMEngine(tiny(), max_waiting=0)
+
+    async def main():
+        ae = AsyncLLMEngine(tiny())
+        ae.start()
+        try:
+            with pytest.raises(RuntimeError, match="already started"):
+                ae.start()
+        finally:
+            ae.shutdown()
+
+    asyncio.run(main())
+    with pytest.raises(EngineDeadError, match="not been started"):
+        AsyncLLMEngine(tiny()).call(lambda e: None).result(1)
