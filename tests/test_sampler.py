@@ -101,3 +101,19 @@ def test_a_seeded_row_draws_the_same_token_whatever_shares_its_batch():
         batch = Sampler()(logits[:2], [seeded, other], [torch.Generator().manual_seed(9), None],
                           torch.Generator().manual_seed(1)).token_ids
         assert batch[0] == alone, other
+
+
+def test_temperature_alone_draws_from_the_scaled_softmax_without_filtering(monkeypatch):
+    import nanoengine.layers.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "kept_mask", lambda *a: (_ for _ in ()).throw(AssertionError("sorted")))
+    sampler = Sampler()
+    sampler.probs_fn = lambda *a: (_ for _ in ()).throw(AssertionError("filtered"))
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    params = [SamplingParams(temperature=0.5, seed=s) for s in range(3000)]
+    counts = torch.zeros(4)
+    for p in params[:3000]:
+        token = sampler(logits, [p], [torch.Generator().manual_seed(p.seed)]).token_ids[0]
+        counts[token] += 1
+    expected = torch.softmax(logits[0] / 0.5, dim=-1)
+    assert torch.allclose(counts / counts.sum(), expected, atol=0.03)

@@ -15,18 +15,19 @@ its samples. ``filter_logits`` and ``kept_mask`` are public so the sampling play
 shows exactly what the engine does.
 
 ``kept_mask`` is the definition: it sorts each row's whole vocabulary. The engine avoids
-that sort (on a CPU, sorting 256 rows of 49,152 logits took ~0.7 s, 50x the rest of the
-step) because the filters only ever keep the *head* of a row. ``Sampler`` first takes the
-``K`` highest logits of each filtered row with ``topk`` (K = the largest top-k in the batch,
-or ``TOP_P_CANDIDATES`` for rows with top-p or min-p but no top-k) and applies the filters
-to those candidates only, with probabilities normalised as ``kept_mask`` normalises them
+that sort (``bench --overhead``, 2026-12-01: 256 rows of 49,152 logits cost ~0.8 s a step
+on a 2-core CPU, 35x the rest of the step) because the filters only ever keep the *head*
+of a row. A row with a temperature and no filter needs no cut at all: it draws from the
+softmax of its scaled logits. A filtered row first takes its best candidates with
+``topk`` (its top-k, or ``TOP_P_CANDIDATES`` with top-p or min-p but no top-k) and applies
+the filters to those only, with probabilities normalised as ``kept_mask`` normalises them
 (over the top-k survivors, or over the whole vocabulary when there is no top-k). A row
 without top-k is exact only if the first token *outside* its candidates would be cut:
 its top-p mass is already reached inside them, or min-p cuts their last one. Rows where
 that fails (a very flat distribution) fall back to the whole-vocabulary path. Tests check
 that both paths give the same distribution.
 
-The whole-vocabulary path runs on (B, V) tensors with the per-row parameters as (B, 1)
+That whole-vocabulary path runs on (B, V) tensors with the per-row parameters as (B, 1)
 columns (``sampling_probs``), so ``torch.compile`` can fuse it when the engine runs with
 ``compile=True`` (``engine.compilation`` swaps the sampler's ``probs_fn``). The draw itself
 stays outside: a seeded row draws with its own generator, the unseeded rows together with
@@ -137,20 +138,26 @@ class Sampler:
         device = logits.device
         tokens = torch.empty(logits.shape[0], dtype=torch.long, device=device)
         filtered = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0]
-        whole = sorted(set(range(len(params))) - set(filtered))  # rows drawn from the whole vocabulary
+        plain = sorted(set(range(len(params))) - set(filtered))  # temperature only: nothing to cut
+        if plain:  # the softmax of the scaled logits is the whole distribution: no filter, no sort
+            rows = torch.tensor(plain, device=device)
+            temperature = sampling_params_columns(logits, [params[i] for i in plain])[0]
+            probs = torch.softmax(logits.index_select(0, rows) / temperature.clamp(min=1e-6), dim=-1)
+            tokens[rows] = self._draw(probs, [generators[i] for i in plain], default_generator)
+        whole = []  # filtered rows too flat for their candidates: the whole-vocabulary definition
         if filtered:
             probs, candidates, widths, exact = self._candidate_probs(
                 logits.index_select(0, torch.tensor(filtered, device=device)), [params[i] for i in filtered])
             flags = exact.tolist()
             exact_at = [at for at, ok in enumerate(flags) if ok]
-            whole = sorted(whole + [filtered[at] for at, ok in enumerate(flags) if not ok])
+            whole = [filtered[at] for at, ok in enumerate(flags) if not ok]
             if exact_at:
                 at = torch.tensor(exact_at, device=device)
                 picked = self._draw(probs.index_select(0, at), [generators[filtered[a]] for a in exact_at],
                                     default_generator, [widths[a] for a in exact_at])
                 rows = torch.tensor([filtered[a] for a in exact_at], device=device)
                 tokens[rows] = candidates.index_select(0, at).gather(1, picked[:, None])[:, 0]
-        if whole:  # no filters, or a row too flat for its candidates
+        if whole:
             rows = torch.tensor(whole, device=device)
             chosen = [params[i] for i in whole]
             probs = self.probs_fn(logits.index_select(0, rows), *sampling_params_columns(logits, chosen))
