@@ -352,11 +352,13 @@ class ModelRunner(SamplingRunner):
         """
         with torch.inference_mode():
             hidden = self.sampled_hidden(model_input)
+        if hidden.is_cuda and hidden.shape[0] == 0:  # no logits to wait on: wait for the forward pass itself
+            torch.cuda.synchronize(hidden.device)
         # A chunk's logits are at most as many values as the head's weight (rows <= hidden
         # size), so each GEMM call writes no more than it reads: small heads get small chunks
         # that stay in cache for the sampler, big heads are not streamed once per few rows.
-        rows_per_chunk = hidden.shape[0] if hidden.is_cuda else \
-            max(1, min(hidden.shape[1], LOGITS_CHUNK_BYTES // (4 * self.model_config.vocab_size)))
+        rows_per_chunk = max(1, hidden.shape[0] if hidden.is_cuda else
+                             min(hidden.shape[1], LOGITS_CHUNK_BYTES // (4 * self.model_config.vocab_size)))
         for start in range(0, hidden.shape[0], rows_per_chunk):
             with torch.inference_mode():
                 logits = self.model.compute_logits(hidden[start:start + rows_per_chunk]).float()
