@@ -163,6 +163,17 @@ def make_workload(num_requests: int, min_prompt: int, max_prompt: int, seed: int
             for _ in range(num_requests)]
 
 
+def make_varlen_workload(num_requests: int, prompt_len: tuple[int, int], output_len: tuple[int, int],
+                         vocab_size: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+    """Random prompts (``make_workload``, ids below 10,000) and a random output length for each.
+
+    The GPU check's workload and nano-vLLM's (``nano_vllm_bench``) are drawn this way.
+    """
+    prompts = make_workload(num_requests, prompt_len[0], prompt_len[1], seed, vocab_limit=min(10000, vocab_size))
+    rng = random.Random(seed + 1)
+    return prompts, [rng.randint(*output_len) for _ in prompts]
+
+
 def make_output_lens(num_requests: int, min_len: int, max_len: int, seed: int) -> list[int]:
     """Each request's output length, uniform in [min_len, max_len] (seeded; all max_len if equal)."""
     if not 1 <= min_len <= max_len:

@@ -330,13 +330,10 @@ def save_random_qwen3(shape: ModelConfig, path: Path, peaked: bool, dtype: str =
 
 
 def _workload(mode: Mode, num_requests: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    """Random prompts (``benchmark.make_workload``) and a random output length for each."""
-    from nanoengine.measure.benchmark import make_workload
+    """Random prompts and a random output length for each (``benchmark.make_varlen_workload``)."""
+    from nanoengine.measure.benchmark import make_varlen_workload
 
-    prompts = make_workload(num_requests, mode.prompt_len[0], mode.prompt_len[1], seed,
-                            vocab_limit=min(10000, vocab))
-    rng = random.Random(seed + 1)
-    return prompts, [rng.randint(*mode.output_len) for _ in prompts]
+    return make_varlen_workload(num_requests, mode.prompt_len, mode.output_len, vocab, seed)
 
 
 def _free_memory() -> None:

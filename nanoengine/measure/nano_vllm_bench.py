@@ -24,7 +24,6 @@ with vLLM.
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -53,12 +52,9 @@ class NanoVllmWorkload:
 
 def draw_workload(w: NanoVllmWorkload) -> tuple[list[list[int]], list[int]]:
     """Prompts of random ids (< 10,000, as nano-vLLM draws them) and each request's output length."""
-    from nanoengine.measure.benchmark import make_workload
+    from nanoengine.measure.benchmark import make_varlen_workload
 
-    prompts = make_workload(w.num_requests, w.prompt_len[0], w.prompt_len[1], w.seed,
-                            vocab_limit=min(10000, w.model.vocab_size))
-    rng = random.Random(w.seed + 1)
-    return prompts, [rng.randint(*w.output_len) for _ in prompts]
+    return make_varlen_workload(w.num_requests, w.prompt_len, w.output_len, w.model.vocab_size, w.seed)
 
 
 def run_nano_vllm_bench(w: NanoVllmWorkload) -> dict:
