@@ -76,7 +76,10 @@ class LLM:
         if sampling_params is not None and getattr(sampling_params, "n", 1) != 1:
             raise ValueError(f"stream() yields one completion's text, got SamplingParams(n={sampling_params.n}); "
                              f"use generate() for n > 1")
-        request_id = self.engine.add_request(prompt, sampling_params)
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if isinstance(params, SamplingParams):  # only the new text is read: outputs hold only that
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        request_id = self.engine.add_request(prompt, params)
         finished = False
         try:
             while not finished and self.engine.has_request(request_id):  # engine.abort() may end it

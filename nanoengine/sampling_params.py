@@ -13,8 +13,14 @@ from dataclasses import dataclass, field
 class RequestOutputKind(enum.Enum):
     """When ``LLMEngine.step`` hands out a request's output (vLLM's names).
 
-    CUMULATIVE: every step that gave the request a token, with its text so far and the
-        ``delta`` since the last output (streaming reads these).
+    CUMULATIVE: every step that gave the request a token, with all its text and tokens so
+        far and the ``delta`` since the last output. Simple to read, but each output copies
+        the whole completion, so a long stream costs more per step the longer it gets.
+    DELTA: every step that gave the request a token, with only what is new since its last
+        output: ``text`` (equal to ``delta``), ``token_ids`` and ``logprobs`` of the new
+        tokens. A stream reader appends them (``LLM.stream`` and the server's streaming
+        responses ask for this); ``cumulative_logprob`` and ``metrics`` still cover the
+        whole request, and the final output carries its last delta and its finish reason.
     FINAL_ONLY: once, when the request has finished. Nobody reads the text before then,
         so it is never made before then: no per-step detokenization and no per-step
         output objects (``LLM.generate`` asks for this). Stop strings still need the text,
@@ -22,6 +28,7 @@ class RequestOutputKind(enum.Enum):
     """
 
     CUMULATIVE = 0
+    DELTA = 1
     FINAL_ONLY = 2
 
 
@@ -44,8 +51,9 @@ class SamplingParams:
         computed once and its KV blocks are shared by the n sequences. With a seed,
         completion i draws from its own generator seeded ``seed + i``, so each one is
         reproducible whatever else is in the batch.
-    output_kind: when ``LLMEngine.step`` reports the request (``RequestOutputKind``):
-        every step (the default) or only once finished.
+    output_kind: when ``LLMEngine.step`` reports the request and what each output holds
+        (``RequestOutputKind``): every step with everything so far (the default), every
+        step with what is new, or only once finished.
     """
 
     temperature: float = 1.0

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from nanoengine import CompletionOutput, LLMEngine, SamplingParams
+from nanoengine import CompletionOutput, LLMEngine, RequestOutputKind, SamplingParams
 from nanoengine.loader.weights import random_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest
@@ -79,3 +79,52 @@ def test_stop_strings_end_each_completion_on_its_own(build_tiny_llm):
         assert (c.finish_reason, c.stop_reason) in (("stop", "e"), ("length", None))
     stopped = [c for c in out.outputs if c.finish_reason == "stop"]
     assert all(len(c.token_ids) < 30 for c in stopped)
+
+
+def _outputs_by_kind(build_tiny_llm, kind: RequestOutputKind, **params) -> list:
+    """Every output one request produced, read with ``kind``: a seeded sample (n=2, logprobs)."""
+    llm = build_tiny_llm({"device": "cpu", "num_kv_blocks": 64, "max_model_len": 128})
+    e = llm.engine
+    rid = e.add_request("Once upon", SamplingParams(**{"n": 2, "temperature": 1.0, "seed": 7, "max_tokens": 12,
+                                                      "logprobs": 1, "output_kind": kind, **params}))
+    outputs = []
+    while e.has_unfinished_requests():
+        outputs += [out for out in e.step() if out.request_id == rid]
+    return outputs
+
+
+@pytest.mark.parametrize("stop", [(), ("e",)], ids=["no stop", "stop string"])
+def test_the_three_output_kinds_tell_the_same_story(build_tiny_llm, stop):
+    """CUMULATIVE shows everything so far, DELTA only what is new (appended, the same),
+    FINAL_ONLY one output at the end; with the same seed the completions are equal."""
+    cumulative = _outputs_by_kind(build_tiny_llm, RequestOutputKind.CUMULATIVE, stop=stop)
+    deltas = _outputs_by_kind(build_tiny_llm, RequestOutputKind.DELTA, stop=stop)
+    (final,) = _outputs_by_kind(build_tiny_llm, RequestOutputKind.FINAL_ONLY, stop=stop)
+    assert len(deltas) == len(cumulative) > 1 and final.finished and deltas[-1].finished
+    end = cumulative[-1]
+    for i in range(2):
+        pieces = [out.outputs[i] for out in deltas]
+        assert all(c.text == c.delta for c in pieces)  # a delta output's text is its delta
+        assert "".join(c.text for c in pieces) == end.outputs[i].text == final.outputs[i].text
+        assert sum((c.token_ids for c in pieces), ()) == end.outputs[i].token_ids == final.outputs[i].token_ids
+        assert sum((c.logprobs for c in pieces), ()) == end.outputs[i].logprobs == final.outputs[i].logprobs
+        assert all(len(c.logprobs) == len(c.token_ids) <= 1 for c in pieces)  # one token a step at most
+        assert pieces[-1].finish_reason == end.outputs[i].finish_reason == final.outputs[i].finish_reason
+        assert deltas[-1].outputs[i].cumulative_logprob == pytest.approx(final.outputs[i].cumulative_logprob)
+    for delta_out, cumulative_out in zip(deltas, cumulative):  # the request's own record stays whole
+        assert delta_out.prompt_token_ids == cumulative_out.prompt_token_ids
+        assert delta_out.metrics.num_output_tokens == cumulative_out.metrics.num_output_tokens
+    assert deltas[-1].metrics.num_output_tokens == final.metrics.num_output_tokens == len(final.metrics.token_times)
+
+
+def test_an_aborted_delta_request_ends_with_what_was_not_handed_out(build_tiny_llm):
+    llm = build_tiny_llm({"device": "cpu", "num_kv_blocks": 64, "max_model_len": 128})
+    e = llm.engine
+    rid = e.add_request("Once upon", SamplingParams(max_tokens=50, ignore_eos=True,
+                                                    output_kind=RequestOutputKind.DELTA))
+    seen = [out for _ in range(4) for out in e.step()]
+    final = e.abort(rid)
+    assert final.finished and final.finish_reason == "abort"
+    handed_out = sum((out.token_ids for out in seen), ()) + final.token_ids
+    assert len(handed_out) == final.metrics.num_output_tokens  # every token exactly once
+    assert e.block_manager.num_free_blocks == e.block_manager.num_blocks

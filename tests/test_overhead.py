@@ -43,8 +43,10 @@ def test_bench_overhead_writes_a_results_file(tmp_path):
     results = json.loads(out.read_text())
     assert [(r["sampling"], r["num_requests"]) for r in results["rows"]] == [
         ("greedy", 1), ("greedy", 2), ("top-k/top-p", 1), ("top-k/top-p", 2),
-        ("greedy, streamed", 1), ("greedy, streamed", 2)]
-    final, streamed = results["rows"][1], results["rows"][5]
+        ("greedy, streamed", 1), ("greedy, streamed", 2), ("greedy, deltas", 1), ("greedy, deltas", 2)]
+    final, streamed, deltas = results["rows"][1], results["rows"][5], results["rows"][7]
     assert final["phases_ms"]["detokenize"] == 0 < streamed["phases_ms"]["detokenize"]  # text only when read
+    assert deltas["phases_ms"]["detokenize"] > 0
+    assert [r["output_kind"] for r in results["rows"][::2]] == ["FINAL_ONLY", "FINAL_ONLY", "CUMULATIVE", "DELTA"]
     assert results["environment"]["nanoengine_revision"] is not None or results["environment"]["torch"]
     assert results["date"] and results["kind"] == "host overhead per step"

@@ -195,6 +195,24 @@ def test_streamed_n_2_keeps_the_choices_apart(client):
     assert [texts[0], texts[1]] == [c.text for c in whole.choices] and finished == {0: "length", 1: "length"}
 
 
+def test_streamed_logprobs_add_up_to_the_plain_responses(client):
+    """Each chunk carries the logprobs of its own new tokens, with text offsets that
+    continue where the previous chunk's text ended."""
+    kwargs = dict(model=NAME, prompt="Count:", max_tokens=6, temperature=0, logprobs=2, extra_body=LONG)
+    whole = client.completions.create(**kwargs).choices[0]
+    tokens, logprobs, offsets, text = [], [], [], ""
+    for chunk in client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
+        if not chunk.choices:
+            assert chunk.usage.completion_tokens == 6
+            continue
+        choice = chunk.choices[0]
+        assert len(choice.logprobs.tokens) <= 1 and choice.logprobs.text_offset[:1] in ([], [len(text)])
+        tokens += choice.logprobs.tokens
+        logprobs += choice.logprobs.token_logprobs
+        text += choice.text
+    assert (tokens, logprobs, text) == (whole.logprobs.tokens, whole.logprobs.token_logprobs, whole.text)
+
+
 # ------------------------------------------------------------------- disconnects
 def test_a_client_that_disconnects_mid_stream_aborts_and_frees_its_blocks(server, client):
     wait_until(lambda: idle(server), "an idle server")

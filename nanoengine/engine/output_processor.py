@@ -7,6 +7,9 @@ into what the user sees. For every request that produced a token it
 * detokenizes incrementally (``IncrementalDetokenizer``: no half characters in a stream),
   and only what somebody reads: a ``FINAL_ONLY`` request (``LLM.generate``) gets its text
   once, when it finishes,
+* hands out what the request's ``RequestOutputKind`` asks for: everything so far every step
+  (``CUMULATIVE``), only what is new every step (``DELTA``, what a stream appends), or
+  the final output alone (``FINAL_ONLY``),
 * ends the request when a stop *string* appears in its text (stop token ids and lengths
   are the scheduler's business, since they need no text),
 * and builds one ``RequestOutput`` per user request, gathering its ``n`` completions.
@@ -39,8 +42,11 @@ class RequestState:
         self.stop = stop
         self.detokenizers = [IncrementalDetokenizer(tokenizer, stop) for _ in completions]
         self.pending_deltas = [""] * len(completions)  # text not yet handed out
-        # CUMULATIVE: an output (and so text) every step; FINAL_ONLY: only the final output.
-        self.reads_every_step = completions[0].sampling_params.output_kind == RequestOutputKind.CUMULATIVE
+        self.kind = completions[0].sampling_params.output_kind
+        # CUMULATIVE and DELTA: an output (and so text) every step; FINAL_ONLY: only the final one.
+        self.reads_every_step = self.kind != RequestOutputKind.FINAL_ONLY
+        self.tokens_handed_out = [0] * len(completions)  # DELTA: tokens already in an output
+        self.prompt_token_ids = tuple(completions[0].prompt_token_ids)  # the same in every output
 
     @property
     def finished(self) -> bool:
@@ -91,7 +97,7 @@ class OutputProcessor:
             del self.states[state.request_id]
         first = state.completions[0]
         return RequestOutput(
-            request_id=state.request_id, prompt=state.prompt, prompt_token_ids=tuple(first.prompt_token_ids),
+            request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             outputs=completions, finished=state.finished, num_cached_tokens=first.num_cached_tokens,
             metrics=_metrics(state.completions))
 
@@ -103,16 +109,21 @@ class OutputProcessor:
         return delta
 
     def _completion(self, state: RequestState, index: int) -> CompletionOutput:
+        """Completion ``index`` as its output kind shows it: all of it, or what is new (DELTA)."""
         request = state.completions[index]
+        delta = state.pending_deltas[index]
+        start, text = 0, state.detokenizers[index].text
+        if state.kind == RequestOutputKind.DELTA:
+            start, text = state.tokens_handed_out[index], delta
+            state.tokens_handed_out[index] = len(request.output_token_ids)
         logprobs = cumulative = None
         if request.sampling_params.logprobs is not None:
-            logprobs = tuple(self._token_logprobs(token, entry)
-                             for token, entry in zip(request.output_token_ids, request.output_logprobs))
+            logprobs = tuple(self._token_logprobs(token, entry) for token, entry in
+                             zip(request.output_token_ids[start:], request.output_logprobs[start:]))
             cumulative = sum(sampled_lp for sampled_lp, _ in request.output_logprobs)
-        return CompletionOutput(index=index, text=state.detokenizers[index].text,
-                                token_ids=tuple(request.output_token_ids), finish_reason=request.status.finish_reason,
-                                stop_reason=request.stop_reason, logprobs=logprobs, cumulative_logprob=cumulative,
-                                delta=state.pending_deltas[index])
+        return CompletionOutput(index=index, text=text, token_ids=tuple(request.output_token_ids[start:]),
+                                finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
+                                logprobs=logprobs, cumulative_logprob=cumulative, delta=delta)
 
     def _token_logprobs(self, token_id: int, entry) -> tuple[TokenLogprob, ...]:
         sampled_lp, top = entry
@@ -130,10 +141,14 @@ def _metrics(completions: list[Request]) -> RequestMetrics:
     scheduled = [c.first_scheduled_time for c in completions if c.first_scheduled_time is not None]
     first_tokens = [c.first_token_time for c in completions if c.first_token_time is not None]
     finished = all(c.is_finished for c in completions)
+    if len(completions) == 1:  # already in time order (a sort per request per step adds up)
+        token_times = tuple(completions[0].output_token_times)
+    else:
+        token_times = tuple(sorted(t for c in completions for t in c.output_token_times))
     return RequestMetrics(
         arrival_time=completions[0].arrival_time,
         first_scheduled_time=min(scheduled, default=None),
         first_token_time=min(first_tokens, default=None),
         finished_time=max(c.finished_time for c in completions) if finished else None,
         num_output_tokens=sum(c.num_output_tokens for c in completions),
-        token_times=tuple(sorted(t for c in completions for t in c.output_token_times)))
+        token_times=token_times)

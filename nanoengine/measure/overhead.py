@@ -13,10 +13,11 @@ that part, on any machine, GPU or not:
   decode steps of ``N`` rows each are timed by the engine's own timers
   (``StepFinished``: schedule, block manager, input preparation, model, sampling, update,
   detokenization);
-* three times: greedy and sampling at temperature 0.8 with top-k 50 and top-p 0.95, both
+* four times: greedy and sampling at temperature 0.8 with top-k 50 and top-p 0.95, both
   read as ``LLM.generate`` reads them (final outputs only, so text is made only when a
-  request ends), and greedy read as a stream (an output with its text every step, as
-  ``LLM.stream`` and a server read them).
+  request ends), and greedy read as a stream, twice: with cumulative outputs (everything
+  so far, every step) and with deltas (only the new text and tokens, as ``LLM.stream``
+  and the server's streaming responses read them).
 
 The figure of merit is ``host_ms``, the median over steps of the step's wall time minus
 its model time. Medians are reported per phase (so they need not add up exactly).
@@ -40,8 +41,9 @@ PHASES = {"schedule_time": "schedule", "block_manager_time": "block manager", "p
           "sample_time": "sample", "update_time": "update outputs", "detokenize_time": "detokenize"}
 GREEDY = {"temperature": 0.0}
 TOP_K_TOP_P = {"temperature": 0.8, "top_k": 50, "top_p": 0.95}
-# (label, sampling parameters, read every step): the cases measured, each at every N.
-CASES = (("greedy", GREEDY, False), ("top-k/top-p", TOP_K_TOP_P, False), ("greedy, streamed", GREEDY, True))
+# (label, sampling parameters, what each step hands out): the cases measured, each at every N.
+CASES = (("greedy", GREEDY, "FINAL_ONLY"), ("top-k/top-p", TOP_K_TOP_P, "FINAL_ONLY"),
+         ("greedy, streamed", GREEDY, "CUMULATIVE"), ("greedy, deltas", GREEDY, "DELTA"))
 PROMPT_TOKENS = 128
 WARM_UP_STEPS = 3
 
@@ -59,18 +61,19 @@ def overhead_engine(num_requests: int, tokenizer, vocab_size: int, max_model_len
 
 
 def measure_overhead(engine, num_requests: int, sampling: dict, steps: int, seed: int = 0,
-                     streamed: bool = False) -> dict:
+                     output_kind: str = "FINAL_ONLY") -> dict:
     """Admit ``num_requests`` requests, then time ``steps`` decode steps of all of them.
 
-    ``streamed``: every request reports its output (and text) every step, as a stream does;
-    otherwise only at the end, as ``LLM.generate`` reads them.
+    ``output_kind`` (a ``RequestOutputKind`` name): ``FINAL_ONLY`` reports a request only
+    at its end, as ``LLM.generate`` reads them; ``CUMULATIVE`` and ``DELTA`` report every
+    request (with its text) every step, as a stream does.
     """
     from nanoengine.events import StepFinished
     from nanoengine.sampling_params import RequestOutputKind, SamplingParams
 
     generator = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
-    kind = RequestOutputKind.CUMULATIVE if streamed else RequestOutputKind.FINAL_ONLY
+    kind = RequestOutputKind[output_kind]
     params = SamplingParams(max_tokens=WARM_UP_STEPS + steps + 8, ignore_eos=True, seed=None, output_kind=kind,
                             **sampling)
     ids = [engine.add_request(torch.randint(5, vocab, (PROMPT_TOKENS,), generator=generator).tolist(), params)
@@ -125,11 +128,11 @@ def run_overhead(request_counts: list[int], steps: int, out: str | None = None, 
         f" {'model':>8}"
     print(header)
     rows = []
-    for name, sampling, streamed in CASES:
+    for name, sampling, output_kind in CASES:
         for n in request_counts:
             engine = overhead_engine(n, tokenizer, vocab, max_model_len=PROMPT_TOKENS + steps + 64)
-            row = {"sampling": name, "sampling_params": sampling, "streamed": streamed,
-                   **measure_overhead(engine, n, sampling, steps, streamed=streamed)}
+            row = {"sampling": name, "sampling_params": sampling, "streamed": output_kind != "FINAL_ONLY",
+                   "output_kind": output_kind, **measure_overhead(engine, n, sampling, steps, output_kind=output_kind)}
             rows.append(row)
             print(f"{name:<17} {n:>4} {row['host_ms']:>8.2f} " +
                   " ".join(f"{v:>14.2f}" for v in row["phases_ms"].values()) + f" {row['model_ms']:>8.2f}")

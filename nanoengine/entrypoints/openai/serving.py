@@ -11,7 +11,9 @@
    queue a 429;
 3. **stream** server-sent events, one chunk per completion per step that produced text,
    then ``data: [DONE]`` (``stream: true``), **or collect** the final outputs into one JSON
-   response;
+   response. The engine is asked for what each reads (``RequestOutputKind``): a stream
+   only the new text and tokens of every step (``DELTA``), a plain response only the
+   final outputs (``FINAL_ONLY``: no output objects and no text until a request ends);
 4. **abort** the engine requests if the client goes away first: a streaming response's
    generator is cancelled by the server when the connection drops (its ``finally`` runs);
    a plain response races the collection against ``http.disconnect``;
@@ -24,6 +26,7 @@ each, choice ``prompt_index * n + completion_index``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from typing import AsyncIterator, Callable
@@ -38,6 +41,7 @@ from nanoengine.entrypoints.openai.metrics import ServerMetrics
 from nanoengine.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ProtocolError,
                                                     fit_to_context, parse_request)
 from nanoengine.outputs import CompletionOutput, RequestOutput
+from nanoengine.sampling_params import RequestOutputKind
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -113,9 +117,11 @@ class OpenAIServing:
 
     def _params(self, request: CompletionRequest | ChatCompletionRequest):
         try:
-            return request.to_sampling_params()
+            params = request.to_sampling_params()
         except ValueError as exc:
             raise protocol.value_error(exc, request) from None
+        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        return dataclasses.replace(params, output_kind=kind)
 
     def _render_chat(self, request: ChatCompletionRequest) -> str:
         """The conversation through the model's chat template, as ``LLM.chat`` renders it.
@@ -155,8 +161,8 @@ class OpenAIServing:
         def choices(out: RequestOutput) -> list[dict]:
             return [protocol.completion_choice(
                 ctx.choice_index(out, c), c.delta, c.finish_reason, c.stop_reason,
-                None if c.logprobs is None else protocol.completion_logprobs(new, ctx.text_offset(out, c)))
-                for c, new in ctx.new_parts(out)]
+                None if c.logprobs is None else protocol.completion_logprobs(c.logprobs, ctx.text_offset(out, c)))
+                for c in ctx.new_parts(out)]
 
         return self._events(ctx, "text_completion", [], choices)
 
@@ -167,8 +173,8 @@ class OpenAIServing:
 
         def choices(out: RequestOutput) -> list[dict]:
             return [protocol.chat_chunk_choice(c.index, {"content": c.delta} if c.delta else {}, c.finish_reason,
-                                               None if c.logprobs is None else protocol.chat_logprobs(new, top_n))
-                    for c, new in ctx.new_parts(out)]
+                                               None if c.logprobs is None else protocol.chat_logprobs(c.logprobs, top_n))
+                    for c in ctx.new_parts(out)]
 
         return self._events(ctx, "chat.completion.chunk", opening, choices)
 
@@ -217,7 +223,10 @@ class EventStreamResponse(StreamingResponse):
 
 
 class _Context:
-    """One response: its stream, its request, and what each completion has sent so far."""
+    """One response: its stream, its request, and what each completion has sent so far.
+
+    The engine hands a streamed request's outputs as deltas (``RequestOutputKind.DELTA``):
+    each completion's text, token ids and logprobs since its previous output."""
 
     def __init__(self, stream: RequestStream, request, created: int) -> None:
         self.stream = stream
@@ -225,8 +234,7 @@ class _Context:
         self.response_id = stream.request_ids[0].rsplit("-", 1)[0]
         self.created = created
         self.prompt_index = {request_id: i for i, request_id in enumerate(stream.request_ids)}
-        self.sent_tokens: dict[tuple[str, int], int] = {}  # (request id, completion index) -> tokens sent
-        self.sent_text: dict[tuple[str, int], int] = {}  # characters sent, for completions' text_offset
+        self.sent_text: dict[tuple[str, int], int] = {}  # (request id, completion index) -> characters sent
         self.done: set[tuple[str, int]] = set()  # completions whose finish_reason was sent
         self.finals: list[RequestOutput] = []
 
@@ -238,26 +246,25 @@ class _Context:
         return self.sent_text.get((out.request_id, c.index), 0) - len(c.delta)
 
     def new_parts(self, out: RequestOutput):
-        """(completion, logprob entries of its tokens new since the last chunk) for each
-        completion with something to send: new text, new tokens with logprobs, or its finish."""
+        """The completions of this (delta) output with something to send: new text, new
+        tokens with logprobs, or their finish (sent once: a finished completion of an
+        ``n > 1`` request stays in the outputs until its siblings finish)."""
         for c in out.outputs:
             key = (out.request_id, c.index)
             if key in self.done:
                 continue
-            sent = self.sent_tokens.get(key, 0)
-            new_logprobs = c.logprobs[sent:] if c.logprobs is not None else ()
-            self.sent_tokens[key] = len(c.token_ids)
             self.sent_text[key] = self.sent_text.get(key, 0) + len(c.delta)
             if c.finish_reason is not None:
                 self.done.add(key)
-            if c.delta or new_logprobs or c.finish_reason is not None:
-                yield c, new_logprobs
+            if c.delta or c.logprobs or c.finish_reason is not None:
+                yield c
 
 
 def _usage(finals: list[RequestOutput]) -> dict:
-    """Prompt tokens once per prompt, completion tokens over every completion."""
+    """Prompt tokens once per prompt, completion tokens over every completion (counted by
+    the request's metrics: a streamed final output holds only its last delta's tokens)."""
     return protocol.usage(sum(len(o.prompt_token_ids) for o in finals),
-                          sum(len(c.token_ids) for o in finals for c in o.outputs))
+                          sum(o.metrics.num_output_tokens for o in finals))
 
 
 async def _collect_unless_disconnected(stream: RequestStream, raw: Request) -> list[RequestOutput] | None:
