@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
-from nanoengine.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from nanoengine.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, token_decoder
 from nanoengine.loader.weights import load_tokenizer
 
 
@@ -48,7 +50,7 @@ def test_without_a_tokenizer_there_is_no_text():
     assert detok.update([1, 2, 3], finished=True) == "" and detok.text == "" and detok.flushed
 
 
-def test_the_window_gives_the_whole_decode_and_reads_a_bounded_number_of_tokens(tokenizer, monkeypatch):
+def test_the_window_gives_the_whole_decode_and_reads_a_bounded_number_of_tokens(tokenizer):
     import random
 
     rng = random.Random(0)
@@ -57,11 +59,37 @@ def test_the_window_gives_the_whole_decode_and_reads_a_bounded_number_of_tokens(
                  [rng.randrange(tokenizer.vocab_size) for _ in range(400)]]  # random ids: broken bytes too
     for ids in sequences:
         decoded = []
-        real = tokenizer.decode
-        monkeypatch.setattr(tokenizer, "decode", lambda t, **kw: decoded.append(len(t)) or real(t, **kw))
         detok = IncrementalDetokenizer(tokenizer)
+        real = detok.decode_ids
+        detok.decode_ids = lambda t, skip: decoded.append(len(t)) or real(t, skip)
         deltas = [detok.update([t], finished=i == len(ids) - 1) for i, t in enumerate(ids)]
-        monkeypatch.undo()
         whole = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         assert "".join(deltas) == detok.text == whole
         assert max(decoded) <= 16  # a window of a few tokens, never the whole output
+
+
+def test_the_direct_decoder_is_the_tokenizers_own_decode(tokenizer):
+    """The Rust call the fast path makes returns what ``decode`` returns (clean-up off),
+    special tokens and broken bytes included; a tokenizer that decodes its own way keeps it."""
+    import random
+
+    rng = random.Random(1)
+    decode = token_decoder(tokenizer)
+    assert decode.__code__ is not token_decoder(object()).__code__  # the fast path was taken
+    special = list(tokenizer.all_special_ids)
+    for _ in range(300):
+        ids = [rng.choice(special) if rng.random() < 0.2 else rng.randrange(tokenizer.vocab_size)
+               for _ in range(rng.randrange(13))]
+        for skip in (True, False):
+            assert decode(ids, skip) == tokenizer.decode(ids, skip_special_tokens=skip,
+                                                         clean_up_tokenization_spaces=False)
+
+    class Shouting(type(tokenizer)):
+        def decode(self, token_ids, **kwargs):
+            return super().decode(token_ids, **kwargs).upper()
+
+    shouting = copy.copy(tokenizer)
+    shouting.__class__ = Shouting
+    ids = tokenizer.encode("quiet words", add_special_tokens=False)
+    assert token_decoder(shouting)(ids, True) == "QUIET WORDS"
+    assert IncrementalDetokenizer(shouting).update(ids, finished=True) == "QUIET WORDS"

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 
-from nanoengine.engine.detokenizer import IncrementalDetokenizer
+from nanoengine.engine.detokenizer import IncrementalDetokenizer, token_decoder
 from nanoengine.engine.request import Request, RequestStatus
 from nanoengine.engine.scheduler import Scheduler
 from nanoengine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
@@ -58,6 +58,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer, scheduler: Scheduler) -> None:
         self.tokenizer = tokenizer
+        self._decode_ids = None if tokenizer is None else token_decoder(tokenizer)
         self.scheduler = scheduler
         self.states: dict[str, RequestState] = {}  # unfinished user requests by id
         self.detokenize_seconds = 0.0  # time in the detokenizers, summed (the engine's step timers)
@@ -93,12 +94,13 @@ class OutputProcessor:
                 state.pending_deltas[request.index] += self._detokenize(request, detokenizer)
         completions = tuple(self._completion(state, i) for i in range(len(state.completions)))
         state.pending_deltas = [""] * len(state.completions)
-        if state.finished:
+        finished = state.finished
+        if finished:
             del self.states[state.request_id]
         first = state.completions[0]
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
-            outputs=completions, finished=state.finished, num_cached_tokens=first.num_cached_tokens,
+            outputs=completions, finished=finished, num_cached_tokens=first.num_cached_tokens,
             metrics=_metrics(state.completions))
 
     def _detokenize(self, request: Request, detokenizer: IncrementalDetokenizer) -> str:
@@ -131,24 +133,26 @@ class OutputProcessor:
         return tuple(TokenLogprob(t, lp, self.decode([t])) for t, lp in pairs)
 
     def decode(self, token_ids: list[int]) -> str:
-        if self.tokenizer is None:
+        if self._decode_ids is None:
             return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        return self._decode_ids(token_ids, False)
 
 
 def _metrics(completions: list[Request]) -> RequestMetrics:
     """One request's timings; with several completions, taken over all of them."""
+    if len(completions) == 1:  # the usual case, built every step of a stream: read straight off
+        c = completions[0]
+        return RequestMetrics(
+            arrival_time=c.arrival_time, first_scheduled_time=c.first_scheduled_time,
+            first_token_time=c.first_token_time, finished_time=c.finished_time if c.is_finished else None,
+            num_output_tokens=c.num_output_tokens, token_times=tuple(c.output_token_times))
     scheduled = [c.first_scheduled_time for c in completions if c.first_scheduled_time is not None]
     first_tokens = [c.first_token_time for c in completions if c.first_token_time is not None]
     finished = all(c.is_finished for c in completions)
-    if len(completions) == 1:  # already in time order (a sort per request per step adds up)
-        token_times = tuple(completions[0].output_token_times)
-    else:
-        token_times = tuple(sorted(t for c in completions for t in c.output_token_times))
     return RequestMetrics(
         arrival_time=completions[0].arrival_time,
         first_scheduled_time=min(scheduled, default=None),
         first_token_time=min(first_tokens, default=None),
         finished_time=max(c.finished_time for c in completions) if finished else None,
         num_output_tokens=sum(c.num_output_tokens for c in completions),
-        token_times=token_times)
+        token_times=tuple(sorted(t for c in completions for t in c.output_token_times)))
