@@ -192,11 +192,6 @@ class EventBus:
         self._observers.append(entry)
         return lambda: self._observers.remove(entry) if entry in self._observers else None
 
-    @property
-    def has_observers(self) -> bool:
-        """True when someone listens (to anything)."""
-        return bool(self._observers)
-
     def wants(self, event_type: type) -> bool:
         """True when some observer would receive an event of ``event_type``."""
         return any(types is None or issubclass(event_type, types) for _, types in self._observers)

@@ -138,8 +138,9 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise ValueError(f"online_rates must be finite request rates > 0 (requests per second), got {rate}")
     server = getattr(args, "server", None)
     if server is not None:
-        if not server.startswith(("http://", "https://")):
-            raise ValueError(f"server must be a URL starting with http:// or https://, got {server!r}")
+        from nanoengine.measure.online_client import api_root
+
+        api_root(server)  # ValueError unless it is an http(s) URL
         if not args.online_rates:
             raise ValueError("server needs --online-rates: the server is measured with Poisson arrivals at those rates")
     for size in args.batch_sizes:

@@ -53,7 +53,6 @@ import gc
 import json
 import os
 import random
-import statistics
 import sys
 import tempfile
 import time
@@ -64,6 +63,7 @@ from pathlib import Path
 import torch
 
 from nanoengine.models.config import ModelConfig
+from nanoengine.measure.timing import median_ms
 from nanoengine.models.presets import PRESETS
 
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # as tests/test_triton_kernels.py
@@ -404,15 +404,11 @@ def check_cuda_graphs(model_dir: Path, mode: Mode, dtype: str = "bfloat16", tole
     result = {"status": "fail" if unexplained else "pass", "dtype": dtype, "requests": len(prompts),
               "identical": identical, "near_tie_divergences": ties, "unexplained": unexplained,
               "near_tie_tolerance": tolerance,
-              "median_decode_step_ms": {"cuda_graphs": _median_ms(graph_steps), "eager": _median_ms(eager_steps)},
+              "median_decode_step_ms": {"cuda_graphs": median_ms(graph_steps), "eager": median_ms(eager_steps)},
               "runner_graph_attributes": graph_attrs}
     if mode.device == "cpu":
         result["note"] = "CUDA graphs exist only on CUDA: on the CPU both runs are eager (the script is exercised)"
     return result
-
-
-def _median_ms(seconds: list[float]) -> float | None:
-    return 1000 * statistics.median(seconds) if seconds else None
 
 
 # ------------------------------------------------------------ (c) HF parity

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanoengine.measure.timing import median_ms
 from nanoengine.models.config import ModelConfig
 
 
@@ -98,9 +99,6 @@ def run_nano_vllm_bench(w: NanoVllmWorkload) -> dict:
         engine.shutdown()
     tokens = sum(len(outputs[i].token_ids) for i in ids)
     decodes = [s for s in steps if s.num_prefill_tokens == 0]
-
-    def median_ms(values) -> float | None:
-        return 1e3 * statistics.median(values) if values else None
 
     phases = ("schedule_time", "block_manager_time", "prepare_time", "model_time", "sample_time", "update_time",
               "detokenize_time")

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import datetime
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from nanoengine.measure.timing import median_ms
 
 # StepFinished fields, in step order, and the names the report gives them.
 PHASES = {"schedule_time": "schedule", "block_manager_time": "block manager", "prepare_time": "prepare inputs",
@@ -97,9 +98,6 @@ def measure_overhead(engine, num_requests: int, sampling: dict, steps: int, seed
                 engine.abort(request_id)
     if any(e.num_decode_tokens != num_requests or e.num_prefill_tokens for e in seen):
         raise RuntimeError(f"a timed step was not a pure decode of {num_requests} rows: {seen}")
-
-    def median_ms(values) -> float:
-        return 1e3 * statistics.median(values)
 
     return {
         "num_requests": num_requests, "steps": steps,

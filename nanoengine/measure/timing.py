@@ -117,6 +117,13 @@ def _revision() -> str:
 
 
 # ------------------------------------------------------------------ timings
+def median_ms(seconds) -> float | None:
+    """The median of durations in seconds, in milliseconds (None for none): how results files
+    record the engine's per-step timers."""
+    seconds = list(seconds)
+    return 1e3 * statistics.median(seconds) if seconds else None
+
+
 def _format_seconds(seconds: float, unit: tuple[str, float]) -> str:
     name, scale = unit
     value = seconds / scale
