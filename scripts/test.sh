@@ -13,6 +13,18 @@ if [ "${1:-}" = "--fast" ]; then
   shift
   exec python -m pytest tests -m "not slow and not browser" -p no:cacheprovider -q "$@"
 fi
+# The notebooks' saved outputs came from a 2-thread run on the native instruction set of the
+# machine that executed them (scripts/execute_notebooks.py). Run them here on another numeric path
+# (one thread; ATen, MKL and oneDNN held to AVX2), so that a compared output which depends on the
+# CPU, the thread count or the kernel path (a printed residual, a rounding) fails on the
+# developer's machine before it lands, not on a teacher's laptop with another CPU.
+# Set NANOENGINE_NATIVE_NUMERICS=1 to run on this machine's own defaults instead.
+if [ -z "${NANOENGINE_NATIVE_NUMERICS:-}" ]; then
+  export OMP_NUM_THREADS=1
+  if [ "$(uname -m)" = x86_64 ]; then
+    export ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
+  fi
+fi
 notebooks=$(ls notebooks/[0-9][0-9]_*.ipynb notebooks/solutions/[0-9][0-9]_*.ipynb 2>/dev/null || true)
 exec python -m pytest tests $notebooks \
   --nbval --nbval-sanitize-with notebooks/sanitize.cfg --nbval-cell-timeout=300 \
