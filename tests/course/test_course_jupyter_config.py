@@ -13,7 +13,7 @@ from pathlib import Path
 
 from traitlets.config import Config
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 JUPYTER = REPO / "jupyter"
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted(ROOT.glob("notebooks/*.ipynb")) + sorted(ROOT.glob("notebooks/solutions/*.ipynb"))
 CHAPTERS = [p for p in NOTEBOOKS if re.match(r"\d\d_", p.name)]  # chapters and their solutions
 LISTING = re.compile(r"class='ne-source' data-path='([^']+)' data-first-line='(\d+)' "

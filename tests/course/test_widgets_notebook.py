@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "widgets_demo.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "widgets_demo.ipynb"
 
 
 def test_demo_notebook_carries_no_outputs_or_widget_state() -> None:

@@ -36,7 +36,7 @@ import torch
 
 from nanoengine.kernels import reference
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 RESULT_MARKER = "TRITON-CASE-RESULTS:"
 CHILD_TIMEOUT_S = 300

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAB = ROOT / "labs" / "nano-vllm"
 CHECKS = LAB / "checks"
 sys.path.insert(0, str(CHECKS))

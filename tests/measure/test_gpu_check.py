@@ -20,7 +20,7 @@ import torch
 from nanoengine.measure import gpu_check
 from nanoengine.models.presets import PRESETS
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -18,7 +18,7 @@ from nanoengine.measure.timing import (MIN_REPEATS, Roofline, RooflinePoint, Tim
                                        measure_gemm_peak, measure_memory_bandwidth, plot_roofline, roofline)
 
 
-ROOT = Path(__file__).resolve().parent.parent  # the subprocesses import this checkout
+ROOT = Path(__file__).resolve().parents[2]  # the subprocesses import this checkout
 
 
 def fake_clock(durations):

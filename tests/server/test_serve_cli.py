@@ -26,7 +26,7 @@ from nanoengine.measure import online_client
 from nanoengine.measure.benchmark import make_output_lens
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # run_online's row: every one of these keys, with the same meaning.
 ONLINE_ROW = {"rate_requests_per_s", "seconds", "output_tokens_per_s", "achieved_requests_per_s", "arrival_span_s",
               "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"}
