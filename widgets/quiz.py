@@ -27,7 +27,11 @@ the file's questions and shuffled the same way. ``make_question`` builds one fro
 computed answer and plausible wrong computations.
 
 ``QuizController`` is the testable part; ``Quiz`` draws radio buttons, a Check button per
-question and a running score.
+question and a running score. A quiz is for learning, and its score for honesty: a wrong
+answer shows why *that* option is wrong (its own explanation, never the right option) and
+the learner tries again; once right, every option's explanation is shown. The score counts
+each question's FIRST checked answer only, so trying options until one is green earns
+nothing (a perfect score after a wrong try is impossible).
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ class Feedback:
     chosen: int
     correct: bool
     explanation: str  # of the chosen option
+    attempt: int = 1  # 1 for the first check of this question, 2 for the second, ...
 
 
 def quiz_path(chapter: int) -> Path:
@@ -186,12 +191,15 @@ def load_quiz(chapter: int | str | Path, shuffle: bool = True) -> QuizData:
 
 
 class QuizController:
-    """Answers chosen, answers checked, and the score."""
+    """Answers chosen, answers checked, and the score (first answers only)."""
 
     def __init__(self, quiz: QuizData) -> None:
         self.quiz = quiz
         self.chosen: dict[int, int] = {}
-        self.checked: dict[int, Feedback] = {}
+        self.checked: dict[int, Feedback] = {}  # the latest verdict of each question
+        self.first_answers: dict[int, Feedback] = {}  # the verdict that counts for the score
+        self.attempts: dict[int, int] = {}
+        self.solved: set[int] = set()  # questions answered right at some try
 
     def select(self, question: int, option: int | None) -> None:
         q = self._question(question)
@@ -202,17 +210,33 @@ class QuizController:
         self.checked.pop(question, None)  # a new choice must be checked again
 
     def check(self, question: int) -> Feedback:
+        """Check the chosen option; the first check of each question is the one scored."""
         q = self._question(question)
         if question not in self.chosen:
             raise ValueError(f"question {question + 1}: choose an answer first")
         chosen = self.chosen[question]
-        feedback = Feedback(question, chosen, chosen == q.answer, q.options[chosen].explanation)
+        attempt = self.attempts.get(question, 0) + 1
+        feedback = Feedback(question, chosen, chosen == q.answer, q.options[chosen].explanation, attempt)
+        self.attempts[question] = attempt
         self.checked[question] = feedback
+        self.first_answers.setdefault(question, feedback)
+        if feedback.correct:
+            self.solved.add(question)
         return feedback
 
     @property
     def score(self) -> int:
-        return sum(f.correct for f in self.checked.values())
+        """Questions whose first checked answer was right."""
+        return sum(f.correct for f in self.first_answers.values())
+
+    @property
+    def num_answered(self) -> int:
+        return len(self.first_answers)
+
+    @property
+    def num_solved(self) -> int:
+        """Questions answered right at some try (shown to the learner, never scored)."""
+        return len(self.solved)
 
     @property
     def num_questions(self) -> int:
@@ -224,17 +248,27 @@ class QuizController:
 
 
 def render_feedback(question: Question, feedback: Feedback) -> str:
-    """The verdict, then every option's explanation (the right one marked)."""
-    verdict = ('<b style="color:#2e7d32">Correct.</b>' if feedback.correct
-               else '<b style="color:#c62828">Not quite.</b>')
-    items = []
+    """The verdict and why.
+
+    Wrong: only the chosen option's explanation (why this one is wrong), and an invitation to
+    try again; the right option is not revealed, so the next try still needs thought. Right:
+    the chosen option's explanation, then every other option's, since comparing the
+    mistakes is part of the lesson.
+    """
+    chosen = question.options[feedback.chosen]
+    if not feedback.correct:
+        again = ("Try another option: the score keeps your first answer, but the explanation of the right one "
+                 "is worth reading." if feedback.attempt == 1 else "Try another option.")
+        return (f'<div class="ne-feedback" data-correct="false" style="font-size:13px">'
+                f'<b style="color:#c62828">Not quite.</b> <b>✘ {escape(chosen.text)}</b> (your answer): '
+                f'{escape(chosen.explanation)}<div style="margin-top:4px;color:#555">{again}</div></div>')
+    note = "" if feedback.attempt == 1 else f" (on try {feedback.attempt}; the score counts your first answer)"
+    items = [f'<li class="ne-right"><b>✔ {escape(chosen.text)}</b> (your answer): {escape(chosen.explanation)}</li>']
     for i, o in enumerate(question.options):
-        mark = "✔" if o.correct else "✘"
-        chosen = " (your answer)" if i == feedback.chosen else ""
-        items.append(f'<li class="{"ne-right" if o.correct else "ne-wrong"}"><b>{mark} {escape(o.text)}</b>'
-                     f'{chosen}: {escape(o.explanation)}</li>')
-    return (f'<div class="ne-feedback" data-correct="{str(feedback.correct).lower()}" style="font-size:13px">'
-            f'{verdict}<ul style="margin:4px 0">{"".join(items)}</ul></div>')
+        if i != feedback.chosen:
+            items.append(f'<li class="ne-wrong"><b>✘ {escape(o.text)}</b>: {escape(o.explanation)}</li>')
+    return (f'<div class="ne-feedback" data-correct="true" style="font-size:13px">'
+            f'<b style="color:#2e7d32">Correct{escape(note)}.</b><ul style="margin:4px 0">{"".join(items)}</ul></div>')
 
 
 class Quiz(W.VBox):
@@ -298,4 +332,5 @@ class Quiz(W.VBox):
     def _update_score(self) -> None:
         c = self.controller
         self.score_label.value = (f'<div class="ne-score" style="font-size:14px">Score: <b>{c.score}</b> / '
-                                  f'{c.num_questions} ({len(c.checked)} checked)</div>')
+                                  f'{c.num_questions} (first answers; {c.num_answered} answered, '
+                                  f'{c.num_solved} solved)</div>')
