@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from widgets.quiz import (MIN_QUESTIONS, Question, Quiz, load_quiz, make_question, quiz_path, shuffle_options,
-                          shuffle_seed)
+from widgets.quiz import (MIN_QUESTIONS, Question, Quiz, live_answer_positions, load_quiz, make_question,
+                          quarter_shares, quiz_path, shuffle_options, shuffle_seed)
 
 CHAPTERS = range(1, 13)
 
@@ -148,6 +148,29 @@ def test_full_marks_need_every_first_answer_right() -> None:
         c.select(0, 99)
 
 
+def test_live_answer_positions_fill_the_least_used_places() -> None:
+    placed = [(0, 4), (0, 4), (1, 4), (2, 4), (3, 4)]  # first quarter used twice, the others once
+    assert sorted(live_answer_positions(4, placed, [4, 4, 4])) == [1, 2, 3]  # the three less used quarters
+    assert live_answer_positions(4, [(0, 4), (1, 4), (2, 4)], [4]) == [3]
+    assert live_answer_positions(4, [(0, 4), (1, 4), (2, 4)], [8]) in ([6], [7])  # the last quarter of 8 options
+    assert live_answer_positions(4, [], [5, 5]) == live_answer_positions(4, [], [5, 5])  # seeded
+    many = live_answer_positions(9, [], [4] * 8)
+    assert [many.count(p) for p in range(4)] == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="options"):
+        live_answer_positions(9, [], [0])
+
+
+def test_quarter_shares_split_a_position_over_the_quarters() -> None:
+    assert quarter_shares(0, 4) == [1.0, 0.0, 0.0, 0.0]
+    assert quarter_shares(1, 2) == [0.0, 0.0, 0.5, 0.5]
+    assert [round(x, 6) for x in quarter_shares(1, 5)] == [0.25, 0.75, 0.0, 0.0]
+    for k in (3, 5, 6, 7):
+        totals = [sum(quarter_shares(p, k)[q] for p in range(k)) / k for q in range(4)]
+        assert all(abs(t - 0.25) < 1e-9 for t in totals)  # a random place spreads evenly
+    with pytest.raises(ValueError, match="outside"):
+        quarter_shares(4, 4)
+
+
 def test_invalid_quiz_files_are_refused(tmp_path) -> None:
     def write(questions):
         path = tmp_path / "bad.json"
@@ -188,7 +211,9 @@ def test_live_questions_join_the_quiz_shuffled_and_scored() -> None:
     quiz = view.controller.quiz
     assert len(quiz.questions) == len(load_quiz(3).questions) + 1
     shown = quiz.questions[-1]
-    assert shown == shuffle_options(live, 3) and shown.options[shown.answer].text == "36"
+    assert shown.options[shown.answer].text == "36"
+    assert {o.text for o in shown.options} == {o.text for o in live.options}
+    assert shown == shuffle_options(live, 3, answer_at=shown.answer)  # the seeded order, answer moved
     view.radios[-1].value = shown.answer
     view.check_buttons[-1].click()
     assert 'data-correct="true"' in view.feedback[-1].value
