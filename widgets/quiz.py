@@ -3,8 +3,12 @@
 Questions live in data files, one per chapter: ``widgets/quizzes/chNN.json``::
 
     {"chapter": 4, "title": "PagedAttention",
-     "questions": [{"question": "...",
+     "questions": [{"question": "...", "applies": true,
                     "options": [{"text": "...", "correct": false, "explanation": "..."}, ...]}]}
+
+``applies`` marks a question that applies an idea to a new case (a scenario with numbers,
+a configuration to predict) rather than asking for a definition; at least half of the
+course's written questions do (``tests/test_quiz_balance.py``).
 
 Every option carries its own explanation, so a reader who picks a wrong answer learns why
 it is wrong, not just which one was right. ``load_quiz`` validates a file (exactly one
@@ -12,9 +16,10 @@ correct option per question, an explanation for each option, at least four quest
 
 A quiz must not be passable by pattern (COURSE.md, item 6). Two habits of hand-written
 quizzes give answers away: the correct option is the longest, carefully qualified one, and
-the correct positions follow a rotation. The files are written with short correct options
-(``tests/test_widgets_quiz.py`` holds the share of longest-correct questions to at most a
-third), and the order a reader sees comes from ``shuffle_options``: options are put in a
+the correct positions follow a rotation. Wrong options are real misconceptions, and the
+files are written so that the correct option's length rank (longest ... shortest) is spread
+evenly over the course (``tests/test_quiz_balance.py`` checks every question in display
+order, live ones included), and the order a reader sees comes from ``shuffle_options``: options are put in a
 canonical order, then shuffled by a generator seeded from the chapter and the question
 text, and a chapter's correct answers are spread evenly over the positions in a seeded
 order (``answer_positions``). The order is the same on every run and in CI, yet unrelated
@@ -23,11 +28,16 @@ to how the file was written.
 Live questions (``widgets/live_questions.py``) are computed from the engine when the cell
 runs, e.g. "which KV slot does position 20 of this request use?" from its block table.
 A notebook passes them to ``Quiz(chapter, live=[...])``; they are checked and scored like
-the file's questions and shuffled the same way. ``make_question`` builds one from a
+the file's questions and shuffled the same way, their correct options placed where the
+chapter's positions stay balanced (``live_answer_positions``). ``make_question`` builds one from a
 computed answer and plausible wrong computations.
 
 ``QuizController`` is the testable part; ``Quiz`` draws radio buttons, a Check button per
-question and a running score.
+question and a running score. A quiz is for learning, and its score for honesty: a wrong
+answer shows why *that* option is wrong (its own explanation, never the right option) and
+the learner tries again; once right, every option's explanation is shown. The score counts
+each question's FIRST checked answer only, so trying options until one is green earns
+nothing (a perfect score after a wrong try is impossible).
 """
 
 from __future__ import annotations
@@ -78,6 +88,7 @@ class Feedback:
     chosen: int
     correct: bool
     explanation: str  # of the chosen option
+    attempt: int = 1  # 1 for the first check of this question, 2 for the second, ...
 
 
 def quiz_path(chapter: int) -> Path:
@@ -114,14 +125,56 @@ def answer_positions(chapter: int, num_options: Sequence[int]) -> list[int]:
 
     Independent shuffles can, by chance, put four answers of a six-question quiz in the
     first place, which a reader notices. So the positions are balanced (each used
-    ``len // k`` or one more times, k = the fewest options of any question) and their order
-    is a seeded shuffle: no position dominates and no rotation can be read off.
+    ``len // k`` or one more times, k = the fewest options of any question; which places get
+    the one more rotates with the chapter) and their order is a seeded shuffle: no position
+    dominates, in a chapter or over the course, and no rotation can be read off.
     """
     k = min(num_options)
     rng = random.Random(shuffle_seed(chapter, "answer positions"))
     rounds, extra = divmod(len(num_options), k)
-    slots = list(range(k)) * rounds + rng.sample(range(k), extra)  # the leftover places drawn too
+    # The leftover places rotate with the chapter number, so that over the whole course no
+    # position collects more leftovers than another (independent draws would pile up).
+    slots = list(range(k)) * rounds + [(chapter * extra + i) % k for i in range(extra)]
     rng.shuffle(slots)
+    return slots
+
+
+def quarter_shares(position: int, num_options: int) -> list[float]:
+    """How much of each quarter of the option list (first ... last) a position covers.
+
+    Position p of k options covers the stretch [p/k, (p+1)/k) of the list; the shares say
+    how that stretch splits over the quarters [0, 1/4), [1/4, 1/2), ... They add up to 1,
+    and a question of any size spreads one unit evenly when its answer is placed at random:
+    the common scale on which questions with 4, 5 or 6 options can be balanced together.
+    """
+    if not 0 <= position < num_options:
+        raise ValueError(f"position {position} is outside 0..{num_options - 1}")
+    low, high = position / num_options, (position + 1) / num_options
+    return [max(0.0, min(high, (q + 1) / 4) - max(low, q / 4)) * num_options for q in range(4)]
+
+
+def live_answer_positions(chapter: int, shown: Sequence[tuple[int, int]], num_options: Sequence[int]) -> list[int]:
+    """Where each live question shows its correct option, given the chapter's other questions.
+
+    ``shown`` holds (position of the correct option, number of options) for the questions
+    already placed. Live questions are added to a chapter whose file questions already use
+    balanced positions; left to their own shuffles they would pile up by chance. Each one
+    takes the place that keeps the chapter's use of the option list's quarters most even
+    (``quarter_shares``; ties drawn by a generator seeded from the chapter), so the order
+    is the same on every run and no part of the list collects the answers.
+    """
+    rng = random.Random(shuffle_seed(chapter, "live answer positions"))
+    used = [0.0] * 4
+    for position, k in shown:
+        used = [u + x for u, x in zip(used, quarter_shares(position, k))]
+    slots = []
+    for k in num_options:
+        if k < 1:
+            raise ValueError(f"a question needs options, got {k}")
+        cost = {p: round(sum((u + x) ** 2 for u, x in zip(used, quarter_shares(p, k))), 9) for p in range(k)}
+        slot = rng.choice([p for p in range(k) if cost[p] == min(cost.values())])
+        used = [u + x for u, x in zip(used, quarter_shares(slot, k))]
+        slots.append(slot)
     return slots
 
 
@@ -186,12 +239,15 @@ def load_quiz(chapter: int | str | Path, shuffle: bool = True) -> QuizData:
 
 
 class QuizController:
-    """Answers chosen, answers checked, and the score."""
+    """Answers chosen, answers checked, and the score (first answers only)."""
 
     def __init__(self, quiz: QuizData) -> None:
         self.quiz = quiz
         self.chosen: dict[int, int] = {}
-        self.checked: dict[int, Feedback] = {}
+        self.checked: dict[int, Feedback] = {}  # the latest verdict of each question
+        self.first_answers: dict[int, Feedback] = {}  # the verdict that counts for the score
+        self.attempts: dict[int, int] = {}
+        self.solved: set[int] = set()  # questions answered right at some try
 
     def select(self, question: int, option: int | None) -> None:
         q = self._question(question)
@@ -202,17 +258,33 @@ class QuizController:
         self.checked.pop(question, None)  # a new choice must be checked again
 
     def check(self, question: int) -> Feedback:
+        """Check the chosen option; the first check of each question is the one scored."""
         q = self._question(question)
         if question not in self.chosen:
             raise ValueError(f"question {question + 1}: choose an answer first")
         chosen = self.chosen[question]
-        feedback = Feedback(question, chosen, chosen == q.answer, q.options[chosen].explanation)
+        attempt = self.attempts.get(question, 0) + 1
+        feedback = Feedback(question, chosen, chosen == q.answer, q.options[chosen].explanation, attempt)
+        self.attempts[question] = attempt
         self.checked[question] = feedback
+        self.first_answers.setdefault(question, feedback)
+        if feedback.correct:
+            self.solved.add(question)
         return feedback
 
     @property
     def score(self) -> int:
-        return sum(f.correct for f in self.checked.values())
+        """Questions whose first checked answer was right."""
+        return sum(f.correct for f in self.first_answers.values())
+
+    @property
+    def num_answered(self) -> int:
+        return len(self.first_answers)
+
+    @property
+    def num_solved(self) -> int:
+        """Questions answered right at some try (shown to the learner, never scored)."""
+        return len(self.solved)
 
     @property
     def num_questions(self) -> int:
@@ -224,17 +296,27 @@ class QuizController:
 
 
 def render_feedback(question: Question, feedback: Feedback) -> str:
-    """The verdict, then every option's explanation (the right one marked)."""
-    verdict = ('<b style="color:#2e7d32">Correct.</b>' if feedback.correct
-               else '<b style="color:#c62828">Not quite.</b>')
-    items = []
+    """The verdict and why.
+
+    Wrong: only the chosen option's explanation (why this one is wrong), and an invitation to
+    try again; the right option is not revealed, so the next try still needs thought. Right:
+    the chosen option's explanation, then every other option's, since comparing the
+    mistakes is part of the lesson.
+    """
+    chosen = question.options[feedback.chosen]
+    if not feedback.correct:
+        again = ("Try another option: the score keeps your first answer, but the explanation of the right one "
+                 "is worth reading." if feedback.attempt == 1 else "Try another option.")
+        return (f'<div class="ne-feedback" data-correct="false" style="font-size:13px">'
+                f'<b style="color:#c62828">Not quite.</b> <b>✘ {escape(chosen.text)}</b> (your answer): '
+                f'{escape(chosen.explanation)}<div style="margin-top:4px;color:#555">{again}</div></div>')
+    note = "" if feedback.attempt == 1 else f" (on try {feedback.attempt}; the score counts your first answer)"
+    items = [f'<li class="ne-right"><b>✔ {escape(chosen.text)}</b> (your answer): {escape(chosen.explanation)}</li>']
     for i, o in enumerate(question.options):
-        mark = "✔" if o.correct else "✘"
-        chosen = " (your answer)" if i == feedback.chosen else ""
-        items.append(f'<li class="{"ne-right" if o.correct else "ne-wrong"}"><b>{mark} {escape(o.text)}</b>'
-                     f'{chosen}: {escape(o.explanation)}</li>')
-    return (f'<div class="ne-feedback" data-correct="{str(feedback.correct).lower()}" style="font-size:13px">'
-            f'{verdict}<ul style="margin:4px 0">{"".join(items)}</ul></div>')
+        if i != feedback.chosen:
+            items.append(f'<li class="ne-wrong"><b>✘ {escape(o.text)}</b>: {escape(o.explanation)}</li>')
+    return (f'<div class="ne-feedback" data-correct="true" style="font-size:13px">'
+            f'<b style="color:#2e7d32">Correct{escape(note)}.</b><ul style="margin:4px 0">{"".join(items)}</ul></div>')
 
 
 class Quiz(W.VBox):
@@ -253,7 +335,10 @@ class Quiz(W.VBox):
                 raise TypeError(f"live[{i}] must be a widgets.quiz.Question, got {type(q).__name__}")
             check_question(q, f"live question {i + 1}")
         if live:
-            quiz = replace(quiz, questions=quiz.questions + tuple(shuffle_options(q, quiz.chapter) for q in live))
+            slots = live_answer_positions(quiz.chapter, [(q.answer, len(q.options)) for q in quiz.questions],
+                                          [len(q.options) for q in live])
+            quiz = replace(quiz, questions=quiz.questions + tuple(
+                shuffle_options(q, quiz.chapter, at) for q, at in zip(live, slots)))
         self.controller = QuizController(quiz)
         self.score_label = W.HTML()
         self.radios: list[W.RadioButtons] = []
@@ -298,4 +383,5 @@ class Quiz(W.VBox):
     def _update_score(self) -> None:
         c = self.controller
         self.score_label.value = (f'<div class="ne-score" style="font-size:14px">Score: <b>{c.score}</b> / '
-                                  f'{c.num_questions} ({len(c.checked)} checked)</div>')
+                                  f'{c.num_questions} (first answers; {c.num_answered} answered, '
+                                  f'{c.num_solved} solved)</div>')

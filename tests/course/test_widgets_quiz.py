@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from widgets.quiz import (MIN_QUESTIONS, Question, Quiz, load_quiz, make_question, quiz_path, shuffle_options,
-                          shuffle_seed)
+from widgets.quiz import (MIN_QUESTIONS, Question, Quiz, live_answer_positions, load_quiz, make_question,
+                          quarter_shares, quiz_path, shuffle_options, shuffle_seed)
 
 CHAPTERS = range(1, 13)
 
@@ -84,10 +84,16 @@ def test_shuffle_is_seeded_by_chapter_and_question_and_ignores_the_written_order
     assert shuffle_seed(3, "q") == shuffle_seed(3, "q") != shuffle_seed(4, "q")
 
 
+def _esc(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;").replace(
+        "'", "&#x27;")
+
+
 def test_answering_checking_and_scoring() -> None:
     view = Quiz(5)
     quiz = view.controller.quiz
-    assert "Score: <b>0</b> / 5" in view.score_label.value
+    n = len(quiz.questions)
+    assert f"Score: <b>0</b> / {n}" in view.score_label.value
     view.check_buttons[0].click()
     assert "choose an answer first" in view.feedback[0].value
     q0, q1 = quiz.questions[0], quiz.questions[1]
@@ -96,17 +102,73 @@ def test_answering_checking_and_scoring() -> None:
     view.radios[0].value = q0.answer
     view.check_buttons[0].click()
     assert 'data-correct="true"' in view.feedback[0].value
-    for option in q0.options:  # every option's explanation is shown
-        assert option.explanation.replace("'", "&#x27;") in view.feedback[0].value
+    for option in q0.options:  # once right, every option's explanation is shown
+        assert _esc(option.explanation) in view.feedback[0].value
+    assert f"Score: <b>1</b> / {n} (first answers; 1 answered, 1 solved)" in view.score_label.value
+
+
+def test_a_wrong_answer_explains_itself_hides_the_right_one_and_is_what_counts() -> None:
+    view = Quiz(5)
+    q1 = view.controller.quiz.questions[1]
     wrong = (q1.answer + 1) % len(q1.options)
     view.radios[1].value = wrong
     view.check_buttons[1].click()
-    assert 'data-correct="false"' in view.feedback[1].value and "(your answer)" in view.feedback[1].value
-    assert "Score: <b>1</b> / 5 (2 checked)" in view.score_label.value
+    shown = view.feedback[1].value
+    assert 'data-correct="false"' in shown and "(your answer)" in shown
+    assert _esc(q1.options[wrong].explanation) in shown  # why the chosen one is wrong
+    right = q1.options[q1.answer]
+    assert _esc(right.explanation) not in shown and _esc(right.text) not in shown  # the answer is not revealed
+    others = [o for j, o in enumerate(q1.options) if j not in (wrong, q1.answer)]
+    assert all(_esc(o.explanation) not in shown for o in others)
+    assert "Try another option" in shown
+    assert not view.radios[1].disabled and not view.check_buttons[1].disabled  # the learner can try again
     view.radios[1].value = q1.answer  # a new choice clears the old verdict until checked
-    assert view.feedback[1].value == "" and "(1 checked)" in view.score_label.value
+    assert view.feedback[1].value == ""
     view.check_buttons[1].click()
-    assert "Score: <b>2</b> / 5" in view.score_label.value
+    assert 'data-correct="true"' in view.feedback[1].value and "try 2" in view.feedback[1].value
+    n = len(view.controller.quiz.questions)
+    assert f"Score: <b>0</b> / {n} (first answers; 1 answered, 1 solved)" in view.score_label.value
+
+
+def test_full_marks_need_every_first_answer_right() -> None:
+    view = Quiz(3)
+    c = view.controller
+    for i, q in enumerate(c.quiz.questions):
+        if i == 0:  # one wrong try, then the right one
+            c.select(i, (q.answer + 1) % len(q.options))
+            assert not c.check(i).correct
+        c.select(i, q.answer)
+        feedback = c.check(i)
+        assert feedback.correct and feedback.attempt == (2 if i == 0 else 1)
+    assert c.num_solved == c.num_questions and c.score == c.num_questions - 1
+    c.select(0, c.quiz.questions[0].answer)  # checking again changes nothing
+    c.check(0)
+    assert c.score == c.num_questions - 1
+    with pytest.raises(ValueError, match="between|option"):
+        c.select(0, 99)
+
+
+def test_live_answer_positions_fill_the_least_used_places() -> None:
+    placed = [(0, 4), (0, 4), (1, 4), (2, 4), (3, 4)]  # first quarter used twice, the others once
+    assert sorted(live_answer_positions(4, placed, [4, 4, 4])) == [1, 2, 3]  # the three less used quarters
+    assert live_answer_positions(4, [(0, 4), (1, 4), (2, 4)], [4]) == [3]
+    assert live_answer_positions(4, [(0, 4), (1, 4), (2, 4)], [8]) in ([6], [7])  # the last quarter of 8 options
+    assert live_answer_positions(4, [], [5, 5]) == live_answer_positions(4, [], [5, 5])  # seeded
+    many = live_answer_positions(9, [], [4] * 8)
+    assert [many.count(p) for p in range(4)] == [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="options"):
+        live_answer_positions(9, [], [0])
+
+
+def test_quarter_shares_split_a_position_over_the_quarters() -> None:
+    assert quarter_shares(0, 4) == [1.0, 0.0, 0.0, 0.0]
+    assert quarter_shares(1, 2) == [0.0, 0.0, 0.5, 0.5]
+    assert [round(x, 6) for x in quarter_shares(1, 5)] == [0.25, 0.75, 0.0, 0.0]
+    for k in (3, 5, 6, 7):
+        totals = [sum(quarter_shares(p, k)[q] for p in range(k)) / k for q in range(4)]
+        assert all(abs(t - 0.25) < 1e-9 for t in totals)  # a random place spreads evenly
+    with pytest.raises(ValueError, match="outside"):
+        quarter_shares(4, 4)
 
 
 def test_invalid_quiz_files_are_refused(tmp_path) -> None:
@@ -149,7 +211,9 @@ def test_live_questions_join_the_quiz_shuffled_and_scored() -> None:
     quiz = view.controller.quiz
     assert len(quiz.questions) == len(load_quiz(3).questions) + 1
     shown = quiz.questions[-1]
-    assert shown == shuffle_options(live, 3) and shown.options[shown.answer].text == "36"
+    assert shown.options[shown.answer].text == "36"
+    assert {o.text for o in shown.options} == {o.text for o in live.options}
+    assert shown == shuffle_options(live, 3, answer_at=shown.answer)  # the seeded order, answer moved
     view.radios[-1].value = shown.answer
     view.check_buttons[-1].click()
     assert 'data-correct="true"' in view.feedback[-1].value

@@ -26,13 +26,16 @@ import contextlib
 import importlib.util
 import inspect
 import io
+import linecache
+import signal
 import sys
+import threading
 import traceback
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
-from typing import Callable
+from typing import Callable, Iterator
 
 CHECKS = Path(__file__).resolve().parent
 LAB = CHECKS.parent  # labs/nano-vllm
@@ -208,6 +211,74 @@ def _doc_parts(function: Callable) -> tuple[str, str]:
     return title, " ".join(hint.split())
 
 
+DEFAULT_TIME_LIMIT_S = 60.0  # per check; every solution's check takes well under a second
+
+
+class CheckTimeout(BaseException):
+    """A check ran past its time limit (raised inside the check by ``time_limit``).
+
+    A BaseException, like KeyboardInterrupt, so that an ``except Exception`` in the
+    learner's code cannot swallow it and keep looping."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None) -> Iterator[None]:
+    """Raise ``CheckTimeout`` inside the block once ``seconds`` have passed.
+
+    An infinite loop in a learner's copy (a scheduler that waits for a free block that
+    never comes) must end the check, not the session. On Unix, in the main thread, a
+    real-time timer delivers SIGALRM and its handler raises; elsewhere a timer thread
+    interrupts the main thread (``_thread.interrupt_main``) and the KeyboardInterrupt is
+    turned into ``CheckTimeout``. Either way the check stops at its next Python bytecode;
+    a single C call that never returns (one huge tensor op) cannot be interrupted.
+    ``None`` or 0 means no limit.
+    """
+    if not seconds:
+        yield
+        return
+    if seconds < 0:
+        raise ValueError(f"a time limit must be positive seconds (or 0/None for none), got {seconds}")
+    message = f"did not finish within {seconds:g} s"
+    if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
+        def on_alarm(signum, frame):
+            raise CheckTimeout(message)
+        previous = signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        try:
+            yield
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        return
+    import _thread
+    fired = threading.Event()
+
+    def interrupt() -> None:
+        fired.set()
+        _thread.interrupt_main()
+
+    timer = threading.Timer(seconds, interrupt)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except KeyboardInterrupt:
+        if fired.is_set():
+            raise CheckTimeout(message) from None
+        raise
+    finally:
+        timer.cancel()
+
+
+def _failed_line(exc: BaseException) -> str:
+    """The source line of the innermost frame that raised (for an assertion without a message)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+
+
 def _explain(exc: BaseException, folder: Path) -> tuple[str, bool]:
     """One readable paragraph for a failed check, pointing into the copy's own files."""
     message = str(exc).strip()
@@ -219,16 +290,28 @@ def _explain(exc: BaseException, folder: Path) -> tuple[str, bool]:
         if Path(frame.filename).resolve().parent == folder:
             where = f" (at {Path(frame.filename).name}:{frame.lineno}, in {frame.name})"
             break
+    if isinstance(exc, CheckTimeout):
+        chain = [f"{Path(f.filename).name}:{f.lineno} ({f.name})" for f in traceback.extract_tb(exc.__traceback__)
+                 if Path(f.filename).resolve().parent == folder]
+        stopped = f"; it was stopped in {' > '.join(chain)}" if chain else ""
+        return (f"timed out: the check {message}{stopped}. A loop in your copy is waiting for "
+                "something that nothing inside the loop changes."), False
     kind = "check failed" if isinstance(exc, AssertionError) else type(exc).__name__
-    lines = message.splitlines() or [""]
+    if not message:
+        line = _failed_line(exc)
+        message = f"this condition is false: {line}" if line else "(the check gave no reason)"
+    lines = message.splitlines()
     short = "\n".join(lines[:8]) + ("\n..." if len(lines) > 8 else "")
     return f"{kind}{where}: {short}", False
 
 
-def run_check(function: Callable[[Lab], None], lab: Lab) -> CheckResult:
+def run_check(function: Callable[[Lab], None], lab: Lab,
+              time_limit_s: float | None = DEFAULT_TIME_LIMIT_S) -> CheckResult:
+    """Run one check on one copy, stopped after ``time_limit_s`` seconds (None: no limit)."""
     title, hint = _doc_parts(function)
     try:
-        function(lab)
+        with time_limit(time_limit_s):
+            function(lab)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - pytest.raises failures are BaseExceptions
@@ -237,7 +320,15 @@ def run_check(function: Callable[[Lab], None], lab: Lab) -> CheckResult:
     return CheckResult(function.__name__, title, hint, "", False)
 
 
-def run_checks(version: str, folder: Path | str) -> list[CheckResult]:
-    """Every check of ``version`` against the copy in ``folder``, in order."""
+def iter_checks(version: str, folder: Path | str,
+                time_limit_s: float | None = DEFAULT_TIME_LIMIT_S) -> Iterator[CheckResult]:
+    """Every check of ``version`` against the copy in ``folder``, in order, each as it finishes."""
     lab = Lab(folder, version)
-    return [run_check(function, lab) for function in check_functions(version)]
+    for function in check_functions(version):
+        yield run_check(function, lab, time_limit_s)
+
+
+def run_checks(version: str, folder: Path | str,
+               time_limit_s: float | None = DEFAULT_TIME_LIMIT_S) -> list[CheckResult]:
+    """Every check of ``version`` against the copy in ``folder``, in order."""
+    return list(iter_checks(version, folder, time_limit_s))

@@ -13,8 +13,9 @@ from lab_harness import MAX_TOKENS, PROMPTS, check_transcript, reference
 def test_sequence_keeps_prompt_and_completion_in_one_list(lab) -> None:
     """A Sequence stores prompt + completion in token_ids and derives the rest.
 
-    Hint: __init__ stores a *copy* of the prompt as token_ids and num_prompt_tokens = its
-    length; completion_token_ids is token_ids[num_prompt_tokens:]; append_token appends.
+    Hint: a request is one growing list of tokens: the prompt is its first part and everything
+    generated follows it, so the completion is what lies past the prompt's length. Keep your own
+    copy, or the caller's list changes under you.
     """
     Sequence = lab.load("sequence").sequence.Sequence
     prompt = [5, 9]
@@ -30,9 +31,9 @@ def test_sequence_keeps_prompt_and_completion_in_one_list(lab) -> None:
 def test_sequence_finishes_on_budget_or_eos(lab) -> None:
     """A Sequence is finished after max_tokens tokens or a generated EOS, and then refuses tokens.
 
-    Hint: is_finished is True when num_completion_tokens >= max_tokens, or when at least one
-    token was generated and the last one is EOS_TOKEN (0); append_token raises RuntimeError
-    on a finished sequence.
+    Hint: a request ends for one of two reasons: it has used its whole token budget, or the
+    model itself said stop by generating the end-of-sequence token (a prompt that happens to end
+    in it has not said anything yet). Once it has ended, nothing more may be added.
     """
     mods = lab.load("sequence", "toy_model")
     Sequence, eos = mods.sequence.Sequence, mods.toy_model.EOS_TOKEN
@@ -51,7 +52,9 @@ def test_sequence_finishes_on_budget_or_eos(lab) -> None:
 def test_sequence_rejects_bad_input(lab) -> None:
     """An empty prompt or max_tokens < 1 is a ValueError.
 
-    Hint: check both at the top of __init__ and raise ValueError saying what was wrong.
+    Hint: refuse what can never run (nothing to condition on, nothing allowed to generate) at
+    construction time, with a message naming the bad value, so the mistake shows where it was
+    made.
     """
     Sequence = lab.load("sequence").sequence.Sequence
     with pytest.raises(ValueError):
@@ -63,8 +66,8 @@ def test_sequence_rejects_bad_input(lab) -> None:
 def test_generate_reproduces_the_naive_loop(lab) -> None:
     """run.generate gives exactly v00's tokens for every prompt.
 
-    Hint: if the other checks pass and this one fails, compare is_finished with v00's
-    stopping rule: stop after EOS or after max_tokens tokens, whichever comes first.
+    Hint: the engine changes how work is organised, never which tokens come out: if the other
+    checks pass, compare your stopping rule with v00's loop, token by token.
     """
     run = lab.load("run").run
     assert run.generate(PROMPTS, MAX_TOKENS) == [reference(p) for p in PROMPTS]
@@ -73,6 +76,7 @@ def test_generate_reproduces_the_naive_loop(lab) -> None:
 def test_run_prints_the_expected_transcript(lab) -> None:
     """run.py prints exactly versions/v01_request_state/expected_output.txt.
 
-    Hint: run `python run.py` in your copy and diff its output with expected_output.txt.
+    Hint: run `python run.py` in your copy and diff its output with expected_output.txt; the
+    first differing line tells you which step went another way.
     """
     check_transcript(lab)

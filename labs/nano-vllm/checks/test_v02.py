@@ -6,7 +6,8 @@ from lab_harness import MAX_TOKENS, PROMPTS, check_transcript, reference, run_to
 def test_add_request_queues_waiting_sequences(lab) -> None:
     """add_request gives ids 0, 1, 2, ... and queues WAITING sequences in order.
 
-    Hint: use self._next_seq_id and increment it; append the new Sequence to self.waiting.
+    Hint: adding a request only records it: every request gets its own id, in arrival order, and
+    waits; nothing runs until the engine steps.
     """
     mods = lab.load("llm_engine", "sequence")
     engine = mods.llm_engine.LLMEngine()
@@ -20,8 +21,8 @@ def test_add_request_queues_waiting_sequences(lab) -> None:
 def test_step_runs_one_request_at_a_time(lab) -> None:
     """step runs the oldest request to completion before the next one starts.
 
-    Hint: only when self.running is empty does step take the oldest waiting request; each
-    step appends one token and returns StepOutput((seq_id,), ((seq_id, token),), finished).
+    Hint: v02 serves one request at a time: a new one starts only when nobody is running, and
+    each step advances the running request by exactly one token.
     """
     mods = lab.load("llm_engine", "sequence")
     engine = mods.llm_engine.LLMEngine()
@@ -43,9 +44,8 @@ def test_step_runs_one_request_at_a_time(lab) -> None:
 def test_finished_requests_report_their_completion(lab) -> None:
     """A request is FINISHED on EOS or max_tokens and reported once in StepOutput.finished.
 
-    Hint: after appending the token, check token == EOS_TOKEN or num_completion_tokens >=
-    max_tokens; then set SequenceStatus.FINISHED, remove it from running and return a
-    RequestOutput(seq_id, tuple(completion)).
+    Hint: the step that produces a request's last token is also the one that retires it and
+    reports its full completion; a finished request must never be stepped again.
     """
     engine = lab.load("llm_engine").llm_engine.LLMEngine()
     engine.add_request(PROMPTS[0], 10)  # ends early on EOS
@@ -59,7 +59,8 @@ def test_finished_requests_report_their_completion(lab) -> None:
 def test_generate_reproduces_the_naive_loop(lab) -> None:
     """generate returns v00's tokens for every prompt, in prompt order.
 
-    Hint: add everything, step until is_finished(), then order the completions by seq id.
+    Hint: requests can finish in any order, but the caller wants the completions in the order of
+    the prompts.
     """
     engine = lab.load("llm_engine").llm_engine.LLMEngine()
     assert engine.generate(PROMPTS, MAX_TOKENS) == [reference(p) for p in PROMPTS]
@@ -68,6 +69,7 @@ def test_generate_reproduces_the_naive_loop(lab) -> None:
 def test_run_prints_the_expected_transcript(lab) -> None:
     """run.py prints exactly versions/v02_engine_step/expected_output.txt.
 
-    Hint: run `python run.py` in your copy and diff its output with expected_output.txt.
+    Hint: run `python run.py` in your copy and diff its output with expected_output.txt; the
+    first differing line tells you which step went another way.
     """
     check_transcript(lab)

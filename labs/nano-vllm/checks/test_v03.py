@@ -6,8 +6,9 @@ from lab_harness import MAX_TOKENS, PROMPTS, check_transcript, reference, run_to
 def test_model_prefill_caches_every_prompt_token(lab) -> None:
     """ToyModel.prefill caches one feature per prompt token and returns v00's next token.
 
-    Hint: kv_cache[seq_id] = [token_feature(t, pos) for pos, t in enumerate(token_ids)];
-    num_features_computed grows by len(token_ids); return _next_token(cache, token_ids[-1]).
+    Hint: a prefill computes the per-token state (the 'KV') once for every prompt token and
+    keeps it, so nothing about the prompt is ever computed again; the next token comes from that
+    state.
     """
     toy = lab.load("toy_model").toy_model
     model = toy.ToyModel()
@@ -21,7 +22,8 @@ def test_model_prefill_caches_every_prompt_token(lab) -> None:
 def test_model_decode_computes_only_the_new_token(lab) -> None:
     """ToyModel.decode adds one feature, at the next position, and returns v00's next token.
 
-    Hint: the new token's position is len(cache) before appending; count exactly 1 feature.
+    Hint: with a cache, a decode computes state for one token only, the newest; its position is
+    how many tokens are already cached.
     """
     model = lab.load("toy_model").toy_model.ToyModel()
     prompt = PROMPTS[2]
@@ -36,8 +38,8 @@ def test_model_decode_computes_only_the_new_token(lab) -> None:
 def test_engine_prefills_once_then_decodes_one_token(lab) -> None:
     """A request gets one PREFILL step (whole prompt), then DECODE steps of one token.
 
-    Hint: in step, is_prefill = not self.running; a prefill reports num_input_tokens =
-    len(seq), a decode 1. Free the request's cache (self.model.free) when it finishes.
+    Hint: a request's first step feeds its whole prompt; every later step feeds one token. When
+    it finishes, its cache has no further use.
     """
     engine = lab.load("llm_engine").llm_engine.LLMEngine()
     engine.add_request(PROMPTS[2], MAX_TOKENS)
@@ -53,7 +55,8 @@ def test_engine_prefills_once_then_decodes_one_token(lab) -> None:
 def test_generate_reproduces_the_naive_loop(lab) -> None:
     """generate returns v00's tokens for every prompt: caching changes the work, not the result.
 
-    Hint: the decode position is the cache length; an off-by-one there changes every token.
+    Hint: a cached feature must be exactly the one the naive loop would recompute: check the
+    position each new token is given.
     """
     engine = lab.load("llm_engine").llm_engine.LLMEngine()
     assert engine.generate(PROMPTS, MAX_TOKENS) == [reference(p) for p in PROMPTS]
@@ -62,6 +65,7 @@ def test_generate_reproduces_the_naive_loop(lab) -> None:
 def test_run_prints_the_expected_transcript(lab) -> None:
     """run.py prints exactly versions/v03_prefill_decode/expected_output.txt.
 
-    Hint: run `python run.py` in your copy and diff its output with expected_output.txt.
+    Hint: run `python run.py` in your copy and diff its output with expected_output.txt; the
+    first differing line tells you which step went another way.
     """
     check_transcript(lab)

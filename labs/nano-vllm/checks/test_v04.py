@@ -8,8 +8,8 @@ BUDGETS = [6, 2, 5, 3, 4, 6]  # different max_tokens, so requests finish at diff
 def test_decodes_of_several_requests_share_one_step(lab) -> None:
     """One DECODE step carries every running request, never more than max_num_seqs.
 
-    Hint: when nobody can be admitted, schedule returns ScheduledBatch(tuple(self.running),
-    is_prefill=False): all running requests decode together, one token each.
+    Hint: when nobody can be admitted, every running request advances together in one step, one
+    token each: that is what batching the decodes means.
     """
     engine = lab.load("llm_engine").llm_engine.LLMEngine(max_num_seqs=3)
     for p in PROMPTS:
@@ -24,9 +24,9 @@ def test_decodes_of_several_requests_share_one_step(lab) -> None:
 def test_a_freed_slot_is_refilled_while_others_still_decode(lab) -> None:
     """Continuous, not static: when a request finishes, a waiting one is prefilled on the very next step.
 
-    Hint: admission must not wait for the running batch to empty. Admit whenever
-    len(self.running) < max_num_seqs - and postprocess must remove a finished request from
-    running at once, so the next schedule() sees the free slot.
+    Hint: continuous batching does not wait for the whole batch to drain: a finished request
+    must leave the running set at once, and the very next schedule admits someone into its place
+    while the others keep decoding.
     """
     engine = lab.load("llm_engine").llm_engine.LLMEngine(max_num_seqs=3)
     for p, budget in zip(PROMPTS, BUDGETS):
@@ -51,8 +51,9 @@ def test_a_freed_slot_is_refilled_while_others_still_decode(lab) -> None:
 def test_prefill_respects_the_token_budget_and_the_seq_limit(lab) -> None:
     """A PREFILL admits only what fits max_num_batched_tokens, and never more than max_num_seqs run.
 
-    Hint: keep a running total of the admitted requests' tokens this step and stop (break)
-    at the first waiting request that would exceed the budget - first come, first served.
+    Hint: a step has a token budget and a seat limit; requests are admitted first come, first
+    served, and the first one that does not fit stops admission for this step (no jumping the
+    queue).
     """
     engine = lab.load("llm_engine").llm_engine.LLMEngine(max_num_seqs=2, max_num_batched_tokens=12)
     for p in PROMPTS:
@@ -66,8 +67,8 @@ def test_prefill_respects_the_token_budget_and_the_seq_limit(lab) -> None:
 def test_generate_reproduces_the_naive_loop(lab) -> None:
     """generate returns v00's tokens for every prompt: batching changes the work, not the result.
 
-    Hint: postprocess must pair tokens with sequences in batch order and stop each request
-    on EOS or max_tokens.
+    Hint: in a batch every sampled token must go back to the request it was computed for, and
+    each request stops by its own rule.
     """
     engine = lab.load("llm_engine").llm_engine.LLMEngine(max_num_seqs=3)
     assert engine.generate(PROMPTS, MAX_TOKENS) == [reference(p) for p in PROMPTS]
@@ -78,6 +79,7 @@ def test_generate_reproduces_the_naive_loop(lab) -> None:
 def test_run_prints_the_expected_transcript(lab) -> None:
     """run.py prints exactly versions/v04_continuous_batching/expected_output.txt.
 
-    Hint: run `python run.py` in your copy and diff its output with expected_output.txt.
+    Hint: run `python run.py` in your copy and diff its output with expected_output.txt; the
+    first differing line tells you which step went another way.
     """
     check_transcript(lab)

@@ -25,9 +25,9 @@ def _check_exclusive_ownership(engine) -> None:
 def test_a_block_manager_hands_out_and_takes_back_blocks(lab) -> None:
     """Part A: allocate takes ceil(tokens / block_size) blocks from the front; deallocate returns them.
 
-    Hint: num_blocks = ceil(num_tokens / block_size); allocate pops from the LEFT of
-    free_block_ids; can_append/may_append add a block only when the sequence has more tokens
-    than its table can hold; deallocate walks the table in reverse, appending to the RIGHT.
+    Hint: memory comes in fixed-size pages: a request owns just enough pages for its tokens,
+    gets one more only when its last page is full, and gives all of them back when it ends. The
+    order of the free list decides which ids are reused first, and the transcript depends on it.
     """
     mods = lab.load("block_manager", "sequence")
     BlockManager, Sequence = mods.block_manager.BlockManager, mods.sequence.Sequence
@@ -61,7 +61,8 @@ def test_a_block_manager_hands_out_and_takes_back_blocks(lab) -> None:
 def test_a_slots_follow_the_block_table(lab) -> None:
     """Part A: a token at position p lives at block_table[p // block_size] * block_size + p % block_size.
 
-    Hint: ToyModel.slot is one line; prefill and decode already call it.
+    Hint: a token's place in the pool is found through its request's page table: which page
+    holds its position, then where in that page.
     """
     mods = lab.load("toy_model", "sequence")
     model = mods.toy_model.ToyModel(num_blocks=4, block_size=4)
@@ -73,8 +74,9 @@ def test_a_slots_follow_the_block_table(lab) -> None:
 def test_b_a_request_that_can_never_fit_is_refused_at_add_time(lab) -> None:
     """Part B: add_request raises ValueError when prompt + max_tokens needs more blocks than the pool has.
 
-    Hint: in Scheduler.add, ceil((len(seq) + seq.max_tokens) / block_size) > num_blocks is a
-    ValueError (keep v04's max_num_batched_tokens check too). A request that fits exactly is fine.
+    Hint: count the pages a request could need at its longest (prompt plus every token it may
+    generate). If the whole pool is smaller, no amount of waiting or evicting helps: refuse it
+    when it is added, with a message. One that fits exactly is fine.
     """
     engine = lab.load("llm_engine").llm_engine.LLMEngine(num_blocks=2, block_size=4)
     with pytest.raises(ValueError):
@@ -90,9 +92,8 @@ def test_b_a_request_that_can_never_fit_is_refused_at_add_time(lab) -> None:
 def test_c_block_tables_stay_consistent_in_a_roomy_pool(lab) -> None:
     """Part C: in a roomy pool, each request holds ceil(tokens / block_size) blocks, none shared; all return.
 
-    Hint: schedule must allocate at admission and may_append before every decode; the
-    scheduler's postprocess (already written) deallocates finished requests. No preemption
-    is needed here: write it next.
+    Hint: pages are taken when a request is admitted and before each decode that starts a new
+    page; finished requests already return theirs. No eviction is needed for this check.
     """
     engine = lab.load("llm_engine").llm_engine.LLMEngine(num_blocks=32, block_size=4, max_num_seqs=4)
     seq_ids = [engine.add_request(p, MAX_TOKENS) for p in PROMPTS]
@@ -109,8 +110,9 @@ def test_c_block_tables_stay_consistent_in_a_roomy_pool(lab) -> None:
 def test_c_a_tight_pool_preempts_and_recomputes_exactly(lab) -> None:
     """Part C: when the pool runs dry a request is preempted, recomputed later, and its tokens do not change.
 
-    Hint: in the decode loop, while not can_append(seq): preempt someone (_preempt frees its
-    blocks and puts it at the FRONT of waiting); it is readmitted by a later prefill.
+    Hint: when a decode needs a page and none is free, waiting cannot help (nobody else frees
+    anything during this step): someone must be evicted, their pages freed, and the evicted
+    request recomputed from its tokens when it is readmitted.
     """
     engine = lab.load("llm_engine").llm_engine.LLMEngine(num_blocks=6, block_size=4, max_num_seqs=4)
     seq_ids = [engine.add_request(p, MAX_TOKENS) for p in PROMPTS]
@@ -133,9 +135,9 @@ def test_c_a_tight_pool_preempts_and_recomputes_exactly(lab) -> None:
 def test_c_the_victim_is_the_newest_running_request(lab) -> None:
     """Part C: preemption evicts the NEWEST running request(s) and puts them at the front of waiting.
 
-    Hint: the victim is self.running.pop() - the request admitted last, which has the least
-    work to lose - and the request needing the block evicts itself only when nobody else is
-    left. Evicting the oldest instead throws away the most work.
+    Hint: evict by priority: under first-come-first-served the request admitted last has the
+    lowest priority, so it goes first; a request evicts itself only when it is the last one
+    running.
     """
     engine = lab.load("llm_engine").llm_engine.LLMEngine(num_blocks=6, block_size=4, max_num_seqs=4)
     for p in PROMPTS:
@@ -159,7 +161,8 @@ def test_c_the_victim_is_the_newest_running_request(lab) -> None:
 def test_generate_reproduces_the_naive_loop(lab) -> None:
     """generate returns v00's tokens for every prompt: paging changes where KV lives, not the result.
 
-    Hint: if only this check fails, look at ToyModel.slot and at the decode's may_append.
+    Hint: if only this check fails, a token's state is being written to or read from the wrong
+    slot: follow one token's position through its page table.
     """
     engine = lab.load("llm_engine").llm_engine.LLMEngine()
     assert engine.generate(PROMPTS, MAX_TOKENS) == [reference(p) for p in PROMPTS]
@@ -168,7 +171,7 @@ def test_generate_reproduces_the_naive_loop(lab) -> None:
 def test_run_prints_the_expected_transcript(lab) -> None:
     """run.py prints exactly versions/v05_paged_kv/expected_output.txt (same block ids too).
 
-    Hint: block ids depend on the free queue's order: take from the left, return in reverse
-    table order to the right, preempt the newest.
+    Hint: block ids depend on the order of the free list and on who is evicted; the first
+    differing line shows which decision went another way.
     """
     check_transcript(lab)

@@ -18,7 +18,8 @@ def _seqs(lab, tables: list[list[int]], prompts: list[list[int]]):
 def test_runner_keeps_the_contract(lab) -> None:
     """ModelRunner has prepare_prefill(seqs), prepare_decode(seqs) and run(seqs, is_prefill).
 
-    Hint: keep the signatures exactly; v07-v09 keep them too.
+    Hint: the runner's interface is the contract between scheduling and model execution; later
+    versions build on exactly these names and signatures.
     """
     runner_cls = lab.load("model_runner").model_runner.ModelRunner
     assert list(inspect.signature(runner_cls.prepare_prefill).parameters) == ["self", "seqs"]
@@ -29,8 +30,9 @@ def test_runner_keeps_the_contract(lab) -> None:
 def test_prepare_prefill_flattens_every_token(lab) -> None:
     """prepare_prefill lists every token of every sequence with its position and slot.
 
-    Hint: sequences go back to back; positions restart at 0 per sequence; slot =
-    block_table[p // 4] * 4 + p % 4; cu_seqlens_q = [0, n0, n0 + n1, ...].
+    Hint: the model sees one flat batch: the sequences' tokens back to back, positions
+    restarting per sequence, each token's cache slot found through its page table, and offsets
+    saying where each sequence's rows begin.
     """
     runner = lab.load("model_runner").model_runner.ModelRunner(num_blocks=8, block_size=4)
     seqs = _seqs(lab, [[2, 5], [0]], [[5, 9, 13, 2, 8], [7, 7, 1]])
@@ -47,7 +49,7 @@ def test_prepare_prefill_flattens_every_token(lab) -> None:
 def test_prepare_decode_has_one_row_per_sequence(lab) -> None:
     """prepare_decode lists only each sequence's last token, at position len(seq) - 1.
 
-    Hint: cu_seqlens_q is 0, 1, ..., B (one row each); the slot is that of position len(seq) - 1.
+    Hint: a decode gives each sequence exactly one row, its newest token at its last position.
     """
     runner = lab.load("model_runner").model_runner.ModelRunner(num_blocks=8, block_size=4)
     seqs = _seqs(lab, [[2, 5], [0]], [[5, 9, 13, 2, 8, 40], [7, 7, 1, 3]])
@@ -64,8 +66,8 @@ def test_prepare_decode_has_one_row_per_sequence(lab) -> None:
 def test_model_input_slots_follow_the_block_tables(lab) -> None:
     """Through a whole run, every slot the model writes is the one the block table names.
 
-    Hint: ToyModel.forward stores kv_cache[slot] for each row, then gathers each sequence's
-    context_len features through its block table and uses its last input row's token.
+    Hint: the model writes each row's state to the slot it was given, then reads each sequence's
+    whole context back through its page table, never through row order.
     """
     engine = lab.load("llm_engine").llm_engine.LLMEngine(num_blocks=12, block_size=4)
     seq_ids = [engine.add_request(p, MAX_TOKENS) for p in PROMPTS[:4]]
@@ -86,7 +88,8 @@ def test_model_input_slots_follow_the_block_tables(lab) -> None:
 def test_generate_reproduces_the_naive_loop(lab) -> None:
     """generate returns v00's tokens for every prompt.
 
-    Hint: if the prepare_* checks pass, look at ToyModel.forward's gather.
+    Hint: if the prepare_* checks pass, the model reads a context other than the one it wrote:
+    check how it gathers each sequence's features.
     """
     engine = lab.load("llm_engine").llm_engine.LLMEngine()
     assert engine.generate(PROMPTS, MAX_TOKENS) == [reference(p) for p in PROMPTS]
@@ -95,6 +98,7 @@ def test_generate_reproduces_the_naive_loop(lab) -> None:
 def test_run_prints_the_expected_transcript(lab) -> None:
     """run.py prints exactly versions/v06_model_runner/expected_output.txt.
 
-    Hint: run `python run.py` in your copy and diff its output with expected_output.txt.
+    Hint: run `python run.py` in your copy and diff its output with expected_output.txt; the
+    first differing line tells you which step went another way.
     """
     check_transcript(lab)

@@ -44,8 +44,8 @@ def _total_variation(p: list[float], q: list[float]) -> float:
 def test_sampling_params_are_validated(lab) -> None:
     """SamplingParams rejects temperature < 0, top_k 0 or < -1, a negative seed, max_tokens < 1.
 
-    Hint: raise ValueError in __post_init__, saying what is allowed (temperature 0 = greedy,
-    top_k -1 = off).
+    Hint: reject a sampling setting that has no meaning when it is created, and say what is
+    allowed (temperature 0 means greedy; top-k -1 means off).
     """
     SamplingParams = lab.load("sampling_params").sampling_params.SamplingParams
     for bad in (dict(temperature=-0.1), dict(top_k=0), dict(top_k=-2), dict(seed=-1), dict(max_tokens=0)):
@@ -57,7 +57,8 @@ def test_sampling_params_are_validated(lab) -> None:
 def test_greedy_and_top_1_take_the_best_logit(lab) -> None:
     """Temperature 0 is the argmax; top_k=1 is the argmax at any temperature.
 
-    Hint: greedy rows take logits[i].argmax(); top-k masks every logit below the k-th largest to -inf.
+    Hint: greedy decoding always takes the single most likely token, and keeping only the best
+    one candidate must give the same answer.
     """
     import torch
 
@@ -74,8 +75,9 @@ def test_greedy_and_top_1_take_the_best_logit(lab) -> None:
 def test_temperature_reshapes_the_distribution(lab) -> None:
     """Draws follow softmax(logits / T): sharper below T=1, flatter above it (fitted on 4000 draws).
 
-    Hint: divide the logits by the temperature BEFORE the softmax; torch.multinomial then
-    draws from those probabilities with the request's generator.
+    Hint: temperature changes the shape of the distribution before it becomes probabilities:
+    scaling after the softmax is not the same thing. Then draw from it with the request's own
+    random source.
     """
     observed = {t: _frequencies(lab, t, -1) for t in (0.5, 1.0, 2.0)}
     for t, freq in observed.items():
@@ -89,8 +91,8 @@ def test_temperature_reshapes_the_distribution(lab) -> None:
 def test_top_k_keeps_the_k_best_in_proportion(lab) -> None:
     """top_k=2 draws only the two best tokens, in the ratio softmax gives them (fitted).
 
-    Hint: mask with logits < k-th largest -> -inf, then softmax: the kept tokens keep their
-    relative weights.
+    Hint: top-k removes every candidate outside the k most likely and renormalises the rest: the
+    survivors keep their relative weights.
     """
     freq = _frequencies(lab, 1.0, 2)
     assert freq[0] == freq[1] == 0.0, f"tokens outside the top 2 were drawn: {freq}"
@@ -100,8 +102,8 @@ def test_top_k_keeps_the_k_best_in_proportion(lab) -> None:
 def test_same_seed_same_output_whatever_the_batch(lab) -> None:
     """A seeded request gives the same tokens alone or batched; another seed differs; greedy = v00.
 
-    Hint: each request draws from its OWN generator (seq.generator, gathered by
-    prepare_sample), never from torch's global one, so its neighbours cannot shift its draws.
+    Hint: a seeded request's draws must depend only on its own seed, so it needs its own random
+    source: a shared one lets its neighbours in the batch shift its draws.
     """
     mods = lab.load("llm_engine", "sampling_params")
     SamplingParams, LLMEngine = mods.sampling_params.SamplingParams, mods.llm_engine.LLMEngine
@@ -124,7 +126,8 @@ def test_same_seed_same_output_whatever_the_batch(lab) -> None:
 def test_seeded_outputs_survive_preemption(lab) -> None:
     """Preemption does not change a seeded request's tokens (its generator lives on the Sequence).
 
-    Hint: prepare_sample must pass seq.generator itself, not a new generator per step.
+    Hint: a request's random source is part of its state and must live as long as the request,
+    across steps and across an eviction.
     """
     mods = lab.load("llm_engine", "sampling_params")
     params = [mods.sampling_params.SamplingParams(temperature=1.0, seed=i, max_tokens=8, ignore_eos=True)

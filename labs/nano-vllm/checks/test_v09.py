@@ -13,8 +13,8 @@ from lab_harness import SYSTEM_PROMPT, check_transcript
 def test_store_kv_writes_each_token_at_its_slot(lab) -> None:
     """store_kv writes token i's K and V at slot_mapping[i] of a (blocks, block_size, H, D) cache.
 
-    Hint: k_cache.view(-1, H, D)[slot_mapping] = k (and the same for v); a view writes
-    through to the cache.
+    Hint: each token's K and V go to the pool slot the runner chose for it, in every layer, and
+    must land in the cache itself, not in a copy of it.
     """
     tt = lab.load("tiny_transformer").tiny_transformer
     k_cache, v_cache = torch.zeros(3, 4, 2, 5), torch.zeros(3, 4, 2, 5)  # (blocks, block_size, H, D)
@@ -29,7 +29,8 @@ def test_store_kv_writes_each_token_at_its_slot(lab) -> None:
 def test_block_tables_are_padded_with_minus_one(lab) -> None:
     """prepare_block_tables returns one (B, longest) int64 tensor, short rows padded with -1.
 
-    Hint: pad each table with [-1] * (width - len(table)) and build the tensor in one go.
+    Hint: sequences own different numbers of blocks, but a tensor is rectangular: fill the short
+    rows with a value that can never be a real block id.
     """
     mods = lab.load("model_runner", "sequence", "sampling_params", "tiny_transformer")
     runner = mods.model_runner.ModelRunner(8, 4, mods.tiny_transformer.TinyConfig())
@@ -44,9 +45,9 @@ def test_block_tables_are_padded_with_minus_one(lab) -> None:
 def test_paged_forward_matches_a_recomputation_without_cache(lab) -> None:
     """Prefill through scattered pages gives the same logits as the model without any cache.
 
-    Hint: paged_attention gathers each sequence's context through its block table, masks
-    keys whose position is after the query's, and attends; forward returns logits only at
-    each sequence's last row.
+    Hint: paged attention must see exactly what a model without a cache sees: each sequence's
+    own earlier tokens (through its block table) and no later ones; only each sequence's last
+    row needs logits.
     """
     mods = lab.load("model_runner", "sequence", "sampling_params", "tiny_transformer")
     config = mods.tiny_transformer.TinyConfig()
@@ -66,8 +67,8 @@ def test_paged_forward_matches_a_recomputation_without_cache(lab) -> None:
 def test_engine_samples_a_real_transformer_behind_the_runner_contract(lab) -> None:
     """Batched, paged, prefix-shared greedy decoding equals recomputing the model with no cache.
 
-    Hint: if the prefill check passes but this fails, look at decode: one query row per
-    sequence at position len(seq) - 1, attending over its whole context.
+    Hint: if the prefill check passes but this fails, look at decode: one query per sequence at
+    its newest position, attending over its whole context.
     """
     mods = lab.load("llm_engine", "sampling_params", "model_runner")
     engine = mods.llm_engine.LLMEngine(num_blocks=16, block_size=4)
@@ -96,8 +97,8 @@ def test_engine_samples_a_real_transformer_behind_the_runner_contract(lab) -> No
 def test_seeded_sampling_is_reproducible(lab) -> None:
     """A seeded request gives the same tokens alone and in a batch.
 
-    Hint: nothing new to write here: it passes once forward is right, because v08's sampler
-    and per-request generators are unchanged.
+    Hint: nothing new to write here: it passes once the forward pass is right, because v08's
+    sampler and per-request generators are unchanged.
     """
     mods = lab.load("llm_engine", "sampling_params")
     params = mods.sampling_params.SamplingParams(temperature=0.8, top_k=10, seed=1, max_tokens=6,
@@ -110,7 +111,7 @@ def test_seeded_sampling_is_reproducible(lab) -> None:
 def test_run_prints_the_expected_transcript(lab) -> None:
     """run.py prints exactly versions/v09_tiny_transformer/expected_output.txt.
 
-    Hint: logits are printed to two decimals; a different but correct attention order can
-    change the last digit - compare the sampled tokens first.
+    Hint: logits are printed to two decimals; a different but correct order of summation can
+    change the last digit, so compare the sampled tokens first.
     """
     check_transcript(lab)
