@@ -368,3 +368,31 @@ def test_system_fingerprint_and_cached_prompt_tokens(server, client):
     fingerprints = {first.system_fingerprint, second.system_fingerprint, chat.system_fingerprint,
                     *(c.system_fingerprint for c in streamed)}
     assert len(fingerprints) == 1 and fingerprints.pop().startswith("fp_")
+
+
+def test_the_length_bound_is_given_only_where_it_holds(tokenizer_threads):
+    """``_too_long`` may refuse a text untokenized only if no token stands for more bytes
+    than its vocabulary string: checked on the real tokenizer, and refused for tokenizers
+    that drop or fuse text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from nanoengine.entrypoints.openai.serving import _max_token_bytes, _too_long
+
+    tokenizer = tokenizer_threads.tokenizer
+    bound = _max_token_bytes(tokenizer)
+    for text in ("word " * 300, " " * 5000, "é" * 999, "<|im_start|>" * 300, "0123456789" * 100):
+        assert len(text.encode()) / len(tokenizer.encode(text, add_special_tokens=False)) <= bound, text[:20]
+    assert _too_long("word " * 400_000, bound, 1024) > 1024 and _too_long("word " * 100, bound, 1024) is None
+
+    def bpe(pre, **kwargs):
+        backend = Tokenizer(models.BPE({"a": 0, "b": 1, "ab": 2, "<unk>": 3}, [("a", "b")], **kwargs))
+        backend.pre_tokenizer = pre
+        return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+    assert _max_token_bytes(bpe(pre_tokenizers.ByteLevel())) == 5
+    assert _max_token_bytes(bpe(pre_tokenizers.Metaspace(), byte_fallback=True)) == 5
+    assert _max_token_bytes(bpe(pre_tokenizers.Whitespace())) is None  # whitespace is dropped
+    assert _max_token_bytes(bpe(pre_tokenizers.Metaspace(), unk_token="<unk>", fuse_unk=True)) is None
+    assert _max_token_bytes(bpe(pre_tokenizers.Metaspace())) is None  # unknown characters are dropped
+    assert _max_token_bytes(None) is None

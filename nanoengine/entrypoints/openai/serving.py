@@ -42,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import json
 import time
 import uuid
 from typing import AsyncIterator, Callable
@@ -88,7 +89,7 @@ class OpenAIServing:
         self.max_model_len = engine.engine.max_model_len
         self.max_num_seqs = engine.engine.config.max_num_seqs
         self.tokenizer = engine.engine.tokenizer
-        self.max_token_bytes = _max_token_bytes(self.tokenizer)
+        self._max_token_bytes: int | None | bool = False  # False: not computed yet (the tokenizer thread does)
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoengine-tokenizer")
 
     def shutdown(self) -> None:
@@ -217,7 +218,9 @@ class OpenAIServing:
         if not prompt:
             raise ProtocolError("prompt is empty: give at least one character or token id", param="prompt",
                                 code="invalid_value")
-        at_least = _too_long(prompt, self.max_token_bytes, self.max_model_len)
+        if self._max_token_bytes is False:  # once, here: reading the vocabulary takes a moment
+            self._max_token_bytes = _max_token_bytes(self.tokenizer)
+        at_least = _too_long(prompt, self._max_token_bytes, self.max_model_len)
         if at_least is not None:
             raise ProtocolError(f"prompt is {len(prompt.encode())} bytes of text, at least {at_least} tokens, but "
                                 f"max_model_len is {self.max_model_len}; shorten it", param="prompt",
@@ -395,16 +398,37 @@ def _usage(finals: list[RequestOutput]) -> dict:
 
 def _max_token_bytes(tokenizer) -> int | None:
     """An upper bound on the UTF-8 bytes of text one token can stand for, or None when
-    the tokenizer normalizes text first (a normalizer may shrink it, and the bound below
-    would no longer hold).
+    this tokenizer offers none.
 
     A token's string in the vocabulary is at least as long in UTF-8 as the text it
     encodes: byte-level BPE writes each byte as one character of one or two bytes,
-    SentencePiece writes a space as "▁" (three bytes) and a raw byte as "<0x41>"."""
-    if tokenizer is None:
-        return None
+    SentencePiece writes a space as "▁" (three bytes) and a raw byte as "<0x41>". That
+    holds only while every byte of the text ends up in some token, so the bound is given
+    only for a BPE model with no normalizer (one may shrink the text), no pre-tokenizer
+    that drops text (whitespace splitters, a split that removes its delimiter), and a
+    token for every character (byte-level, byte fallback, or an unknown token per
+    character: fused, a run of unknown characters would be one token; without one, they
+    would be dropped)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or backend.normalizer is not None:
+    model = getattr(backend, "model", None)
+    if type(model).__name__ != "BPE" or backend.normalizer is not None:
+        return None
+
+    def keeps_every_byte(node) -> bool:
+        if node is None:
+            return True
+        if node.get("type") == "Sequence":
+            return all(keeps_every_byte(child) for child in node.get("pretokenizers", []))
+        return node.get("type") in ("ByteLevel", "Metaspace", "Digits", "Split", "Punctuation", "UnicodeScripts") \
+            and node.get("behavior") != "Removed"
+
+    pre = None if backend.pre_tokenizer is None else json.loads(backend.pre_tokenizer.__getstate__())
+    if not keeps_every_byte(pre):
+        return None
+    # A character outside the vocabulary must still cost a token: every byte has one
+    # (byte-level BPE, byte fallback), or it becomes one unknown token of its own.
+    byte_level = '"ByteLevel"' in json.dumps(pre)
+    if not (byte_level or model.byte_fallback or (model.unk_token is not None and not model.fuse_unk)):
         return None
     return max((len(token.encode("utf-8")) for token in tokenizer.get_vocab()), default=None)
 
