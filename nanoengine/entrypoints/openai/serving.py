@@ -54,6 +54,7 @@ from starlette.requests import ClientDisconnect
 from nanoengine.entrypoints.openai import protocol
 from nanoengine.entrypoints.openai.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError,
                                                         RequestStream)
+from nanoengine.entrypoints.openai.cli_args import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES
 from nanoengine.entrypoints.openai.metrics import ServerMetrics
 from nanoengine.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, Prompt, ProtocolError,
                                                     fit_to_context, parse_request)
@@ -77,7 +78,7 @@ class OpenAIServing:
     """
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics,
-                 max_body_bytes: int = 8 * 1024 * 1024, body_timeout: float = 60.0,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = DEFAULT_BODY_TIMEOUT,
                  system_fingerprint: str | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
@@ -105,7 +106,8 @@ class OpenAIServing:
         if any(isinstance(p, str) for p in prompts) and self.tokenizer is None:
             raise ProtocolError("this model has no tokenizer: send the prompt as token ids", param="prompt")
         # A completion's text is tokenized as the tokenizer says (add_special_tokens: a BOS
-        # where the model expects one), as vLLM's /v1/completions does.
+        # where the model expects one): vLLM's CompletionRequest.add_special_tokens defaults
+        # to True (vllm/entrypoints/openai/protocol.py).
         prepared = await self._prepare(lambda: [self._tokenize(p, True) for p in prompts], params,
                                        request.max_tokens, request,
                                        on_thread=any(isinstance(p, str) for p in prompts))
@@ -130,7 +132,8 @@ class OpenAIServing:
         params = self._params(request)
         self._check_chat_template()
         # The rendered conversation already holds the template's special tokens (its BOS
-        # too): tokenized without adding more, as vLLM's /v1/chat/completions does.
+        # too): tokenized without adding more, as vLLM's ChatCompletionRequest does
+        # (add_special_tokens defaults to False there).
         prepared = await self._prepare(lambda: [self._tokenize(self._render_chat(request), False)], params,
                                        request.requested_max_tokens, request)
         stream = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", prepared, arrival, request)
