@@ -200,7 +200,8 @@ class OpenAIServing:
                     raise ProtocolError("prompt is empty: it has no tokens", param="prompt", code="invalid_value")
                 if len(token_ids) > self.max_model_len:
                     raise ProtocolError(f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len};"
-                                        f" shorten it", param="prompt", code="context_length_exceeded")
+                                        f" shorten it or raise max_model_len", param="prompt",
+                                        code="context_length_exceeded")
                 try:
                     fitted = fit_to_context(params, requested_max_tokens, len(token_ids), self.max_model_len)
                 except ValueError as exc:
