@@ -128,8 +128,9 @@ def _explain(exc: ValidationError) -> ProtocolError:
     if kind == "missing":
         return ProtocolError(f"{'.'.join(loc)} is required", param=field, code="missing_field")
     if field in _NEUTRAL_ONLY:
-        given = json.dumps(first.get("input")) if kind != "missing" else "?"
-        return ProtocolError(f"{field} {given:.80} is not supported by this server; allowed: {_NEUTRAL_ONLY[field]}",
+        given = json.dumps(first.get("input"))
+        path = ".".join([field] + [part for part in loc[1:] if part.isidentifier() and part != "function-after"])
+        return ProtocolError(f"{path} {given:.80} is not supported by this server; allowed: {_NEUTRAL_ONLY[field]}",
                              param=field, code="unsupported")
     alternatives = {tuple(e["loc"][:1]) for e in exc.errors()}
     if field in _EXPECTED and len(exc.errors()) > 1 and len(alternatives) == 1:
