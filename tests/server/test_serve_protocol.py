@@ -152,6 +152,46 @@ def test_chat_logprobs_list_the_top_n_most_likely_first():
 
 def test_server_sent_events_and_usage():
     assert protocol.sse({"a": "é"}) == 'data: {"a": "é"}\n\n' and protocol.DONE == "data: [DONE]\n\n"
-    assert protocol.usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert protocol.usage(3, 4, 2) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                                       "prompt_tokens_details": {"cached_tokens": 2}}
     chunk = protocol.response("text_completion", "cmpl-1", 1, "m", [])
     assert "usage" not in chunk and protocol.response("text_completion", "cmpl-1", 1, "m", [], {"x": 1})["usage"]
+
+
+def test_integral_floats_are_integers_and_other_floats_are_refused():
+    request = parse_request(CompletionRequest, json.dumps({"prompt": [331.0, 2], "max_tokens": 3.0, "n": 1.0,
+                                                           "logprobs": 5.0, "stop_token_ids": [7.0]}).encode())
+    assert request.prompt == [331, 2] and request.max_tokens == 3 and request.n == 1 and request.logprobs == 5
+    assert request.stop_token_ids == [7] and all(type(v) is int for v in (request.max_tokens, *request.prompt))
+    for field, value in (("max_tokens", 1.5), ("n", float("1e400")), ("seed", -0.5)):
+        error = refused(CompletionRequest, {"prompt": "x", field: value})
+        assert error.param == field and "must be an integer (a whole number such as 4 or 4.0)" in error.message
+    assert refused(CompletionRequest, {"prompt": [1.5]}).param == "prompt"
+    assert refused(CompletionRequest, {"prompt": "x", "n": True}).param == "n"  # a boolean is not a number
+
+
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+
+
+def test_neutral_values_of_unimplemented_chat_fields_are_accepted():
+    body = {**CHAT, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+            "parallel_tool_calls": True, "store": False, "metadata": {"k": "v"}, "service_tier": "default",
+            "modalities": ["text"]}
+    request = parse_request(ChatCompletionRequest, json.dumps(body).encode())
+    request.check_supported()
+    assert request.to_sampling_params() == parse_request(ChatCompletionRequest, json.dumps(CHAT).encode()) \
+        .to_sampling_params()
+    assert parse_request(ChatCompletionRequest, json.dumps({**CHAT, "tool_choice": "auto"}).encode())
+
+
+@pytest.mark.parametrize("field, value, allowed", [
+    ("response_format", {"type": "json_schema", "json_schema": {}}, '{"type": "text"}'),
+    ("tools", [{"type": "function"}], "empty"),
+    ("tool_choice", {"type": "function", "function": {"name": "f"}}, '"none" or "auto"'),
+    ("store", True, "false"),
+    ("modalities", ["text", "audio"], '["text"]'),
+])
+def test_values_that_change_the_result_are_refused_saying_what_is_allowed(field, value, allowed):
+    error = refused(ChatCompletionRequest, {**CHAT, field: value})
+    assert error.param == field and error.code == "unsupported" and f"allowed: {allowed}" in error.message, \
+        error.message

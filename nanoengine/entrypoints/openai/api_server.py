@@ -10,21 +10,32 @@ Routes (OpenAI's, as ``vllm serve`` has them):
 ``POST /v1/completions``   continue a prompt (or several); ``stream: true`` for SSE
 ``POST /v1/chat/completions``  the assistant's reply to a conversation; SSE as above
 ``GET /v1/models``         the one model served, under ``--served-model-name``
+``GET /v1/models/{id}``    that model (``client.models.retrieve``); 404 for any other id
 ``GET /health``            200 while the engine thread runs, 503 once it has stopped
 ``GET /metrics``           Prometheus text: queues, KV blocks, prefix cache, latencies
 ``POST /reset_prefix_cache``  forget cached prompt blocks (vLLM's development endpoint;
                            ``bench --server`` calls it before each rate)
+``GET /openapi.json``      the schema of all of the above: request bodies, errors
 =========================  =============================================================
 
 Every error, including 404s and a missing API key, has OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request (never a 422,
 and never a crash: a bad request is refused before it reaches the engine), 401 without
-the key, 429 when more than ``max_queue`` requests wait for the engine, 503 once the
-engine has stopped.
+the key, 408 for a body slower than ``body_timeout``, 413 for a body over
+``max_body_bytes``, 429 when more than ``max_queue`` requests wait for the engine, 503
+once the engine has stopped.
 
 The server listens on 127.0.0.1 unless told otherwise: a course machine should not offer
-its model to the network by accident. With ``api_key`` set, every request must carry
-``Authorization: Bearer <key>`` (``openai.OpenAI(api_key=...)`` sends it).
+its model to the network by accident. With ``api_key`` set, every request to ``/v1/...``
+must carry ``Authorization: Bearer <key>`` (``openai.OpenAI(api_key=...)`` sends it);
+``/health``, ``/metrics`` and ``/openapi.json`` stay open to probes and scrapers, as in
+vLLM (its ``api_server.py`` checks the key on paths under ``/v1`` only).
+
+Slow clients are cut off: a request's headers must arrive within ``header_timeout``
+seconds of the connection opening (or of the previous response), else the connection gets
+408 and is closed (``_HeadTimeoutH11``: uvicorn times out idle keep-alive connections but
+not one that trickles its headers, the "slowloris" attack); its body within
+``body_timeout`` seconds (``OpenAIServing.read_body``).
 
 ``serve_in_background`` runs the same server in a thread of the current process, on a free
 port: the chapter's notebook and the tests use it.
@@ -34,6 +45,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import secrets
 import socket
@@ -43,31 +56,46 @@ from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.entrypoints.openai.async_engine import AsyncLLMEngine, EngineDeadError
-from nanoengine.entrypoints.openai.cli_args import DEFAULT_HOST, DEFAULT_MAX_QUEUE, engine_kwargs
+from nanoengine.entrypoints.openai.cli_args import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_HOST,
+                                                    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, engine_kwargs)
 from nanoengine.entrypoints.openai.metrics import ServerMetrics
-from nanoengine.entrypoints.openai.protocol import ProtocolError, error_body
-from nanoengine.entrypoints.openai.serving import OpenAIServing
+from nanoengine.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
+                                                    ProtocolError, error_body)
+from nanoengine.entrypoints.openai.serving import ClientGone, OpenAIServing
+
+logger = logging.getLogger("nanoengine.serve")
 
 def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None,
-              max_queue: int | None = DEFAULT_MAX_QUEUE) -> FastAPI:
+              max_queue: int | None = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              body_timeout: float = DEFAULT_BODY_TIMEOUT, header_timeout: float = DEFAULT_HEADER_TIMEOUT) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_name``.
 
     The engine thread starts when the app starts (uvicorn's lifespan) and stops when it
     stops; in between, only that thread touches ``engine``. ``app.state.engine`` is the
     ``AsyncLLMEngine`` (``app.state.engine.call(fn)`` runs ``fn(engine)`` safely).
+    ``header_timeout`` is kept in ``app.state`` for the uvicorn server that runs the app.
     """
     if not isinstance(served_model_name, str) or not served_model_name:
         raise ValueError(f"served_model_name must be a non-empty string, got {served_model_name!r}")
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError("api_key must be None (no key) or a non-empty string")
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be an integer >= 1, got {max_body_bytes!r}")
+    for name, value in (("body_timeout", body_timeout), ("header_timeout", header_timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
     metrics = ServerMetrics(served_model_name)
     async_engine = AsyncLLMEngine(engine, max_waiting=max_queue, on_finished=metrics.observe_finished)
-    serving = OpenAIServing(async_engine, served_model_name, metrics)
+    fingerprint = system_fingerprint(engine, served_model_name)
+    serving = OpenAIServing(async_engine, served_model_name, metrics, max_body_bytes=max_body_bytes,
+                            body_timeout=body_timeout, system_fingerprint=fingerprint)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -76,9 +104,11 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
             yield
         finally:
             async_engine.shutdown()
+            serving.shutdown()
 
     app = FastAPI(title="nanoengine", summary="An OpenAI-compatible server on nanoengine", lifespan=lifespan)
     app.state.engine, app.state.metrics, app.state.model_name = async_engine, metrics, served_model_name
+    app.state.header_timeout = header_timeout
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
 
@@ -87,26 +117,41 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         headers = {"Retry-After": "1"} if exc.status == 429 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, exc: ClientGone) -> Response:  # nobody reads it; no traceback in the log
+        return Response(status_code=499)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:  # 404, 405
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error", code=str(exc.status_code)),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_errors(400, 401, 408, 413, 429, 503),
+              summary="Continue a prompt (or several); stream: true for server-sent events")
     async def completions(raw: Request) -> Response:
         return await serving.completions(raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_errors(400, 401, 408, 413, 429, 503),
+              summary="The assistant's reply to a conversation; stream: true for server-sent events")
     async def chat_completions(raw: Request) -> Response:
         return await serving.chat(raw)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": _STARTED,
-                                            "owned_by": "nanoengine", "root": served_model_name,
-                                            "max_model_len": serving.max_model_len}]}
+    def model_card() -> dict:
+        return {"id": served_model_name, "object": "model", "created": _STARTED, "owned_by": "nanoengine",
+                "root": served_model_name, "max_model_len": serving.max_model_len}
 
-    @app.get("/health")
+    @app.get("/v1/models", responses=_errors(401))
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", responses=_errors(401, 404))
+    async def model(model_id: str) -> dict:
+        if model_id != served_model_name:
+            raise ProtocolError(f"the model {model_id!r} does not exist: this server serves {served_model_name!r}",
+                                status=404, param="model", code="model_not_found")
+        return model_card()
+
+    @app.get("/health", responses=_errors(503))
     async def health() -> Response:
         if not async_engine.is_running:
             return JSONResponse(error_body("the engine has stopped" + (f": {async_engine.error!r}" if
@@ -114,7 +159,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
                                 status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.post("/reset_prefix_cache")
+    @app.post("/reset_prefix_cache", responses=_errors(503))
     async def reset_prefix_cache() -> dict:  # benchmarks: a run must not be served from the previous one
         try:
             dropped = await asyncio.wrap_future(async_engine.call(lambda engine: engine.reset_prefix_cache()))
@@ -122,19 +167,67 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
             raise ProtocolError(str(exc), status=503, type="server_error", code="engine_unavailable") from None
         return {"dropped_blocks": dropped}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition format 0.0.4"}})
     async def prometheus() -> Response:
         return PlainTextResponse(metrics.render(async_engine.stats),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+_ERROR_MEANINGS = {400: "a bad request: the message names the field and what is allowed",
+                   401: "no valid API key (Authorization: Bearer <key>)", 404: "no such model or route",
+                   408: "the request body did not arrive within --body-timeout seconds",
+                   413: "the request body is larger than --max-body-bytes",
+                   429: "more than --max-queue requests wait for the engine; retry later (Retry-After)",
+                   503: "the engine has stopped"}
+
+
+def _errors(*statuses: int) -> dict:
+    """The error responses of a route, for ``/openapi.json``: all in OpenAI's shape."""
+    return {status: {"model": ErrorResponse, "description": _ERROR_MEANINGS[status]} for status in statuses}
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema, with the real request bodies of the two POST routes.
+
+    The routes read the raw body themselves (to refuse bad input with a 400 in OpenAI's
+    shape rather than FastAPI's 422), so FastAPI cannot see the models: they are added
+    here, their nested definitions under ``components/schemas``. A 200 is JSON, or
+    ``text/event-stream`` with ``stream: true``."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)):
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        post = schema["paths"][path]["post"]
+        post["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        post["responses"]["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+    app.openapi_schema = schema
+    return schema
+
+
+def system_fingerprint(engine: LLMEngine, served_model_name: str) -> str:
+    """OpenAI's ``system_fingerprint``: names the configuration that produced a response
+    (the model, the engine's settings), so that a client can tell when it changed."""
+    config = f"{served_model_name}|{engine.config!r}|{engine.max_model_len}|{engine.runner.num_blocks}"
+    return "fp_" + hashlib.sha256(config.encode()).hexdigest()[:10]
 
 
 _STARTED = int(time.time())
 
 
 class ApiKeyMiddleware:
-    """Refuse (401) every HTTP request whose ``Authorization`` header is not ``Bearer <key>``.
+    """Refuse (401) every request to ``/v1/...`` whose ``Authorization`` header is not
+    ``Bearer <key>``; other paths (health, metrics, schema) and CORS preflights pass, as in
+    vLLM's ``AuthenticationMiddleware``.
 
     A plain ASGI middleware (not Starlette's ``BaseHTTPMiddleware``, which wraps streamed
     responses and gets in the way of disconnect detection). ``secrets.compare_digest``
@@ -146,7 +239,8 @@ class ApiKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and (path == "/v1" or path.startswith("/v1/")):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not secrets.compare_digest(given, self.expected):
                 response = JSONResponse(error_body("a valid API key is required: send 'Authorization: Bearer <key>'",
@@ -175,9 +269,57 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _HeadTimeoutH11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, plus a deadline for each request's headers.
+
+    uvicorn closes a keep-alive connection that stays silent, but one that sends a byte of
+    its headers now and then (slowloris) holds a connection open for ever, and enough of
+    them exhaust the server. Here a timer starts when the connection opens and again when
+    a response completes; if no complete request head has arrived when it fires, the
+    client gets a 408 and the connection is closed. ``head_timeout`` is set per server
+    (``_protocol_class``)."""
+
+    head_timeout: float = DEFAULT_HEADER_TIMEOUT
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_head_timer()
+
+    def connection_lost(self, exc) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        self._head_timer = self.loop.call_later(self.head_timeout, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
+            return  # closed already, or a request is being served: its head arrived
+        body = json.dumps(error_body(f"the request headers did not arrive within {self.head_timeout:g} s",
+                                     code="request_timeout")).encode()
+        self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                             b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
+
+
+def _protocol_class(head_timeout: float) -> type[H11Protocol]:
+    return type("HeadTimeoutH11", (_HeadTimeoutH11,), {"head_timeout": float(head_timeout)})
+
+
 def _uvicorn(app: FastAPI, log_level: str, access_log: bool) -> uvicorn.Server:
     config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
-                            timeout_graceful_shutdown=5, timeout_keep_alive=5)
+                            timeout_graceful_shutdown=5, timeout_keep_alive=5,
+                            http=_protocol_class(getattr(app.state, "header_timeout", DEFAULT_HEADER_TIMEOUT)))
     return uvicorn.Server(config)
 
 
@@ -234,14 +376,15 @@ class BackgroundServer:
 
 def serve_in_background(engine: LLMEngine, served_model_name: str, host: str = DEFAULT_HOST, port: int = 0,
                         api_key: str | None = None, max_queue: int | None = DEFAULT_MAX_QUEUE,
-                        log_level: str = "warning") -> BackgroundServer:
+                        log_level: str = "warning", **limits) -> BackgroundServer:
     """Serve ``engine`` under ``served_model_name`` from a thread of this process; returns
     once it accepts requests.
 
     ``port=0`` takes a free port (read it from ``.url``). While it runs, the engine belongs
-    to the server's engine thread: do not call its methods from elsewhere.
+    to the server's engine thread: do not call its methods from elsewhere. ``limits``:
+    ``max_body_bytes``, ``body_timeout``, ``header_timeout`` (``build_app``).
     """
-    app = build_app(engine, served_model_name, api_key=api_key, max_queue=max_queue)
+    app = build_app(engine, served_model_name, api_key=api_key, max_queue=max_queue, **limits)
     return BackgroundServer(app, bind_socket(host, port), log_level).start()
 
 
@@ -259,7 +402,9 @@ def serve_from_args(args) -> None:
     try:
         print(f"loading {name} from {source}", flush=True)
         engine = LLMEngine.from_pretrained(source, **engine_kwargs(args))
-        app = build_app(engine, name, api_key=args.api_key, max_queue=args.max_queue)
+        app = build_app(engine, name, api_key=args.api_key, max_queue=args.max_queue,
+                        max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
+                        header_timeout=args.header_timeout)
         host, port = sock.getsockname()[:2]
         print(f"serving {name!r} at http://{host}:{port}/v1 (max_model_len {engine.max_model_len}, "
               f"{engine.runner.num_blocks} KV blocks); Ctrl-C stops", flush=True)
@@ -273,4 +418,4 @@ def serve_from_args(args) -> None:
             engine.shutdown()
 
 
-logging.getLogger("nanoengine.serve").addHandler(logging.NullHandler())
+logger.addHandler(logging.NullHandler())

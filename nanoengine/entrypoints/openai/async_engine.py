@@ -7,7 +7,7 @@ step takes milliseconds to seconds, far too long to run inside an asyncio event 
 must keep answering other clients. So the work is split between two threads:
 
 * **the engine thread** (one, started by ``start``) owns the ``LLMEngine``: it is the only
-  thread that ever calls its methods, tokenizer included. It loops: take the commands that
+  thread that ever calls its methods. It loops: take the commands that
   arrived (add, abort, call), apply them between two steps, run one ``step()``, hand each
   output to the request it belongs to. When there is nothing to do it sleeps on a
   condition variable instead of spinning, and a new command wakes it.
@@ -22,6 +22,13 @@ A request's life: ``add_requests`` -> (engine thread) tokenize, check, ``engine.
 -> the final output (``finished``) ends the stream. ``abort`` (a client disconnected)
 queues an abort command; the engine thread calls ``engine.abort`` between two steps, which
 frees the request's KV blocks at once.
+
+The HTTP server hands prompts over as token ids, already tokenized and length-checked on
+its own tokenizer thread (``serving``): the engine thread then only checks their range and
+queues them, so a huge prompt never stalls the requests in flight. The tokenizer is shared
+read-only: that thread encodes, this one decodes (Hugging Face's fast tokenizers allow it;
+neither changes the tokenizer's truncation or padding state). Text prompts given here
+directly are still tokenized on the engine thread.
 
 Because commands are applied only between steps, a request arriving mid-step waits for
 that step to end: its TTFT (measured from its arrival) includes that wait, as it would in

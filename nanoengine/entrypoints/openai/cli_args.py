@@ -1,7 +1,8 @@
 """The ``serve`` command's flags, and their checks before anything is loaded (chapter 12).
 
     python -m nanoengine serve [--model M] [--host 127.0.0.1] [--port 8000] [--api-key K]
-        [--max-queue N] [--served-model-name NAME] [engine options: --max-num-seqs,
+        [--max-queue N] [--max-body-bytes B] [--header-timeout S] [--body-timeout S]
+        [--served-model-name NAME] [engine options: --max-num-seqs,
         --max-model-len, --device, ...]
 
 Only argparse here, so ``python -m nanoengine --help`` does not import the web stack.
@@ -18,6 +19,11 @@ import os
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE = 256
+# The default model's 8,192-token window holds about 33 KB of English (4 bytes a token) or
+# 60 KB as JSON token ids: 8 MiB leaves room for a batch of a hundred full prompts.
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_HEADER_TIMEOUT = 30.0  # seconds for a request's headers (nginx's client_header_timeout is 60)
+DEFAULT_BODY_TIMEOUT = 60.0  # seconds for a whole request body, once the headers are in
 # Engine options the command passes on to LLMEngine.from_pretrained (EngineConfig's names).
 ENGINE_OPTIONS = ("device", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_num_seqs",
                   "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "scheduling_policy",
@@ -32,10 +38,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "machine only; 0.0.0.0 offers the model to the network)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0 = any free)")
     p.add_argument("--api-key", default=os.environ.get("NANOENGINE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every request (default: $NANOENGINE_API_KEY, "
+                   help="require 'Authorization: Bearer KEY' on every /v1 request (default: $NANOENGINE_API_KEY, "
                    "or no key)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help=f"requests waiting for the engine before new ones get 429 (default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT,
+                   help=f"seconds a request's headers may take to arrive, else 408 and the connection closes "
+                   f"(default {DEFAULT_HEADER_TIMEOUT:g})")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
+                   help=f"seconds a request's body may take to arrive, else 408 (default {DEFAULT_BODY_TIMEOUT:g})")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     engine = p.add_argument_group("engine options (EngineConfig)")
     engine.add_argument("--device", default="auto", help="auto, cpu or cuda")
@@ -79,6 +92,12 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"port must be in [0, 65535] (0 picks a free one), got {args.port}")
     if args.max_queue < 1:
         raise ValueError(f"max_queue must be an integer >= 1 (requests waiting for the engine), got {args.max_queue}")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be an integer >= 1, got {args.max_body_bytes}")
+    for name in ("header_timeout", "body_timeout"):
+        value = getattr(args, name)
+        if not 0 < value < float("inf"):  # also refuses nan
+            raise ValueError(f"{name} must be a number of seconds > 0, got {value}")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("api_key is empty: give a key, or leave --api-key out to serve without one")
     if args.served_model_name is not None and not args.served_model_name.strip():

@@ -10,8 +10,15 @@ own ``SamplingParams``, the single place that knows what a valid temperature or
 The field names are OpenAI's, plus vLLM's extras (``top_k``, ``min_p``, ``ignore_eos``,
 ``stop_token_ids``), which the ``openai`` client sends through ``extra_body``. Fields
 OpenAI defines but this engine cannot honour (``echo``, penalties, ``logit_bias``,
-``suffix``, ``best_of`` above ``n``) are accepted only at their neutral value, and
-refused otherwise rather than silently ignored.
+``suffix``, ``best_of`` above ``n``; for chat ``response_format``, ``tools``,
+``tool_choice``, ``store``...) are accepted only at their neutral value, the one that
+changes nothing (``{"type": "text"}``, no tools, ``"none"``, ``false``), and refused
+otherwise rather than silently ignored: langchain and litellm send the neutral values by
+default, and a request they describe can be served exactly.
+
+Integer fields (``Int``) take any JSON number that is a whole number: ``4`` and ``4.0``
+are one value to JSON, JSON Schema's ``integer`` accepts both, and so does vLLM; ``4.5``,
+``"4"`` and ``true`` are refused.
 
 Two OpenAI conventions differ between the endpoints and are mapped here:
 
@@ -33,13 +40,31 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from typing import Literal
+import math
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from nanoengine.outputs import TokenLogprob
 from nanoengine.sampling_params import SamplingParams
 
+
+
+def _integral(value):
+    """A JSON number that is a whole number (``5.0``) as the integer it is; anything else
+    unchanged, for the strict integer check that follows to accept or refuse.
+
+    JSON has one number type: ``5`` and ``5.0`` are the same value, JSON Schema's
+    ``integer`` accepts both, and clients that build bodies from floats send the second.
+    ``5.5`` stays refused, and so do ``true`` and ``"5"`` (strict mode)."""
+    if isinstance(value, float):
+        if math.isfinite(value) and value.is_integer():
+            return int(value)
+        raise ValueError(f"must be an integer (a whole number such as 4 or 4.0), got {value!r}")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]  # an integer field: 4 and 4.0, not 4.5, "4" or true
 Prompt = str | list[int]
 
 
@@ -70,6 +95,18 @@ _EXPECTED = {
 }
 
 
+# Fields OpenAI defines that this engine does not implement, whose schema admits only the
+# value that changes nothing (the default); what a refused value gets told.
+_NEUTRAL_ONLY = {
+    "response_format": '{"type": "text"}: JSON mode and JSON schemas are not implemented here',
+    "tools": "empty: this server has no tool calling",
+    "tool_choice": '"none" or "auto" (with no tools, the model calls none): this server has no tool calling',
+    "store": "false: this server stores no completions",
+    "service_tier": '"auto" or "default": this server has one tier',
+    "modalities": '["text"]: this server generates text only',
+}
+
+
 def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:
     """``body`` (raw JSON bytes) as ``model``, or a ``ProtocolError`` naming what was wrong."""
     try:
@@ -90,11 +127,19 @@ def _explain(exc: ValidationError) -> ProtocolError:
         return ProtocolError(f"unknown or unsupported field {'.'.join(loc)!r}", param=field, code="unknown_field")
     if kind == "missing":
         return ProtocolError(f"{'.'.join(loc)} is required", param=field, code="missing_field")
+    if field in _NEUTRAL_ONLY:
+        given = json.dumps(first.get("input"))
+        path = ".".join([field] + [part for part in loc[1:] if part.isidentifier() and part != "function-after"])
+        return ProtocolError(f"{path} {given:.80} is not supported by this server; allowed: {_NEUTRAL_ONLY[field]}",
+                             param=field, code="unsupported")
     alternatives = {tuple(e["loc"][:1]) for e in exc.errors()}
     if field in _EXPECTED and len(exc.errors()) > 1 and len(alternatives) == 1:
         return ProtocolError(f"{field} must be {_EXPECTED[field]}", param=field, code="invalid_type")
     # pydantic names the union member it tried ("str", "list[int]"); the reader wants the field's path
-    where = ".".join(part for part in loc if "[" not in part and part not in ("str", "int", "float", "bool"))
+    where = ".".join(part for part in loc if "[" not in part and "function-" not in part
+                     and part not in ("str", "int", "float", "bool"))
+    if kind == "value_error":  # _integral's message already says what was given
+        return ProtocolError(f"{where} {first['ctx']['error']}", param=field, code="invalid_type")
     return ProtocolError(f"{where}: {first['msg']}, got {first.get('input')!r:.80}", param=field,
                          code="invalid_type")
 
@@ -122,14 +167,14 @@ class _SamplingRequest(_Strict):
     """The fields both endpoints share: the model, sampling, stopping, streaming."""
 
     model: str | None = None  # None: the served model (vLLM allows leaving it out)
-    n: int = 1
+    n: Int = 1
     temperature: float | None = None  # None: 1.0, OpenAI's default
     top_p: float | None = None
-    top_k: int | None = None  # vLLM's extra
+    top_k: Int | None = None  # vLLM's extra
     min_p: float | None = None  # vLLM's extra
-    seed: int | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # vLLM's extra
+    stop_token_ids: list[Int] | None = None  # vLLM's extra
     ignore_eos: bool = False  # vLLM's extra: benchmarks generate exactly max_tokens
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -165,11 +210,11 @@ class _SamplingRequest(_Strict):
 class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``: continue one prompt, or each of a list of prompts."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None  # the top N tokens per position
+    prompt: str | list[Int] | list[str] | list[list[Int]]
+    max_tokens: Int | None = 16
+    logprobs: Int | None = None  # the top N tokens per position
     echo: bool = False
-    best_of: int | None = None
+    best_of: Int | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
@@ -201,6 +246,10 @@ class TextPart(_Strict):
     text: str
 
 
+class ResponseFormat(_Strict):
+    type: Literal["text"]  # "json_object" and "json_schema" would constrain the output: not implemented
+
+
 class ChatMessage(_Strict):
     role: str
     content: str | list[TextPart]
@@ -214,10 +263,21 @@ class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``: the next assistant message of a conversation."""
 
     messages: list[ChatMessage]
-    max_tokens: int | None = None  # None: the rest of the context window
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    max_tokens: Int | None = None  # None: the rest of the context window
+    max_completion_tokens: Int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
+    # OpenAI fields for features this server does not have, which clients (langchain,
+    # litellm) send with their neutral value: the schema admits that value only, and any
+    # other is refused with a message saying what is allowed (``_NEUTRAL_ONLY``).
+    response_format: ResponseFormat | None = None
+    tools: Annotated[list[dict], Field(max_length=0)] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None  # with no tools there is nothing to call in parallel
+    store: Literal[False] | None = None
+    metadata: dict[str, str] | None = None  # OpenAI keeps it with stored completions; nothing is stored here
+    service_tier: Literal["auto", "default"] | None = None
+    modalities: list[Literal["text"]] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -268,9 +328,12 @@ def fit_to_context(params: SamplingParams, requested: int | None, num_prompt_tok
 
 
 # ------------------------------------------------------------------ responses
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's token counts; ``prompt_tokens_details.cached_tokens`` is how many prompt
+    tokens were served from the prefix cache (their KV was not computed again)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_logprobs(entries: tuple[tuple[TokenLogprob, ...], ...], text_offset: int = 0) -> dict:
@@ -308,17 +371,20 @@ def chat_choice(index: int, text: str, finish_reason: str | None, stop_reason: s
 
 
 def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None = None,
-                      logprobs: dict | None = None) -> dict:
-    """One choice of a streamed chat chunk: ``delta`` holds the role (first chunk) or new text."""
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+                      logprobs: dict | None = None, stop_reason: str | int | None = None) -> dict:
+    """One choice of a streamed chat chunk: ``delta`` holds the role (first chunk) or new
+    text; the last one of a choice carries its ``finish_reason`` and ``stop_reason``."""
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
 
 
 def response(kind: str, response_id: str, created: int, model: str, choices: list[dict],
-             usage_: dict | None = None) -> dict:
+             usage_: dict | None = None, system_fingerprint: str | None = None) -> dict:
     """A whole response or one chunk. ``kind``: "text_completion", "chat.completion" or
     "chat.completion.chunk" (a completion's chunks are "text_completion" too). A whole
     response carries ``usage``; in a stream only the last chunk does, when asked for."""
-    body = {"id": response_id, "object": kind, "created": created, "model": model, "choices": choices}
+    body = {"id": response_id, "object": kind, "created": created, "model": model, "choices": choices,
+            "system_fingerprint": system_fingerprint}
     if usage_ is not None:
         body["usage"] = usage_
     return body
@@ -335,3 +401,17 @@ def sse(data: dict | str) -> str:
 
 
 DONE = sse("[DONE]")
+
+
+# ------------------------------------------------------------ the schema's shapes
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error the server answers (``error_body``), described for ``/openapi.json``."""
+
+    error: ErrorDetail

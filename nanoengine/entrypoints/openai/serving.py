@@ -2,22 +2,36 @@
 
 ``OpenAIServing.completions`` and ``.chat`` do the same five things:
 
-1. **validate** the body (``protocol``): JSON, fields, types, the model's name, ``n``
-   against ``max_num_seqs``, sampling values through ``SamplingParams``. A bad request is
-   refused here with 400 and never reaches the engine;
-2. **submit** one engine request per prompt (``AsyncLLMEngine.add_requests``). The engine
-   thread tokenizes, fits ``max_tokens`` to the context window and adds them; its
-   ``ValueError`` (a prompt longer than ``max_model_len``...) is a 400 too, a full waiting
-   queue a 429;
-3. **stream** server-sent events, one chunk per completion per step that produced text,
+1. **read and validate** the body (``protocol``): at most ``max_body_bytes`` (else 413),
+   within ``body_timeout`` seconds (else 408); JSON, fields, types, the model's name,
+   ``n`` against ``max_num_seqs``, sampling values through ``SamplingParams``. A bad
+   request is refused here with 400 and never reaches the engine;
+2. **prepare** the prompts on the tokenizer thread, never on the engine thread nor the
+   event loop: render the chat template, tokenize, refuse a prompt longer than
+   ``max_model_len`` and fit ``max_tokens`` to the context window. A prompt whose UTF-8
+   length alone proves it too long is refused before it is tokenized (``_too_long``);
+3. **submit** one engine request per prompt, as token ids (``AsyncLLMEngine.add_requests``):
+   the engine thread only checks and queues them; a full waiting queue is a 429;
+4. **stream** server-sent events, one chunk per completion per step that produced text,
    then ``data: [DONE]`` (``stream: true``), **or collect** the final outputs into one JSON
    response. The engine is asked for what each reads (``RequestOutputKind``): a stream
    only the new text and tokens of every step (``DELTA``), a plain response only the
    final outputs (``FINAL_ONLY``: no output objects and no text until a request ends);
-4. **abort** the engine requests if the client goes away first: a streaming response's
+   **abort** the engine requests if the client goes away first: a streaming response's
    generator is cancelled by the server when the connection drops (its ``finally`` runs);
    a plain response races the collection against ``http.disconnect``;
-5. count ``usage`` (prompt, completion and total tokens).
+5. count ``usage``: prompt, completion and total tokens, and the prompt tokens the prefix
+   cache served (``prompt_tokens_details.cached_tokens``).
+
+Why a tokenizer thread: tokenizing is linear in the text (about a second per megabyte on
+one core), so a huge prompt tokenized on the engine thread would stall every request in
+flight for as long, and on the event loop it would stall every connection. Hugging Face's
+fast tokenizer releases the GIL while it encodes, so the thread runs alongside both. One
+thread, as vLLM's serving layer has one tokenizer worker (``OpenAIServing`` in
+``vllm/entrypoints/openai/serving_engine.py``: ``ThreadPoolExecutor(max_workers=1)``):
+the tokenizer is never used by two encodes at once. A request waits behind a long text
+ahead of it at most as long as the longest text that can still fit takes to tokenize
+(``_too_long`` refuses longer ones untokenized).
 
 Choices are numbered as OpenAI numbers them: with several prompts and ``n`` completions
 each, choice ``prompt_index * n + completion_index``.
@@ -26,19 +40,23 @@ each, choice ``prompt_index * n + completion_index``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
+import json
 import time
 import uuid
 from typing import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from nanoengine.entrypoints.openai import protocol
 from nanoengine.entrypoints.openai.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError,
                                                         RequestStream)
+from nanoengine.entrypoints.openai.cli_args import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES
 from nanoengine.entrypoints.openai.metrics import ServerMetrics
-from nanoengine.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ProtocolError,
+from nanoengine.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, Prompt, ProtocolError,
                                                     fit_to_context, parse_request)
 from nanoengine.outputs import CompletionOutput, RequestOutput
 from nanoengine.sampling_params import RequestOutputKind
@@ -46,29 +64,54 @@ from nanoengine.sampling_params import RequestOutputKind
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-class OpenAIServing:
-    """The endpoints' logic over one ``AsyncLLMEngine`` serving one model under one name."""
+class ClientGone(Exception):
+    """The client closed the connection before its request body arrived: nobody to answer."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics) -> None:
+
+class OpenAIServing:
+    """The endpoints' logic over one ``AsyncLLMEngine`` serving one model under one name.
+
+    ``max_body_bytes``: the largest request body read (413 beyond); ``body_timeout``:
+    seconds the whole body may take to arrive once the headers have (408 beyond).
+    ``system_fingerprint`` is sent with every response, as OpenAI does, naming the
+    configuration that produced it. Call ``shutdown`` to stop the tokenizer thread.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+                 system_fingerprint: str | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout
+        self.system_fingerprint = system_fingerprint
         # Read once, before the engine thread starts: these never change while serving.
         self.max_model_len = engine.engine.max_model_len
         self.max_num_seqs = engine.engine.config.max_num_seqs
         self.tokenizer = engine.engine.tokenizer
+        self._max_token_bytes: int | None | bool = False  # False: not computed yet (the tokenizer thread does)
+        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoengine-tokenizer")
+
+    def shutdown(self) -> None:
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------ endpoints
     async def completions(self, raw: Request) -> Response:
         arrival = time.perf_counter()
-        request = parse_request(CompletionRequest, await raw.body())
+        request = parse_request(CompletionRequest, await self.read_body(raw))
         self._check(request)
         params = self._params(request)
         prompts = request.prompts()
         if any(isinstance(p, str) for p in prompts) and self.tokenizer is None:
             raise ProtocolError("this model has no tokenizer: send the prompt as token ids", param="prompt")
-        stream = await self._submit(f"cmpl-{uuid.uuid4().hex}", prompts, params, request.max_tokens, arrival,
-                                    request)
+        # A completion's text is tokenized as the tokenizer says (add_special_tokens: a BOS
+        # where the model expects one): vLLM's CompletionRequest.add_special_tokens defaults
+        # to True (vllm/entrypoints/openai/protocol.py).
+        prepared = await self._prepare(lambda: [self._tokenize(p, True) for p in prompts], params,
+                                       request.max_tokens, request,
+                                       on_thread=any(isinstance(p, str) for p in prompts))
+        stream = await self._submit(f"cmpl-{uuid.uuid4().hex}", prepared, arrival, request)
         context = _Context(stream, request, protocol.now())
         if request.stream:
             return EventStreamResponse(self._completion_events(context), headers=SSE_HEADERS)
@@ -80,16 +123,20 @@ class OpenAIServing:
             protocol.completion_logprobs(c.logprobs) if c.logprobs is not None else None)
             for out in finals for c in out.outputs]
         return JSONResponse(protocol.response("text_completion", context.response_id, context.created,
-                                              self.model_name, choices, _usage(finals)))
+                                              self.model_name, choices, _usage(finals), self.system_fingerprint))
 
     async def chat(self, raw: Request) -> Response:
         arrival = time.perf_counter()
-        request = parse_request(ChatCompletionRequest, await raw.body())
+        request = parse_request(ChatCompletionRequest, await self.read_body(raw))
         self._check(request)
         params = self._params(request)
-        prompt = self._render_chat(request)
-        stream = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", [prompt], params,
-                                    request.requested_max_tokens, arrival, request)
+        self._check_chat_template()
+        # The rendered conversation already holds the template's special tokens (its BOS
+        # too): tokenized without adding more, as vLLM's ChatCompletionRequest does
+        # (add_special_tokens defaults to False there).
+        prepared = await self._prepare(lambda: [self._tokenize(self._render_chat(request), False)], params,
+                                       request.requested_max_tokens, request)
+        stream = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", prepared, arrival, request)
         context = _Context(stream, request, protocol.now())
         if request.stream:
             return EventStreamResponse(self._chat_events(context), headers=SSE_HEADERS)
@@ -101,7 +148,88 @@ class OpenAIServing:
                                         protocol.chat_logprobs(c.logprobs, top_n) if c.logprobs is not None else None)
                    for c in finals[0].outputs]
         return JSONResponse(protocol.response("chat.completion", context.response_id, context.created,
-                                              self.model_name, choices, _usage(finals)))
+                                              self.model_name, choices, _usage(finals), self.system_fingerprint))
+
+    # ------------------------------------------------------------ the body
+    async def read_body(self, raw: Request) -> bytes:
+        """The request body: at most ``max_body_bytes`` (413), all of it within
+        ``body_timeout`` seconds (408: a client that trickles its body, a "slow POST",
+        would otherwise hold a connection and its buffer forever); ``ClientGone`` if the
+        client disconnects first.
+
+        A body declared (``Content-Length``) or found too large is still read and dropped
+        up to four times the limit, so that the client, which is busy sending it, can read
+        the 413; past that the server answers at once and the connection closes."""
+        limit = self.max_body_bytes
+        declared = raw.headers.get("content-length", "")
+        too_large = ProtocolError(f"the request body is larger than this server's limit of {limit} bytes "
+                                  f"(--max-body-bytes); send a smaller request", status=413,
+                                  code="request_too_large")
+        if declared.isdigit() and int(declared) > 4 * limit:
+            raise too_large
+        chunks, size = [], 0
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                async for chunk in raw.stream():
+                    size += len(chunk)
+                    if size <= limit:
+                        chunks.append(chunk)
+                    elif size > 4 * limit:
+                        break
+        except TimeoutError:
+            raise ProtocolError(f"the request body did not arrive within {self.body_timeout:g} s "
+                                f"(--body-timeout)", status=408, code="request_timeout") from None
+        except ClientDisconnect:
+            raise ClientGone() from None
+        if size > limit:
+            raise too_large
+        return b"".join(chunks)
+
+    # ---------------------------------------------------- the tokenizer thread
+    async def _prepare(self, tokenize: Callable[[], list[list[int]]], params, requested_max_tokens: int | None,
+                       request, on_thread: bool = True) -> list[tuple[list[int], object]]:
+        """Each prompt's token ids and its SamplingParams with ``max_tokens`` fitted to the
+        context window, computed on the tokenizer thread (``on_thread``; token-id prompts
+        need no tokenizer and are prepared at once, without queueing behind a long text);
+        a ``ProtocolError`` (400) for a prompt that is empty, too long or leaves no room to
+        generate."""
+        def prepare() -> list[tuple[list[int], object]]:
+            prepared = []
+            for token_ids in tokenize():
+                if not token_ids:
+                    raise ProtocolError("prompt is empty: it has no tokens", param="prompt", code="invalid_value")
+                if len(token_ids) > self.max_model_len:
+                    raise ProtocolError(f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len};"
+                                        f" shorten it or raise max_model_len", param="prompt",
+                                        code="context_length_exceeded")
+                try:
+                    fitted = fit_to_context(params, requested_max_tokens, len(token_ids), self.max_model_len)
+                except ValueError as exc:
+                    raise protocol.value_error(exc, request) from None
+                prepared.append((token_ids, fitted))
+            return prepared
+
+        if not on_thread:
+            return prepare()
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, prepare)
+
+    def _tokenize(self, prompt: Prompt, add_special_tokens: bool) -> list[int]:
+        """Token ids of one prompt (runs on the tokenizer thread). Token-id prompts pass
+        through (the engine checks their range); text is refused without tokenizing when
+        its length proves it too long."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if not prompt:
+            raise ProtocolError("prompt is empty: give at least one character or token id", param="prompt",
+                                code="invalid_value")
+        if self._max_token_bytes is False:  # once, here: reading the vocabulary takes a moment
+            self._max_token_bytes = _max_token_bytes(self.tokenizer)
+        at_least = _too_long(prompt, self._max_token_bytes, self.max_model_len)
+        if at_least is not None:
+            raise ProtocolError(f"prompt is {len(prompt.encode())} bytes of text, at least {at_least} tokens, but "
+                                f"max_model_len is {self.max_model_len}; shorten it", param="prompt",
+                                code="context_length_exceeded")
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     # ---------------------------------------------------------- validation
     def _check(self, request: CompletionRequest | ChatCompletionRequest) -> None:
@@ -123,37 +251,33 @@ class OpenAIServing:
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         return dataclasses.replace(params, output_kind=kind)
 
-    def _render_chat(self, request: ChatCompletionRequest) -> str:
-        """The conversation through the model's chat template, as ``LLM.chat`` renders it.
-
-        Rendering is text only (Jinja over the messages); the tokens are counted on the
-        engine thread, which owns the tokenizer's encoder."""
+    def _check_chat_template(self) -> None:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ProtocolError("this model has no chat template; use /v1/completions", param="messages",
                                 code="no_chat_template")
+
+    def _render_chat(self, request: ChatCompletionRequest) -> str:
+        """The conversation through the model's chat template, as ``LLM.chat`` renders it
+        (Jinja over the messages; on the tokenizer thread, as it is linear in their length)."""
         try:
             return self.tokenizer.apply_chat_template(request.conversation(), tokenize=False,
                                                       add_generation_prompt=True)
         except Exception as exc:  # a template may refuse a conversation (e.g. roles out of order)
             raise ProtocolError(f"the chat template refused these messages: {exc}", param="messages") from None
 
-    async def _submit(self, response_id: str, prompts: list, params, requested_max_tokens: int | None,
-                      arrival: float, request) -> RequestStream:
+    async def _submit(self, response_id: str, prepared: list[tuple[list[int], object]], arrival: float,
+                      request) -> RequestStream:
         """One engine request per prompt ("<response id>-<prompt index>"), all or none."""
-        max_model_len = self.max_model_len
-
-        def fitted(num_prompt_tokens: int):  # runs on the engine thread, once the prompt is tokenized
-            return fit_to_context(params, requested_max_tokens, num_prompt_tokens, max_model_len)
-
         try:
             return await self.engine.add_requests(
-                [(f"{response_id}-{i}", prompt, fitted) for i, prompt in enumerate(prompts)], arrival)
+                [(f"{response_id}-{i}", token_ids, params) for i, (token_ids, params) in enumerate(prepared)],
+                arrival)
         except QueueFullError as exc:
             self.metrics.observe_rejected()
             raise ProtocolError(str(exc), status=429, type="rate_limit_error", code="queue_full") from None
         except EngineDeadError as exc:
             raise ProtocolError(str(exc), status=503, type="server_error", code="engine_unavailable") from None
-        except ValueError as exc:  # the engine's checks: prompt too long, bad token ids, context overflow
+        except ValueError as exc:  # the engine's checks: token ids outside the vocabulary...
             raise protocol.value_error(exc, request) from None
 
     # ----------------------------------------------------------- streaming
@@ -168,19 +292,24 @@ class OpenAIServing:
 
     def _chat_events(self, ctx: "_Context") -> AsyncIterator[str]:
         top_n = ctx.request.top_logprobs or 0
-        # OpenAI opens every choice with the role, before any text.
+        # OpenAI opens every choice with the role. It goes out with the first output, once
+        # the prompt is prefilled and the first token sampled, as vLLM sends it
+        # (serving_chat.py, chat_completion_stream_generator's first iteration): a client
+        # that times the first event then measures the real time to first token.
         opening = [protocol.chat_chunk_choice(i, {"role": "assistant", "content": ""}) for i in range(ctx.request.n)]
 
         def choices(out: RequestOutput) -> list[dict]:
             return [protocol.chat_chunk_choice(c.index, {"content": c.delta} if c.delta else {}, c.finish_reason,
-                                               None if c.logprobs is None else protocol.chat_logprobs(c.logprobs, top_n))
+                                               None if c.logprobs is None else protocol.chat_logprobs(c.logprobs, top_n),
+                                               c.stop_reason)
                     for c in ctx.new_parts(out)]
 
         return self._events(ctx, "chat.completion.chunk", opening, choices)
 
     async def _events(self, ctx: "_Context", kind: str, opening: list[dict],
                       choices: Callable[[RequestOutput], list[dict]]) -> AsyncIterator[str]:
-        """The server-sent events of one streamed response.
+        """The server-sent events of one streamed response; ``opening`` goes out with the
+        first output.
 
         If the client disconnects, the server cancels the task iterating this generator
         (``asyncio.CancelledError`` at ``await``) or closes it (``EventStreamResponse``);
@@ -188,12 +317,14 @@ class OpenAIServing:
         KV blocks between two steps.
         """
         def chunk(parts: list[dict], usage: dict | None = None) -> str:
-            return protocol.sse(protocol.response(kind, ctx.response_id, ctx.created, self.model_name, parts, usage))
+            return protocol.sse(protocol.response(kind, ctx.response_id, ctx.created, self.model_name, parts, usage,
+                                                  self.system_fingerprint))
 
         try:
-            if opening:
-                yield chunk(opening)
             async for out in ctx.stream:
+                if opening:
+                    yield chunk(opening)
+                    opening = []
                 if out.finished:
                     ctx.finals.append(out)
                 parts = choices(out)
@@ -262,9 +393,58 @@ class _Context:
 
 def _usage(finals: list[RequestOutput]) -> dict:
     """Prompt tokens once per prompt, completion tokens over every completion (counted by
-    the request's metrics: a streamed final output holds only its last delta's tokens)."""
+    the request's metrics: a streamed final output holds only its last delta's tokens),
+    cached tokens as the engine counted them per prompt (``num_cached_tokens``)."""
     return protocol.usage(sum(len(o.prompt_token_ids) for o in finals),
-                          sum(o.metrics.num_output_tokens for o in finals))
+                          sum(o.metrics.num_output_tokens for o in finals),
+                          sum(o.num_cached_tokens for o in finals))
+
+
+def _max_token_bytes(tokenizer) -> int | None:
+    """An upper bound on the UTF-8 bytes of text one token can stand for, or None when
+    this tokenizer offers none.
+
+    A token's string in the vocabulary is at least as long in UTF-8 as the text it
+    encodes: byte-level BPE writes each byte as one character of one or two bytes,
+    SentencePiece writes a space as "▁" (three bytes) and a raw byte as "<0x41>". That
+    holds only while every byte of the text ends up in some token, so the bound is given
+    only for a BPE model with no normalizer (one may shrink the text), no pre-tokenizer
+    that drops text (whitespace splitters, a split that removes its delimiter), and a
+    token for every character (byte-level, byte fallback, or an unknown token per
+    character: fused, a run of unknown characters would be one token; without one, they
+    would be dropped)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = getattr(backend, "model", None)
+    if type(model).__name__ != "BPE" or backend.normalizer is not None:
+        return None
+
+    def keeps_every_byte(node) -> bool:
+        if node is None:
+            return True
+        if node.get("type") == "Sequence":
+            return all(keeps_every_byte(child) for child in node.get("pretokenizers", []))
+        return node.get("type") in ("ByteLevel", "Metaspace", "Digits", "Split", "Punctuation", "UnicodeScripts") \
+            and node.get("behavior") != "Removed"
+
+    pre = None if backend.pre_tokenizer is None else json.loads(backend.pre_tokenizer.__getstate__())
+    if not keeps_every_byte(pre):
+        return None
+    # A character outside the vocabulary must still cost a token: every byte has one
+    # (byte-level BPE, byte fallback), or it becomes one unknown token of its own.
+    byte_level = '"ByteLevel"' in json.dumps(pre)
+    if not (byte_level or model.byte_fallback or (model.unk_token is not None and not model.fuse_unk)):
+        return None
+    return max((len(token.encode("utf-8")) for token in tokenizer.get_vocab()), default=None)
+
+
+def _too_long(text: str, max_token_bytes: int | None, max_model_len: int) -> int | None:
+    """The fewest tokens ``text`` can have, when that alone exceeds ``max_model_len``;
+    else None (it has to be tokenized to know). A 10 MB prompt is refused in
+    microseconds instead of after the seconds its tokenizing takes."""
+    if max_token_bytes is None or len(text) <= max_model_len:  # a character is at least one byte
+        return None
+    at_least = -(-len(text.encode("utf-8")) // max_token_bytes)
+    return at_least if at_least > max_model_len else None
 
 
 async def _collect_unless_disconnected(stream: RequestStream, raw: Request) -> list[RequestOutput] | None:
