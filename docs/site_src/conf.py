@@ -28,7 +28,8 @@ html_css_files = ["course.css"]
 html_favicon = "_static/favicon.svg"  # without one, browsers ask for /favicon.ico and get a 404
 # the theme reads its light/dark mode from here; left empty it logs an error on every page
 html_context = {"default_mode": "light"}
-html_copy_source = False
+# the page's download button offers its source (the notebook, with its saved outputs)
+html_copy_source = True
 html_show_sourcelink = False
 html_theme_options = {
     "home_page_in_toc": True,
