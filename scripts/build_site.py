@@ -152,22 +152,32 @@ def _rst_code(text: str) -> str:
     return re.sub(r"``?([^`]+)``?", r"<code>\1</code>", html.escape(text))
 
 
-def quiz_view(chapter: int, source: str, path: Path, title: str) -> str:
-    """The chapter's quiz as the widget shows it (its questions, options in the widget's
-    order), with no answer marked: read with the widget's own ``load_quiz``."""
-    from widgets.quiz import load_quiz
+def quiz_view(chapter: int, source: str, path: Path, title: str, root: Path = ROOT) -> str:
+    """The chapter's quiz, read from ``widgets/quizzes/chNN.json``: every question and its
+    options, with no answer marked and no explanation (they would give it away).
 
-    quiz = load_quiz(chapter)
-    parts = [f"<div class='ne-static ne-static-quiz'><p class='ne-static-title'>Quiz: chapter {quiz.chapter}, "
-             f"{html.escape(quiz.title)}</p><ol>"]
-    for question in quiz.questions:
-        options = "".join(f"<li>{_rst_code(o.text)}</li>" for o in question.options)
-        parts.append(f"<li><p>{_rst_code(question.question)}</p><ul class='ne-quiz-options'>{options}</ul></li>")
+    Options are listed in alphabetical order: the file's own order is the author's, and a
+    position could hint at the answer. (The widget shuffles them with a seed of its own,
+    ``widgets.quiz.shuffle_options``; calling it would import the engine and torch, which
+    the site's build does not need.)
+    """
+    file = root / "widgets" / "quizzes" / f"ch{chapter:02d}.json"
+    try:
+        quiz = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SiteError(f"{path}: its quiz cell reads {file.relative_to(root)}, which cannot be read ({exc})") from exc
+    parts = [f"<div class='ne-static ne-static-quiz'><p class='ne-static-title'>Quiz: chapter {chapter}, "
+             f"{html.escape(quiz.get('title', title))}</p><ol>"]
+    for question in quiz["questions"]:
+        texts = sorted((o["text"] for o in question["options"]), key=str.casefold)
+        options = "".join(f"<li>{_rst_code(text)}</li>" for text in texts)
+        parts.append(f"<li><p>{_rst_code(question['question'])}</p><ul class='ne-quiz-options'>{options}</ul></li>")
     parts.append("</ol>")
     live = len(re.findall(r"_question\(", source))
     if "live=" in source and live:
         parts.append(f"<p>In the notebook the quiz also asks {live} question{'s' * (live > 1)} built from the live "
-                     "engine when the cell runs (its numbers come from this run), and checks each answer.</p>")
+                     "engine when the cell runs (its numbers come from that run), and checks each answer with an "
+                     "explanation.</p>")
     else:
         parts.append("<p>In the notebook each answer is checked, with an explanation.</p>")
     parts.append(_live_line(path, title) + "</div>")
@@ -227,7 +237,7 @@ def stage_notebook(root: Path, path: Path, docs: dict[str, str]) -> dict:
                 seen_widget = True
                 name = _widget_name(output)
                 match = re.search(r"\bQuiz\(\s*(\d+)", source)
-                view = (quiz_view(int(match.group(1)), source, path, title) if name == "Quiz" and match
+                view = (quiz_view(int(match.group(1)), source, path, title, root) if name == "Quiz" and match
                         else simulator_view(name, docs, path, title, saved))
                 outputs.append(_html_output(view))
             elif PLOTLY in data:
@@ -242,7 +252,7 @@ def stage_notebook(root: Path, path: Path, docs: dict[str, str]) -> dict:
                 name = match.group(2) or _variable_class(source, match.group(1))
                 quiz = re.search(r"\bQuiz\(\s*(\d+)", last)
                 if name == "Quiz" and quiz:
-                    outputs.append(_html_output(quiz_view(int(quiz.group(1)), source, path, title)))
+                    outputs.append(_html_output(quiz_view(int(quiz.group(1)), source, path, title, root)))
                 elif name in docs:
                     outputs.append(_html_output(simulator_view(name, docs, path, title, saved)))
         cell["outputs"] = outputs
