@@ -230,6 +230,8 @@ def stage_notebook(root: Path, path: Path, docs: dict[str, str]) -> dict:
     saved = path not in LIVE_ONLY
     for n, cell in enumerate(c for c in nb["cells"] if c["cell_type"] == "code"):
         source = "".join(cell["source"])
+        # nbval's markers are for the tests (the index explains them), not for a reader
+        cell["source"] = re.sub(r"\A# NBVAL_IGNORE_OUTPUT[^\n]*\n?", "", source)
         outputs, seen_widget = [], False
         for k, output in enumerate(cell.get("outputs", [])):
             data = output.get("data", {})
