@@ -194,6 +194,16 @@ def simulator_view(name: str, docs: dict[str, str], path: Path, title: str, save
             f"<code>{html.escape(name)}</code></p><p>{_rst_code(about)}</p><p>{state}</p>{_live_line(path, title)}</div>")
 
 
+def other_widget_note(output: dict) -> str:
+    """One line for a widget that is not the course's (a library's progress bar, most often):
+    its saved text is its state when it appeared (a progress bar at 0%), so it is not shown."""
+    text = output.get("data", {}).get("text/plain", "")
+    text = ("".join(text) if isinstance(text, list) else text).strip()
+    bar = re.match(r"(.*?):?\s*\d+%\|", text)
+    what = f"a progress bar ({html.escape(bar.group(1).strip())})" if bar else "a live widget"
+    return f"<p class='ne-widget-note'><em>[{what} showed here while the cell ran]</em></p>"
+
+
 def _html_output(text: str) -> dict:
     return {"output_type": "display_data", "metadata": {}, "data": {"text/html": text}}
 
@@ -239,9 +249,12 @@ def stage_notebook(root: Path, path: Path, docs: dict[str, str]) -> dict:
                 seen_widget = True
                 name = _widget_name(output)
                 match = re.search(r"\bQuiz\(\s*(\d+)", source)
-                view = (quiz_view(int(match.group(1)), source, path, title, root) if name == "Quiz" and match
-                        else simulator_view(name, docs, path, title, saved))
-                outputs.append(_html_output(view))
+                if name == "Quiz" and match:
+                    outputs.append(_html_output(quiz_view(int(match.group(1)), source, path, title, root)))
+                elif name in docs:
+                    outputs.append(_html_output(simulator_view(name, docs, path, title, saved)))
+                else:  # not a course simulator: a progress bar (tqdm) or another library's widget
+                    outputs.append(_html_output(other_widget_note(output)))
             elif PLOTLY in data:
                 outputs.append(_html_output(plotly_html(data[PLOTLY], f"ne-plotly-{path.stem}-{n}-{k}")))
             else:

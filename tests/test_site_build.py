@@ -119,6 +119,19 @@ def test_a_chapter_page_gets_provenance_static_widgets_and_drawable_figures() ->
     assert meta["machine"] in rest.split(":::")[1] and meta["executed"][:10] in rest
 
 
+def test_a_progress_bar_widget_is_a_note_not_a_simulator() -> None:
+    path = Path("notebooks/11_benchmarks.ipynb")
+    original = json.loads((REPO / path).read_text(encoding="utf-8"))
+    bars = [o for o in _outputs(original) if WIDGET_VIEW in o.get("data", {})
+            and "%|" in "".join(o["data"].get("text/plain", ""))]
+    if not bars:
+        pytest.skip("chapter 11 shows no progress bar today")
+    staged = build_site().stage_notebook(REPO, path, build_site()._widget_docs(REPO))
+    notes = [_html(o) for o in _outputs(staged) if "ne-widget-note" in _html(o)]
+    assert len(notes) == len(bars) and all("a progress bar (" in n for n in notes)
+    assert not any("Simulator: <code>widget" in _html(o) for o in _outputs(staged))
+
+
 def test_the_quiz_view_lists_every_question_and_option_and_marks_no_answer() -> None:
     view = build_site().quiz_view(7, "Quiz(7, live=[prefix_hit_question(x)])", Path("notebooks/07_prefix_caching.ipynb"),
                                   "Chapter 7: Prefix caching")
