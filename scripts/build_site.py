@@ -55,6 +55,7 @@ LABS = Path("labs/nano-vllm")
 LIVE_ONLY = {Path("notebooks/widgets_demo.ipynb")}
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 PLOTLY = "application/vnd.plotly.v1+json"
+MIN_PYTHON = (3, 11)  # Sphinx 9, MyST-Parser 5 and the book theme require it
 EXECUTE = "PYTHONPATH=$PWD .venv/bin/python scripts/execute_notebooks.py"
 
 
@@ -377,6 +378,10 @@ def md_text(path: Path) -> str:
 
 def ensure_packages() -> None:
     """Install requirements-site.txt into this Python's environment once (stamped)."""
+    if sys.version_info < MIN_PYTHON:
+        raise SiteError(f"the site's build needs Python {'.'.join(map(str, MIN_PYTHON))} or newer (Sphinx 9 and the "
+                        f"book theme do), and {sys.executable} is {sys.version.split()[0]}: recreate .venv with a "
+                        "newer Python (PYTHON=python3.11 ./course site, after removing .venv)")
     stamp = Path(sys.prefix) / ".requirements-site.sha"
     want = hashlib.sha256((ROOT / "requirements-site.txt").read_bytes() + (ROOT / "requirements.txt").read_bytes()
                           ).hexdigest()
