@@ -243,11 +243,10 @@ def stage_notebook(root: Path, path: Path, docs: dict[str, str]) -> dict:
         source = "".join(cell["source"])
         # nbval's markers are for the tests (the index explains them), not for a reader
         cell["source"] = re.sub(r"\A# NBVAL_IGNORE_OUTPUT[^\n]*\n?", "", source)
-        outputs, seen_widget = [], False
+        outputs = []
         for k, output in enumerate(cell.get("outputs", [])):
             data = output.get("data", {})
             if WIDGET_VIEW in data:
-                seen_widget = True
                 name = _widget_name(output)
                 match = re.search(r"\bQuiz\(\s*(\d+)", source)
                 if name == "Quiz" and match:
@@ -272,8 +271,6 @@ def stage_notebook(root: Path, path: Path, docs: dict[str, str]) -> dict:
                 elif name in docs:
                     outputs.append(_html_output(simulator_view(name, docs, path, title, saved)))
         cell["outputs"] = outputs
-        if seen_widget:
-            cell.setdefault("metadata", {})
     if saved:
         note = (f"Outputs on this page were measured on **{meta['machine']}**, on {meta['executed'][:10]} "
                 f"({meta['executed'][11:16]} UTC), at revision `{meta.get('revision', '?')[:10]}`"
