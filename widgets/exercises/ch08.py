@@ -191,7 +191,8 @@ def check_gumbel_draw(llm, draw) -> CheckResult:
     detail = (f"raising token {bump}'s logit by 1 with the same random numbers changed {int(changed.sum()):,} "
               f"draws, {to_raised:,} of them to that token and {to_third:,} to another one")
     return verdict("8.3", coupled,
-                   f"{seen}; {detail}. An argmax of logit + Gumbel noise is vLLM v1's exponential race in "
+                   f"{seen}; raising token {bump}'s logit by 1 with the same random numbers moved draws only to that "
+                   f"token. An argmax of logit + Gumbel noise is vLLM v1's exponential race in "
                    f"logarithms (argmax p/E with E exponential): one random number per token, no sort, no "
                    f"cumulative sum, and a raised logit can only win draws, never move them elsewhere.",
                    f"{seen}, but {detail}. With one fixed random number per token and an argmax, raising one "
