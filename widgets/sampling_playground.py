@@ -45,6 +45,9 @@ STAGES = ("model (T=1)", "temperature", "top-k", "top-p", "min-p")
 _CUT_NAMES = {0: "temperature", 1: "top-k", 2: "top-p", 3: "min-p"}
 
 
+TOP_P_STEP = 0.01  # the top-p slider's step and its lowest value (top_p must be above 0)
+
+
 @dataclass(frozen=True)
 class StageSummary:
     name: str
@@ -334,7 +337,10 @@ class SamplingPlayground(MessageView, W.VBox):
         self.temperature = W.FloatSlider(value=p.temperature, min=0.0, max=2.0, step=0.05, description="temperature",
                                          **slider)
         self.top_k = W.IntSlider(value=p.top_k, min=-1, max=100, step=1, description="top-k (-1 off)", **slider)
-        self.top_p = W.FloatSlider(value=p.top_p, min=0.0, max=1.0, step=0.01, description="top-p", **slider)
+        # Every slider stays inside what SamplingParams accepts: top_p is in (0, 1], so its lowest stop is
+        # one step above 0 (a slider at 0.00 would only ever show the engine's refusal).
+        self.top_p = W.FloatSlider(value=p.top_p, min=TOP_P_STEP, max=1.0, step=TOP_P_STEP, description="top-p",
+                                   **slider)
         self.min_p = W.FloatSlider(value=p.min_p, min=0.0, max=1.0, step=0.01, description="min-p", **slider)
         self.top_n = W.IntSlider(value=controller.top_n, min=5, max=40, description="show top N", **slider)
         self.stages = W.HTML()

@@ -3,12 +3,9 @@ and bad values are "not yet", and each check accepts exactly what its exercise a
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from nanoengine import SamplingParams
 from widgets import single_thread
 from widgets.exercises import ch08
 
@@ -28,10 +25,9 @@ def test_placeholders_and_bad_values_are_not_yet(engine, check, value) -> None:
     assert not result.right and str(result).startswith(f"Exercise {result.exercise}: not yet. Hint: ")
 
 
-@pytest.mark.parametrize("n, seed", [(..., 10), (3, ...), (None, None), (0, 10), (9, 10), (3, -1), (3.0, 10),
-                                     (True, 10)])
-def test_seed_and_n_placeholders_and_bad_values_are_not_yet(engine, n, seed) -> None:
-    result = ch08.check_seed_and_n(engine, n, seed)
+@pytest.mark.parametrize("draw", [..., None, "argmax", 3])
+def test_gumbel_placeholders_and_bad_values_are_not_yet(engine, draw) -> None:
+    result = ch08.check_gumbel_draw(engine, draw)
     assert not result.right and "8.3: not yet. Hint: " in str(result)
 
 
@@ -59,11 +55,49 @@ def test_temperature_above_one_lowers_the_top_probability(engine) -> None:
     assert not ch08.check_temperature(engine, 1.0).right
 
 
-def test_completion_i_of_a_seeded_request_is_the_request_seeded_seed_plus_i(engine) -> None:
-    many = ch08.story_tokens(engine, dataclasses.replace(ch08.STORY_PARAMS, n=2, seed=ch08.FIRST_SEED))
-    alone = ch08.story_tokens(engine, dataclasses.replace(ch08.STORY_PARAMS, seed=ch08.FIRST_SEED + 1))
-    assert many[1] == alone[0]
-    assert ch08.check_seed_and_n(engine, ch08.LAST_SEED - ch08.FIRST_SEED + 1, ch08.FIRST_SEED).right
-    assert not ch08.check_seed_and_n(engine, 1, ch08.FIRST_SEED).right
-    assert not engine.has_unfinished_requests()
-    assert isinstance(ch08.STORY_PARAMS, SamplingParams)
+def _uniform(logits, generator):
+    return torch.rand(logits.shape, generator=generator, dtype=torch.float64).clamp_min(1e-300)
+
+
+def gumbel_max(logits, generator):  # the worked solution
+    return (logits.double() - torch.log(-torch.log(_uniform(logits, generator)))).argmax(dim=-1)
+
+
+def test_the_gumbel_max_draw_passes(engine) -> None:
+    assert ch08.check_gumbel_draw(engine, gumbel_max).right
+
+
+@pytest.mark.parametrize("wrong", [
+    lambda x, g: (x - torch.log(_uniform(x, g))).argmax(dim=-1),  # exponential noise added: not Gumbel
+    lambda x, g: (x + _uniform(x, g)).argmax(dim=-1),  # uniform noise
+    lambda x, g: (torch.softmax(x, -1) * _uniform(x, g)).argmax(dim=-1),  # p * U instead of p / E
+])
+def test_plausible_noises_do_not_fit_the_softmax(engine, wrong) -> None:
+    result = ch08.check_gumbel_draw(engine, wrong)
+    assert not result.right and "fit to the softmax: no" in " ".join(str(result).split())
+
+
+def test_an_inverse_cdf_draw_fits_but_is_not_coupled(engine) -> None:
+    def inverse_cdf(x, g):  # one uniform per row, looked up in the cumulative probabilities
+        cdf = torch.softmax(x.double(), -1).cumsum(-1)
+        u = torch.rand(x.shape[0], 1, generator=g, dtype=torch.float64) * cdf[:, -1:]
+        return torch.searchsorted(cdf, u)[:, 0].clamp(max=x.shape[1] - 1)
+
+    result = ch08.check_gumbel_draw(engine, inverse_cdf)
+    text = " ".join(str(result).split())
+    assert not result.right and "fit to the softmax: yes" in text and "to another one" in text
+
+
+def test_a_draw_that_ignores_the_generator_is_not_reproducible(engine) -> None:
+    result = ch08.check_gumbel_draw(engine, lambda x, g: gumbel_max(x, torch.Generator().manual_seed(
+        int(torch.randint(0, 2**30, ())))))
+    assert not result.right and "seeded the same" in " ".join(str(result).split())
+
+
+def test_torch_multinomial_is_itself_an_exponential_race() -> None:
+    """What the chapter says of the engine's draw: one sample of torch.multinomial is argmax(p / E)."""
+    p = torch.softmax(torch.randn(500), -1)
+    for seed in range(20):
+        drawn = torch.multinomial(p, 1, generator=torch.Generator().manual_seed(seed)).item()
+        race = (p / torch.empty_like(p).exponential_(1, generator=torch.Generator().manual_seed(seed))).argmax()
+        assert drawn == race.item()

@@ -29,7 +29,8 @@ def _right_split(gate, up, down, rank, tp):
     return gate[part], up[part], down[:, part]
 
 
-@pytest.mark.parametrize("check", [ch09.check_tp_size, ch09.check_allreduce_bytes])
+@pytest.mark.parametrize("check", [ch09.check_allreduce_bytes, lambda v: ch09.check_tp_size(v, 3),
+                                   lambda v: ch09.check_tp_size(4, v)])
 @pytest.mark.parametrize("value", [..., None, "4", 2.5, True, -1, 10**12])
 def test_placeholders_and_bad_values_are_not_yet(check, value) -> None:
     result = check(value)
@@ -59,10 +60,18 @@ def test_the_mlp_split_accepts_a_consistent_split_only(tiny) -> None:
     assert not ch09.check_mlp_split(_right_split, None).right
 
 
-def test_the_tp_size_is_the_largest_the_engine_accepts_on_six_gpus() -> None:
-    verdicts = {n: ch09.check_tp_size(n).right for n in range(1, 7)}
-    assert verdicts == {1: False, 2: False, 3: False, 4: True, 5: False, 6: False}
-    assert "refuses" in str(ch09.check_tp_size(6))
+def test_the_layout_is_the_smallest_size_that_fits_then_replicas() -> None:
+    from nanoengine.models.presets import PRESETS
+
+    shape = PRESETS["Llama-3-70B"]
+    assert ch09.EX2_GPU_GB - ch09.weight_gb_per_rank(shape, 2) < ch09.EX2_KV_GB  # 2 ranks: no KV room
+    assert ch09.EX2_GPU_GB - ch09.weight_gb_per_rank(shape, 4) >= ch09.EX2_KV_GB
+    assert ch09.check_tp_size(4, 3).right  # the worked solution: 3 replicas of 4 GPUs
+    wrong = {(8, 1): "smaller size", (4, 2): "idle", (2, 6): "too little room", (3, 4): "refuses",
+             (8, 2): "there are", (1, 12): "too little room"}
+    for (tp, replicas), reason in wrong.items():
+        result = ch09.check_tp_size(tp, replicas)
+        assert not result.right and reason in " ".join(str(result).split()), (tp, replicas, str(result))
 
 
 def test_the_bytes_are_counted_from_the_engines_llama70b() -> None:

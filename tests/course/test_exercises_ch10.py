@@ -41,8 +41,8 @@ def test_placeholders_and_bad_values_are_not_yet(value) -> None:
                    ch10.check_fusion(value if value is not ... else ...)):
         assert not result.right and str(result).startswith(f"Exercise {result.exercise}: not yet. Hint: ")
     if not isinstance(value, str):
-        result = ch10.check_dtype(value)
-        assert not result.right and "not yet. Hint:" in str(result)
+        for result in (ch10.check_dtype(value, 1000.0), ch10.check_dtype("bfloat16", value)):
+            assert not result.right and "not yet. Hint:" in str(result)
 
 
 @pytest.mark.parametrize("n, d, bq, bk", [(64, 8, 16, 8), (100, 16, 32, 24), (37, 4, 37, 5)])
@@ -59,11 +59,33 @@ def test_naive_bytes_grow_with_the_square_of_the_length() -> None:
 
 
 def test_tile_size_check_needs_fit_traffic_and_equality() -> None:
-    assert ch10.check_tile_size(tiled_attention, 128, 16).right
+    assert ch10.check_tile_size(tiled_attention, 128, 16).right  # the worked solution
     assert not ch10.check_tile_size(tiled_attention, 64, 64).right  # too many bytes
     assert not ch10.check_tile_size(tiled_attention, 128, 64).right  # does not fit
+    assert not ch10.check_tile_size(tiled_attention, 128, 8).right  # fits, but smaller than a tensor-core fragment
+    assert not ch10.check_tile_size(tiled_attention, 128, 24).right  # not a power of two
     wrong = lambda q, k, v, bq, bk: (tiled_attention(q, k, v, bq, bk)[0] * 1.01, 0)  # noqa: E731
     assert not ch10.check_tile_size(wrong, 128, 16).right
+
+
+def test_tile_size_check_rejects_a_function_that_does_not_tile() -> None:
+    naive = lambda q, k, v, bq, bk: ch10.naive_attention(q, k, v)  # noqa: E731  # right numbers, no tiles
+
+    def query_tiles_only(q, k, v, bq, bk):  # tiles the queries, but each tile sees all keys at once
+        out = torch.empty_like(q)
+        for i in range(0, len(q), bq):
+            out[i:i + bq] = torch.softmax(q[i:i + bq] @ k.T * q.shape[1] ** -0.5, dim=-1) @ v
+        return out
+
+    for fn in (naive, query_tiles_only):
+        result = ch10.check_tile_size(fn, 128, 16)
+        assert not result.right and "did not work in those tiles" in " ".join(str(result).split())
+
+
+def test_product_shapes_records_every_matrix_product() -> None:
+    a, b = torch.randn(4, 3), torch.randn(3, 5)
+    _, shapes = ch10.product_shapes(lambda: (a @ b, torch.einsum("ij,jk->ik", a, b), a.sum()))
+    assert shapes[0] == (4, 5) and len(shapes) == 2
 
 
 def test_operator_calls_counts_passes_not_views() -> None:
@@ -79,3 +101,15 @@ def test_fusion_check_rejects_an_unfused_or_wrong_function() -> None:
 
     assert not ch10.check_fusion(silu_and_mul).right
     assert not ch10.check_fusion(lambda x: x[:, :x.shape[1] // 2]).right
+
+
+@pytest.mark.slow  # builds the real model in two dtypes
+def test_dtype_check_needs_the_measured_activation_and_a_dtype_with_range(default_llm) -> None:
+    largest = float(ch10.largest_hidden_state(default_llm).abs().max())
+    assert largest > 256  # SmolLM2 has hidden states whose square overflows float16 (256² > 65,504)
+    assert ch10.check_dtype("bfloat16", largest).right  # the worked solution
+    overflow = ch10.check_dtype("float16", largest)  # half the bytes, same tokens, but the square overflows
+    assert not overflow.right and "overflows this dtype" in " ".join(str(overflow).split())
+    assert not ch10.check_dtype("float32", largest).right  # right range, but not half the bytes
+    assert not ch10.check_dtype("bfloat16", largest / 2).right  # a guess, not the measurement
+    assert not ch10.check_dtype("bfloat16", 65504.0).right  # float16's largest value is not the model's

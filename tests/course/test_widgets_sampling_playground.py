@@ -166,8 +166,9 @@ def test_bad_input_shows_a_message_and_leaves_the_engine_unchanged(view, engine)
     before = engine.snapshot()
     c = view.controller
     params_before, calls_before = c.params, c.num_logit_computations
-    view.top_p.value = 0.0
-    assert "top_p must be in (0, 1]" in html.unescape(view.message.value) and c.params == params_before
+    with pytest.raises(ValueError, match="top_p must be in"):
+        c.set_params(top_p=0.0)  # the controller refuses what the engine refuses ...
+    assert c.params == params_before
     view.top_p.value = 1.0
     assert view.message.value == ""
     for prompt, expected in (("", "prompt is empty"), ("word " * 9000, "max_model_len is 8192")):
@@ -182,3 +183,17 @@ def test_bad_input_shows_a_message_and_leaves_the_engine_unchanged(view, engine)
     with pytest.raises(ValueError, match="unknown sampling control"):
         c.set_params(temprature=1.0)
     assert engine.snapshot() == before and c.num_logit_computations == calls_before
+
+
+def test_every_slider_stays_inside_what_the_engine_accepts(view) -> None:
+    """A learner dragging any slider to either end gets a distribution, never the engine's refusal."""
+    c = view.controller
+    for slider in (view.temperature, view.top_k, view.top_p, view.min_p):
+        for end in (slider.min, slider.max):
+            slider.value = end
+            assert view.message.value == "", (slider.description, end, view.message.value)
+            SamplingParams(temperature=view.temperature.value, top_k=view.top_k.value, top_p=view.top_p.value,
+                           min_p=view.min_p.value)  # raises if the engine would refuse it
+        slider.value = {"temperature": 1.0, "top-k (-1 off)": -1, "top-p": 1.0, "min-p": 0.0}[slider.description]
+    view.top_p.value = 0.0  # typed below the range: the slider clamps it to its lowest stop
+    assert view.top_p.value > 0 and view.message.value == "" and c.params.top_p == view.top_p.value

@@ -7,9 +7,12 @@ engine's own pieces, never the text of the code:
   real layer of the loaded model into ``EX1_TP`` shares; the check runs every rank's share
   on real hidden states and compares the sum of the partial outputs (what an all-reduce
   would leave on every rank) with the unsplit layer's own output;
-* ``check_tp_size`` (9.2): a ``tensor_parallel_size`` for Qwen3-0.6B's shape on a machine
-  with ``EX2_GPUS`` GPUs, judged by the validation the engine runs before it starts any
-  worker (``check_tensor_parallel_size``): accepted, and the largest such size;
+* ``check_tp_size`` (9.2): a ``tensor_parallel_size`` and a number of data-parallel replicas for
+  Llama-3-70B in bf16 on ``EX2_GPUS`` GPUs of ``EX2_GPU_GB`` GB, each of which must keep at least
+  ``EX2_KV_GB`` GB for its KV cache after its share of the weights: the size must pass the
+  validation the engine runs before it starts any worker (``check_tensor_parallel_size``), fit,
+  be the smallest that fits (a larger one only adds collectives), and the replicas must use as
+  many of the GPUs as whole replicas can;
 * ``check_allreduce_bytes`` (9.3): the bytes the row-parallel all-reduces carry in one
   decode step of Llama-3-70B, counted from the engine's own module tree for that shape
   (built on PyTorch's "meta" device: shapes, no memory).
@@ -32,13 +35,16 @@ from widgets.exercises import CheckResult, todo, verdict, whole
 EX1_TP = 4  # exercise 9.1: ranks to split the MLP over (1536 / 4 = 384 features each)
 EX1_LAYER = 15  # exercise 9.1: which decoder layer of the loaded model
 EX1_PROMPT = "Tensor parallelism splits every weight matrix over several devices."
-EX2_MODEL = "Qwen3-0.6B"  # exercise 9.2
-EX2_GPUS = 6
+EX2_MODEL = "Llama-3-70B"  # exercise 9.2
+EX2_GPUS = 12  # GPUs on hand
+EX2_GPU_GB = 80  # memory of each (an H100 SXM: NVIDIA H100 datasheet)
+EX2_KV_GB = 20  # at least this much of each GPU left for the KV cache
+EX2_DTYPE_BYTES = 2  # bf16
 EX3_MODEL = "Llama-3-70B"  # exercise 9.3
 EX3_TP = 8
 EX3_TOKENS = 16  # one decode step of 16 sequences
 EX3_DTYPE = torch.bfloat16
-NVLINK_BYTES_PER_S = 900e9  # H100 SXM, NVLink 4 (NVIDIA H100 Tensor Core GPU datasheet)
+NVLINK_BYTES_PER_S = 450e9  # H100 SXM, NVLink 4: 900 GB/s per GPU counts both directions, 450 each way (datasheet)
 
 
 # ------------------------------------------------------------------ shared rule
@@ -120,32 +126,51 @@ def check_mlp_split(shard_mlp, llm) -> CheckResult:
 
 
 # ------------------------------------------------------------------ exercise 9.2
-def check_tp_size(tp_size) -> CheckResult:
-    """9.2: the largest size up to EX2_GPUS that the engine accepts for Qwen3-0.6B."""
+def weight_gb_per_rank(shape, tp_size: int, dtype_bytes: int = EX2_DTYPE_BYTES) -> float:
+    """GB of weights one of ``tp_size`` ranks holds: every split matrix's share (the norms, copied to
+    every rank, are a few MB and left out)."""
+    return shape.num_parameters() * dtype_bytes / tp_size / 1e9
+
+
+def check_tp_size(tp_size, replicas) -> CheckResult:
+    """9.2: the smallest tensor_parallel_size the engine accepts whose weight share leaves EX2_KV_GB
+    per GPU, and as many data-parallel replicas of it as EX2_GPUS GPUs hold."""
     from nanoengine.distributed.tp_runner import allowed_tensor_parallel_sizes, check_tensor_parallel_size
     from nanoengine.models.presets import PRESETS
 
-    if todo(tp_size):
-        return verdict("9.2", False, "", f"replace ... with a tensor_parallel_size (a whole number from 1 to "
-                                         f"{EX2_GPUS}), then run the cell again.")
-    n = whole(tp_size, 1, EX2_GPUS)
-    if n is None:
-        return verdict("9.2", False, "", f"tensor_parallel_size must be a whole number from 1 to {EX2_GPUS} (one "
-                                         f"rank per GPU), got {tp_size!r}.")
+    if todo(tp_size) or todo(replicas):
+        return verdict("9.2", False, "", f"replace both ... (a tensor_parallel_size and a number of replicas, whole "
+                                         f"numbers from 1 to {EX2_GPUS}), then run the cell again.")
+    n, r = whole(tp_size, 1, EX2_GPUS), whole(replicas, 1, EX2_GPUS)
+    if n is None or r is None:
+        return verdict("9.2", False, "", f"tensor_parallel_size and replicas must be whole numbers from 1 to "
+                                         f"{EX2_GPUS} (one rank per GPU), got {tp_size!r} and {replicas!r}.")
     shape = PRESETS[EX2_MODEL]
     try:
         check_tensor_parallel_size(shape, n, torch.device("cpu"))
     except ValueError as err:
-        return verdict("9.2", False, "", f"The engine refuses it: {err}")
-    best = max(s for s in allowed_tensor_parallel_sizes(shape) if s <= EX2_GPUS)
-    refused = [s for s in range(n + 1, EX2_GPUS + 1)]
-    sizes = (f"{shape.num_attention_heads} heads, {shape.num_key_value_heads} KV heads, vocabulary "
-             f"{shape.vocab_size}, MLP {shape.intermediate_size}")
-    return verdict("9.2", n == best,
-                   f"The engine accepts tensor_parallel_size={n} for {EX2_MODEL} ({sizes}) and no larger size fits "
-                   f"on {EX2_GPUS} GPUs (it refuses {', '.join(map(str, refused))}), so {EX2_GPUS - n} GPU(s) stay "
-                   f"idle: a head never spans two ranks.",
-                   f"The engine accepts {n}, but a larger size up to {EX2_GPUS} also divides {sizes}.")
+        return verdict("9.2", False, "", f"The engine refuses tensor_parallel_size={n}: {err}")
+    if n * r > EX2_GPUS:
+        return verdict("9.2", False, "", f"{r} replica(s) of {n} GPUs need {n * r} GPUs; there are {EX2_GPUS}.")
+    share = weight_gb_per_rank(shape, n)
+    free = EX2_GPU_GB - share
+    seen = (f"tensor_parallel_size={n}: {share:.1f} GB of weights per GPU, {free:.1f} GB left for the KV cache "
+            f"(at least {EX2_KV_GB} wanted); {r} replica(s) use {n * r} of {EX2_GPUS} GPUs")
+    if free < EX2_KV_GB:
+        return verdict("9.2", False, "", f"{seen}: too little room for the KV cache. Only a larger size lowers "
+                                         f"each GPU's share of the weights.")
+    fitting = [s_ for s_ in allowed_tensor_parallel_sizes(shape)
+               if s_ <= EX2_GPUS and EX2_GPU_GB - weight_gb_per_rank(shape, s_) >= EX2_KV_GB]
+    if n != min(fitting):
+        return verdict("9.2", False, "", f"{seen}. It fits, but so does a smaller size the engine accepts: every "
+                                         f"rank beyond what memory needs adds a share of 2 x layers collectives "
+                                         f"per step and leaves fewer GPUs for replicas.")
+    if r != EX2_GPUS // n:
+        return verdict("9.2", False, "", f"{seen}: GPUs that could hold another whole replica stay idle.")
+    return verdict("9.2", True,
+                   f"{seen}. Memory sets the smallest tensor_parallel_size; more throughput then comes from "
+                   f"replicas, which serve their own requests and exchange nothing, while a larger "
+                   f"tensor-parallel group would pay more collectives per step for KV room it does not need.", "")
 
 
 # ------------------------------------------------------------------ exercise 9.3
@@ -170,12 +195,14 @@ def check_allreduce_bytes(allreduce_bytes) -> CheckResult:
         return verdict("9.3", False, "", f"allreduce_bytes must be a number of bytes, got {allreduce_bytes!r}.")
     count, expected = row_parallel_bytes(llama70b_on_meta(), EX3_TOKENS, EX3_DTYPE.itemsize)
     if allreduce_bytes == expected:
-        micro = 1e6 * expected / NVLINK_BYTES_PER_S
+        ring = 2 * (EX3_TP - 1) / EX3_TP
+        micro = 1e6 * ring * expected / NVLINK_BYTES_PER_S
         return verdict("9.3", True,
                        f"{count} row-parallel layers in the engine's Llama-3-70B (o_proj and down_proj of each "
-                       f"layer) each all-reduce {EX3_TOKENS} x 8192 bf16 values: {expected:,} bytes per step. "
-                       f"At NVLink's 900 GB/s that is about {micro:.0f} microseconds, small next to reading each "
-                       f"GPU's share of the weights.", "")
+                       f"layer) each all-reduce {EX3_TOKENS} x 8192 bf16 values: {expected:,} bytes per step. A ring "
+                       f"all-reduce sends {ring:.2f} times that per GPU: about {micro:.0f} microseconds at NVLink's "
+                       f"450 GB/s each way, before the {count} collectives' own latency, which at small batches "
+                       f"costs more than the bytes (section 9).", "")
     mistakes = {
         expected // EX3_TOKENS: f"that is one token; the step has {EX3_TOKENS}, one per sequence",
         expected // 2: "that counts one all-reduce per layer; attention (o_proj) and the MLP (down_proj) have one each",
@@ -185,9 +212,9 @@ def check_allreduce_bytes(allreduce_bytes) -> CheckResult:
         expected * 8: "that is bits, not bytes",
     }
     why = mistakes.get(int(allreduce_bytes), "recount")
-    return verdict("9.3", False, "", f"{int(allreduce_bytes):,} bytes is not it: {why}. Count: tokens x hidden "
-                                     f"size (8192) x bytes per value x all-reduces per layer x layers (80).")
+    return verdict("9.3", False, "", f"{int(allreduce_bytes):,} bytes is not it: {why}. Count what one "
+                                     f"row-parallel layer sends for one token, then how many such layers run.")
 
 
-__all__ = ["check_allreduce_bytes", "check_mlp_split", "check_tp_size", "hidden_states", "llama70b_on_meta",
-           "row_parallel_bytes"]
+__all__ = ["EX2_GPUS", "EX2_GPU_GB", "EX2_KV_GB", "check_allreduce_bytes", "check_mlp_split", "check_tp_size",
+           "hidden_states", "llama70b_on_meta", "row_parallel_bytes", "weight_gb_per_rank"]

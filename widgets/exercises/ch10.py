@@ -4,12 +4,19 @@ Each check runs the experiment with the learner's choice and judges what it obse
 never the learner's code:
 
 * ``check_tile_size`` (10.1): the learner's tiled online-softmax attention (written in the
-  chapter) with their tile sizes must equal naive attention, its tiles must fit a
-  ``SRAM_BYTES`` on-chip budget, and it must move at most ``TRAFFIC_TARGET`` of naive
-  attention's bytes;
-* ``check_dtype`` (10.2): an engine built with the chosen ``dtype`` (``LLM(dtype=...)``,
-  the real model) must hold its weights and each token's KV in at most half the bytes of
-  float32, and still pick the same greedy next token as float32 on the chapter's prompts;
+  chapter) with their tile sizes must equal naive attention, must really work in tiles (every
+  matrix product it runs, recorded by a ``TorchDispatchMode``, is at most ``block_q`` rows by
+  ``block_k`` or head_dim columns, and there is one score product per pair of tiles), its tiles
+  must be powers of two of at least ``MIN_TILE`` (what a GPU kernel can use: Triton's
+  ``tl.arange`` takes powers of two, and the tensor cores multiply 16-wide fragments), fit a
+  ``SRAM_BYTES`` on-chip budget, and move at most ``TRAFFIC_TARGET`` of naive attention's bytes;
+* ``check_dtype`` (10.2): the learner measures the largest magnitude in the model's hidden
+  states (``largest_activation``; the check measures it too, with forward hooks) and picks a
+  dtype. An engine built with it (``LLM(dtype=...)``, the real model) must hold its weights and
+  each token's KV in at most half the bytes of float32, pick the same greedy next token as
+  float32 on the chapter's prompts, and square that largest hidden state without overflowing
+  (an RMSNorm computed in the storage dtype squares every value: the case that tells float16,
+  largest value 65,504, from bfloat16);
 * ``check_fusion`` (10.3): the learner's fused SiLU-and-mul must return what the engine's
   ``silu_and_mul`` returns while running a single pass (one operator or one compiled graph)
   where eager PyTorch runs two, as ``torch.profiler`` records them.
@@ -25,6 +32,7 @@ import os
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from widgets.exercises import CheckResult, todo, verdict, whole
 
@@ -35,11 +43,13 @@ ITEMSIZE = 4
 SRAM_BYTES = 96 * 1024  # the on-chip budget of one program's tiles in the exercise
 TRAFFIC_TARGET = 0.30  # at most this share of naive attention's bytes
 ATTN_TOLERANCE = 1e-4
+MIN_TILE = 16  # the smallest tile a GPU kernel would use (see check_tile_size)
 
 # Exercise 10.2: prompts whose greedy next token must not change.
 DTYPE_PROMPTS = ("The capital of France is", "Water boils at a temperature of",
                  "def fibonacci(n):\n    if n <")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ACTIVATION_TOLERANCE = 0.05  # the learner's largest activation must be within 5% of the check's
 
 # Exercise 10.3: SmolLM2-135M's gated MLP, 128 tokens: gate and up, 1,536 each.
 FUSION_SHAPE = (128, 2 * 1536)
@@ -121,8 +131,38 @@ def operator_calls(fn: Callable[[], object]) -> list[str]:
 
 
 # ------------------------------------------------------------------ exercise 10.1
+_PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
+             torch.ops.aten.baddbmm.default}
+
+
+class _ProductShapes(TorchDispatchMode):
+    """Records the output shape of every matrix product run inside the ``with`` block."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _PRODUCTS:
+            self.shapes.append(tuple(out.shape))
+        return out
+
+
+def product_shapes(fn: Callable[[], object]) -> tuple[object, list[tuple[int, ...]]]:
+    """Run ``fn()`` and return its result and the shapes of the matrix products it computed."""
+    with _ProductShapes() as recorder:
+        result = fn()
+    return result, recorder.shapes
+
+
+def _power_of_two(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
 def check_tile_size(attention_fn, block_q, block_k) -> CheckResult:
-    """10.1: tiles that fit ``SRAM_BYTES``, move <= 30% of naive's bytes, same result."""
+    """10.1: a function that really tiles, with GPU-sized tiles that fit ``SRAM_BYTES`` and move
+    <= 30% of naive's bytes, and the same result as naive attention."""
     n, d = ATTN_TOKENS, ATTN_HEAD_DIM
     if todo(block_q) or todo(block_k):
         return verdict("10.1", False, "", "replace both ... with tile sizes in tokens (whole numbers from 1 to "
@@ -133,6 +173,11 @@ def check_tile_size(attention_fn, block_q, block_k) -> CheckResult:
                                           f"{block_q!r} and {block_k!r}.")
     if not callable(attention_fn):
         return verdict("10.1", False, "", "pass the chapter's tiled attention function as the first argument.")
+    if not (_power_of_two(bq) and _power_of_two(bk)) or min(bq, bk) < MIN_TILE:
+        return verdict("10.1", False, "", f"block_q={bq}, block_k={bk}: a GPU kernel could not use these tiles. "
+                                          f"Triton's tl.arange only makes tiles whose size is a power of two, and "
+                                          f"the tensor cores multiply fragments {MIN_TILE} wide: a smaller tile "
+                                          f"is padded to {MIN_TILE} and spends the padding's arithmetic on zeros.")
     naive, tiled = naive_attention_bytes(n, d), tiled_attention_bytes(n, d, bq)
     sram = tile_working_set_bytes(bq, bk, d)
     share = tiled / naive
@@ -140,24 +185,35 @@ def check_tile_size(attention_fn, block_q, block_k) -> CheckResult:
             f"{SRAM_BYTES // 1024} KiB) and the kernel moves {tiled / 2**20:.1f} MiB, {100 * share:.0f}% of naive "
             f"attention's {naive / 2**20:.1f} MiB")
     if sram > SRAM_BYTES:
-        return verdict("10.1", False, "", f"{seen}: the tiles do not fit. The Q tile and the accumulator "
-                                          f"grow with block_q, the K and V tiles with block_k.")
+        return verdict("10.1", False, "", f"{seen}: the tiles do not fit. Count which buffers grow with "
+                                          f"block_q and which with block_k.")
     if share > TRAFFIC_TARGET:
-        return verdict("10.1", False, "", f"{seen}: above {100 * TRAFFIC_TARGET:.0f}%. Every query tile reads "
-                                          f"all of K and V once, so only block_q changes the bytes.")
+        return verdict("10.1", False, "", f"{seen}: above {100 * TRAFFIC_TARGET:.0f}%. Look at the byte formula: "
+                                          f"which of the two tile sizes appears in it?")
     q, k, v = attention_inputs(n, d)
-    result = attention_fn(q, k, v, bq, bk)
+    result, shapes = product_shapes(lambda: attention_fn(q, k, v, bq, bk))
     out = result[0] if isinstance(result, tuple) else result
     if not isinstance(out, torch.Tensor) or out.shape != (n, d):
         return verdict("10.1", False, "", f"{seen}, but the function returned {type(out).__name__} "
                                           f"{getattr(out, 'shape', '')}, not an ({n}, {d}) tensor.")
+    too_big = [s for s in shapes if len(s) < 2 or math.prod(s[:-1]) > bq or s[-1] > max(bk, d)]
+    score_tiles = sum(1 for s in shapes if len(s) >= 2 and math.prod(s[:-1]) <= bq and s[-1] <= bk)
+    needed = math.ceil(n / bq) * math.ceil(n / bk)
+    if too_big or score_tiles < needed:
+        what = (f"a product of shape {too_big[0]}, larger than a {bq} x {max(bk, d)} tile" if too_big else
+                f"{score_tiles} products of at most {bq} x {bk}, where one per (query tile, key tile) pair is "
+                f"{needed}")
+        return verdict("10.1", False, "", f"{seen}, but the function did not work in those tiles: it computed "
+                                          f"{what}. The check runs your function with your tile sizes: it "
+                                          f"must be the tiled loop, not naive attention.")
     error = float((out - naive_attention(q, k, v)).abs().max())
     right = error <= ATTN_TOLERANCE
     return verdict("10.1", right,
-                   f"{seen}; max abs difference from naive attention {error:.1e}. A big query tile reads K and V "
-                   f"fewer times; a small key tile keeps the tiles on chip and costs no bytes.",
-                   f"{seen}, but the result differs from naive attention by {error:.1e}: check the rescaling "
-                   f"of the running sum and accumulator.")
+                   f"{seen}; it ran {score_tiles} score tiles and equals naive attention within "
+                   f"{ATTN_TOLERANCE:g}. A big query tile reads K and V fewer times; a small key tile keeps the "
+                   f"tiles on chip and costs no bytes.",
+                   f"{seen}, but the result is not naive attention's (off by more than {ATTN_TOLERANCE:g}): "
+                   f"check the rescaling of the running sum and accumulator.")
 
 
 # ------------------------------------------------------------------ exercise 10.2
@@ -165,34 +221,80 @@ def _greedy_tokens(llm) -> list[int]:
     return [int(torch.argmax(llm.engine.next_token_logits(p))) for p in DTYPE_PROMPTS]
 
 
-def check_dtype(dtype) -> CheckResult:
-    """10.2: half the bytes of weights and KV per token, same greedy next tokens as float32."""
+def largest_hidden_state(llm) -> torch.Tensor:
+    """The hidden-state row (hidden,) with the largest magnitude that any decoder layer's
+    attention or MLP writes into the residual stream, over ``DTYPE_PROMPTS``, measured with
+    forward hooks on the engine's own module tree (float32 when the engine runs float32)."""
+    net = llm.engine.runner.model
+    best: list[torch.Tensor] = [torch.zeros(1)]
+
+    def hook(_module, _inputs, output):
+        out = (output[0] if isinstance(output, tuple) else output).detach().float()
+        rows = out.reshape(-1, out.shape[-1])
+        row = rows[rows.abs().amax(dim=-1).argmax()]
+        if float(row.abs().max()) > float(best[0].abs().max()):
+            best[0] = row.clone()
+
+    handles = [m.register_forward_hook(hook) for layer in net.model.layers for m in (layer.self_attn, layer.mlp)]
+    try:
+        for prompt in DTYPE_PROMPTS:
+            llm.engine.reset_prefix_cache()
+            llm.engine.next_token_logits(prompt)
+    finally:
+        for h in handles:
+            h.remove()
+    return best[0]
+
+
+def check_dtype(dtype, largest_activation) -> CheckResult:
+    """10.2: the model's largest activation, and a dtype with half the bytes of weights and KV per
+    token, the same greedy next tokens as float32, and room for that activation squared."""
     from nanoengine import LLM
 
     name = dtype if isinstance(dtype, str) else next((k for k, v in DTYPES.items() if v == dtype), None)
-    if todo(dtype):
-        return verdict("10.2", False, "", f"replace ... with a dtype name, one of {sorted(DTYPES)}, then run the "
-                                          f"cell again.")
+    if todo(dtype) or todo(largest_activation):
+        return verdict("10.2", False, "", f"replace both ... (a dtype name, one of {sorted(DTYPES)}, and the "
+                                          f"largest activation you measured), then run the cell again.")
     if name not in DTYPES:
         return verdict("10.2", False, "", f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
+    if isinstance(largest_activation, bool) or not isinstance(largest_activation, (int, float)) \
+            or not 0 < largest_activation < float("inf"):
+        return verdict("10.2", False, "", f"largest_activation must be a positive number (a magnitude), got "
+                                          f"{largest_activation!r}.")
     reference = LLM(dtype="float32", num_kv_blocks=16, max_model_len=128)
     base, base_tokens = reference.memory_report(), _greedy_tokens(reference)
+    row = largest_hidden_state(reference)
     reference.shutdown()
+    measured = float(row.abs().max())
+    if abs(largest_activation - measured) > ACTIVATION_TOLERANCE * measured:
+        return verdict("10.2", False, "", f"largest_activation={largest_activation:g} is not what the model's "
+                                          f"hidden states reach on the chapter's prompts (the check measures "
+                                          f"them with forward hooks on every layer's self_attn and mlp, over "
+                                          f"ch10.DTYPE_PROMPTS): measure the largest |value| the same way.")
     chosen = LLM(dtype=name, num_kv_blocks=16, max_model_len=128)
     report, tokens = chosen.memory_report(), _greedy_tokens(chosen)
     chosen.shutdown()
     weights, kv = report.weight_bytes / base.weight_bytes, report.kv_bytes_per_token / base.kv_bytes_per_token
     same = sum(a == b for a, b in zip(tokens, base_tokens))
+    squares = row.to(DTYPES[name]).pow(2)  # what an RMSNorm computed in the storage dtype does first
+    finite = bool(torch.isfinite(squares).all())
     seen = (f"{name}: weights {report.weight_bytes / 2**20:.0f} MiB ({100 * weights:.0f}% of float32), KV "
             f"{report.kv_bytes_per_token:,} bytes per token ({100 * kv:.0f}%); greedy next token equal to "
-            f"float32's on {same} of {len(DTYPE_PROMPTS)} prompts")
+            f"float32's on {same} of {len(DTYPE_PROMPTS)} prompts; the largest activation squared in {name} "
+            f"is {'finite' if finite else 'inf (overflow)'}")
     halved = weights <= 0.5 and kv <= 0.5
-    right = halved and same == len(DTYPE_PROMPTS)
-    hint = ("a 2-byte dtype halves the bytes" if not halved else
-            "the bytes halved but the answers changed: try the other 2-byte dtype")
+    right = halved and same == len(DTYPE_PROMPTS) and finite
+    if not halved:
+        hint = "the bytes did not halve: how many bytes does each dtype store per number?"
+    elif not finite:
+        hint = (f"squaring {measured:,.0f} overflows this dtype: compare that square with "
+                f"torch.finfo({name}).max, and look at how many exponent bits each 2-byte dtype keeps")
+    else:
+        hint = "the bytes halved but the greedy answers changed"
     return verdict("10.2", right,
-                   f"{seen}. Every decode step reads all the weights and the KV cache, so half the bytes is up to "
-                   f"twice the tokens per second where memory bandwidth is the limit, and twice the KV capacity.",
+                   f"{seen}. Half the bytes is up to twice the tokens per second where memory bandwidth is the "
+                   f"limit, and twice the KV capacity; bfloat16 keeps float32's 8 exponent bits, so the "
+                   f"model's rare huge activations and their squares stay in range, where float16's 5 do not.",
                    f"{seen}: {hint}.")
 
 
@@ -216,7 +318,8 @@ def check_fusion(fused_fn) -> CheckResult:
     error = float((got - expected).abs().max())
     eager_ops, fused_ops = operator_calls(lambda: silu_and_mul(x)), operator_calls(lambda: fused_fn(x))
     seen = (f"eager runs {len(eager_ops)} passes over the data ({', '.join(eager_ops)}), yours "
-            f"{len(fused_ops)} ({', '.join(fused_ops) or 'none'}); max abs difference {error:.1e}")
+            f"{len(fused_ops)} ({', '.join(fused_ops) or 'none'}); equal to silu_and_mul within 1e-5: "
+            f"{error <= 1e-5}")
     right = error <= 1e-5 and len(fused_ops) == 1
     hint = ("the result differs from silu_and_mul" if error > 1e-5 else
             "still more than one pass: torch.compile generates one loop for the whole function")
@@ -226,6 +329,7 @@ def check_fusion(fused_fn) -> CheckResult:
                    f"{seen}: {hint}.")
 
 
-__all__ = ["ATTN_HEAD_DIM", "ATTN_TOKENS", "SRAM_BYTES", "TRAFFIC_TARGET", "attention_inputs", "check_dtype",
-           "check_fusion", "check_tile_size", "naive_attention", "naive_attention_bytes", "operator_calls",
-           "tile_working_set_bytes", "tiled_attention_bytes"]
+__all__ = ["ATTN_HEAD_DIM", "ATTN_TOKENS", "DTYPE_PROMPTS", "MIN_TILE", "SRAM_BYTES", "TRAFFIC_TARGET",
+           "attention_inputs", "check_dtype", "check_fusion", "check_tile_size", "largest_hidden_state",
+           "naive_attention", "naive_attention_bytes", "operator_calls", "product_shapes", "tile_working_set_bytes",
+           "tiled_attention_bytes"]
