@@ -24,6 +24,9 @@ if [ -z "${NANOENGINE_NATIVE_NUMERICS:-}" ]; then
   if [ "$(uname -m)" = x86_64 ]; then
     export ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
   fi
+  # torch.compile's kernels from a run on the native path must not be reused here: a cached
+  # kernel built for another thread count or instruction set gave NaN probabilities on this path
+  export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.venv/inductor-cache-pinned-numerics}"
 fi
 notebooks=$(ls notebooks/[0-9][0-9]_*.ipynb notebooks/solutions/[0-9][0-9]_*.ipynb 2>/dev/null || true)
 exec python -m pytest tests $notebooks \
