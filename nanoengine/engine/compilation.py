@@ -233,7 +233,8 @@ def compile_runner(runner, compiler: Compiler | None = None) -> CompileReport:
         for attr in type(obj).compilable:
             setattr(obj, attr, compiler.compiled(getattr(type(obj), attr)))
             names.add(f"{type(obj).__name__}.{attr}")
-    _warm_up(runner)
+    for num_tokens in warm_up_sizes(runner.device):  # compiles now, not in the first steps
+        runner.warm_up(num_tokens)
     seconds = time.perf_counter() - start
     if compiler.failure is not None:
         for obj in targets:
@@ -242,27 +243,6 @@ def compile_runner(runner, compiler: Compiler | None = None) -> CompileReport:
         return CompileReport(requested=True, compiled=False, seconds=seconds, ops=(),
                              fallback_reason=compiler.failure)
     return CompileReport(requested=True, compiled=True, seconds=seconds, ops=tuple(sorted(names)))
-
-
-def _warm_up(runner) -> None:
-    """Run steps of ``warm_up_sizes`` tokens through the model and the sampler.
-
-    The dummy tokens sit at position 0, write nothing into the KV cache (slot -1) and read
-    block 0 only; the sampler draws with a generator of its own, so the engine's random
-    stream is untouched.
-    """
-    from nanoengine.engine.model_runner import BatchPlan, ModelInput
-    from nanoengine.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0.8, top_k=8, top_p=0.9, min_p=0.01)
-    generator = torch.Generator(device=runner.device).manual_seed(0)
-    for n in warm_up_sizes(runner.device):
-        plan = BatchPlan(input_ids=[0] * n, positions=[0] * n, slot_mapping=[-1] * n, num_decode_tokens=0,
-                         decode_block_tables=[], decode_context_lens=[], prefill_block_tables=[[0] * n],
-                         prefill_cu_seqlens_q=[0, n], prefill_context_lens=[n], logits_indices=list(range(n)),
-                         request_ids=["warm-up"], query_start_loc=[0, n])
-        logits = runner.run_model(ModelInput.from_plan(plan, runner.device))  # (n, vocab)
-        runner.sampler(logits, [params] * n, [generator] * n)
 
 
 def _first_line(error: BaseException) -> str:
