@@ -20,12 +20,10 @@ cache. A decode step spends its time streaming the weights through the matrix mu
 (memory-bound, chapter 6) and in attention; the ops fused here touch a few kilobytes per
 token. Fusion can save at most the time these ops take, and a compiled call adds its own
 fixed cost: on every call Dynamo checks its guards (are the inputs still of the kind it
-compiled for?) before the generated code runs. Measured on the course's 2-core EPYC
-(2026-11-30, torch 2.13, one process, medians; the machine was shared, so roughly): a
-compiled call costs some 20-40 us more than eager at 1 row, so eager wins for small
-batches (1 row: SiLU-and-mul 5 vs 42 us, RMSNorm + residual 14 vs 29 us); around 64 rows
-the fused loop catches up (RMSNorm + residual 72 vs 91 us) and at 512 rows it is clearly
-ahead (SiLU-and-mul 472 vs 659 us, RMSNorm + residual 197 vs 242 us). So on a CPU a
+compiled for?) before the generated code runs. Measured per op (the figures:
+``results/README.md``), that fixed cost made a compiled call several times slower than
+eager at 1 row; around 64 rows the fused loop caught up, and at 512 rows it was clearly
+ahead. So on a CPU a
 compiled function runs its compiled code only for inputs of at least ``CPU_MIN_ROWS`` rows
 (prefill chunks, large decode batches) and calls the eager function below that. On CUDA
 the compiled code always runs: CUDA graphs replay it without any Python at all.
@@ -56,12 +54,13 @@ engines in the same process stay eager.
   ``kernels.cpu_gemm``. On CUDA the runner compiles before it captures CUDA graphs, so
   the graphs record the compiled kernels.
 
-Why not compile the whole decode step (the model's forward)? Tried on the course machine
-(2026-11-30, torch 2.13, ``torch.compile(model.forward, dynamic=True)``): Dynamo breaks the
-graph in every layer at store-KV's data-dependent ``bool(keep.all())``, and Inductor then
-fails to lower ``mkldnn._linear_pointwise`` on the prepacked weights (``LoweringException``).
-Compiling the forward would mean giving up the packed weights, which are worth 1.2-2.6x on
-the GEMMs (``kernels.cpu_gemm``), for fusing ops that take a small share of a step.
+Why not compile the whole decode step (the model's forward)? Tried with
+``torch.compile(model.forward, dynamic=True)`` (torch 2.13, ``results/README.md``): Dynamo
+breaks the graph in every layer at store-KV's data-dependent ``bool(keep.all())``, and
+Inductor then fails to lower ``mkldnn._linear_pointwise`` on the prepacked weights
+(``LoweringException``). Compiling the forward would mean giving up the packed weights,
+the GEMMs' largest speed-up on a CPU (``kernels.cpu_gemm``), for fusing ops that take a
+small share of a step.
 """
 
 from __future__ import annotations

@@ -40,9 +40,9 @@ Options beyond the default offline race:
 
 Run it on an otherwise idle machine. PyTorch's OpenMP threads spin while they wait for
 work by default, which is fastest when nothing else runs and very slow when something
-does; the test script sets ``OMP_WAIT_POLICY=PASSIVE`` for shared CI machines. On the
-course's 2-core VM the engine's part of the default workload took ~31 s with the default
-policy and ~37 s with PASSIVE (2026-11-29), so the policy is recorded in the results.
+does; the test script sets ``OMP_WAIT_POLICY=PASSIVE`` for shared CI machines. On an
+idle machine passive waiting made the default workload measurably slower
+(``results/README.md``), so the policy is recorded in the results.
 
     python -m nanoengine bench                                   # default workload
     python -m nanoengine bench --num-requests 4 --output-len 8   # a quick look
