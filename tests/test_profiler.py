@@ -46,6 +46,10 @@ def test_nested_time_belongs_to_the_innermost_phase_and_gaps_to_nobody(clock):
     times = p.finish()
     assert times == {"schedule_time": 1.5, "block_manager_time": 0.25, "prepare_time": 0.0, "model_time": 0.0,
                      "sample_time": 0.0, "update_time": 0.0, "detokenize_time": 0.125, "total_time": 3.875}
+    reads = clock.reads
+    with p.phase("schedule"):  # after finish, until the next start: off
+        pass
+    assert clock.reads == reads and not p.enabled
     p.start(enabled=True)  # a new step starts from zero
     assert all(v == 0.0 for k, v in p.finish().items() if k != "total_time")
 

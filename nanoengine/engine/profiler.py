@@ -37,6 +37,7 @@ import time
 _clock = time.perf_counter  # the profiler's only clock (tests replace it to count its reads)
 
 PHASES = ("schedule", "block_manager", "prepare", "model", "sample", "update", "detokenize")
+_KNOWN = frozenset(PHASES)
 
 
 class _NoPhase:
@@ -88,18 +89,21 @@ class StepProfiler:
 
     def phase(self, name: str):
         """A context manager whose body's time (minus nested phases) is charged to ``name``."""
-        if not self.enabled:
-            return _NO_PHASE
-        if name not in self.seconds:
+        if name not in _KNOWN:
             raise ValueError(f"unknown phase {name!r}; the phases are {', '.join(PHASES)}")
-        return _Phase(self, name)
+        return _Phase(self, name) if self.enabled else _NO_PHASE
 
     def finish(self) -> dict[str, float]:
-        """The step's phases as ``StepFinished`` fields (``schedule_time`` ...) plus ``total_time``."""
+        """End the step: its phases as ``StepFinished`` fields (``schedule_time`` ...) plus ``total_time``.
+
+        Profiling stays off until the next ``start``, so work between steps (an abort
+        freeing blocks) reads no clock.
+        """
         if self._open:
             raise RuntimeError(f"phases still open at the end of the step: {self._open}")
         times = {f"{name}_time": seconds for name, seconds in self.seconds.items()}
         times["total_time"] = _clock() - self._step_start
+        self.enabled = False
         return times
 
     def _switch(self, entering: str | None) -> None:
