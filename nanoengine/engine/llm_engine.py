@@ -383,6 +383,7 @@ def _completions(request_id: str, params: SamplingParams) -> list[tuple[str, Sam
 
 def _local_runner(net: torch.nn.Module, config: EngineConfig, max_model_len: int, num_blocks: int) -> ModelRunner:
     """A runner with the model in this process (CUDA graphs unless enforce_eager or on CPU)."""
-    return model_runner_class(config.torch_device)(net, net.config, num_blocks, config.block_size, config.torch_device, config.torch_dtype,
-                       config.seed, cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512),
-                       max_model_len=max_model_len, compile=config.compile)
+    runner_class = model_runner_class(config.torch_device)  # CpuModelRunner on a CPU
+    return runner_class(net, net.config, num_blocks, config.block_size, config.torch_device, config.torch_dtype,
+                        config.seed, cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512),
+                        max_model_len=max_model_len, compile=config.compile)
