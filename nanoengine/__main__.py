@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from nanoengine.entrypoints.openai.cli_args import add_arguments as add_serve_arguments
+
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
@@ -23,7 +25,15 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser; ``bench``'s options only when ``argv`` runs ``bench``.
+
+    ``bench``'s options are defined next to the benchmark, which imports torch (seconds):
+    adding them only for the command being run keeps ``--help``, ``generate --help`` and
+    the rest from paying for it. ``argv`` None means ``sys.argv[1:]``.
+    """
+    words = sys.argv[1:] if argv is None else argv
+    command = next((w for w in words if not w.startswith("-")), None)
     parser = argparse.ArgumentParser(prog="python -m nanoengine", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete a prompt")
@@ -35,13 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system prompt")
     _sampling_args(chat)
     bench = sub.add_parser("bench", help="throughput against Hugging Face transformers")
-    from nanoengine.measure.benchmark import add_arguments
+    if command == "bench":
+        from nanoengine.measure.benchmark import add_arguments
 
-    add_arguments(bench)
+        add_arguments(bench)
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
-    from nanoengine.entrypoints.openai.cli_args import add_arguments as add_serve_arguments
-
-    add_serve_arguments(serve)
+    add_serve_arguments(serve)  # argparse only: no web stack imported
     return parser
 
 
@@ -53,7 +62,7 @@ def _params(args):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     try:
         if args.command == "bench":
             from nanoengine.measure.benchmark import run_from_args

@@ -168,18 +168,32 @@ Observer = Callable[[Event], None]
 
 
 class EventBus:
-    """Fan events out to observers and keep a bounded history.
+    """Fan events out to observers; keep a bounded history only for those who ask for one.
 
-    An observer may ask for some event types only (``subscribe(fn, StepFinished)``); the
-    engine asks ``wants(EventType)`` before building an event that costs something to
-    build (``BatchPrepared`` copies every index list of the step), so it is never built
-    for observers that would drop it. An observer that raises does not break the engine:
-    the exception becomes a warning and the step goes on.
+    An observer may ask for some event types only (``subscribe(fn, StepFinished)``). The
+    engine asks ``wants(EventType)`` before it builds an event, so an event nobody would
+    receive is never built: with no observer and no history, a step builds no events and
+    its profiler reads no clock.
+
+    The history (the last ``maxlen`` events, for looking back at what happened after the
+    fact) is off by default, since most engines are watched by nobody and a history would
+    build and keep every request's events. ``keep_history()`` turns it on; from then on
+    every event is wanted. An observer that raises does not break the engine: the
+    exception becomes a warning and the step goes on.
     """
 
-    def __init__(self, history: int = 10_000) -> None:
+    def __init__(self, history: int = 0) -> None:
         self._observers: list[tuple[Observer, tuple[type, ...] | None]] = []
-        self.history: collections.deque[Event] = collections.deque(maxlen=history)
+        self.history: collections.deque[Event] = collections.deque(maxlen=0)
+        if history:
+            self.keep_history(history)
+
+    def keep_history(self, maxlen: int = 10_000) -> collections.deque[Event]:
+        """Keep the last ``maxlen`` events (0 turns the history off again); returns the history."""
+        if isinstance(maxlen, bool) or not isinstance(maxlen, int) or maxlen < 0:
+            raise ValueError(f"maxlen must be a whole number of events >= 0, got {maxlen!r}")
+        self.history = collections.deque(self.history, maxlen=maxlen)
+        return self.history
 
     def subscribe(self, observer: Observer, *event_types: type) -> Callable[[], None]:
         """Register ``observer`` for every event, or for ``event_types`` only; returns an unsubscribe function."""
@@ -192,13 +206,15 @@ class EventBus:
         self._observers.append(entry)
         return lambda: self._observers.remove(entry) if entry in self._observers else None
 
-    def wants(self, event_type: type) -> bool:
-        """True when some observer would receive an event of ``event_type``."""
+    def wants(self, event_type: type, keep: bool = True) -> bool:
+        """True when an event of ``event_type`` would reach an observer (or, with ``keep``, the history)."""
+        if keep and self.history.maxlen:
+            return True
         return any(types is None or issubclass(event_type, types) for _, types in self._observers)
 
     def emit(self, event: Event, keep: bool = True) -> None:
         """Send ``event`` to every observer that asked for it; ``keep=False`` leaves it out of the history."""
-        if keep:
+        if keep and self.history.maxlen:
             self.history.append(event)
         for observer, types in list(self._observers):
             if types is not None and not isinstance(event, types):

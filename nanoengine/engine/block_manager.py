@@ -36,14 +36,13 @@ tokens (an *eviction*). Invariants, checked by ``check_invariants``:
 from __future__ import annotations
 
 import collections
-import functools
 import hashlib
 import itertools
-import time
 from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable
 
+from nanoengine.engine.profiler import NO_PROFILER, StepProfiler
 from nanoengine.events import (BlockEvicted, BlocksAllocated, BlocksForked, BlocksFreed, BlockStored,
                                EventBus, PrefixCacheHit)
 
@@ -66,18 +65,6 @@ def hash_block(parent_hash: bytes | None, token_ids: Iterable[int]) -> bytes:
 
 
 BlockHashFn = Callable[[bytes | None, Iterable[int]], bytes]
-
-
-def _timed(method):
-    """Add the method's wall time to ``self.busy_seconds`` (the engine's per-step timers)."""
-    @functools.wraps(method)
-    def timed(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self.busy_seconds += time.perf_counter() - start
-    return timed
 
 
 class Block:
@@ -125,7 +112,8 @@ class BlockManager:
     """Hands out KV blocks to requests, shares cached prefixes, frees and evicts."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: EventBus | None = None, hash_fn: BlockHashFn | None = None) -> None:
+                 events: EventBus | None = None, hash_fn: BlockHashFn | None = None,
+                 profiler: StepProfiler = NO_PROFILER) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
@@ -142,12 +130,10 @@ class BlockManager:
         # Tests inject a deliberately weak hash here to show that collisions stay harmless.
         self.hash_fn: BlockHashFn = hash_fn or hash_block
         self._serials = itertools.count()
-        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
-        self.prefix_hits = 0  # of which found
         self.num_evictions = 0
-        # Seconds spent in the public actions below, summed; the engine reads it around each
-        # step to report the block manager's share of the step (``StepFinished``).
-        self.busy_seconds = 0.0
+        # Every public action below runs in the profiler's "block_manager" phase, so a
+        # step's report (``StepFinished.block_manager_time``) shows this class's share.
+        self.profiler = profiler
 
     # ----------------------------------------------------------------- queries
     @property
@@ -165,33 +151,33 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    @_timed
     def get_computed_blocks(self, request: "Request") -> tuple[list[int], int]:
         """Leading full blocks of ``request`` already in the prefix cache.
 
         Returns (block ids, number of tokens they hold). At least the last token is
         always left to compute, since its logits are needed to sample the next one.
         """
-        if not self.enable_prefix_caching:
-            return [], 0
-        tokens = request.all_token_ids
-        max_full_blocks = (len(tokens) - 1) // self.block_size
-        hits: list[int] = []
-        parent: bytes | None = None
-        parent_serial: int | None = None
-        for i in range(max_full_blocks):
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-            block_hash = self.hash_fn(parent, chunk)
-            block_id = self.cached_blocks.get(block_hash)
-            if block_id is None:
-                break
-            block = self.blocks[block_id]
-            # Verify, do not trust the digest: same tokens, computed after the block just matched.
-            if block.token_ids != chunk or block.parent_hash != parent or block.parent_serial != parent_serial:
-                break
-            hits.append(block_id)
-            parent, parent_serial = block_hash, block.serial
-        return hits, len(hits) * self.block_size
+        with self.profiler.phase("block_manager"):
+            if not self.enable_prefix_caching:
+                return [], 0
+            tokens = request.all_token_ids
+            max_full_blocks = (len(tokens) - 1) // self.block_size
+            hits: list[int] = []
+            parent: bytes | None = None
+            parent_serial: int | None = None
+            for i in range(max_full_blocks):
+                chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+                block_hash = self.hash_fn(parent, chunk)
+                block_id = self.cached_blocks.get(block_hash)
+                if block_id is None:
+                    break
+                block = self.blocks[block_id]
+                # Verify, do not trust the digest: same tokens, computed after the block just matched.
+                if block.token_ids != chunk or block.parent_hash != parent or block.parent_serial != parent_serial:
+                    break
+                hits.append(block_id)
+                parent, parent_serial = block_hash, block.serial
+            return hits, len(hits) * self.block_size
 
     def can_allocate(self, request: "Request", num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         """Whether ``allocate_slots`` would succeed, without changing anything."""
@@ -199,7 +185,6 @@ class BlockManager:
             self.num_free_blocks - sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
 
     # ----------------------------------------------------------------- actions
-    @_timed
     def allocate_slots(self, request: "Request", num_new_tokens: int,
                        computed_blocks: list[int] = ()) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``request``.
@@ -207,61 +192,62 @@ class BlockManager:
         ``computed_blocks`` (at admission) are prefix-cache hits to share. Returns False,
         changing nothing, when the pool cannot provide the blocks.
         """
-        if not self.can_allocate(request, num_new_tokens, computed_blocks):
-            return False
-        num_new_blocks = self._num_new_blocks(request, num_new_tokens, computed_blocks)
-        for block_id in computed_blocks:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_queue[block_id]
-            block.ref_count += 1
-            request.block_ids.append(block_id)
-        if computed_blocks:
-            self.events.emit(PrefixCacheHit(self.step, request.request_id,
-                                            len(computed_blocks) * self.block_size, tuple(computed_blocks)))
-        new_ids = []
-        for _ in range(num_new_blocks):
-            block_id, _ = self.free_queue.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                self._evict(block)
-            block.ref_count = 1
-            new_ids.append(block_id)
-        request.block_ids.extend(new_ids)
-        if new_ids:
-            self.events.emit(BlocksAllocated(self.step, request.request_id, tuple(new_ids)))
-        return True
+        with self.profiler.phase("block_manager"):
+            if not self.can_allocate(request, num_new_tokens, computed_blocks):
+                return False
+            num_new_blocks = self._num_new_blocks(request, num_new_tokens, computed_blocks)
+            for block_id in computed_blocks:
+                block = self.blocks[block_id]
+                if block.ref_count == 0:
+                    del self.free_queue[block_id]
+                block.ref_count += 1
+                request.block_ids.append(block_id)
+            if computed_blocks and self.events.wants(PrefixCacheHit):
+                self.events.emit(PrefixCacheHit(self.step, request.request_id,
+                                                len(computed_blocks) * self.block_size, tuple(computed_blocks)))
+            new_ids = []
+            for _ in range(num_new_blocks):
+                block_id, _ = self.free_queue.popitem(last=False)
+                block = self.blocks[block_id]
+                if block.block_hash is not None:
+                    self._evict(block)
+                block.ref_count = 1
+                new_ids.append(block_id)
+            request.block_ids.extend(new_ids)
+            if new_ids and self.events.wants(BlocksAllocated):
+                self.events.emit(BlocksAllocated(self.step, request.request_id, tuple(new_ids)))
+            return True
 
-    @_timed
     def cache_full_blocks(self, request: "Request") -> None:
         """Register the hashes of ``request``'s blocks that its computed tokens filled."""
-        if not self.enable_prefix_caching:
-            return
-        hashes, serials = request.block_hashes, request.block_serials
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
-        for i in range(len(hashes), num_full):
-            parent = hashes[i - 1] if i else None
-            parent_serial = serials[i - 1] if i else None
-            chunk = tuple(request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
-            block_hash = self.hash_fn(parent, chunk)
-            hashes.append(block_hash)
-            block = self.blocks[request.block_ids[i]]
-            if block.block_hash is not None:  # cached already: stored earlier, or a prefix hit
-                serials.append(block.serial)
-            elif i and not self._serial_is_cached(parent, parent_serial):
-                serials.append(None)  # the content it was computed after is not cached: unreachable
-            elif block_hash in self.cached_blocks:  # the digest is taken, by an identical block or a collision
-                twin = self.blocks[self.cached_blocks[block_hash]]
-                same = twin.token_ids == chunk and twin.parent_serial == parent_serial
-                serials.append(twin.serial if same else None)
-            else:
-                block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, chunk
-                block.serial, block.parent_serial = next(self._serials), parent_serial
-                self.cached_blocks[block_hash] = block.block_id
-                serials.append(block.serial)
-                self.events.emit(BlockStored(self.step, block.block_id, block_hash, parent))
+        with self.profiler.phase("block_manager"):
+            if not self.enable_prefix_caching:
+                return
+            hashes, serials = request.block_hashes, request.block_serials
+            num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+            for i in range(len(hashes), num_full):
+                parent = hashes[i - 1] if i else None
+                parent_serial = serials[i - 1] if i else None
+                chunk = tuple(request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
+                block_hash = self.hash_fn(parent, chunk)
+                hashes.append(block_hash)
+                block = self.blocks[request.block_ids[i]]
+                if block.block_hash is not None:  # cached already: stored earlier, or a prefix hit
+                    serials.append(block.serial)
+                elif i and not self._serial_is_cached(parent, parent_serial):
+                    serials.append(None)  # the content it was computed after is not cached: unreachable
+                elif block_hash in self.cached_blocks:  # the digest is taken, by an identical block or a collision
+                    twin = self.blocks[self.cached_blocks[block_hash]]
+                    same = twin.token_ids == chunk and twin.parent_serial == parent_serial
+                    serials.append(twin.serial if same else None)
+                else:
+                    block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, chunk
+                    block.serial, block.parent_serial = next(self._serials), parent_serial
+                    self.cached_blocks[block_hash] = block.block_id
+                    serials.append(block.serial)
+                    if self.events.wants(BlockStored):
+                        self.events.emit(BlockStored(self.step, block.block_id, block_hash, parent))
 
-    @_timed
     def fork(self, parent: "Request", child: "Request", num_blocks: int) -> None:
         """Share ``parent``'s first ``num_blocks`` blocks with ``child`` (parallel sampling).
 
@@ -273,47 +259,48 @@ class BlockManager:
         the few tokens of that block instead (at most ``block_size - 1``, riding in its next
         step), which needs no copy kernel and works unchanged under tensor parallelism.
         """
-        if child.block_ids:
-            raise ValueError(f"fork target {child.request_id} already holds blocks {child.block_ids}")
-        shared = parent.block_ids[:num_blocks]
-        for block_id in shared:
-            self.blocks[block_id].ref_count += 1
-        child.block_ids = list(shared)
-        child.block_hashes = list(parent.block_hashes[:num_blocks])
-        child.block_serials = list(parent.block_serials[:num_blocks])
-        if shared:
-            self.events.emit(BlocksForked(self.step, child.request_id, parent.request_id, tuple(shared)))
+        with self.profiler.phase("block_manager"):
+            if child.block_ids:
+                raise ValueError(f"fork target {child.request_id} already holds blocks {child.block_ids}")
+            shared = parent.block_ids[:num_blocks]
+            for block_id in shared:
+                self.blocks[block_id].ref_count += 1
+            child.block_ids = list(shared)
+            child.block_hashes = list(parent.block_hashes[:num_blocks])
+            child.block_serials = list(parent.block_serials[:num_blocks])
+            if shared and self.events.wants(BlocksForked):
+                self.events.emit(BlocksForked(self.step, child.request_id, parent.request_id, tuple(shared)))
 
-    @_timed
     def free(self, request: "Request") -> None:
         """Drop ``request``'s hold on its blocks; blocks nobody holds become free.
 
         Blocks are released tail first, so the LRU queue evicts a request's last blocks
         before its prefix, which other requests are more likely to share.
         """
-        freed = []
-        for block_id in reversed(request.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue[block_id] = None
-                freed.append(block_id)
-        request.block_ids = []
-        request.block_hashes = []
-        request.block_serials = []
-        if freed:
-            self.events.emit(BlocksFreed(self.step, request.request_id, tuple(freed)))
+        with self.profiler.phase("block_manager"):
+            freed = []
+            for block_id in reversed(request.block_ids):
+                block = self.blocks[block_id]
+                block.ref_count -= 1
+                if block.ref_count == 0:
+                    self.free_queue[block_id] = None
+                    freed.append(block_id)
+            request.block_ids = []
+            request.block_hashes = []
+            request.block_serials = []
+            if freed and self.events.wants(BlocksFreed):
+                self.events.emit(BlocksFreed(self.step, request.request_id, tuple(freed)))
 
-    @_timed
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash of a free block; returns how many were dropped."""
-        dropped = 0
-        for block_id in list(self.free_queue):
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                self._evict(block)
-                dropped += 1
-        return dropped
+        with self.profiler.phase("block_manager"):
+            dropped = 0
+            for block_id in list(self.free_queue):
+                block = self.blocks[block_id]
+                if block.block_hash is not None:
+                    self._evict(block)
+                    dropped += 1
+            return dropped
 
     # --------------------------------------------------------------- checking
     def snapshot(self) -> tuple[BlockSnapshot, ...]:
@@ -364,6 +351,7 @@ class BlockManager:
 
     def _evict(self, block: Block) -> None:
         del self.cached_blocks[block.block_hash]
-        self.events.emit(BlockEvicted(self.step, block.block_id, block.block_hash))
+        if self.events.wants(BlockEvicted):
+            self.events.emit(BlockEvicted(self.step, block.block_id, block.block_hash))
         self.num_evictions += 1
         block.reset()

@@ -13,24 +13,36 @@ seen, and gathers the rows it needs with one ``index_select``. vLLM v1 keeps its
 tables the same way (a persistent CPU tensor per worker, rows appended to, then copied to
 the GPU).
 
-A row knows which list it mirrors (``Request.block_ids``): the block manager only ever
-appends to that list, and replaces it with a new one when it frees or forks. A new list
-(a preempted request admitted again, a forked sibling) means the row is written afresh.
-Rows of requests that are no longer running are taken back only when a new request
-needs one and none is free, so nothing has to tell this class that a request ended; a
-row refers to its request weakly, so it never keeps a finished request alive (it keeps
-at most its last block list, until the row is reused).
+One map says which row is whose: request id -> ``_Row`` (its index in the tensor, its
+request, the list it mirrors and how much of it is copied). A row knows which list it
+mirrors (``Request.block_ids``): the block manager only ever appends to that list, and
+replaces it with a new one when it frees or forks. A new list (a preempted request
+admitted again, a forked sibling) means the row is written afresh. Rows of requests that
+are no longer running are taken back only when a new request needs one and none is
+free, so nothing has to tell this class that a request ended; a row refers to its
+request weakly, so it never keeps a finished request alive (it keeps at most its last
+block list, until the row is reused).
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-if TYPE_CHECKING:
-    from nanoengine.engine.request import Request
+from nanoengine.engine.request import Request, RequestStatus
+
+
+@dataclass
+class _Row:
+    """One request's row of the table."""
+
+    index: int  # the row of ``BlockTables.table``
+    owner: weakref.ref  # the request (weakly: a row never keeps a finished request alive)
+    source: list[int] | None = None  # the ``block_ids`` list the row mirrors (None: write afresh)
+    filled: int = 0  # entries of that list copied so far
 
 
 class BlockTables:
@@ -41,75 +53,63 @@ class BlockTables:
             raise ValueError(f"max_blocks_per_seq and capacity must be >= 1, got {max_blocks_per_seq} and {capacity}")
         self.max_blocks_per_seq = max_blocks_per_seq
         self.table = torch.full((capacity, max_blocks_per_seq), -1, dtype=torch.int32)
-        self._row_of: dict[str, int] = {}  # request id -> its row
-        # Weak references: a row never keeps a finished request alive.
-        self._owner: list[weakref.ref | None] = [None] * capacity
-        self._owner_id: list[str | None] = [None] * capacity
-        self._source: list[list[int] | None] = [None] * capacity  # the block_ids list a row mirrors
-        self._filled = [0] * capacity  # entries of the row copied so far
-        self._free = list(range(capacity - 1, -1, -1))
+        self._rows: dict[str, _Row] = {}  # request id -> its row
+        self._free = list(range(capacity - 1, -1, -1))  # unused row indices, the next one last
 
     @property
     def capacity(self) -> int:
         return self.table.shape[0]
 
-    def rows(self, requests: Sequence["Request"]) -> list[int]:
-        """Each request's row, brought up to date with its block table (only new blocks are copied)."""
-        rows: list[int] = []
+    def rows(self, requests: Sequence[Request]) -> list[int]:
+        """Each request's row index, brought up to date with its block table (only new blocks are copied)."""
+        indices: list[int] = []
         for request in requests:
-            row = self._row_of.get(request.request_id)
-            if row is None or self._owner[row] is None or self._owner[row]() is not request:
-                row = self._assign(request, rows)
-            ids, filled = request.block_ids, self._filled[row]
-            if self._source[row] is not ids or len(ids) < filled:  # a new list: write the row afresh
-                self._source[row] = ids
-                if filled:
-                    self.table[row, :filled] = -1
-                filled = self._filled[row] = 0
+            row = self._rows.get(request.request_id)
+            if row is None:
+                row = self._assign(request, indices)
+            elif row.owner() is not request:  # the id belonged to a request that has ended: take its row over
+                row.owner, row.source = weakref.ref(request), None
+            ids = request.block_ids
+            if row.source is not ids or len(ids) < row.filled:  # a new list: write the row afresh
+                self._clear(row)
+                row.source = ids
             if len(ids) > self.max_blocks_per_seq:
                 raise ValueError(f"request {request.request_id} holds {len(ids)} blocks, more than a row's "
                                  f"{self.max_blocks_per_seq} (max_model_len / block_size)")
-            if len(ids) > filled:
-                self.table[row, filled:len(ids)] = torch.tensor(ids[filled:], dtype=torch.int32)
-                self._filled[row] = len(ids)
-            rows.append(row)
-        return rows
+            if len(ids) > row.filled:
+                self.table[row.index, row.filled:len(ids)] = torch.tensor(ids[row.filled:], dtype=torch.int32)
+                row.filled = len(ids)
+            indices.append(row.index)
+        return indices
 
     def gather(self, rows: list[int], width: int) -> torch.Tensor:
         """The given rows' first ``width`` entries, as a new (len(rows), width) tensor."""
         index = torch.tensor(rows, dtype=torch.long)
         return self.table[:, :width].index_select(0, index)
 
-    def _assign(self, request: "Request", in_use: list[int]) -> int:
+    def _assign(self, request: Request, in_use: list[int]) -> _Row:
         if not self._free:
             self._reclaim(set(in_use))
         if not self._free:
             self._grow()
-        row = self._free.pop()
-        self._row_of[request.request_id] = row
-        self._owner[row], self._owner_id[row] = weakref.ref(request), request.request_id
-        self._source[row] = None  # written afresh by the caller
+        row = self._rows[request.request_id] = _Row(self._free.pop(), weakref.ref(request))
         return row
+
+    def _clear(self, row: _Row) -> None:
+        if row.filled:
+            self.table[row.index, :row.filled] = -1
+        row.source, row.filled = None, 0
 
     def _reclaim(self, in_use: set[int]) -> None:
         """Free the rows of requests that are not running (finished, waiting again, a probe)."""
-        from nanoengine.engine.request import RequestStatus
-
-        for row, ref in enumerate(self._owner):
-            if ref is None or row in in_use:
-                continue
-            owner = ref()
-            if owner is None or owner.status != RequestStatus.RUNNING:
-                if self._row_of.get(self._owner_id[row]) == row:
-                    del self._row_of[self._owner_id[row]]
-                self._owner[row] = self._owner_id[row] = self._source[row] = None
-                self._free.append(row)
+        for request_id, row in list(self._rows.items()):
+            owner = row.owner()
+            if row.index not in in_use and (owner is None or owner.status != RequestStatus.RUNNING):
+                self._clear(row)
+                del self._rows[request_id]
+                self._free.append(row.index)
 
     def _grow(self) -> None:
         old = self.capacity
         self.table = torch.cat((self.table, torch.full_like(self.table, -1)))
-        self._owner += [None] * old
-        self._owner_id += [None] * old
-        self._source += [None] * old
-        self._filled += [0] * old
         self._free = list(range(2 * old - 1, old - 1, -1))

@@ -20,12 +20,10 @@ cache. A decode step spends its time streaming the weights through the matrix mu
 (memory-bound, chapter 6) and in attention; the ops fused here touch a few kilobytes per
 token. Fusion can save at most the time these ops take, and a compiled call adds its own
 fixed cost: on every call Dynamo checks its guards (are the inputs still of the kind it
-compiled for?) before the generated code runs. Measured on the course's 2-core EPYC
-(2026-11-30, torch 2.13, one process, medians; the machine was shared, so roughly): a
-compiled call costs some 20-40 us more than eager at 1 row, so eager wins for small
-batches (1 row: SiLU-and-mul 5 vs 42 us, RMSNorm + residual 14 vs 29 us); around 64 rows
-the fused loop catches up (RMSNorm + residual 72 vs 91 us) and at 512 rows it is clearly
-ahead (SiLU-and-mul 472 vs 659 us, RMSNorm + residual 197 vs 242 us). So on a CPU a
+compiled for?) before the generated code runs. Measured per op (the figures:
+``results/README.md``), that fixed cost made a compiled call several times slower than
+eager at 1 row; around 64 rows the fused loop caught up, and at 512 rows it was clearly
+ahead. So on a CPU a
 compiled function runs its compiled code only for inputs of at least ``CPU_MIN_ROWS`` rows
 (prefill chunks, large decode batches) and calls the eager function below that. On CUDA
 the compiled code always runs: CUDA graphs replay it without any Python at all.
@@ -56,12 +54,13 @@ engines in the same process stay eager.
   ``kernels.cpu_gemm``. On CUDA the runner compiles before it captures CUDA graphs, so
   the graphs record the compiled kernels.
 
-Why not compile the whole decode step (the model's forward)? Tried on the course machine
-(2026-11-30, torch 2.13, ``torch.compile(model.forward, dynamic=True)``): Dynamo breaks the
-graph in every layer at store-KV's data-dependent ``bool(keep.all())``, and Inductor then
-fails to lower ``mkldnn._linear_pointwise`` on the prepacked weights (``LoweringException``).
-Compiling the forward would mean giving up the packed weights, which are worth 1.2-2.6x on
-the GEMMs (``kernels.cpu_gemm``), for fusing ops that take a small share of a step.
+Why not compile the whole decode step (the model's forward)? Tried with
+``torch.compile(model.forward, dynamic=True)`` (torch 2.13, ``results/README.md``): Dynamo
+breaks the graph in every layer at store-KV's data-dependent ``bool(keep.all())``, and
+Inductor then fails to lower ``mkldnn._linear_pointwise`` on the prepacked weights
+(``LoweringException``). Compiling the forward would mean giving up the packed weights,
+the GEMMs' largest speed-up on a CPU (``kernels.cpu_gemm``), for fusing ops that take a
+small share of a step.
 """
 
 from __future__ import annotations
@@ -233,7 +232,8 @@ def compile_runner(runner, compiler: Compiler | None = None) -> CompileReport:
         for attr in type(obj).compilable:
             setattr(obj, attr, compiler.compiled(getattr(type(obj), attr)))
             names.add(f"{type(obj).__name__}.{attr}")
-    _warm_up(runner)
+    for num_tokens in warm_up_sizes(runner.device):  # compiles now, not in the first steps
+        runner.warm_up(num_tokens)
     seconds = time.perf_counter() - start
     if compiler.failure is not None:
         for obj in targets:
@@ -242,27 +242,6 @@ def compile_runner(runner, compiler: Compiler | None = None) -> CompileReport:
         return CompileReport(requested=True, compiled=False, seconds=seconds, ops=(),
                              fallback_reason=compiler.failure)
     return CompileReport(requested=True, compiled=True, seconds=seconds, ops=tuple(sorted(names)))
-
-
-def _warm_up(runner) -> None:
-    """Run steps of ``warm_up_sizes`` tokens through the model and the sampler.
-
-    The dummy tokens sit at position 0, write nothing into the KV cache (slot -1) and read
-    block 0 only; the sampler draws with a generator of its own, so the engine's random
-    stream is untouched.
-    """
-    from nanoengine.engine.model_runner import BatchPlan, ModelInput
-    from nanoengine.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0.8, top_k=8, top_p=0.9, min_p=0.01)
-    generator = torch.Generator(device=runner.device).manual_seed(0)
-    for n in warm_up_sizes(runner.device):
-        plan = BatchPlan(input_ids=[0] * n, positions=[0] * n, slot_mapping=[-1] * n, num_decode_tokens=0,
-                         decode_block_tables=[], decode_context_lens=[], prefill_block_tables=[[0] * n],
-                         prefill_cu_seqlens_q=[0, n], prefill_context_lens=[n], logits_indices=list(range(n)),
-                         request_ids=["warm-up"], query_start_loc=[0, n])
-        logits = runner.run_model(ModelInput.from_plan(plan, runner.device))  # (n, vocab)
-        runner.sampler(logits, [params] * n, [generator] * n)
 
 
 def _first_line(error: BaseException) -> str:

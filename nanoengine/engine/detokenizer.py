@@ -32,8 +32,8 @@ def token_decoder(tokenizer) -> Decoder:
     A Hugging Face fast tokenizer's ``decode`` is Python around a Rust call: it converts
     the ids, checks for a batch, picks the clean-up option, and then asks the
     ``tokenizers`` library's ``Tokenizer.decode``, which with clean-up off is the whole
-    answer. For the few tokens a stream decodes per step, the Python part cost about three
-    times the Rust part (profiled: 256 streams, 2026-12-01). So when the tokenizer decodes
+    answer. For the few tokens a stream decodes per step, the Python part costs more than
+    the Rust part (profiled: ``results/README.md``). So when the tokenizer decodes
     the library's own way (neither ``decode`` nor ``_decode`` replaced), this returns the
     Rust call itself; any other tokenizer gets its ``decode``.
     """

@@ -30,8 +30,10 @@ import torch
 from nanoengine.config import EngineConfig, resolve_max_model_len, resolve_num_kv_blocks
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.block_table import BlockTables
+from nanoengine.engine.cpu_model_runner import model_runner_class
 from nanoengine.engine.model_runner import ModelRunner, SamplingRunner, plan_batch
 from nanoengine.engine.output_processor import OutputProcessor, RequestState
+from nanoengine.engine.profiler import StepProfiler
 from nanoengine.engine.request import Request, RequestStatus
 from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
 from nanoengine.engine.snapshots import EngineSnapshot, MemoryReport, RequestSnapshot
@@ -53,12 +55,13 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = resolve_max_model_len(config, model_config)
         self.events = EventBus()
+        self.profiler = StepProfiler()  # where each step's time goes, for StepFinished observers
         self.block_manager = BlockManager(runner.num_blocks, config.block_size,
-                                          config.enable_prefix_caching, self.events)
+                                          config.enable_prefix_caching, self.events, profiler=self.profiler)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill,
                                    config.scheduling_policy, self.events)
-        self.output_processor = OutputProcessor(tokenizer, self.scheduler)
+        self.output_processor = OutputProcessor(tokenizer, self.scheduler, profiler=self.profiler)
         # Block tables of the requests in flight, as one tensor updated in place (engine.block_table).
         self.block_tables = BlockTables(-(-self.max_model_len // config.block_size),
                                         capacity=config.max_num_seqs + 1)
@@ -256,37 +259,35 @@ class LLMEngine:
         return outputs + [self.abort(request_id) for request_id in aborted if self.has_request(request_id)]
 
     def _step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        block_manager, output_processor = self.block_manager, self.output_processor
-        bm_start, detok_start = block_manager.busy_seconds, output_processor.detokenize_seconds
-        block_manager.step = self.scheduler.step = self.step_count
-        sched = self.scheduler.schedule()
-        t1 = time.perf_counter()
+        profiler = self.profiler
+        profiler.start(enabled=self.events.wants(StepFinished))  # a step nobody watches reads no clock
+        self.block_manager.step = self.scheduler.step = self.step_count
+        with profiler.phase("schedule"):
+            sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        bm_schedule = block_manager.busy_seconds - bm_start
-        for scheduled in sched.scheduled:
-            if scheduled.request.first_scheduled_time is None:
-                scheduled.request.first_scheduled_time = t1
-        plan, sampled = plan_batch(sched, self.config.block_size, self.block_tables)
-        plan_time = time.perf_counter() - t1
-        if self.events.wants(BatchPrepared):  # a copy of every index list: only for someone watching
+        with profiler.phase("prepare"):
+            plan, sampled = self._plan(sched)
+        if self.events.wants(BatchPrepared, keep=False):  # a copy of every index list: only for someone watching
             self.events.emit(BatchPrepared(self.step_count, plan.rows()), keep=False)
-        result = self.runner.execute_model(plan, sampled)
-        t2 = time.perf_counter()
-        produced = self.scheduler.update_from_output(sched, result.sampled)
-        outputs = output_processor.process(produced, result.logprobs)
-        t3 = time.perf_counter()
-        bm_total = block_manager.busy_seconds - bm_start
-        detokenize = output_processor.detokenize_seconds - detok_start
-        self.events.emit(StepFinished(
-            self.step_count, sched.num_prefill_tokens, sched.num_decode_tokens, len(sched.scheduled),
-            len(sched.preempted), sched.token_budget, schedule_time=t1 - t0 - bm_schedule,
-            prepare_time=plan_time + result.prepare_time, model_time=result.model_time,
-            sample_time=result.sample_time, total_time=time.perf_counter() - t0, block_manager_time=bm_total,
-            update_time=t3 - t2 - (bm_total - bm_schedule) - detokenize, detokenize_time=detokenize))
+        result = self.runner.execute_model(plan, sampled, profiler)
+        with profiler.phase("update"):
+            produced = self.scheduler.update_from_output(sched, result.sampled)
+            outputs = self.output_processor.process(produced, result.logprobs)
+        if profiler.enabled:
+            self.events.emit(StepFinished(self.step_count, sched.num_prefill_tokens, sched.num_decode_tokens,
+                                          len(sched.scheduled), len(sched.preempted), sched.token_budget,
+                                          **profiler.finish()))
         self.step_count += 1
         return outputs
+
+    def _plan(self, sched: SchedulerOutput):
+        """Date the newly scheduled requests and lay the batch out (``plan_batch``)."""
+        now = time.perf_counter()
+        for scheduled in sched.scheduled:
+            if scheduled.request.first_scheduled_time is None:
+                scheduled.request.first_scheduled_time = now
+        return plan_batch(sched, self.config.block_size, self.block_tables)
 
     def decode(self, token_ids: list[int]) -> str:
         """Token ids to text, special tokens included (for showing single tokens)."""
@@ -329,7 +330,7 @@ class LLMEngine:
             num_free_blocks=bm.num_free_blocks, num_cached_blocks=bm.num_cached_blocks,
             kv_cache_bytes=self.runner.kv_cache_bytes, max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=self.max_model_len,
-            prefix_cache_queries=bm.prefix_queries, prefix_cache_hits=bm.prefix_hits,
+            prefix_cache_queries=self.scheduler.prefix_queries, prefix_cache_hits=self.scheduler.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions, num_evictions=bm.num_evictions,
             scheduling_policy=self.config.scheduling_policy)
 
@@ -382,6 +383,7 @@ def _completions(request_id: str, params: SamplingParams) -> list[tuple[str, Sam
 
 def _local_runner(net: torch.nn.Module, config: EngineConfig, max_model_len: int, num_blocks: int) -> ModelRunner:
     """A runner with the model in this process (CUDA graphs unless enforce_eager or on CPU)."""
-    return ModelRunner(net, net.config, num_blocks, config.block_size, config.torch_device, config.torch_dtype,
-                       config.seed, cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512),
-                       max_model_len=max_model_len, compile=config.compile)
+    runner_class = model_runner_class(config.torch_device)  # CpuModelRunner on a CPU
+    return runner_class(net, net.config, num_blocks, config.block_size, config.torch_device, config.torch_dtype,
+                        config.seed, cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512),
+                        max_model_len=max_model_len, compile=config.compile)

@@ -15,35 +15,30 @@ tensors on the model's device (``prepare_inputs``):
   its last token this step (a mid-prompt chunk samples nothing); a parallel-sampling
   request whose siblings wait for its prompt repeats its row once per sibling.
 
-``execute_model`` runs the forward pass, computes logits for those rows only and samples.
+``execute_model`` then reads as the step does: forward pass, logits for those rows only,
+sample. The runner for a CPU (``engine.cpu_model_runner``) adds what only a CPU needs
+(prepacked GEMM weights, malloc settings, logits in chunks); ``model_runner_class``
+there picks the runner for a device, once, when the engine is built.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from nanoengine import kernels
-from nanoengine.kernels import cpu_gemm
 from nanoengine.engine.block_table import BlockTables
 from nanoengine.engine.compilation import CompileReport, compile_runner
-from nanoengine.engine.host_memory import keep_freed_memory
+from nanoengine.engine.profiler import NO_PROFILER, StepProfiler
 from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import SchedulerOutput
 from nanoengine.events import BatchRow
 from nanoengine.layers.attention import AttentionMetadata
 from nanoengine.layers.sampler import Sampler, SampleResult
 from nanoengine.models.config import ModelConfig
-
-
-# Logits computed and sampled at once on a CPU: under glibc's 32 MiB mmap threshold, and
-# large enough that the LM head's GEMM is not slowed (measured with SmolLM2's 49,152 x 576
-# head on a 2-core VM, 2026-12-01: 256 rows in chunks of 170 as fast as in one call; chunks
-# of 42 rows 1.36x slower, since each call streams the whole 113 MB weight again).
-LOGITS_CHUNK_BYTES = 30 * 1024 * 1024
+from nanoengine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -67,6 +62,19 @@ class BatchPlan:
     logits_indices: list[int]
     request_ids: list[str]  # the scheduled requests in model order (decodes, then prefills)
     query_start_loc: list[int]  # request i's tokens are rows query_start_loc[i]:query_start_loc[i+1]
+
+    @classmethod
+    def dummy(cls, num_tokens: int) -> "BatchPlan":
+        """A prefill of ``num_tokens`` tokens that writes no KV (slot -1) and reads block 0 only.
+
+        For warming up compiled code: it runs every layer on that many rows without
+        touching any request's cache.
+        """
+        n = num_tokens
+        return cls(input_ids=[0] * n, positions=[0] * n, slot_mapping=[-1] * n, num_decode_tokens=0,
+                   decode_block_tables=[], decode_context_lens=[], prefill_block_tables=[[0] * n],
+                   prefill_cu_seqlens_q=[0, n], prefill_context_lens=[n], logits_indices=list(range(n)),
+                   request_ids=["warm-up"], query_start_loc=[0, n])
 
     def rows(self) -> tuple[BatchRow, ...]:
         """Per request: its positions, slots and block table (for the ``BatchPrepared`` event)."""
@@ -186,13 +194,16 @@ def plan_batch(out: SchedulerOutput, block_size: int,
 class ModelRunnerOutput:
     sampled: dict[str, int]  # request id -> new token
     logprobs: dict[str, tuple]  # request id -> (token logprob, top-N pairs)
-    prepare_time: float
-    model_time: float
-    sample_time: float
+
+    @classmethod
+    def of(cls, requests: list[Request], result: SampleResult) -> "ModelRunnerOutput":
+        ids = [r.request_id for r in requests]
+        return cls(sampled=dict(zip(ids, result.token_ids)),
+                   logprobs={i: lp for i, lp in zip(ids, result.logprobs) if lp is not None})
 
 
 class SamplingRunner:
-    """What every runner shares: prepare the step, run the model, sample, with timings.
+    """What every runner shares: prepare the step, run the model, sample.
 
     ``ModelRunner`` runs the model in this process; ``TensorParallelRunner`` sends the step
     to worker processes. Both sample here, with each request's own generator, so seeded
@@ -219,46 +230,23 @@ class SamplingRunner:
         """Logits of every planned request that reaches its last token, without sampling."""
         return self.run_model(self.prepare_inputs(plan))
 
-    def execute_model(self, plan: BatchPlan, sampled: list[Request]) -> ModelRunnerOutput:
-        """Prepare, run and sample one planned step; ``sampled`` are the requests in logits order.
+    def execute_model(self, plan: BatchPlan, sampled: list[Request],
+                      profiler: StepProfiler = NO_PROFILER) -> ModelRunnerOutput:
+        """One planned step: inputs, forward pass and logits, sampling.
 
-        The logits come in chunks of rows (``logits_chunks``) and each chunk is sampled
-        before the next is computed, so a big batch never holds all of its (rows, vocab)
-        logits at once.
+        ``sampled`` are the requests that sample, in the order of ``plan.logits_indices``.
+        Each part runs in its ``profiler`` phase; when the step is profiled, a GPU is waited
+        for before sampling starts, so ``model`` holds the GPU's time and not just the
+        launches (sampling would wait for it anyway).
         """
-        t0 = time.perf_counter()
-        prepared = self.prepare_inputs(plan)
-        t1 = time.perf_counter()
-        model_time = sample_time = 0.0
-        token_ids, logprobs = [], []
-        chunks = self.logits_chunks(prepared)
-        while True:
-            start = time.perf_counter()
-            rows, logits = next(chunks, (None, None))
-            if logits is not None and logits.is_cuda:  # kernels run asynchronously: wait, so model_time is the GPU's
-                torch.cuda.synchronize(logits.device)
-            middle = time.perf_counter()
-            model_time += middle - start
-            if logits is None:
-                break
-            result = self.sample(logits, sampled[rows])
-            del logits  # the chunk's memory is reused by the next one
-            token_ids += result.token_ids
-            logprobs += result.logprobs
-            sample_time += time.perf_counter() - middle
-        ids = [r.request_id for r in sampled]
-        return ModelRunnerOutput(
-            sampled=dict(zip(ids, token_ids)),
-            logprobs={i: lp for i, lp in zip(ids, logprobs) if lp is not None},
-            prepare_time=t1 - t0, model_time=model_time, sample_time=sample_time)
-
-    def logits_chunks(self, prepared):
-        """Yield (rows, logits of those rows) covering every row to sample, in order.
-
-        One chunk here; ``ModelRunner`` splits a big CPU batch (see ``LOGITS_CHUNK_BYTES``).
-        """
-        logits = self.run_model(prepared)
-        yield slice(0, logits.shape[0]), logits
+        with profiler.phase("prepare"):
+            prepared = self.prepare_inputs(plan)
+        with profiler.phase("model"):
+            logits = self.run_model(prepared)
+            if profiler.enabled:
+                _wait_for(logits)
+        with profiler.phase("sample"):
+            return ModelRunnerOutput.of(sampled, self.sample(logits, sampled))
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         if not requests:
@@ -267,8 +255,22 @@ class SamplingRunner:
                             self.generator)
 
 
+def _wait_for(tensor: torch.Tensor) -> None:
+    """Block until the kernels producing ``tensor`` have finished (a no-op off CUDA)."""
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+
+
 class ModelRunner(SamplingRunner):
-    """Holds the model and the paged KV cache; prepares inputs, runs, samples."""
+    """Holds the model and the paged KV cache; prepares inputs, runs, samples.
+
+    Built in this order: the KV cache (bound to every attention layer), the model made
+    ready for the device (``prepare_model``: nothing here, prepacked weights on a CPU),
+    the sampler, then, when asked, compiled ops (warmed up now) and CUDA graphs (which
+    record the compiled kernels).
+    """
+
+    packed_weights = 0  # GEMM weights with a prepacked copy (``CpuModelRunner``)
 
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, seed: int = 0, cuda_graph_max_batch: int = 0,
@@ -288,20 +290,12 @@ class ModelRunner(SamplingRunner):
                                     model_config.head_dim, dtype=dtype, device=device)
         for i, attn in enumerate(layers):
             attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        if device.type == "cpu":
-            keep_freed_memory()  # reuse each step's temporaries instead of faulting them in again
-        # On a CPU, reorder every GEMM weight once into oneDNN's blocked layout.
-        packable = [module for module in model.modules() if hasattr(module, "pack_weight")]
-        self.packed_weights = sum(module.pack_weight() for module in packable)
-        self.packed_weight_bytes = sum(_nbytes(m.weight) for m in packable if m.packed_weight is not None)
-        cpu_gemm.tune_single_row(packable)  # one row: packed or plain, whichever this CPU runs faster
+        self.packed_weight_bytes = self.prepare_model()
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.cuda_graphs = None
-        # compile=True: torch.compile the fused elementwise ops and warm them up now, timed
-        # (engine.compilation); before CUDA graphs, so those record the compiled kernels.
         self.compilation = CompileReport.not_requested()
-        if compile:
+        if compile:  # torch.compile the fused elementwise ops and warm them up now, timed (engine.compilation)
             self.compilation = compile_runner(self)
         if cuda_graph_max_batch and device.type == "cuda" and kernels.triton_available():
             from nanoengine.engine.cuda_graphs import CudaGraphDecoder
@@ -309,6 +303,13 @@ class ModelRunner(SamplingRunner):
             max_len = max_model_len or model_config.max_position_embeddings
             self.cuda_graphs = CudaGraphDecoder(model, cuda_graph_max_batch, -(-max_len // block_size), device)
             self.cuda_graphs.capture()
+
+    def prepare_model(self) -> int:
+        """Make the loaded model ready for this device; returns the bytes of any weight copies made.
+
+        Nothing to do on a GPU. ``CpuModelRunner`` prepacks the GEMM weights here.
+        """
+        return 0
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -328,7 +329,7 @@ class ModelRunner(SamplingRunner):
     @torch.inference_mode()
     def run_model(self, model_input: ModelInput) -> torch.Tensor:
         """Forward pass and logits of the rows to sample. -> (S, vocab) float32."""
-        return self.model.compute_logits(self.sampled_hidden(model_input)).float()
+        return self.logits(self.sampled_hidden(model_input))
 
     @torch.inference_mode()
     def sampled_hidden(self, model_input: ModelInput) -> torch.Tensor:
@@ -340,28 +341,20 @@ class ModelRunner(SamplingRunner):
             hidden = self.model(model_input.input_ids, model_input.positions, meta)
         return hidden[model_input.logits_indices]
 
-    def logits_chunks(self, model_input: ModelInput):
-        """The forward pass, then the logits in chunks of rows of at most ``LOGITS_CHUNK_BYTES``.
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head on final hidden states. (S, hidden) -> (S, vocab) float32."""
+        return self.model.compute_logits(hidden).float()
 
-        On a CPU, 256 rows of a 49,152-token vocabulary are 50 MB of float32 logits: more
-        than glibc's largest heap block (32 MiB, ``engine.host_memory``), so every step would
-        map fresh pages (faulted in by the LM head) and unmap them when freed: measured on
-        the overhead benchmark's 256 rows, a decode step took 35 ms in one chunk and 15 ms
-        in chunks. Chunks stay in the reused heap.
-        A GPU's caching allocator has no such cost: one chunk there.
+    @torch.inference_mode()
+    def warm_up(self, num_tokens: int) -> None:
+        """Run one dummy step of ``num_tokens`` tokens through the model and the sampler.
+
+        It writes no KV (``BatchPlan.dummy``) and samples with a generator of its own, so
+        neither the cache nor the engine's random stream is touched. ``compile_runner``
+        calls it so that compiling happens now and not during the first real steps.
         """
-        with torch.inference_mode():
-            hidden = self.sampled_hidden(model_input)
-        if hidden.is_cuda and hidden.shape[0] == 0:  # no logits to wait on: wait for the forward pass itself
-            torch.cuda.synchronize(hidden.device)
-        # A chunk's logits are at most as many values as the head's weight (rows <= hidden
-        # size), so each GEMM call writes no more than it reads: small heads get small chunks
-        # that stay in cache for the sampler, big heads are not streamed once per few rows.
-        rows_per_chunk = max(1, hidden.shape[0] if hidden.is_cuda else
-                             min(hidden.shape[1], LOGITS_CHUNK_BYTES // (4 * self.model_config.vocab_size)))
-        for start in range(0, hidden.shape[0], rows_per_chunk):
-            with torch.inference_mode():
-                logits = self.model.compute_logits(hidden[start:start + rows_per_chunk]).float()
-            yield slice(start, start + logits.shape[0]), logits
-            del logits
-
+        logits = self.run_model(self.prepare_inputs(BatchPlan.dummy(num_tokens)))
+        params = SamplingParams(temperature=0.8, top_k=8, top_p=0.9, min_p=0.01)
+        generator = torch.Generator(device=self.device).manual_seed(0)
+        self.sampler(logits, [params] * num_tokens, [generator] * num_tokens)

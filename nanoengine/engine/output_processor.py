@@ -22,9 +22,8 @@ state forgotten, so nothing per request outlives it.
 
 from __future__ import annotations
 
-import time
-
 from nanoengine.engine.detokenizer import IncrementalDetokenizer, token_decoder
+from nanoengine.engine.profiler import NO_PROFILER, StepProfiler
 from nanoengine.engine.request import Request, RequestStatus
 from nanoengine.engine.scheduler import Scheduler
 from nanoengine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
@@ -56,12 +55,12 @@ class RequestState:
 class OutputProcessor:
     """Builds ``RequestOutput`` objects and applies stop strings."""
 
-    def __init__(self, tokenizer, scheduler: Scheduler) -> None:
+    def __init__(self, tokenizer, scheduler: Scheduler, profiler: StepProfiler = NO_PROFILER) -> None:
         self.tokenizer = tokenizer
         self._decode_ids = None if tokenizer is None else token_decoder(tokenizer)
         self.scheduler = scheduler
         self.states: dict[str, RequestState] = {}  # unfinished user requests by id
-        self.detokenize_seconds = 0.0  # time in the detokenizers, summed (the engine's step timers)
+        self.profiler = profiler  # detokenizing is the step's "detokenize" phase
 
     def add_request(self, state: RequestState) -> None:
         self.states[state.request_id] = state
@@ -104,11 +103,9 @@ class OutputProcessor:
             metrics=_metrics(state.completions))
 
     def _detokenize(self, request: Request, detokenizer: IncrementalDetokenizer) -> str:
-        """Feed the detokenizer the tokens it has not seen yet; the text delta (timed)."""
-        start = time.perf_counter()
-        delta = detokenizer.update(request.output_token_ids[detokenizer.num_tokens:], request.is_finished)
-        self.detokenize_seconds += time.perf_counter() - start
-        return delta
+        """Feed the detokenizer the tokens it has not seen yet; the text delta."""
+        with self.profiler.phase("detokenize"):
+            return detokenizer.update(request.output_token_ids[detokenizer.num_tokens:], request.is_finished)
 
     def _completion(self, state: RequestState, index: int) -> CompletionOutput:
         """Completion ``index`` as its output kind shows it: all of it, or what is new (DELTA)."""

@@ -113,6 +113,11 @@ class Scheduler:
         self.static_batch: set[str] = set()  # policy "static": ids of the batch now being served
         self.step = 0
         self.num_preemptions = 0
+        # Prefix-cache statistics, counted here because admission decides what counts: a
+        # request's prompt tokens at its first admission (a preempted request's recompute is
+        # not a new query); hits are the prompt tokens its cached blocks cover.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     # ------------------------------------------------------------ lifecycle
     def add_request(self, request: Request) -> None:
@@ -200,8 +205,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:  # first admission, not a recompute
-                self.block_manager.prefix_queries += request.num_prompt_tokens
-                self.block_manager.prefix_hits += min(num_cached, request.num_prompt_tokens)
+                self.prefix_queries += request.num_prompt_tokens
+                self.prefix_hits += min(num_cached, request.num_prompt_tokens)
                 request.num_cached_tokens = min(num_cached, request.num_prompt_tokens)
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
@@ -234,7 +239,7 @@ class Scheduler:
         self.events.emit(RequestPreempted(self.step, request.request_id, num_blocks))
 
     def _announce(self, out: SchedulerOutput) -> SchedulerOutput:
-        for s in out.scheduled:
+        for s in out.scheduled if self.events.wants(RequestScheduled) else ():
             self.events.emit(RequestScheduled(self.step, s.request.request_id, s.num_tokens,
                                               s.num_computed_tokens, s.is_prefill))
         return out

@@ -11,9 +11,9 @@ limited by memory traffic:
 * values are never copied: ``embedding_bag`` with per-sample weights is a gather fused
   with a weighted sum, which is what "probabilities times values" is.
 
-Measured on the course's 2-core machine (2026-11-29, default model, in-process A/B):
-the embedding_bag values made a decode step 21% faster than gathering them for SDPA, and
-sharing the plan across layers another 5-7%. ``kernels.paged_decode_attention`` picks
+Both choices made a decode step faster than gathering the values for SDPA, the
+``embedding_bag`` values most (the A/B figures: ``results/README.md``).
+``kernels.paged_decode_attention`` picks
 this path for CPU tensors; tests compare it with the reference.
 """
 

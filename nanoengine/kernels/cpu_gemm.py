@@ -10,10 +10,9 @@ a few rows, the weights are the whole model (540 MB for SmolLM2-135M in fp32).
 An inference engine's weights never change, so the packing can be done once. oneDNN
 (the CPU kernel library bundled with PyTorch) can reorder a weight into its own blocked
 layout ahead of time (``pack_weight``) and multiply by it directly (``packed_linear``).
-Measured on this course's 2-core machine with the model's own shapes (30 layers, cold
-caches, 2026-11-29), packed weights made a step's GEMMs 1.2x faster at 32 tokens, 1.4-1.9x
-at 64-512 tokens and 1.2x at 2,048, and the 49,152-row LM head 1.8x (1 token) to 2.6x
-(32 tokens) faster.
+On the model's own shapes, packed weights make a step's GEMMs faster at every batch
+size measured, most for a few dozen to a few hundred tokens, and the large LM head most
+of all (the figures: ``results/README.md``).
 
 This is the CPU path only (float32 weights on a CPU, PyTorch built with oneDNN). Everything
 else keeps ``F.linear``; ``pack_weight`` returns None when packing is not possible, and
@@ -82,10 +81,9 @@ def tune_single_row(modules) -> dict[tuple[int, int], bool]:
     """Time one-row products (a decode step of one sequence) both ways for each weight shape.
 
     A single row is a matrix-vector product: it only streams the weight once, and which
-    library streams faster depends on the CPU. Measured 2026-12-01 on a 2-core Intel Xeon
-    (AVX-512), one row against SmolLM2's layer weights: MKL's plain ``F.linear`` 1.3-1.8x
-    faster than the packed copy; on the AVX-512 EPYC of chapter 10 the packed LM head was
-    1.8x faster. So each shape is timed once per process, over every module of that shape
+    library streams faster depends on the CPU: on one machine MKL's plain ``F.linear`` won
+    on every layer weight, on another the packed LM head won (``results/README.md``). So
+    each shape is timed once per process, over every module of that shape
     in turn (so the weights come from memory, as in a real step), and ``linear`` then takes
     the faster way for one-row inputs. Several rows always use the packed copy.
     Returns {shape: packed is faster} for the shapes timed now.

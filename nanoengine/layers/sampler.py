@@ -15,8 +15,8 @@ its samples. ``filter_logits`` and ``kept_mask`` are public so the sampling play
 shows exactly what the engine does.
 
 ``kept_mask`` is the definition: it sorts each row's whole vocabulary. The engine avoids
-that sort (``bench --overhead``, 2026-12-01: 256 rows of 49,152 logits cost ~0.8 s a step
-on a 2-core CPU, 35x the rest of the step) because the filters only ever keep the *head*
+that sort (on a CPU, sorting a full batch of rows of a large vocabulary cost many times
+the rest of the step: ``results/README.md``) because the filters only ever keep the *head*
 of a row. A row with a temperature and no filter needs no cut at all: it draws from the
 softmax of its scaled logits. A filtered row first takes its best candidates with
 ``topk`` (its top-k, or ``TOP_P_CANDIDATES`` with top-p or min-p but no top-k) and applies

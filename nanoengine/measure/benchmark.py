@@ -40,9 +40,9 @@ Options beyond the default offline race:
 
 Run it on an otherwise idle machine. PyTorch's OpenMP threads spin while they wait for
 work by default, which is fastest when nothing else runs and very slow when something
-does; the test script sets ``OMP_WAIT_POLICY=PASSIVE`` for shared CI machines. On the
-course's 2-core VM the engine's part of the default workload took ~31 s with the default
-policy and ~37 s with PASSIVE (2026-11-29), so the policy is recorded in the results.
+does; the test script sets ``OMP_WAIT_POLICY=PASSIVE`` for shared CI machines. On an
+idle machine passive waiting made the default workload measurably slower
+(``results/README.md``), so the policy is recorded in the results.
 
     python -m nanoengine bench                                   # default workload
     python -m nanoengine bench --num-requests 4 --output-len 8   # a quick look
@@ -68,7 +68,8 @@ from pathlib import Path
 
 import torch
 
-from nanoengine.measure.timing import cpu_model
+from nanoengine.measure.timing import (cpu_model, measure_gemm_peak as measure_peak, measure_memory_bandwidth,
+                                       model_gemm_shapes, source_revision)
 from nanoengine.models.config import ModelConfig
 
 
@@ -527,8 +528,6 @@ def measure_gemm_peak(config: ModelConfig, tokens: int = 1024, repeats: int = 15
     timing is the course's one helper (``nanoengine.measure.timing``); the fastest run of
     each shape is used, as this command always has.
     """
-    from nanoengine.measure.timing import measure_gemm_peak as measure_peak, model_gemm_shapes
-
     peak = measure_peak(model_gemm_shapes(config), tokens, repeats=repeats, warmup=1, device=device, dtype=dtype,
                         paths=("F.linear", "engine"))
     return max(m.best_flops_per_s for m in peak.measurements) / 1e9
@@ -578,25 +577,8 @@ def load_average() -> list[float] | None:
         return None
 
 
-def source_revision() -> str | None:
-    """The git commit of the engine's source tree, "+modified" if it has local changes."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[2]  # the repository: nanoengine/measure/ -> ../..
-    try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                             text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "nanoengine"], cwd=root,
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None  # not a git checkout (an installed wheel) or no git
-    return rev + ("+modified" if dirty else "")
-
-
 def measure_roofline(config: ModelConfig, device: torch.device, dtype: torch.dtype) -> dict:
     """The machine's roofline for this run: GEMM peak on the model's shapes and copy bandwidth."""
-    from nanoengine.measure.timing import measure_memory_bandwidth
-
     peak = measure_gemm_peak(config, device=device, dtype=dtype)
     bandwidth = measure_memory_bandwidth(device=str(device)).bytes_per_s / 1e9
     return {"gemm_peak_gflops": peak, "memory_bandwidth_gbs": bandwidth, "ridge_flops_per_byte": peak / bandwidth,

@@ -35,7 +35,13 @@ from pathlib import Path
 
 import torch
 
+from nanoengine.engine.llm_engine import LLMEngine
+from nanoengine.events import StepFinished
+from nanoengine.loader.weights import load_tokenizer, random_model, resolve_model_source
+from nanoengine.measure.benchmark import environment, load_average
 from nanoengine.measure.timing import median_ms
+from nanoengine.models.config import ModelConfig
+from nanoengine.sampling_params import RequestOutputKind, SamplingParams
 
 # StepFinished fields, in step order, and the names the report gives them.
 PHASES = {"schedule_time": "schedule", "block_manager_time": "block manager", "prepare_time": "prepare inputs",
@@ -51,9 +57,6 @@ WARM_UP_STEPS = 3
 
 def overhead_engine(num_requests: int, tokenizer, vocab_size: int, max_model_len: int):
     """An engine around a tiny random model with the real vocabulary: compute near zero."""
-    from nanoengine.engine.llm_engine import LLMEngine
-    from nanoengine.loader.weights import random_model
-
     net = random_model("tiny-llama", vocab_size=vocab_size, max_position_embeddings=max_model_len)
     blocks_per_request = -(-max_model_len // 16)
     return LLMEngine.from_model(net, tokenizer, max_num_seqs=num_requests, max_model_len=max_model_len,
@@ -69,9 +72,6 @@ def measure_overhead(engine, num_requests: int, sampling: dict, steps: int, seed
     at its end, as ``LLM.generate`` reads them; ``CUMULATIVE`` and ``DELTA`` report every
     request (with its text) every step, as a stream does.
     """
-    from nanoengine.events import StepFinished
-    from nanoengine.sampling_params import RequestOutputKind, SamplingParams
-
     generator = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
     kind = RequestOutputKind[output_kind]
@@ -112,10 +112,6 @@ def measure_overhead(engine, num_requests: int, sampling: dict, steps: int, seed
 
 def run_overhead(request_counts: list[int], steps: int, out: str | None = None, command: str | None = None) -> dict:
     """Every (sampling, N) pair; prints a table and writes a results file."""
-    from nanoengine.loader.weights import load_tokenizer, resolve_model_source
-    from nanoengine.measure.benchmark import environment, load_average
-    from nanoengine.models.config import ModelConfig
-
     source = resolve_model_source(None)
     tokenizer = load_tokenizer(source)
     vocab = ModelConfig.from_pretrained(source).vocab_size

@@ -31,8 +31,10 @@ from __future__ import annotations
 import functools
 import math
 import os
+import pathlib
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import warnings
@@ -109,10 +111,22 @@ def _machine() -> str:
     return machine_description()
 
 
+def source_revision() -> str | None:
+    """The git commit of the engine's source tree, "+modified" if it has local changes."""
+    root = pathlib.Path(__file__).resolve().parents[2]  # the repository: nanoengine/measure/ -> ../..
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "nanoengine"], cwd=root,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None  # not a git checkout (an installed wheel) or no git
+    return rev + ("+modified" if dirty else "")
+
+
+
 @functools.lru_cache(maxsize=1)
 def _revision() -> str:
-    from nanoengine.measure.benchmark import source_revision
-
     return source_revision() or "unknown (not a git checkout)"
 
 

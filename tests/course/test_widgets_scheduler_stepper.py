@@ -45,6 +45,7 @@ def add(view: SchedulerStepper, random_tokens: int, max_tokens: int, count: int 
 def test_step_moves_requests_from_waiting_to_running_with_chunked_prefill() -> None:
     view = make_view()
     engine = view.controller.engine
+    engine.events.keep_history()  # to compare the view with every event afterwards
     add(view, 40, 4)  # longer than the 32-token budget: two prefill chunks
     add(view, 6, 4)
     assert "queued" in view.message.value
@@ -96,6 +97,7 @@ def test_preemption_is_highlighted() -> None:
     # 16 blocks of 4 tokens: three requests growing to 52 tokens (13 blocks each) cannot all fit
     view = make_view(num_kv_blocks=16, max_num_batched_tokens=64)
     engine = view.controller.engine
+    engine.events.keep_history()
     add(view, 12, 40, count=3)
     preempted_step = None
     for _ in range(40):

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from nanoengine import LLMEngine, SamplingParams
-from nanoengine.engine.model_runner import BatchPlan, plan_batch
+from nanoengine.engine.cpu_model_runner import CpuModelRunner, model_runner_class
+from nanoengine.engine.model_runner import BatchPlan, ModelRunner, plan_batch
+from nanoengine.engine.profiler import StepProfiler
 from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import SchedulerOutput
 from nanoengine.events import BatchPrepared
@@ -52,6 +54,7 @@ def test_batch_event_matches_the_slot_formula_and_costs_nothing_unobserved(monke
     original = BatchPlan.rows
     monkeypatch.setattr(BatchPlan, "rows", lambda plan: built.append(1) or original(plan))
     e = engine()
+    e.events.keep_history()
     e.add_request(list(range(20, 30)), SamplingParams(max_tokens=3))
     e.step()
     assert not built and not any(isinstance(ev, BatchPrepared) for ev in e.events.history)
@@ -80,20 +83,47 @@ def test_memory_report_adds_up():
 
 
 
-def test_a_batch_bigger_than_one_logits_chunk_samples_every_row_as_one_chunk_would():
+def test_on_a_cpu_logits_come_in_chunks_and_every_row_is_sampled_as_one_chunk_would():
     # tiny-llama-eos has hidden size 64, so CPU logits come in chunks of at most 64 rows.
     eng = engine(max_num_seqs=100, num_kv_blocks=512, block_size=16, max_num_batched_tokens=1024)
     runner = eng.runner
+    assert type(runner) is CpuModelRunner and runner.logits_rows_per_chunk(100) == 64
     prompts = [[(7 * i + j) % 500 + 3 for j in range(5)] for i in range(100)]
     for p in prompts:
         eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=1, logprobs=1))
     sched = eng.scheduler.schedule()
     plan, sampled = plan_batch(sched, eng.config.block_size)
-    model_input = runner.prepare_inputs(plan)
-    chunks = [(rows, logits.clone()) for rows, logits in runner.logits_chunks(model_input)]
-    assert [rows.stop - rows.start for rows, _ in chunks] == [64, 36]
-    whole = runner.run_model(runner.prepare_inputs(plan))  # the same K/V are written again: same values
-    assert torch.equal(torch.cat([logits for _, logits in chunks]), whole)
-    result = runner.execute_model(plan, sampled)
+    whole = runner.run_model(runner.prepare_inputs(plan))  # one LM-head call for all 100 rows
+    hidden = runner.sampled_hidden(runner.prepare_inputs(plan))  # the same K/V are written again: same values
+    assert torch.equal(torch.cat([runner.logits(hidden[:64]), runner.logits(hidden[64:])]), whole)
+    calls, head = [], runner.logits
+    runner.logits = lambda rows: calls.append(rows.shape[0]) or head(rows)
+    profiler = StepProfiler()
+    profiler.start(enabled=True)
+    result = runner.execute_model(plan, sampled, profiler)
+    times = profiler.finish()
+    assert calls == [64, 36]
     assert [result.sampled[r.request_id] for r in sampled] == whole.argmax(dim=-1).tolist()
-    assert len(result.logprobs) == 100 and result.sample_time > 0 and result.model_time > 0
+    assert len(result.logprobs) == 100
+    assert times["prepare_time"] > 0 and times["model_time"] > 0 and times["sample_time"] > 0
+
+
+def test_the_runner_is_chosen_by_device_and_the_generic_one_runs_one_logits_call():
+    assert model_runner_class("cpu") is CpuModelRunner and model_runner_class(torch.device("cpu")) is CpuModelRunner
+    assert model_runner_class("cuda") is ModelRunner and model_runner_class("cuda:1") is ModelRunner
+    net = random_model("tiny-llama-eos", std=0.08)
+    generic = ModelRunner(net, net.config, 16, 4, torch.device("cpu"), torch.float32)
+    assert generic.packed_weights == 0 and generic.memory_usage()["packed_weight_bytes"] == 0
+    requests = [Request(f"r{i}", [5 + i, 9, 200, 31, 7], SamplingParams(temperature=0.0, max_tokens=1))
+                for i in range(3)]
+    batch = SchedulerOutput()
+    for i, request in enumerate(requests):
+        request.block_ids = [2 * i, 2 * i + 1]
+        batch.add(request, 5)
+    plan, sampled = plan_batch(batch, block_size=4)
+    calls, head = [], generic.logits
+    generic.logits = lambda rows: calls.append(rows.shape[0]) or head(rows)
+    result = generic.execute_model(plan, sampled)
+    assert calls == [3]  # forward, logits, sample: one LM-head call for the whole batch
+    assert [result.sampled[r.request_id] for r in requests] == generic.compute_logits(plan).argmax(-1).tolist()
+

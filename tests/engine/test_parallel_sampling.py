@@ -37,6 +37,7 @@ def run(e: LLMEngine, check=None) -> dict:
 
 def test_n_completions_share_the_prompt_blocks_then_recompute_the_partial_one():
     e = engine()
+    e.events.keep_history()
     rid = e.add_request(PROMPT, SamplingParams(n=4, temperature=0.8, seed=1, max_tokens=6, ignore_eos=True))
     assert rid == "0"
     e.step()  # the prompt in one step: the first completion samples, the three others fork

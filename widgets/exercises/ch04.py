@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from nanoengine import SamplingParams
-from nanoengine.events import RequestPreempted, RequestScheduled
+from nanoengine.events import RequestScheduled
 from widgets._common import TokenSource, single_thread, tiny_engine
 from widgets.block_allocator import BlockAllocatorController
 from widgets.exercises import CheckResult, todo, verdict, whole
@@ -62,7 +62,7 @@ def replay_trace(block_size: int = 16, num_kv_blocks: int | None = None, trace=N
     """Run ``trace`` (default ``chapter_trace()``) on a tiny engine and measure its paged pool.
 
     The pool holds ``TOKEN_SLOTS`` token slots unless ``num_kv_blocks`` says otherwise.
-    Recomputed tokens are counted from the engine's events: after a ``RequestPreempted``,
+    Recomputed tokens are counted from the engine's events: after a preemption,
     scheduled tokens below the request's earlier progress are computed a second time.
     """
     trace = chapter_trace() if trace is None else list(trace)
@@ -94,7 +94,7 @@ def replay_trace(block_size: int = 16, num_kv_blocks: int | None = None, trace=N
             tables += [len(r.block_ids) for r in snap.running]
     unsubscribe()
     controller.close()
-    preemptions = sum(isinstance(e, RequestPreempted) for e in engine.events.history)
+    preemptions = engine.snapshot().num_preemptions
     return TraceResult(block_size, num_kv_blocks, step, float(np.mean(wastes)),
                        float(np.mean(tables)) if tables else 0.0, preemptions, recomputed, finished)
 

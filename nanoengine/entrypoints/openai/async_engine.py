@@ -89,7 +89,7 @@ class EngineStats:
         scheduler, blocks = engine.scheduler, engine.block_manager
         return cls(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
                    num_kv_blocks=engine.runner.num_blocks, num_free_kv_blocks=blocks.num_free_blocks,
-                   prefix_cache_queries=blocks.prefix_queries, prefix_cache_hits=blocks.prefix_hits,
+                   prefix_cache_queries=scheduler.prefix_queries, prefix_cache_hits=scheduler.prefix_hits,
                    num_preemptions=scheduler.num_preemptions, num_steps=engine.step_count)
 
     @property
