@@ -107,6 +107,8 @@ def test_chapter_follows_the_template_skeleton(path: Path):
     headings = [line for c in cells if c["cell_type"] == "markdown"
                 for line in "".join(c["source"]).splitlines() if line.startswith("## ")]
     named = [h for h in headings if not re.match(r"## \d+\.", h)]
+    if named and named[-1] == "## References":  # course v3: a References cell closes the chapter
+        named = named[:-1]
     assert named == SKELETON, f"{path.name} headings {named} differ from the template's {SKELETON}"
     sections = [i for i, h in enumerate(headings) if re.match(r"## \d+\.", h)]
     assert sections and headings.index("## The analogy") < sections[0] < sections[-1] < \
