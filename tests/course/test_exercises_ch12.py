@@ -1,5 +1,6 @@
 """Chapter 12's exercise checks (widgets.exercises.ch12): placeholders and bad values are
-"not yet", and the checks judge what a real server answered (usage, 200 or 400, 429s).
+"not yet", the checks judge what a real server answered (usage, 200 or 400, 429s), plausible
+wrong answers fail, and the checks still work once the chapter's server has been stopped.
 A tiny random model with SmolLM2's tokenizer stands in for the chapter's real one."""
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ def server(build_tiny_llm):
 
 
 @pytest.mark.parametrize("check, values", [
-    (ch12.check_stream_usage, [..., None, "include_usage", ["include_usage"]]),
+    (ch12.check_stream_usage, [..., None, "include_usage", {"include_usage": True},
+                               {"prompt_tokens": ..., "completion_tokens": 1, "total_tokens": 1},
+                               {"prompt_tokens": 1.5, "completion_tokens": 1, "total_tokens": 2.5},
+                               {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 3}]),
     (ch12.check_max_tokens, [..., None, "10", 2.5, True, 0, -3]),
     (ch12.check_max_queue, [..., None, "2", 2.0, False, 0]),
 ])
@@ -33,13 +37,21 @@ def test_placeholders_and_bad_values_are_not_yet(check, values):
         assert not result.right and "not yet. Hint: " in str(result), (value, str(result))
 
 
-def test_stream_usage_is_right_only_when_the_last_chunk_carries_it(server):
-    assert ch12.check_stream_usage(server, {"include_usage": True}).right
-    for wrong in ({}, {"include_usage": False}):
+def test_stream_usage_is_right_only_for_the_servers_counts(server):
+    right = ch12.predicted_usage(ch12.USAGE_PROMPTS, ch12.USAGE_N, ch12.USAGE_MAX_TOKENS)
+    served, texts = ch12.streamed_usage(server)
+    assert served == right and texts >= 1
+    assert ch12.check_stream_usage(server, right).right
+    prompt, completion = right["prompt_tokens"], right["completion_tokens"]
+    wrong_answers = [  # the prompt counted once per completion; only one completion per prompt; n ignored
+        {"prompt_tokens": ch12.USAGE_N * prompt, "completion_tokens": completion},
+        {"prompt_tokens": prompt, "completion_tokens": len(ch12.USAGE_PROMPTS) * ch12.USAGE_MAX_TOKENS},
+        {"prompt_tokens": prompt, "completion_tokens": ch12.USAGE_N * ch12.USAGE_MAX_TOKENS},
+    ]
+    for wrong in wrong_answers:
+        wrong["total_tokens"] = wrong["prompt_tokens"] + wrong["completion_tokens"]
         result = ch12.check_stream_usage(server, wrong)
-        assert not result.right and "none carried usage" in str(result)
-    refused = ch12.check_stream_usage(server, {"include_tokens": True})
-    assert not refused.right and "refused it (400)" in str(refused)
+        assert not result.right and str(completion) not in str(result).split("Hint:")[1], str(result)
 
 
 def test_max_tokens_is_right_only_at_the_edge_of_the_window(server):
@@ -51,9 +63,29 @@ def test_max_tokens_is_right_only_at_the_edge_of_the_window(server):
     assert server.engine.call(lambda e: not e.has_unfinished_requests()).result(30)  # accepted ones were aborted
 
 
-def test_max_queue_counts_the_requests_that_wait():
-    assert ch12.overload(2) == (2, 4)
-    assert ch12.check_max_queue(2).right
-    for wrong in (1, 3):
-        result = ch12.check_max_queue(wrong)
-        assert not result.right and f"{wrong} waited" in str(result).replace("\n", " ")
+def test_checks_serve_again_after_the_server_was_stopped(build_tiny_llm):
+    """After "Run All" the chapter's last cell has stopped its server: no ConnectError."""
+    engine = build_tiny_llm(dict(device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=128, block_size=16)).engine
+    stopped = serve_in_background(engine, "tiny")
+    stopped.stop()
+    assert not ch12._listening(stopped)
+    right = ch12.predicted_usage(ch12.USAGE_PROMPTS, ch12.USAGE_N, ch12.USAGE_MAX_TOKENS)
+    assert ch12.check_stream_usage(stopped, right).right
+    edge = MAX_MODEL_LEN - len(engine.tokenizer.encode(ch12.CONTEXT_PROMPT, add_special_tokens=False))
+    assert ch12.check_max_tokens(stopped, edge).right
+    assert not engine.has_unfinished_requests()  # the check's own server was stopped, the engine handed back
+
+
+def test_the_server_follows_the_queue_rule():
+    for q in (2, 4, 7):
+        assert ch12.overload(q) == ch12.admitted_by_rule(q), q
+    assert ch12.admitted_by_rule(2)[2] == "400"  # three prompts can never wait under a limit of 2
+
+
+def test_max_queue_is_right_only_at_the_smallest_limit():
+    answer = min(q for q in range(1, 20) if ch12.admitted_by_rule(q).count("429") <= 1
+                 and "400" not in ch12.admitted_by_rule(q))
+    assert ch12.check_max_queue(answer).right
+    # plausible wrong answers: every prompt but one (sum - 1), the largest request, one too few
+    for wrong in {sum(ch12.QUEUE_SIZES) - 1, max(ch12.QUEUE_SIZES), answer - 1, answer + 1} - {answer}:
+        assert not ch12.check_max_queue(wrong).right, wrong

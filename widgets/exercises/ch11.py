@@ -1,37 +1,39 @@
-"""Exercise checks of chapter 11 (Benchmarks): warm-up and repeats, the batch size, what counts.
+"""Exercise checks of chapter 11 (Benchmarks): what static batching computes, the batch size,
+and the tightest latency SLO a run met.
 
-Each check runs the experiment with the value the learner chose, through the engine's
-public API, and judges what it observed, never the learner's code. The machine is shared
-and noisy, so no check compares a timing with a threshold: they judge structural facts
-(which runs a median is taken over, how many engine steps a workload takes, how many
-tokens each request produced), and report the timings only as information.
+Each check judges a structural fact the learner has to reason out, never a timing against a
+threshold (the machine is shared and noisy):
 
-* ``check_measurement`` (11.1): ``measure``'s ``warmup`` and ``repeats`` for a workload on a
-  freshly built engine, so that the cold first call is not among the timed runs and the
-  median has quartiles worth quoting;
-* ``check_max_num_seqs`` (11.2): the smallest ``max_num_seqs`` that serves the chapter's
-  workload in the fewest engine steps (tiny random engine: mechanics only);
-* ``check_counted_tokens`` (11.3): the ``ignore_eos`` setting under which every system
-  produces exactly the tokens it was asked for, so tok/s counts the same tokens everywhere
-  (the real default model, greedy).
+* ``check_static_tokens`` (11.1): how many output tokens transformers' static batching
+  *computes* for the chapter's workload in batches of ``STATIC_BATCH`` (every request of a
+  batch runs to the batch's longest; only the requested tokens count in tok/s). Judged with
+  the benchmark's own ``static_computed_tokens``;
+* ``check_max_num_seqs`` (11.2): the smallest ``max_num_seqs`` that serves
+  ``SLOT_LENS`` (8 requests of uneven lengths, all queued at once) in the fewest engine
+  steps, counted on a tiny random engine (mechanics only) with the learner's value, and one
+  less;
+* ``check_ttft_slo`` (11.3): the tightest whole-millisecond TTFT limit that at least
+  ``SLO_TARGET`` of the requests of a measured run met (DistServe's SLO attainment), judged
+  on that run's own per-request TTFTs, so the answer is this machine's.
 """
 
 from __future__ import annotations
 
+import math
+
 from nanoengine import SamplingParams
 from nanoengine.events import StepFinished
-from nanoengine.measure.benchmark import make_output_lens, make_workload
-from nanoengine.measure.timing import MIN_REPEATS, measure
+from nanoengine.measure.benchmark import make_output_lens, make_workload, static_computed_tokens
 from widgets._common import single_thread, tiny_engine
-from widgets.exercises import CheckResult, todo, verdict
+from widgets.exercises import CheckResult, todo, verdict, whole
 
 NUM_REQUESTS = 8  # the chapter's workload: 8 requests, prompts 16-32 ids, 4-12 output tokens
 MIN_PROMPT, MAX_PROMPT = 16, 32
 MIN_OUTPUT, MAX_OUTPUT = 4, 12
 SEED = 0
-MAX_REPEATS = 15  # exercise 11.1: more repeats than this only cost time in a chapter
-COUNT_QUESTIONS = ["What is 2+2?", "Name one colour.", "What is the capital of France?"]  # short answers
-COUNT_MAX_TOKENS = 24  # exercise 11.3
+STATIC_BATCH = 3  # exercise 11.1: static batches of 3 requests, in workload order
+SLOT_LENS = [12, 3, 3, 4, 12, 2, 5, 3]  # exercise 11.2: output tokens of 8 requests, in arrival order
+SLO_TARGET = 0.9  # exercise 11.3: the share of requests that must meet the limit
 
 
 def chapter_workload(vocab_limit: int = 10000) -> tuple[list[list[int]], list[int]]:
@@ -40,14 +42,38 @@ def chapter_workload(vocab_limit: int = 10000) -> tuple[list[list[int]], list[in
     return prompts, make_output_lens(NUM_REQUESTS, MIN_OUTPUT, MAX_OUTPUT, SEED)
 
 
-def _is_count(value, low: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+def check_static_tokens(computed) -> CheckResult:
+    """11.1: the output tokens static batching computes for the chapter's workload."""
+    name = "11.1"
+    if todo(computed):
+        return verdict(name, False, "", "set computed to a whole number of output tokens.")
+    value = whole(computed, 0, 10**6)
+    if value is None:
+        return verdict(name, False, "", "computed is a whole number of tokens.")
+    _, lens = chapter_workload()
+    right = static_computed_tokens(lens, STATIC_BATCH)
+    requested = sum(lens)
+    if value == right:
+        return verdict(name, True, f"{right} tokens computed for {requested} requested: "
+                       f"{right - requested} were computed for requests that had already finished, and are thrown "
+                       "away. Throughput counts only the requested ones, so that waste shows up as a longer run, "
+                       "not as more tokens.", "")
+    if value == requested:
+        hint = "that is what the requests asked for; a static batch computes more than that."
+    elif value < requested:
+        hint = "fewer than the requests asked for: every requested token is computed, and then some."
+    else:
+        hint = (f"not what {STATIC_BATCH}-request batches in workload order compute: take the batches one by one, "
+                "and for each, how long it runs and how many rows it has.")
+    return verdict(name, False, "", hint)
 
 
-def steps_to_serve(max_num_seqs: int) -> int:
-    """Engine steps a tiny random engine (mechanics only) takes to serve the chapter's
-    workload, all requests queued at the start, with at most ``max_num_seqs`` per step."""
+def steps_to_serve(max_num_seqs: int, output_lens: list[int] | None = None) -> int:
+    """Engine steps a tiny random engine (mechanics only) takes to serve ``output_lens``
+    (default: the chapter's), every request queued at the start, at most ``max_num_seqs``
+    per step; the prompts are the chapter's."""
     prompts, lens = chapter_workload(vocab_limit=256)
+    lens = lens if output_lens is None else output_lens
     engine = tiny_engine(num_kv_blocks=256, block_size=4, max_model_len=64, max_num_seqs=max_num_seqs)
     steps = []
     engine.events.subscribe(lambda e: steps.append(e) if isinstance(e, StepFinished) else None)
@@ -59,84 +85,56 @@ def steps_to_serve(max_num_seqs: int) -> int:
     return len(steps)
 
 
-def check_measurement(warmup, repeats) -> CheckResult:
-    """11.1: time a workload on a freshly built tiny engine with ``measure(warmup, repeats)``.
-
-    Right when the cold first call is not timed (``warmup >= 1``) and there are enough
-    timed runs for a median and quartiles (``MIN_REPEATS`` to ``MAX_REPEATS``). The check
-    times the cold call apart and reports it next to the median, as information."""
-    name = "11.1"
-    if todo(warmup) or todo(repeats):
-        return verdict(name, False, "", "set both warmup and repeats (whole numbers).")
-    if not _is_count(warmup, 0) or not _is_count(repeats, 1) or warmup > MAX_REPEATS:
-        return verdict(name, False, "", f"warmup is a whole number >= 0 (at most {MAX_REPEATS}) and repeats a "
-                        "whole number of timed runs.")
-    if not MIN_REPEATS <= repeats <= MAX_REPEATS:
-        return verdict(name, False, "", f"a median and quartiles need at least {MIN_REPEATS} timed runs; more than "
-                        f"{MAX_REPEATS} only costs time here.")
-    prompts, lens = chapter_workload(vocab_limit=256)
-    engine = tiny_engine(num_kv_blocks=256, block_size=4, max_model_len=64)
-    calls = []
-
-    def workload() -> None:
-        import time
-
-        start = time.perf_counter()
-        engine.reset_prefix_cache()
-        for p, n in zip(prompts, lens):
-            engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-        while engine.has_unfinished_requests():
-            engine.step()
-        calls.append(time.perf_counter() - start)
-
-    with single_thread():
-        timing = measure(workload, warmup=warmup, repeats=repeats, label="tiny engine, chapter workload")
-    cold_timed = warmup == 0
-    right = not cold_timed and len(timing.runs) == repeats
-    return verdict(
-        name, right,
-        f"the cold first call ({1e3 * calls[0]:.1f} ms) ran untimed; the median of the {repeats} timed runs is "
-        f"{1e3 * timing.median:.1f} ms (IQR {1e3 * timing.quartiles[0]:.1f} ms to {1e3 * timing.quartiles[1]:.1f} ms).",
-        "with warmup=0 the first timed run is the cold one (first allocations, first kernels), and the median "
-        "would mix it in: warm up at least once.")
-
-
 def check_max_num_seqs(max_num_seqs) -> CheckResult:
-    """11.2: the smallest ``max_num_seqs`` that serves the chapter's workload in the fewest steps."""
+    """11.2: the smallest ``max_num_seqs`` that serves ``SLOT_LENS`` in the fewest steps."""
     name = "11.2"
     if todo(max_num_seqs):
         return verdict(name, False, "", "set max_num_seqs to a whole number of sequences.")
-    if not _is_count(max_num_seqs, 1) or max_num_seqs > 256:
+    value = whole(max_num_seqs, 1, 256)
+    if value is None:
         return verdict(name, False, "", "max_num_seqs is a whole number of sequences per step, 1 to 256.")
-    fewest = steps_to_serve(NUM_REQUESTS)  # every request in every step: nothing waits
-    steps = steps_to_serve(max_num_seqs)
+    fewest = steps_to_serve(len(SLOT_LENS), SLOT_LENS)  # every request in every step: nothing waits
+    steps = steps_to_serve(value, SLOT_LENS)
     if steps > fewest:
-        return verdict(name, False, "", f"with {max_num_seqs} sequences per step the workload takes {steps} steps, "
-                        f"not the fewest ({fewest}): some requests wait for a slot. Allow more.")
-    if max_num_seqs > 1 and steps_to_serve(max_num_seqs - 1) == steps:
-        return verdict(name, False, "", f"{max_num_seqs} reaches the fewest steps ({steps}), but so does "
-                        f"{max_num_seqs - 1}: look for the smallest. Requests that start late still finish "
-                        "in time if they are short.")
-    return verdict(name, True, f"{max_num_seqs} sequences per step serve the workload in {steps} steps, the fewest; "
-                    f"{max_num_seqs - 1} would need {steps_to_serve(max_num_seqs - 1) if max_num_seqs > 1 else '-'}. "
-                    "Beyond it, more slots cannot help: nothing is waiting for one.", "")
+        return verdict(name, False, "", f"with {value} sequences per step the workload takes {steps} steps, "
+                       "not the fewest: some request starts too late to finish with the longest. Which requests "
+                       "must start in the first step?")
+    below = steps_to_serve(value - 1, SLOT_LENS) if value > 1 else None
+    if below == steps:
+        return verdict(name, False, "", f"{value} sequences per step reach the fewest steps, but so does one less: "
+                       "look for the smallest. A short request that waits for a slot can still finish in time.")
+    return verdict(name, True, f"{value} sequences per step serve the workload in {steps} steps, the fewest; "
+                   f"{value - 1} would need {below}. The long requests must start at once, and the short ones "
+                   "fit into the slots that free up; beyond that, more slots cost memory and buy nothing.", "")
 
 
-def check_counted_tokens(llm, ignore_eos) -> CheckResult:
-    """11.3: greedy chat requests with ``max_tokens=COUNT_MAX_TOKENS`` and the chosen
-    ``ignore_eos``: right when every request produced exactly ``COUNT_MAX_TOKENS`` tokens,
-    so a benchmark's token count is the same for every system and every run."""
+def needed_ms(ttfts_s: list[float], target: float = SLO_TARGET) -> int:
+    """The tightest whole-millisecond limit that at least ``target`` of ``ttfts_s`` meet."""
+    k = math.ceil(target * len(ttfts_s) - 1e-9)  # requests that must be inside the limit
+    return math.ceil(sorted(ttfts_s)[k - 1] * 1e3 - 1e-9)
+
+
+def check_ttft_slo(run, slo_ms) -> CheckResult:
+    """11.3: ``slo_ms`` against the per-request TTFTs of ``run`` (a ``widgets.throughput_explorer
+    .OnlineRun``): right when at least ``SLO_TARGET`` of them are within it and one millisecond
+    less would not do."""
     name = "11.3"
-    if todo(ignore_eos) or not isinstance(ignore_eos, bool):
-        return verdict(name, False, "", "ignore_eos is True or False.")
-    params = SamplingParams(temperature=0.0, max_tokens=COUNT_MAX_TOKENS, ignore_eos=ignore_eos)
-    outs = llm.generate([llm.apply_chat_template([{"role": "user", "content": q}]) for q in COUNT_QUESTIONS],
-                        params, use_tqdm=False)
-    counts = [len(o.token_ids) for o in outs]
-    right = all(c == COUNT_MAX_TOKENS for c in counts)
-    return verdict(
-        name, right,
-        f"every request produced {COUNT_MAX_TOKENS} tokens ({counts}): the count no longer depends on when the "
-        "model chooses to stop, so tok/s means the same tokens for every system.",
-        f"the requests produced {counts} tokens for {COUNT_MAX_TOKENS} asked: the model stopped at its end-of-text "
-        "token, and another system (or dtype) may stop elsewhere.")
+    if todo(slo_ms):
+        return verdict(name, False, "", "set slo_ms to a number of milliseconds.")
+    if isinstance(slo_ms, bool) or not isinstance(slo_ms, (int, float)) or not slo_ms > 0 \
+            or (isinstance(slo_ms, float) and not slo_ms.is_integer()):
+        return verdict(name, False, "", "slo_ms is a whole, positive number of milliseconds.")
+    ttfts = [t for t, _ in run.latencies]
+    n, k = len(ttfts), math.ceil(SLO_TARGET * len(ttfts) - 1e-9)
+    met = sum(t * 1e3 <= slo_ms for t in ttfts)
+    need = needed_ms(ttfts)
+    if met < k:
+        return verdict(name, False, "", f"with {slo_ms:g} ms, {met} of the {n} requests met the limit; at least "
+                       f"{SLO_TARGET:.0%} of {n} is {k}. A percentile printed above is interpolated between "
+                       "requests: which request has to be inside the limit?")
+    if slo_ms > need:
+        return verdict(name, False, "", f"with {slo_ms:g} ms, {met} of the {n} requests met the limit, but a "
+                       "tighter limit would still be met by enough of them: find the tightest.")
+    return verdict(name, True, f"{slo_ms:g} ms is met by {met} of {n} requests ({met / n:.0%}), and one millisecond "
+                   f"less would leave fewer than {k}: with {n} requests, {SLO_TARGET:.0%} attainment means "
+                   f"{k} of them, so the limit is set by the slowest of the {k} fastest TTFTs, not by a percentile.", "")

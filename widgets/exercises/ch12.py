@@ -1,19 +1,24 @@
-"""Exercise checks of chapter 12 (Serving): usage in a stream, the context limit, the queue limit.
+"""Exercise checks of chapter 12 (Serving): usage of a stream, the context limit, the queue limit.
 
 Each check sends real HTTP requests with the official ``openai`` client and judges what the
 server answered (a usage record, a 200 or a 400, how many requests got a 429), never the
 learner's code and never a timing:
 
-* ``check_stream_usage`` (12.1): ``stream_options`` that make a streamed completion end with
-  a chunk carrying the token counts, which must equal the tokens streamed (the chapter's
-  server, the real model);
+* ``check_stream_usage`` (12.1): the learner predicts the ``usage`` record that ends a stream
+  of ``USAGE_PROMPTS`` (two token-id prompts) with ``n=USAGE_N`` completions each; the check
+  streams that request with ``stream_options={"include_usage": True}`` and compares;
 * ``check_max_tokens`` (12.2): the largest ``max_tokens`` the server accepts for
   ``CONTEXT_PROMPT``: that value is accepted, one more is refused with 400 (the chapter's
   server; an accepted request is closed after its first chunk, which aborts it);
-* ``check_max_queue`` (12.3): the ``max_queue`` under which, with one request running on a
-  server that runs one sequence at a time, ``QUEUE_ARRIVALS`` more arrive and exactly
-  ``QUEUE_WAIT`` of them wait while the others are told 429 (a tiny random engine:
-  mechanics only).
+* ``check_max_queue`` (12.3): the smallest ``max_queue`` under which, while one long request
+  holds the only seat, at most one of the ``QUEUE_SIZES`` arrivals (requests of several
+  prompts each, sent one after another) is refused, and none with 400 (a tiny random
+  engine: mechanics only).
+
+The checks of 12.1 and 12.2 need the chapter's server. The chapter's last cell stops it, so
+after "Run All" a check finds no server listening: it then serves the same engine from a
+server of its own for the duration of the check (``_serving``) instead of failing with a
+connection error.
 
 ``overload`` is the experiment behind 12.3, kept here so the check and the worked solution
 (``notebooks/solutions/12_serving.ipynb``) run the same thing.
@@ -21,14 +26,20 @@ learner's code and never a timing:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+import urllib.error
+import urllib.request
 
 from widgets.exercises import CheckResult, todo, verdict, whole
 
 CONTEXT_PROMPT = "In one paragraph, explain why the sky is blue."  # exercise 12.2
-USAGE_MAX_TOKENS = 8  # exercise 12.1
-QUEUE_ARRIVALS, QUEUE_WAIT = 6, 2  # exercise 12.3: 6 arrive while one runs; 2 may wait
+USAGE_PROMPTS = [[791, 6209, 315, 9822, 374, 12366, 13, 578, 6864],  # exercise 12.1: token ids,
+                 [40, 1093, 311, 3137, 264, 2875, 3446, 922, 264, 8415, 889, 374, 3094, 13]]  # ids < 49152
+USAGE_N = 2  # completions per prompt (12.1)
+USAGE_MAX_TOKENS = 6  # tokens per completion (12.1), EOS ignored
+QUEUE_SIZES = [2, 1, 3, 1, 2]  # exercise 12.3: prompts per arriving request, in arrival order
 TIMEOUT = 120  # seconds for any one request
 
 
@@ -38,35 +49,84 @@ def _client(server):
     return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=TIMEOUT)
 
 
-def check_stream_usage(server, stream_options) -> CheckResult:
-    """12.1: stream a completion with the learner's ``stream_options``; right when the last
-    chunk carries ``usage`` and its completion tokens equal the tokens that were streamed."""
-    name = "12.1"
-    if todo(stream_options):
-        return verdict(name, False, "", "set stream_options to the dictionary that asks for the token counts.")
-    if not isinstance(stream_options, dict):
-        return verdict(name, False, "", f"stream_options is a dictionary (OpenAI's field), got "
-                       f"{type(stream_options).__name__}.")
-    import openai
+def _listening(server) -> bool:
+    """Whether ``server`` answers ``GET /health`` (a stopped one refuses the connection)."""
+    try:
+        with urllib.request.urlopen(server.url + "/health", timeout=10) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
 
+
+@contextlib.contextmanager
+def _serving(server):
+    """The chapter's server if it is still listening; otherwise (its last cell stopped it) a
+    new server on the same engine, stopped again when the check is done, which hands the
+    engine back to the notebook."""
+    if _listening(server):
+        yield server
+        return
+    from nanoengine.entrypoints.openai.api_server import serve_in_background
+
+    with serve_in_background(server.engine.engine, server.model_name) as again:
+        yield again
+
+
+def predicted_usage(prompts: list[list[int]], n: int, max_tokens: int) -> dict:
+    """The ``usage`` of one request over ``prompts`` with ``n`` completions of exactly
+    ``max_tokens`` tokens each (EOS ignored): each prompt is counted once, however many
+    completions share it (they share its KV blocks, chapter 4), and every completion's tokens
+    count."""
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion_tokens = len(prompts) * n * max_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def streamed_usage(server) -> tuple[dict | None, int]:
+    """(the usage chunk's counts, the number of chunks with text) for exercise 12.1's request,
+    streamed with ``include_usage``."""
     with _client(server) as client:
-        try:
-            chunks = list(client.completions.create(
-                model=server.model_name, prompt="The three primary colours are", max_tokens=USAGE_MAX_TOKENS,
-                temperature=0, stream=True, stream_options=stream_options, extra_body={"ignore_eos": True}))
-        except openai.BadRequestError as exc:
-            return verdict(name, False, "", f"the server refused it (400): {exc.body['message']}")
+        chunks = list(client.completions.create(
+            model=server.model_name, prompt=USAGE_PROMPTS, n=USAGE_N, max_tokens=USAGE_MAX_TOKENS, temperature=0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
     usage = chunks[-1].usage if chunks else None
-    streamed = sum(1 for c in chunks if c.choices and c.choices[0].text)
+    texts = sum(1 for c in chunks if c.choices and c.choices[0].text)
     if usage is None:
-        return verdict(name, False, "", f"{len(chunks)} chunks arrived and none carried usage: look for the "
-                       "option that includes it.")
-    right = usage.completion_tokens == USAGE_MAX_TOKENS and chunks[-1].choices == [] and streamed >= 1
-    return verdict(name, right,
-                   f"the last chunk has no choices and carries usage: {usage.prompt_tokens} prompt + "
-                   f"{usage.completion_tokens} completion tokens; a client can bill or budget a stream without "
-                   "counting tokens itself.",
-                   f"usage arrived but says {usage.completion_tokens} completion tokens for {USAGE_MAX_TOKENS} asked.")
+        return None, texts
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens}, texts
+
+
+def check_stream_usage(server, usage) -> CheckResult:
+    """12.1: the learner's ``usage`` dictionary against the one the server streams last."""
+    name = "12.1"
+    keys = ("prompt_tokens", "completion_tokens", "total_tokens")
+    if todo(usage) or (isinstance(usage, dict) and any(todo(usage.get(k)) for k in keys)):
+        return verdict(name, False, "", "fill in the three counts of usage (whole numbers of tokens).")
+    if not isinstance(usage, dict) or set(usage) != set(keys):
+        return verdict(name, False, "", f"usage is a dictionary with exactly the keys {', '.join(keys)}.")
+    counts = {k: whole(usage[k], 0, 10**7) for k in keys}
+    if any(v is None for v in counts.values()):
+        return verdict(name, False, "", "each count in usage is a whole number of tokens, 0 or more.")
+    if counts["total_tokens"] != counts["prompt_tokens"] + counts["completion_tokens"]:
+        return verdict(name, False, "", "total_tokens is the prompt's tokens plus the completions' tokens: your "
+                       "three numbers do not add up.")
+    with _serving(server) as live:
+        served, _ = streamed_usage(live)
+    if served is None:
+        return verdict(name, False, "", "the stream ended without a usage chunk (is the server an old one?).")
+    wrong = [k for k in keys if counts[k] != served[k]]
+    if not wrong:
+        return verdict(name, True, f"the stream's last chunk says {served['prompt_tokens']} prompt + "
+                       f"{served['completion_tokens']} completion = {served['total_tokens']} tokens: every prompt "
+                       f"counted once, whatever its {USAGE_N} completions share, and every completion's "
+                       f"{USAGE_MAX_TOKENS} tokens counted.", "")
+    hints = {"prompt_tokens": "prompt_tokens is not what the server counted: how many times is a prompt "
+                              "counted when several completions share it?",
+             "completion_tokens": "completion_tokens is not what the server counted: count the completions "
+                                  "the request makes (how many prompts, how many each)."}
+    return verdict(name, False, "", " ".join(hints[k] for k in wrong if k in hints))
 
 
 def _accepted(server, max_tokens: int) -> tuple[bool, str]:
@@ -93,10 +153,11 @@ def check_max_tokens(server, max_tokens) -> CheckResult:
     value = whole(max_tokens, 1, 10**7)
     if value is None:
         return verdict(name, False, "", "max_tokens is a whole number of tokens, at least 1.")
-    ok, message = _accepted(server, value)
-    if not ok:
-        return verdict(name, False, "", f"the server refused max_tokens={value} with 400: {message}")
-    more_ok, more_message = _accepted(server, value + 1)
+    with _serving(server) as live:
+        ok, message = _accepted(live, value)
+        if not ok:
+            return verdict(name, False, "", f"the server refused max_tokens={value} with 400: {message}")
+        more_ok, more_message = _accepted(live, value + 1)
     return verdict(name, not more_ok,
                    f"max_tokens={value} was accepted and {value + 1} refused: \"{more_message}\". Prompt and "
                    "output must fit the context window together, so the server refuses up front what the engine "
@@ -104,10 +165,27 @@ def check_max_tokens(server, max_tokens) -> CheckResult:
                    f"max_tokens={value} was accepted, and so is {value + 1}: find the largest the server accepts.")
 
 
-def overload(max_queue: int) -> tuple[int, int]:
-    """(requests that waited, requests refused with 429) when ``QUEUE_ARRIVALS`` requests
-    arrive at once at a server with ``max_queue`` that runs one sequence at a time, while one
-    long request runs. A tiny random engine (mechanics only); every stream is closed after."""
+def admitted_by_rule(max_queue: int, sizes: list[int] = QUEUE_SIZES) -> list[str]:
+    """What the server's rule answers each arrival, in order, when nothing is admitted in
+    between: "400" for a request with more prompts than may ever wait, "429" for one that would
+    take the waiting count past ``max_queue`` (all of its prompts or none), "wait" otherwise."""
+    answers, waiting = [], 0
+    for k in sizes:
+        if k > max_queue:
+            answers.append("400")
+        elif waiting + k > max_queue:
+            answers.append("429")
+        else:
+            waiting += k
+            answers.append("wait")
+    return answers
+
+
+def overload(max_queue: int, sizes: list[int] = QUEUE_SIZES) -> list[str]:
+    """The server's answer to each of ``sizes``'s requests (``len(sizes[i])`` token-id prompts
+    each), sent one after another while one long request holds the only seat of a server with
+    ``max_queue`` that runs one sequence at a time: "wait", "429" or "400". A tiny random engine
+    (mechanics only); every stream is closed afterwards, which aborts its requests."""
     import openai
 
     from nanoengine.entrypoints.openai.api_server import serve_in_background
@@ -116,7 +194,8 @@ def overload(max_queue: int) -> tuple[int, int]:
     # The running request could take 8,000 tokens (seconds, even on the tiny model): it is still
     # running when the arrivals come, and is aborted (closed) once they have been answered.
     engine = tiny_engine(num_kv_blocks=520, block_size=16, max_model_len=8192, max_num_seqs=1)
-    results: list = []
+    answers: list[str] = []
+    streams = []
     with single_thread(), serve_in_background(engine, "tiny", max_queue=max_queue) as server, \
             _client(server) as client:
         running = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=8000, stream=True,
@@ -128,37 +207,45 @@ def overload(max_queue: int) -> tuple[int, int]:
                     raise RuntimeError("the long request did not start")
                 time.sleep(0.01)
             # it holds the only seat now: everything that arrives waits or is refused
-
-            def arrive(i: int) -> None:
-                try:
-                    results.append(client.completions.create(model="tiny", prompt=[4, 5, i], max_tokens=2,
-                                                             stream=True))
-                except openai.RateLimitError as exc:
-                    results.append(exc)
-
-            threads = [threading.Thread(target=arrive, args=(i,)) for i in range(QUEUE_ARRIVALS)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(TIMEOUT)
-        for r in results:
-            if isinstance(r, openai.Stream):
-                r.close()
-    refused = sum(isinstance(r, openai.RateLimitError) for r in results)
-    return len(results) - refused, refused
+            try:
+                for i, k in enumerate(sizes):  # one after another: the order is the rule's order
+                    try:
+                        streams.append(client.completions.create(
+                            model="tiny", prompt=[[4, 5, i, j] for j in range(k)], max_tokens=2, stream=True))
+                        answers.append("wait")
+                    except openai.RateLimitError:
+                        answers.append("429")
+                    except openai.BadRequestError:
+                        answers.append("400")
+            finally:
+                for stream in streams:
+                    stream.close()
+    return answers
 
 
 def check_max_queue(max_queue) -> CheckResult:
-    """12.3: the ``max_queue`` under which exactly ``QUEUE_WAIT`` of the arrivals wait."""
+    """12.3: the smallest ``max_queue`` under which at most one arrival is refused (429), none
+    with 400."""
     name = "12.3"
     if todo(max_queue):
         return verdict(name, False, "", "set max_queue to a whole number of waiting requests.")
     value = whole(max_queue, 1, 10_000)
     if value is None:
-        return verdict(name, False, "", "max_queue is a whole number of requests, at least 1.")
-    waited, refused = overload(value)
-    return verdict(name, waited == QUEUE_WAIT,
-                   f"{waited} requests waited and {refused} were told 429 (with Retry-After): the server sheds "
-                   "load it could only queue, and a client can back off and retry instead of timing out.",
-                   f"with max_queue={value}, {waited} waited and {refused} got 429; {QUEUE_WAIT} should wait. "
-                   "Only requests that cannot start count: the running one holds the single seat.")
+        return verdict(name, False, "", "max_queue is a whole number of waiting prompts, at least 1.")
+    answers = overload(value)
+    refused, bad = answers.count("429"), answers.count("400")
+    said = ", ".join(f"{k} prompt{'s' if k > 1 else ''}: {a}" for k, a in zip(QUEUE_SIZES, answers))
+    if bad:
+        return verdict(name, False, "", f"with max_queue={value} the server answered ({said}): a request with more "
+                       "prompts than may ever wait is refused with 400, since retrying it could never succeed.")
+    if refused > 1:
+        return verdict(name, False, "", f"with max_queue={value} the server answered ({said}): {refused} refused. "
+                       "Count the prompts waiting after each arrival: a request is admitted whole or not at all.")
+    smaller = admitted_by_rule(value - 1) if value > 1 else None  # the rule, which overload is tested to follow
+    if smaller is not None and smaller.count("429") <= 1 and "400" not in smaller:
+        return verdict(name, False, "", f"with max_queue={value} at most one request is refused, but a smaller "
+                       "limit does that too: find the smallest (a smaller queue is a shorter wait for the ones "
+                       "admitted).")
+    return verdict(name, True, f"the server answered ({said}). The refused request waits for nothing and can retry "
+                   "or go to another replica, while the waiting ones start as seats free up; one prompt fewer "
+                   "of room and a second request would be refused.", "")
