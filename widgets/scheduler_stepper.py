@@ -187,6 +187,16 @@ class SchedulerStepperController:
     def snapshot(self):
         return self.engine.snapshot()
 
+    @property
+    def completed(self) -> list[FinishedRecord]:
+        """Requests that ran to their end (a stop or their length), oldest first."""
+        return [f for f in self.finished if f.finish_reason != "abort"]
+
+    @property
+    def aborted(self) -> list[FinishedRecord]:
+        """Requests taken out by an abort (from this view, a cell or another simulator)."""
+        return [f for f in self.finished if f.finish_reason == "abort"]
+
     def colour(self, request_id: str) -> str:
         if request_id not in self.colours:
             self.colours[request_id] = PALETTE[len(self.colours) % len(PALETTE)]
@@ -212,7 +222,7 @@ class SchedulerStepperController:
                              f"[{event.num_computed_tokens}->{event.num_computed_tokens + event.num_tokens}]")
         elif isinstance(event, RequestPreempted):
             pending.preempted.append(event.request_id)
-            self._log(event, f"PREEMPTED {event.request_id}: {event.num_blocks_freed} blocks freed, "
+            self._log(event, f"PREEMPTED {event.request_id}: {plural(event.num_blocks_freed, 'block')} freed, "
                              f"it will be recomputed")
         elif isinstance(event, PrefixCacheHit):
             self._log(event, f"prefix cache hit for {event.request_id}: {event.num_cached_tokens} tokens reused")
@@ -252,6 +262,11 @@ class SchedulerStepperController:
 # ---------------------------------------------------------------------------------------
 
 
+def plural(n: int, word: str) -> str:
+    """``1 block``, ``2 blocks``: a count with its noun in the right number."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def _progress_bar(r: RequestSnapshot, total: int, colour: str) -> str:
     """Computed tokens (solid) over the request's longest length; the prompt part outlined."""
     width = 160
@@ -285,7 +300,7 @@ def render_queue(controller: SchedulerStepperController, requests: tuple[Request
         items.append(
             f'<div class="ne-req" data-request="{escape(r.request_id)}" style="margin:2px 0;font-size:12px">'
             f'<b style="color:{controller.colour(r.request_id)}">{escape(r.request_id)}</b> '
-            f'{r.num_computed_tokens}/{total} tokens · {len(r.block_ids)} blocks {flag}'
+            f'{r.num_computed_tokens}/{total} tokens · {plural(len(r.block_ids), "block")} {flag}'
             f'{_progress_bar(r, total, controller.colour(r.request_id))}</div>')
     body = "".join(items) or '<div style="color:#888;font-size:12px">empty</div>'
     return (f'<div class="ne-queue ne-queue-{name}" data-count="{len(requests)}"><b>{name} '
@@ -293,15 +308,31 @@ def render_queue(controller: SchedulerStepperController, requests: tuple[Request
 
 
 def render_finished(controller: SchedulerStepperController, limit: int = 12) -> str:
+    """Requests that ran to their end, newest first; aborted ones in a line of their own.
+
+    An abort is not a finish: it lists under "aborted", so that the finished column shows
+    only what the scheduler completed. Long answers are cut with an ellipsis so that
+    nothing runs past the column's edge.
+    """
+    completed = controller.completed
     items = []
-    for f in reversed(controller.finished[-limit:]):
+    for f in reversed(completed[-limit:]):
         text = f' · <i>{escape(f.text[:60])}</i>' if f.text else ""
-        items.append(f'<div class="ne-req" data-request="{escape(f.request_id)}" style="font-size:12px">'
+        items.append(f'<div class="ne-req" data-request="{escape(f.request_id)}" style="font-size:12px;'
+                     f'white-space:nowrap;overflow:hidden;text-overflow:ellipsis" title="{escape(f.text)}">'
                      f'<b style="color:{controller.colour(f.request_id)}">{escape(f.request_id)}</b> '
                      f'{f.finish_reason}: {f.num_prompt_tokens} + {f.num_output_tokens} tokens{text}</div>')
     body = "".join(items) or '<div style="color:#888;font-size:12px">none yet</div>'
-    return (f'<div class="ne-queue ne-queue-finished" data-count="{len(controller.finished)}">'
-            f'<b>finished ({len(controller.finished)})</b>{body}</div>')
+    if len(completed) > limit:
+        body += f'<div style="color:#888;font-size:12px">... and {len(completed) - limit} older</div>'
+    aborted = controller.aborted
+    if aborted:
+        shown = ", ".join(escape(f.request_id) for f in aborted[-limit:])
+        more = f" and {len(aborted) - limit} more" if len(aborted) > limit else ""
+        body += (f'<div class="ne-aborted" data-count="{len(aborted)}" style="font-size:12px;color:#666;'
+                 f'margin-top:4px;overflow-wrap:anywhere">aborted ({len(aborted)}): {shown}{more}</div>')
+    return (f'<div class="ne-queue ne-queue-finished" data-count="{len(completed)}">'
+            f'<b>finished ({len(completed)})</b>{body}</div>')
 
 
 def render_batch(controller: SchedulerStepperController) -> str:
@@ -540,8 +571,9 @@ class SchedulerStepper(ControllerView, W.VBox):
         columns = [render_queue(c, snap.waiting, "waiting", snap.max_model_len, preempted_now),
                    render_queue(c, snap.running, "running", snap.max_model_len, preempted_now),
                    render_finished(c)]
-        self.queues.value = ('<div style="display:flex;gap:16px;align-items:flex-start">'
-                             + "".join(f'<div style="flex:1;min-width:200px">{col}</div>' for col in columns)
+        self.queues.value = ('<div style="display:flex;gap:16px;align-items:flex-start;max-width:100%">'
+                             + "".join(f'<div style="flex:1 1 0;min-width:0;overflow:hidden;overflow-wrap:anywhere">'
+                                       f'{col}</div>' for col in columns)
                              + "</div>")
         self.batch.value = render_batch(c)
         self.timeline.value = render_timeline(c)

@@ -4,6 +4,8 @@ engine did (chunks, stalls, preemptions, recomputed tokens)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from nanoengine import SamplingParams
@@ -11,7 +13,7 @@ from widgets import tiny_engine
 from widgets.exercises import ch05
 
 
-@pytest.mark.parametrize("check", [ch05.check_token_budget, ch05.check_pool_size, ch05.check_policy])
+@pytest.mark.parametrize("check", [ch05.check_token_budget, ch05.check_pool_size, ch05.check_skipped_decodes])
 @pytest.mark.parametrize("value", [..., None, "4", 2.5, True, -1, 10**6])
 def test_placeholders_and_bad_values_are_not_yet(check, value) -> None:
     result = check(value)
@@ -20,21 +22,28 @@ def test_placeholders_and_bad_values_are_not_yet(check, value) -> None:
 
 def test_exercise_5_1_accepts_exactly_the_smallest_budget() -> None:
     assert ch05.check_token_budget(43).right
-    assert not ch05.check_token_budget(42).right
-    assert not ch05.check_token_budget(44).right
+    assert not ch05.check_token_budget(42).right  # 3 x 39 = 117 < 120: one token short
+    assert not ch05.check_token_budget(40).right  # 120 / 3, forgetting the three decodes
+    too_big = ch05.check_token_budget(44)
+    assert not too_big.right and "43" not in str(too_big)  # says what is wrong, not the answer
 
 
 def test_exercise_5_2_accepts_exactly_the_smallest_pool() -> None:
     # ceil((20+40-1)/16) + ceil((28+40-1)/16) + ceil((36+40-1)/16) + ceil((44+40-1)/16) = 4 + 5 + 5 + 6
     assert ch05.check_pool_size(20).right
-    assert not ch05.check_pool_size(19).right
-    assert not ch05.check_pool_size(21).right
+    assert not ch05.check_pool_size(19).right  # forgetting that a partly filled block is a whole block
+    assert not ch05.check_pool_size(18).right  # (20+28+36+44+4*40) / 16 = 18: tokens, not blocks
+    too_big = ch05.check_pool_size(21)
+    assert not too_big.right and "20" not in str(too_big).split("took")[0]  # the hint does not name the answer
 
 
-def test_exercise_5_3_accepts_only_fcfs() -> None:
-    assert ch05.check_policy("fcfs").right
-    assert not ch05.check_policy("prefill_first").right
-    assert not ch05.check_policy("static").right
+def test_exercise_5_3_accepts_the_skipped_decodes_the_engine_counted() -> None:
+    # ceil(120 / 36) = 4 prefill-only steps, 3 running requests lose a token in each
+    assert ch05.check_skipped_decodes(12).right
+    for wrong in (0, 9, 10, 4):  # decodes ride along; 120 // 36 steps; 120 / 36 x 3; steps, not decodes
+        result = ch05.check_skipped_decodes(wrong)
+        assert not result.right and not re.search(r"\b12\b", str(result))
+    assert ch05.newcomer_run(ch05.SKIP_BUDGET, "prefill_first").num_stalls == 12
 
 
 def test_run_trace_records_chunks_and_decodes_within_the_budget() -> None:
@@ -58,6 +67,18 @@ def test_static_policy_idles_slots_that_continuous_batching_fills() -> None:
     assert runs["fcfs"].output_tokens == runs["static"].output_tokens == 32
     assert runs["fcfs"].num_steps < runs["static"].num_steps
     assert runs["fcfs"].slot_utilisation > runs["static"].slot_utilisation
+
+
+def test_times_computed_counts_every_recomputation() -> None:
+    run = ch05.preemption_run(12, max_num_batched_tokens=32)
+    assert run.preemptions and len(run.progress_at_preemption) == len(run.preemptions)
+    histogram = dict(run.times_computed)
+    # each extra computation of a position is one recomputed token
+    assert sum((times - 1) * n for times, n in histogram.items()) == run.recomputed_tokens
+    assert max(histogram) > 2  # this small pool makes some tokens go round three times or more
+    assert run.tokens_computed_more_than_once == {t: n for t, n in histogram.items() if t > 1}
+    for (step, victim, blocks, computed), running in zip(run.preemptions, run.progress_at_preemption):
+        assert dict(running)[victim] == computed  # the victim's progress is among the running requests'
 
 
 def test_preemption_is_recorded_with_its_recompute() -> None:

@@ -15,6 +15,7 @@ import pytest
 from nanoengine.measure.timing import model_gemm_shapes, roofline
 from nanoengine.models.presets import PRESETS
 from widgets.exercises import ch06
+from widgets.step_cost_explorer import StepCostFit
 
 SMOL = PRESETS["SmolLM2-135M"]
 
@@ -93,7 +94,27 @@ def test_prefill_first_leaves_decodes_out_of_every_prefill_step(short_runs) -> N
     assert run.stalled_steps == len(run.prefill_steps) == 5
 
 
-def test_exercise_6_2_refuses_budgets_that_chunk_the_prompt_too_finely() -> None:
-    reference = ch06.ArrivalRun(2048, "fcfs", (), (), (4,), (1.0,), (4,), 1.0)
-    result = ch06.check_token_budget(64, reference)
-    assert not result.right and "more than 8" in str(result)
+FIT = StepCostFit(0.080, 0.001, 0.002)  # 80 ms a step + 1 ms per prefill token + 2 ms per decode token
+
+
+def test_exercise_6_2_accepts_the_largest_budget_the_fit_allows() -> None:
+    # 2 x (80 + 8) ms = 176 ms allows 80 + 8 + chunk x 1 ms: a chunk of 88 tokens, plus the 4 decodes
+    assert ch06.largest_budget(FIT) == 92
+    assert ch06.check_token_budget(92, FIT).right
+    for wrong in (88, 93, 91, 172):  # the decodes forgotten; one over; one under; 2 x 88 + 4 (twice the chunk)
+        result = ch06.check_token_budget(wrong, FIT)
+        assert not result.right and "92" not in str(result)
+    assert "run section 2 first" in str(ch06.check_token_budget(92, None))
+
+
+def test_arrival_run_names_its_worst_gap_and_does_not_call_it_a_p99() -> None:
+    run = ch06.ArrivalRun(512, "fcfs", (), (), (), (0.1, 0.1, 0.9), (1, 2, 3), 1.0)
+    assert run.itl_max == 0.9 and "worst 900 ms (of 3 gaps)" in run.describe() and "p99" not in run.describe()
+
+
+def test_exercise_6_3_needs_fcfs_and_a_budget_between_the_two_limits() -> None:
+    # the real default model (check_policy runs the chapter's 1,500-token arrival); structure only
+    assert ch06.check_policy("fcfs", 390).right  # 4 chunks of at most 386, 4 decodes in each
+    assert not ch06.check_policy("prefill_first", 390).right  # the decodes wait in every prefill step
+    default = ch06.check_policy("fcfs", 2048)  # the chapter's default configuration: one step of 1,504 tokens
+    assert not default.right and "more than 400 tokens" in str(default)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from nanoengine import LLM
@@ -15,7 +17,7 @@ def text_llm(tiny_llama_tok_dir):
     return LLM(str(tiny_llama_tok_dir), device="cpu", max_model_len=512, num_kv_blocks=64)
 
 
-@pytest.mark.parametrize("check", [ch07.check_pool_size, ch07.check_block_size])
+@pytest.mark.parametrize("check", [ch07.check_pool_size, ch07.check_prefix_padding])
 @pytest.mark.parametrize("value", [..., None, "14", 2.5, True, -1, 10**6])
 def test_placeholders_and_bad_values_are_not_yet(check, value) -> None:
     result = check(value)
@@ -37,14 +39,26 @@ def test_pool_size_hits_grow_one_block_at_a_time_until_both_prompts_fit() -> Non
         # the head of a prompt is freed last, so it is evicted last: a smaller pool keeps a shorter head
         assert set(r.later_requests) == {16 * min(blocks, n - 8)}
     assert ch07.check_pool_size(14).right
-    assert not ch07.check_pool_size(13).right and not ch07.check_pool_size(15).right
+    assert not ch07.check_pool_size(13).right  # 12 for the two prompts + 1: a request needs 2 of its own
+    assert not ch07.check_pool_size(12).right  # the two system prompts alone
+    too_big = ch07.check_pool_size(15)
+    assert not too_big.right and "14" not in str(too_big)  # says what is wrong, not the answer
 
 
 def test_block_size_must_divide_the_shared_prefix() -> None:
     assert ch07.shared_prefix_hits(16) == (0, 96, 96)
     assert ch07.shared_prefix_hits(20) == (0, 100, 100)
     assert ch07.shared_prefix_hits(128) == (0, 0, 0)  # the prefix never fills a block
-    assert ch07.check_block_size(25).right and not ch07.check_block_size(32).right
+
+
+def test_exercise_7_2_accepts_the_fewest_tokens_that_align_the_prefix() -> None:
+    assert ch07.padded_prefix_hits(0) == ((0, 96, 96), 100)
+    assert ch07.padded_prefix_hits(12) == ((0, 112, 112), 112)
+    assert ch07.check_prefix_padding(12).right
+    for wrong in (0, 4, 11, 13):  # no padding; 104 is not a multiple of 16; one short; one over
+        assert not ch07.check_prefix_padding(wrong).right
+    result = ch07.check_prefix_padding(28)  # 128 tokens: aligned too, but not the fewest
+    assert not result.right and "all of it, but" in str(result) and not re.search(r"\b12\b", str(result))
 
 
 def test_prompt_layout_shares_the_rules_only_when_they_come_first(text_llm) -> None:

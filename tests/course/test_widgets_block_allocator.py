@@ -298,3 +298,23 @@ def test_n_completions_share_the_prompt_blocks_in_the_view() -> None:
     assert not [cell for cell in c.cells() if cell.ref_count]
     with pytest.raises(ValueError, match="completions"):
         c.add_request(prompt_len=10, max_tokens=4, n=0)
+
+
+@pytest.mark.parametrize("max_tokens, shared_after", [(6, 2), (2, 0)])
+def test_chapter_7_recipe_shows_a_shared_block_with_its_preset_lengths(max_tokens, shared_after) -> None:
+    """Chapter 7's "Try it": the pool and lengths of its cell; add, step, add, step.
+
+    With 6 tokens out the first request is still decoding when the second is admitted, so two
+    blocks are shared; with the old preset (2) it finished in that step and nothing was."""
+    engine = tiny_engine(num_kv_blocks=8, block_size=4, max_model_len=32)
+    view = BlockAllocatorView(engine, contiguous_reserve="request", shared_prefix_len=8)
+    view.prompt_len.value, view.max_tokens.value = 10, max_tokens
+    view.shared.value = True
+    for _ in range(2):
+        view.add_button.click()
+        view.step_button.click()
+    assert f"<b>{shared_after}</b> shared" in view.counts.value
+    running = engine.snapshot().running
+    if shared_after:
+        assert len(running) == 2 and running[0].block_ids[:2] == running[1].block_ids[:2]
+        assert sum(b.ref_count == 2 for b in engine.snapshot().blocks) == 2

@@ -293,7 +293,8 @@ def test_the_stepper_redraws_after_steps_a_notebook_cell_runs() -> None:
     engine.step()  # not through the view
     assert queue_ids(view, "running") == ["0", "1"] and queue_ids(view, "waiting") == []
     engine.abort("1")  # between steps
-    assert queue_ids(view, "running") == ["0"] and "1" in queue_ids(view, "finished")
+    assert queue_ids(view, "running") == ["0"] and "1" not in queue_ids(view, "finished")
+    assert "aborted (1): 1" in view.queues.value  # an abort is listed apart from the finished requests
     view.close()
     while engine.has_unfinished_requests():
         engine.step()
@@ -315,3 +316,31 @@ def test_the_stepper_shows_static_batching_holding_a_freed_slot() -> None:
     for _ in range(4):
         view.step_button.click()
     assert "2" in queue_ids(view, "running")
+
+
+def test_one_block_is_singular_and_aborts_leave_the_finished_column() -> None:
+    view = make_view()
+    add(view, 3, 2)  # 3 prompt tokens in 4-token blocks: one block
+    add(view, 6, 10, count=2)
+    view.step_button.click()
+    assert "3/5 tokens · 1 block " in view.queues.value and "1 blocks" not in view.queues.value
+    view.abort_picker.value = "2"
+    view.abort_button.click()
+    view.run_button.click()  # request 0 finishes on its own; 1 too
+    finished = queue_ids(view, "finished")
+    assert "2" not in finished and sorted(finished) == ["0", "1"]
+    assert 'class="ne-aborted" data-count="1"' in view.queues.value and "aborted (1): 2" in view.queues.value
+    assert 'finished (2)' in view.queues.value
+    assert [f.request_id for f in view.controller.aborted] == ["2"]
+    assert not any("1 blocks" in line for line in view.controller.log)
+
+
+def test_long_answers_stay_inside_the_finished_column() -> None:
+    view = make_view()
+    add(view, 6, 20)
+    view.run_count.value = 100
+    view.run_button.click()
+    # every column may shrink (min-width:0) and cuts what does not fit instead of overflowing
+    assert view.queues.value.count("min-width:0;overflow:hidden") == 3
+    section = view.queues.value.split('ne-queue-finished')[1]
+    assert "text-overflow:ellipsis" in section and "white-space:nowrap" in section

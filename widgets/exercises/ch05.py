@@ -12,12 +12,14 @@ the same token counts, in milliseconds):
   120-token prompt, arriving while three requests decode, is prefilled within 3 steps;
 * ``check_pool_size`` (5.2): the smallest ``num_kv_blocks`` for which the preemption trace
   runs without a single preemption;
-* ``check_policy`` (5.3): the ``scheduling_policy`` under which that newcomer starts at
-  once and no running request ever skips a decode step.
+* ``check_skipped_decodes`` (5.3): how many decode steps the running requests lose while
+  that newcomer is prefilled under ``prefill_first`` with a 36-token budget (a number to
+  work out from the policy's rule, not a choice among the policies).
 """
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -35,6 +37,8 @@ PREFILL_WITHIN = 3  # exercise 5.1: its prefill must be done within this many st
 BLOCK_SIZE = 16
 PREEMPTION_PROMPTS = (20, 28, 36, 44)  # exercise 5.2: prompt tokens of the four requests
 PREEMPTION_OUTPUT = 40  # ... each generating this many tokens (EOS ignored)
+SKIP_BUDGET = 36  # exercise 5.3: the token budget under prefill_first
+SKIP_POLICY = "prefill_first"
 
 
 @dataclass(frozen=True)
@@ -83,9 +87,12 @@ class TraceRun:
     steps: tuple[StepStat, ...]
     requests: tuple[RequestStat, ...]  # in the order they were added
     preemptions: tuple[tuple[int, str, int, int], ...]  # (step, request id, blocks freed, tokens it had computed)
-    recomputed_tokens: int  # tokens computed a second time after a preemption
+    recomputed_tokens: int  # token computations repeated after a preemption (a token redone twice counts twice)
     seconds: float  # wall time of the whole run
     cpu_seconds: float = 0.0  # CPU time this process spent on it (all threads): steadier on a shared machine
+    times_computed: tuple[tuple[int, int], ...] = ()  # (times a token position was computed, how many positions)
+    progress_at_preemption: tuple[tuple[tuple[str, int], ...], ...] = ()  # per preemption: (request, computed
+    #                                             tokens) of every request running when that step began
 
     @property
     def num_steps(self) -> int:
@@ -105,6 +112,11 @@ class TraceRun:
         """The same, over the steps that began with a request waiting (work was there to do)."""
         busy = [s for s in self.steps if s.waiting_before]
         return sum(len(s.scheduled) for s in busy) / (len(busy) * self.max_num_seqs) if busy else float("nan")
+
+    @property
+    def tokens_computed_more_than_once(self) -> dict[int, int]:
+        """{times computed: token positions} for the positions computed two or more times."""
+        return {times: n for times, n in self.times_computed if times > 1}
 
     @property
     def num_stalls(self) -> int:
@@ -139,6 +151,8 @@ def run_trace(engine: LLMEngine, trace: Trace) -> TraceRun:
     progress: dict[str, int] = {}  # tokens computed, from the last snapshot
     current: dict = {"scheduled": [], "preempted": []}
     recomputed = 0
+    computed_at: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)  # position -> times
+    progress_at_preemption: list[tuple[tuple[str, int], ...]] = []
 
     def on_event(event) -> None:
         nonlocal recomputed
@@ -149,10 +163,12 @@ def run_trace(engine: LLMEngine, trace: Trace) -> TraceRun:
             before = reached.get(event.request_id, 0)
             recomputed += max(0, min(end, before) - start)
             reached[event.request_id] = max(before, end)
+            computed_at[event.request_id].update(range(start, end))
         elif isinstance(event, RequestPreempted):
             current["preempted"].append(event.request_id)
             preemptions.append((event.step, event.request_id, event.num_blocks_freed,
                                 progress.get(event.request_id, 0)))
+            progress_at_preemption.append(tuple(current["progress"]))
         elif isinstance(event, StepFinished):
             current["finished"] = event
 
@@ -166,6 +182,7 @@ def run_trace(engine: LLMEngine, trace: Trace) -> TraceRun:
                 arrival[engine.add_request(prompt, params)] = step
             snap = engine.snapshot()
             progress.update({r.request_id: r.num_computed_tokens for r in snap.running})
+            current["progress"] = [(r.request_id, r.num_computed_tokens) for r in snap.running]
             ready = [r.request_id for r in snap.running
                      if r.num_output_tokens > 0 and r.num_computed_tokens == r.num_tokens - 1]
             current.update(scheduled=[], preempted=[], finished=None)
@@ -189,8 +206,10 @@ def run_trace(engine: LLMEngine, trace: Trace) -> TraceRun:
     requests = tuple(RequestStat(rid, arrival[rid], first_sched.get(rid), first_token.get(rid), finish.get(rid),
                                  len(final[rid].prompt_token_ids), len(final[rid].token_ids),
                                  final[rid].metrics.ttft, final[rid].text) for rid in arrival)
+    histogram = collections.Counter(times for counts in computed_at.values() for times in counts.values())
     return TraceRun(engine.config.scheduling_policy, engine.config.max_num_seqs, tuple(steps), requests,
-                    tuple(preemptions), recomputed, seconds, cpu_seconds)
+                    tuple(preemptions), recomputed, seconds, cpu_seconds, tuple(sorted(histogram.items())),
+                    tuple(progress_at_preemption))
 
 
 # --------------------------------------------------------- exercises 5.1 and 5.3
@@ -239,7 +258,8 @@ def check_token_budget(max_num_batched_tokens) -> CheckResult:
                                          f"the prompt gets what is left of the budget.")
     smaller, _ = steps_to_prefill(b - 1) if b > 1 else (PREFILL_WITHIN + 1, None)
     if smaller <= PREFILL_WITHIN:
-        return verdict("5.1", False, "", f"{seen}; but {b - 1} tokens would do it too: find the smallest budget.")
+        return verdict("5.1", False, "", f"{seen}: fast enough, but not the smallest budget that is. Work out "
+                                         f"how many prompt tokens each of the {PREFILL_WITHIN} steps must carry.")
     return verdict("5.1", True, f"{seen}; {b - 1} would need {smaller}. Three decodes take 3 tokens of every "
                                 f"step, so 3 x ({b} - 3) >= {NEWCOMER_LEN} is what the chunks need.", "")
 
@@ -280,31 +300,46 @@ def check_pool_size(num_kv_blocks) -> CheckResult:
                                          f"when it finishes.")
     fewer = preemption_run(n - 1) if n > low else None
     if fewer is not None and not fewer.preemptions:
-        return verdict("5.2", False, "", f"{seen}; but {n - 1} blocks are enough too: find the smallest pool.")
+        return verdict("5.2", False, "", f"{seen}: no preemption, but this is not the smallest such pool. Count "
+                                         f"the blocks each request holds at the end instead of trying values.")
     return verdict("5.2", True, f"{seen}; with {n - 1} blocks it preempts {len(fewer.preemptions)} time(s). "
                                 f"A request holds ceil((prompt + output - 1) / {BLOCK_SIZE}) blocks at the end: the "
                                 f"last sampled token is never written to the cache.", "")
 
 
 # ------------------------------------------------------------------ exercise 5.3
-def check_policy(scheduling_policy) -> CheckResult:
-    """5.3: the policy under which the newcomer starts at once and no decode is ever skipped."""
-    if todo(scheduling_policy):
-        return verdict("5.3", False, "", f"replace ... with one of {', '.join(map(repr, POLICIES))}, then run "
-                                         f"the cell again.")
-    if scheduling_policy not in POLICIES:
-        return verdict("5.3", False, "", f"scheduling_policy must be one of {POLICIES}, got {scheduling_policy!r}.")
-    run = newcomer_run(32, scheduling_policy)
+def check_skipped_decodes(skipped) -> CheckResult:
+    """5.3: decode steps lost by the three running requests under prefill_first, budget 36.
+
+    The answer is a count to reason out from the policy's rule (a step that has prefill work
+    runs prefill only, and the prompt is cut into chunks of the budget); the check runs the
+    trace and compares with what the engine did.
+    """
+    if todo(skipped):
+        return verdict("5.3", False, "", "replace ... with a number of skipped decode steps (a whole number "
+                                         "from 0 to 100), then run the cell again.")
+    n = whole(skipped, 0, 100)
+    if n is None:
+        return verdict("5.3", False, "", f"skipped must be a whole number from 0 to 100, got {skipped!r}.")
+    run = newcomer_run(SKIP_BUDGET, SKIP_POLICY)
     newcomer = run.requests[-1]
-    waited = newcomer.first_scheduled_step - newcomer.arrival_step
-    seen = (f"Under {scheduling_policy!r} the newcomer waited {waited} step(s) before its first chunk, and "
-            f"running requests skipped {run.num_stalls} decode step(s) in all")
-    right = waited == 0 and run.num_stalls == 0
-    return verdict("5.3", right,
-                   f"{seen}. Running requests take their decode token first and the prompt fills the rest of "
-                   f"the budget in chunks: continuous batching with chunked prefill, vLLM v1's scheduler.",
-                   f"{seen}. Look for the policy that mixes prefill chunks and decodes in the same step.")
+    chunks = [k for s in run.steps for rid, k, prefill in s.chunks if rid == newcomer.request_id and prefill]
+    if n == run.num_stalls:
+        return verdict("5.3", True, f"The {NEWCOMER_LEN}-token prompt went in chunks of {chunks}; each of those "
+                                    f"{len(chunks)} steps ran prefill only, so each of the 3 running requests "
+                                    f"lost a decode step in each: {run.num_stalls}. Under fcfs the same trace "
+                                    f"loses {newcomer_run(SKIP_BUDGET, 'fcfs').num_stalls}.", "")
+    if n == 0:
+        hint = ("under prefill_first a step that can do prefill work does only that: do the running requests "
+                "get their token in it?")
+    elif n % 3:
+        hint = ("each prefill-only step costs every running request its token, and three are running: the "
+                "count is a multiple of 3.")
+    else:
+        hint = (f"{n} is {n // 3} prefill-only step(s) for each of the 3 running requests: into how many chunks "
+                f"of at most {SKIP_BUDGET} tokens is a {NEWCOMER_LEN}-token prompt cut?")
+    return verdict("5.3", False, "", f"{n} is not what the engine did: {hint}")
 
 
-__all__ = ["RequestStat", "StepStat", "TraceRun", "check_policy", "check_pool_size", "check_token_budget",
+__all__ = ["RequestStat", "StepStat", "TraceRun", "check_pool_size", "check_skipped_decodes", "check_token_budget",
            "newcomer_run", "newcomer_trace", "preemption_run", "preemption_trace", "run_trace"]

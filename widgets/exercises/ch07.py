@@ -8,13 +8,14 @@ code and never a timing:
 * ``check_pool_size`` (7.1): the smallest KV pool in which two tenants, taking turns, are
   each served their whole system prompt from the cache on every request after their first
   (a tiny random engine: mechanics only, ``widgets.tiny_engine``);
-* ``check_block_size`` (7.2): a block size of at least 16 tokens with which requests that
-  share a 100-token prefix are served all 100 of those tokens (tiny engine);
+* ``check_prefix_padding`` (7.2): with vLLM's usual 16-token blocks, the fewest shared tokens
+  to add to a 100-token shared prefix so that later requests are served every shared token
+  (aligning the prefix to whole blocks; tiny engine);
 * ``check_prompt_layout`` (7.3): a prompt layout, as a format string, that lets requests
   with different dates and questions share the fixed rules (the real model and tokenizer,
   passed in by the chapter).
 
-``tenant_turns``, ``shared_prefix_hits`` and ``layout_hits`` are the experiments behind the
+``tenant_turns``, ``shared_prefix_hits``, ``padded_prefix_hits`` and ``layout_hits`` are the experiments behind the
 checks, kept here so the checks and the worked solutions
 (``notebooks/solutions/07_prefix_caching.ipynb``) run the same thing.
 """
@@ -38,6 +39,8 @@ TENANT_MAX_MODEL_LEN = 128  # so a pool needs at least 8 blocks of 16 tokens
 # exercise 7.2: a prefix that is not a multiple of 16 tokens
 SHARED_PREFIX_LEN = 100
 SHARED_SUFFIX_LEN = 20
+PADDING_BLOCK_SIZE = 16  # 7.2 keeps the block size vLLM's kernels use; the learner aligns the prefix instead
+MAX_PADDING = 64
 # exercise 7.3: the rules every prompt carries, and what changes from request to request
 LAYOUT_FIELDS = ("rules", "date", "question")
 LAYOUT_RULES = (
@@ -115,8 +118,8 @@ def check_pool_size(num_kv_blocks) -> CheckResult:
                                          f"needs beyond its prompt's shared blocks.")
     smaller = tenant_turns(n - 1) if n > low else None
     if smaller is not None and all(c == TENANT_PROMPT_LEN for c in smaller.later_requests):
-        return verdict("7.1", False, "", f"{seen}. That works, but {n - 1} blocks would too: find the "
-                                         f"smallest pool.")
+        return verdict("7.1", False, "", f"{seen}. That works, but it is not the smallest pool that does: "
+                                         f"count the blocks instead of trying values.")
     below = (f"; with {n - 1} the later requests get only {smaller.later_requests[0]}" if smaller is not None
              else "")
     return verdict("7.1", True,
@@ -138,23 +141,46 @@ def shared_prefix_hits(block_size: int, num_requests: int = 3) -> tuple[int, ...
         return tuple(_run_alone(engine, prefix + source.tokens(SHARED_SUFFIX_LEN), 2) for _ in range(num_requests))
 
 
-def check_block_size(block_size) -> CheckResult:
-    """7.2: a block size >= 16 with which later requests are served all 100 shared tokens."""
-    if todo(block_size):
-        return verdict("7.2", False, "", "replace ... with a block size in tokens (a whole number from 16 to "
-                                         "128), then run the cell again.")
-    bs = whole(block_size, 16, 128)
-    if bs is None:
-        return verdict("7.2", False, "", f"block_size must be a whole number from 16 to 128, got {block_size!r}.")
-    hits = shared_prefix_hits(bs)
-    seen = f"With {bs}-token blocks the three requests were served {list(hits)} prompt tokens from the cache"
-    later = hits[1:]
-    if all(h == SHARED_PREFIX_LEN for h in later):
-        return verdict("7.2", True, f"{seen}: all {SHARED_PREFIX_LEN} shared tokens, because {bs} divides "
-                                    f"{SHARED_PREFIX_LEN}. Only full blocks are cached, and a block that mixes "
-                                    f"shared and private tokens has a digest of its own.", "")
-    return verdict("7.2", False, "", f"{seen}. Only full blocks whose tokens are all shared can match: the "
-                                     f"block that holds the first private token never does.")
+def padded_prefix_hits(padding: int, num_requests: int = 3) -> tuple[tuple[int, ...], int]:
+    """(prompt tokens served from the cache per request, shared tokens) when the 100-token shared
+    prefix is extended by ``padding`` more shared tokens, with 16-token blocks (tiny engine).
+
+    The requests run one after another; each then adds 20 tokens of its own.
+    """
+    engine = tiny_engine(num_kv_blocks=64, block_size=PADDING_BLOCK_SIZE, max_model_len=256)
+    source = TokenSource(engine.model_config.vocab_size, seed=3)
+    shared = source.tokens(SHARED_PREFIX_LEN) + source.tokens(padding)
+    with single_thread():
+        hits = tuple(_run_alone(engine, shared + source.tokens(SHARED_SUFFIX_LEN), 2) for _ in range(num_requests))
+    return hits, len(shared)
+
+
+def check_prefix_padding(padding) -> CheckResult:
+    """7.2: the fewest shared tokens to add so that 16-token blocks cover the whole shared prefix."""
+    if todo(padding):
+        return verdict("7.2", False, "", f"replace ... with a number of shared tokens to add (a whole number "
+                                         f"from 0 to {MAX_PADDING}), then run the cell again.")
+    pad = whole(padding, 0, MAX_PADDING)
+    if pad is None:
+        return verdict("7.2", False, "", f"padding must be a whole number from 0 to {MAX_PADDING}, "
+                                         f"got {padding!r}.")
+    hits, shared = padded_prefix_hits(pad)
+    seen = (f"With {pad} tokens added the shared prefix is {shared} tokens, and the three requests were served "
+            f"{list(hits)} of them from the cache")
+    if not all(h == shared for h in hits[1:]):
+        return verdict("7.2", False, "", f"{seen}: not all of it. Only full {PADDING_BLOCK_SIZE}-token blocks "
+                                         f"whose tokens are all shared can match; the block that holds the first "
+                                         f"private token never does.")
+    # an aligned prefix stays aligned one block shorter: if that one works too, this was not the fewest
+    shorter = pad - PADDING_BLOCK_SIZE
+    smaller, smaller_shared = padded_prefix_hits(shorter) if shorter >= 0 else ((), 0)
+    if shorter >= 0 and all(h == smaller_shared for h in smaller[1:]):
+        return verdict("7.2", False, "", f"{seen}: all of it, but with fewer added tokens it would be too: "
+                                         f"what length must a prefix have for its last block to be full?")
+    return verdict("7.2", True, f"{seen}: every shared token, in {shared // PADDING_BLOCK_SIZE} full blocks. A "
+                                f"prefix is served whole only if its length is a multiple of the block size; "
+                                f"the {SHARED_PREFIX_LEN}-token one lost its last {SHARED_PREFIX_LEN % PADDING_BLOCK_SIZE} "
+                                f"tokens to a block it shared with private ones.", "")
 
 
 # ------------------------------------------------------------------ exercise 7.3
@@ -200,5 +226,5 @@ def check_prompt_layout(layout, llm: LLM | LLMEngine) -> CheckResult:
                                      f"whatever changes between requests must come after what they share.")
 
 
-__all__ = ["TurnsResult", "check_block_size", "check_pool_size", "check_prompt_layout", "layout_hits",
-           "shared_prefix_hits", "tenant_turns"]
+__all__ = ["TurnsResult", "check_pool_size", "check_prefix_padding", "check_prompt_layout", "layout_hits",
+           "padded_prefix_hits", "shared_prefix_hits", "tenant_turns"]
