@@ -9,7 +9,7 @@ and any saved widget state is dropped (it would be stale, and multi-megabyte). T
 screen is not touched: only the file changes.
 
 ``jupyter/config/jupyter_server_config.py`` installs ``strip_widget_views`` as the server's
-``pre_save_hook``; tests/test_course_jupyter_config.py tests it. Standard library only: the
+``pre_save_hook``; tests/course/test_course_jupyter_config.py tests it. Standard library only: the
 Jupyter server imports it, and it must not pull in torch.
 """
 

@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SITE_SRC = ROOT / "docs" / "site_src"  # conf.py and the site's static files
 INDEX = Path("notebooks/README.md")
 LABS = Path("labs/nano-vllm")
-# Committed without outputs on purpose (tests/test_widgets_notebook.py): every cell is a live
+# Committed without outputs on purpose (tests/course/test_widgets_notebook.py): every cell is a live
 # simulator, so the page shows static views of them and says how to run them.
 LIVE_ONLY = {Path("notebooks/widgets_demo.ipynb")}
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"

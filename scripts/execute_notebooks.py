@@ -14,7 +14,7 @@ the tests), then, before saving:
 * refuses to save a notebook over 1 MB.
 
 Run it on a clean working tree (commit first), so the recorded revision holds the code
-that produced the outputs; ``tests/test_notebooks.py`` checks the revision against HEAD.
+that produced the outputs; ``tests/course/test_notebooks.py`` checks the revision against HEAD.
 """
 
 from __future__ import annotations

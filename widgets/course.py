@@ -35,7 +35,7 @@ def show_source(obj, title: str | None = None):
     from IPython.display import HTML
 
     text, path, first = source_of(obj)
-    # The digest lets tests/test_notebooks.py check a saved listing against today's source.
+    # The digest lets tests/course/test_notebooks.py check a saved listing against today's source.
     digest = hashlib.sha256(text.encode()).hexdigest()
     header = f"<div class='ne-source' data-path='{path}' data-first-line='{first}' " \
              f"data-lines='{text.count(chr(10))}' data-sha256='{digest}' " \

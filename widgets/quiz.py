@@ -8,7 +8,7 @@ Questions live in data files, one per chapter: ``widgets/quizzes/chNN.json``::
 
 ``applies`` marks a question that applies an idea to a new case (a scenario with numbers,
 a configuration to predict) rather than asking for a definition; at least half of the
-course's written questions do (``tests/test_quiz_balance.py``).
+course's written questions do (``tests/course/test_quiz_balance.py``).
 
 Every option carries its own explanation, so a reader who picks a wrong answer learns why
 it is wrong, not just which one was right. ``load_quiz`` validates a file (exactly one
@@ -18,7 +18,7 @@ A quiz must not be passable by pattern (COURSE.md, item 6). Two habits of hand-w
 quizzes give answers away: the correct option is the longest, carefully qualified one, and
 the correct positions follow a rotation. Wrong options are real misconceptions, and the
 files are written so that the correct option's length rank (longest ... shortest) is spread
-evenly over the course (``tests/test_quiz_balance.py`` checks every question in display
+evenly over the course (``tests/course/test_quiz_balance.py`` checks every question in display
 order, live ones included), and the order a reader sees comes from ``shuffle_options``: options are put in a
 canonical order, then shuffled by a generator seeded from the chapter and the question
 text, and a chapter's correct answers are spread evenly over the positions in a seeded

@@ -15,7 +15,7 @@ a control picks a measured point and shows what it cost:
   at least ``target`` of its requests inside the SLO.
 
 ``ThroughputExplorerController`` holds the arithmetic (tested headless in
-``tests/test_widgets_throughput_explorer.py``); ``ThroughputExplorer`` is the ipywidgets view.
+``tests/course/test_widgets_throughput_explorer.py``); ``ThroughputExplorer`` is the ipywidgets view.
 Bad values (a size or rate that was not measured, a limit that is not positive) raise a
 ``ValueError`` that says what is allowed, and the view shows it as a message, leaving the
 last good reading on screen marked as such. Nothing here touches an engine, so the explorer

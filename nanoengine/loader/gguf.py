@@ -25,7 +25,7 @@ Hugging Face Llama applies rotary embeddings in "rotate half" form: within a hea
 *adjacent* rows ``2j, 2j+1`` instead, so its converter interleaves the two halves of every
 head. We undo that here (:func:`unpermute_rotary`), at load time, so model code stays clean
 (the gpt-fast habit). Get it wrong and the model still runs but writes gibberish, which is
-why ``tests/test_default_model.py`` generates text with Hugging Face transformers.
+why ``tests/engine/test_default_model.py`` generates text with Hugging Face transformers.
 
 Only the Llama architecture (``general.architecture == "llama"``: Llama 1/2/3, Mistral,
 SmolLM2) is supported; anything else raises a ``ValueError`` that names it.

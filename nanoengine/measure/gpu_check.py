@@ -10,7 +10,7 @@ Four sub-checks, each recorded as pass / fail / skipped with its numbers:
 a. **kernels**: every Triton kernel (``kernels/triton_kernels.py``) against its PyTorch
    reference (``kernels/reference.py``) at realistic shapes (SmolLM2-135M's and
    Qwen3-0.6B's heads, contexts up to 2048 tokens), fp32/fp16/bf16, with the tolerances
-   of ``tests/test_triton_kernels.py``; store-KV must be bit exact. Each kernel is timed too.
+   of ``tests/engine/test_triton_kernels.py``; store-KV must be bit exact. Each kernel is timed too.
 b. **cuda_graphs**: the same greedy requests with CUDA-graph decode (``enforce_eager=False``)
    and eager (``enforce_eager=True``). Output lengths vary, so the decode batch shrinks
    through many graph sizes. A differing token is accepted only where eager's own top-2
@@ -66,7 +66,7 @@ from nanoengine.models.config import ModelConfig
 from nanoengine.measure.timing import median_ms
 from nanoengine.models.presets import PRESETS
 
-TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # as tests/test_triton_kernels.py
+TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # as tests/engine/test_triton_kernels.py
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 NO_CUDA_MESSAGE = ("nanoengine gpu-check: no CUDA device is visible, so there is nothing to check here: the "
                    "Triton kernels, CUDA graphs and the GPU benchmark need an NVIDIA GPU.\n"

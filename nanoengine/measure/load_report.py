@@ -12,7 +12,7 @@ chunked prefill and preemption all happen. Requests arrive as earlier ones finis
 
 It prints steps/s, output tokens/s, the peak RSS and the RSS growth after warm-up (RSS is
 sampled with psutil every ``--sample-every`` steps), and checks that every request
-finished and no block leaked. ``tests/test_load.py`` runs the same function with asserts.
+finished and no block leaked. ``tests/engine/test_load.py`` runs the same function with asserts.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ throughputs belong to their machine and its load on that day. The plot
 (``results/summary.png``) shows the same ratios.
 
 The section sits between two markers in README.md, so regenerating it never touches the
-prose around it, and ``tests/test_results_report.py`` fails when a results file was added
+prose around it, and ``tests/measure/test_results_report.py`` fails when a results file was added
 without regenerating the section.
 """
 

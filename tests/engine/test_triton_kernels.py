@@ -8,7 +8,7 @@ Three layers, cheapest first:
   before ``@triton.jit`` decorates the kernels, i.e. before ``triton_kernels`` is first
   imported, and another test in this process may already have imported it. So the
   kernel cases run in a child process: this file, run as a script
-  (``python tests/test_triton_kernels.py interpret CASE...``), with the variable set. One
+  (``python tests/engine/test_triton_kernels.py interpret CASE...``), with the variable set. One
   child runs every selected case; each case is still its own pytest test. Shapes are tiny
   because the interpreter executes every program instance in NumPy.
 * ``@pytest.mark.gpu``: the compiled kernels on CUDA at realistic shapes (skipped here).

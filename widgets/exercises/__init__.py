@@ -9,7 +9,7 @@ is two cells in the chapter:
   ``Exercise 4.2: not yet. Hint: <hint>``.
 
 ``notebooks/solutions/NN_*.ipynb`` holds the same exercises solved and explained. CI runs
-both notebooks, and ``tests/test_exercises.py`` requires every check to say "not yet" on
+both notebooks, and ``tests/course/test_exercises.py`` requires every check to say "not yet" on
 the untouched scaffold and "right" on the solution, so a check that cannot fail, or a
 solution that does not pass, is caught.
 

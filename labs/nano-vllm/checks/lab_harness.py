@@ -13,7 +13,7 @@ Used three ways:
 - ``pytest labs/nano-vllm/checks/test_v05.py`` runs them as ordinary tests, against the
   folder named by the environment variable ``NANO_VLLM_LAB_DIR`` (default: the solution),
   for full tracebacks;
-- ``tests/test_labs.py`` proves that every solution passes and every starter fails.
+- ``tests/labs/test_labs.py`` proves that every solution passes and every starter fails.
 
 Snapshot folders are not packages (their modules import each other by plain name, as
 scripts do), so ``Lab.load`` puts one folder on ``sys.path`` at a time and removes its
