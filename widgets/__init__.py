@@ -1,16 +1,24 @@
 """The course's interactive simulators, each a plain-Python controller over the live engine
-with a thin ipywidgets view (chapters 1, 4, 5, 7 and 8, plus every chapter's quiz).
+with a thin ipywidgets view (chapters 1 and 3-12, plus every chapter's quiz).
 
 =====================  ==================================  ==========================
 view                   controller                          chapters
 =====================  ==================================  ==========================
 BlockAllocatorView     BlockAllocatorController            4 (PagedAttention), 7
 SchedulerStepper       SchedulerStepperController          5 (the scheduler)
+StepCostExplorer       StepCostFit, explore                6 (prefill vs decode)
 SamplingPlayground     SamplingPlaygroundController        8 (sampling)
+TPStepper              TPStepperController                 9 (tensor parallelism)
+ThroughputExplorer     ThroughputExplorerController        11 (benchmarks)
 MemoryEstimator        MemoryEstimatorController           1, 3
 TokenEditor            token_pieces (widgets.tokens)       1
 Quiz                   QuizController                      all twelve
 =====================  ==================================  ==========================
+
+The step-cost and throughput explorers are driven by their chapter's own measurements (a
+line fitted to measured steps; the measured online runs), not by a live engine, so they stay
+usable whatever later cells did to the engine; the TP stepper splits one real layer's weights
+and never steps an engine.
 
 Controllers use only the engine's public API (``add_request``, ``step``, ``abort``,
 ``snapshot``, ``events``, ``next_token_logits``) and the sampler's public functions; the
@@ -31,9 +39,13 @@ from widgets.memory_estimator import MemoryEstimator, MemoryEstimatorController
 from widgets.quiz import Quiz, QuizController, load_quiz
 from widgets.sampling_playground import SamplingPlayground, SamplingPlaygroundController
 from widgets.scheduler_stepper import SchedulerStepper, SchedulerStepperController
+from widgets.step_cost_explorer import StepCostExplorer, StepCostFit
+from widgets.throughput_explorer import ThroughputExplorer, ThroughputExplorerController
 from widgets.tokens import TokenEditor, token_chips, token_pieces
+from widgets.tp_stepper import TPStepper, TPStepperController
 
 __all__ = ["BlockAllocatorController", "BlockAllocatorView", "ContiguousAllocator", "MemoryEstimator",
            "MemoryEstimatorController", "Quiz", "QuizController", "load_quiz", "SamplingPlayground",
            "SamplingPlaygroundController", "SchedulerStepper", "SchedulerStepperController",
-           "TokenEditor", "default_engine", "single_thread", "tiny_engine", "token_chips", "token_pieces"]
+           "StepCostExplorer", "StepCostFit", "ThroughputExplorer", "ThroughputExplorerController",
+           "TPStepper", "TPStepperController", "TokenEditor", "default_engine", "single_thread", "tiny_engine", "token_chips", "token_pieces"]
