@@ -24,8 +24,10 @@ if [ -z "${NANOENGINE_NATIVE_NUMERICS:-}" ]; then
   if [ "$(uname -m)" = x86_64 ]; then
     export ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2
   fi
-  # torch.compile's kernels from a run on the native path must not be reused here: a cached
-  # kernel built for another thread count or instruction set gave NaN probabilities on this path
+  # torch.compile's on-disk cache must not hand this run kernels compiled on the native path:
+  # with ATEN_CPU_CAPABILITY=avx2 and the default cache (filled by an AVX-512 run), torch 2.13
+  # reused them and a compiled engine produced wrong tokens or NaN probabilities (one thread
+  # alone did not; a cache of its own did not). Native runs keep the default cache.
   export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/.venv/inductor-cache-pinned-numerics}"
 fi
 notebooks=$(ls notebooks/[0-9][0-9]_*.ipynb notebooks/solutions/[0-9][0-9]_*.ipynb 2>/dev/null || true)
