@@ -188,6 +188,10 @@ def _as_params_list(params, n: int) -> list[SamplingParams]:
     if not isinstance(params, (list, tuple)):
         raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {params!r}")
     params = list(params)
+    for p in params:
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {p!r:.80} "
+                            f"({type(p).__name__}) in the list")
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; give one, or one per prompt")
     return params

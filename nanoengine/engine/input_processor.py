@@ -111,7 +111,7 @@ class InputProcessor:
             return prompt, list(self._check_length(self.tokenizer.encode(prompt, add_special_tokens=True)))
         if isinstance(prompt, (list, tuple)):
             return None, list(self.process_tokens(prompt, SamplingParams()).prompt_token_ids)
-        raise TypeError(f"prompt must be a string, a list of token ids or a list of chat messages, "
+        raise TypeError(f"prompt must be a string or a list of token ids (or a list of chat messages), "
                         f"got {prompt!r:.80} ({type(prompt).__name__})")
 
     def apply_chat_template(self, messages: Sequence[Message]) -> str:
