@@ -17,10 +17,11 @@ The result is a ``ProcessedPrompt``, which ``LLMEngine.add_request`` accepts as 
 vLLM v1 splits its engine the same way (vllm/v1/engine/processor.py turns prompts into
 ``EngineCoreRequest`` objects before the engine core sees them).
 
-The processor reads only its tokenizer and fixed limits, never the engine's queues, so it
-can run on a thread other than the one stepping the engine: a server tokenizes a large
-prompt there while the engine keeps serving others. ``process_tokens`` is the entry for
-prompts that are already token ids.
+The processor reads only its tokenizer and fixed limits, none of the engine's state
+(queues, blocks, request ids), so a server may call it on a thread other than the one
+stepping the engine, tokenizing a large prompt while the engine keeps serving others (the
+tokenizer is then shared by that thread and the engine's detokenizer). ``process_tokens``
+is the entry for prompts that are already token ids.
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ from typing import Callable
 import torch
 
 from nanoengine.config import EngineConfig, resolve_max_model_len, resolve_num_kv_blocks
+from nanoengine.engine import parallel_sampling
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.block_table import BlockTables
-from nanoengine.engine import parallel_sampling
 from nanoengine.engine.input_processor import InputProcessor, ProcessedPrompt, PromptInput
 from nanoengine.engine.model_runner import ModelRunner, SamplingRunner, plan_batch
 from nanoengine.engine.output_processor import OutputProcessor, RequestState
@@ -129,16 +129,18 @@ class LLMEngine:
         """
         processed = self.input_processor.process(prompt, sampling_params)
         params = processed.sampling_params
-        if request_id is None:  # the next free number
+        automatic = request_id is None
+        if automatic:  # the next free number (consumed only once the request is queued)
             while self._id_taken(str(self._next_id), params.n):
                 self._next_id += 1
             request_id = str(self._next_id)
-            self._next_id += 1
         elif not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         elif self._id_taken(request_id, params.n):
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
         arrival_time = self._check_arrival_time(arrival_time)
+        if automatic:
+            self._next_id += 1
 
         def make(child_id: str, child_params: SamplingParams, index: int) -> Request:
             return Request(child_id, processed.prompt_token_ids, child_params, prompt=processed.prompt,
