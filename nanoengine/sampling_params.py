@@ -77,7 +77,7 @@ class SamplingParams:
                                                              "a list of token ids"))
         _check_number("temperature", self.temperature, float)
         if not 0.0 <= self.temperature < float("inf"):  # inf would divide every logit to 0: uniform noise
-            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature}")
+            raise ValueError(f"temperature must be >= 0 and finite (0 means greedy), got {self.temperature}")
         _check_number("top_k", self.top_k, int)
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 (no limit), 0 (no limit) or >= 1, got {self.top_k}")
