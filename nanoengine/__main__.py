@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         params = _params(args)
         llm = LLM(args.model, device=args.device)
         if args.command == "generate":
-            prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+            prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt  # a conversation
             if args.stream:
                 for delta in llm.stream(prompt, params):
                     print(delta, end="", flush=True)
@@ -109,7 +109,7 @@ def _chat_loop(llm, params, system: str | None) -> int:
         messages.append({"role": "user", "content": line.strip()})
         print("assistant> ", end="", flush=True)
         reply = []
-        for delta in llm.stream(llm.apply_chat_template(messages), params):
+        for delta in llm.stream(messages, params):
             reply.append(delta)
             print(delta, end="", flush=True)
         print()

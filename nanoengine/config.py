@@ -20,6 +20,7 @@ from nanoengine.models.config import ModelConfig
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 POLICIES = ("fcfs", "prefill_first", "static")
+DEFAULT_MAX_NUM_SEQS = 256
 
 
 @dataclass
@@ -31,8 +32,13 @@ class EngineConfig:
     block_size: tokens per KV block (vLLM's default 16; nano-vLLM uses 256).
     num_kv_blocks: size of the KV pool in blocks; None derives it from kv_cache_memory_gb.
     kv_cache_memory_gb: memory budget for the KV pool when num_kv_blocks is None.
-    max_num_seqs: most requests running at once.
-    max_num_batched_tokens: the token budget of one step (prefill chunks + decodes).
+    max_num_seqs: most requests running at once. None (the default) takes 256, or
+        max_num_batched_tokens when that is smaller: every running request needs at least
+        one token of a step's budget, so a larger max_num_seqs would admit requests that
+        then wait for tokens while others run (vLLM refuses the same setting,
+        ``SchedulerConfig.verify_max_model_len`` in vllm/config/scheduler.py).
+    max_num_batched_tokens: the token budget of one step (prefill chunks + decodes);
+        at least max_num_seqs.
     max_model_len: longest prompt + output a request may reach; None takes the model's.
     enable_prefix_caching: reuse KV blocks of identical prefixes.
     enable_chunked_prefill: split long prompts over several steps.
@@ -53,7 +59,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_gb: float = 1.0
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -77,8 +83,17 @@ class EngineConfig:
         if isinstance(self.kv_cache_memory_gb, bool) or not isinstance(self.kv_cache_memory_gb, (int, float)) \
                 or not 0 < self.kv_cache_memory_gb < float("inf"):
             raise ValueError(f"kv_cache_memory_gb must be a finite number > 0, got {self.kv_cache_memory_gb!r}")
-        _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_num_seqs is None:
+            self.max_num_seqs = min(DEFAULT_MAX_NUM_SEQS, self.max_num_batched_tokens)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): each running request needs a token of every step's budget, so with "
+                f"fewer tokens than sequences some running requests would get none and wait while others "
+                f"run. Raise max_num_batched_tokens to at least {self.max_num_seqs}, or lower max_num_seqs "
+                f"to at most {self.max_num_batched_tokens} (or leave it unset)")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
         if self.scheduling_policy not in POLICIES:

@@ -7,6 +7,13 @@
 
 ``generate`` checks every prompt before queueing any, so one bad prompt leaves the engine
 untouched; if it is interrupted, it aborts its own requests so no blocks stay held.
+
+Every prompt goes through the engine's input processor once (tokenized, chat template
+applied, checked). Every output comes through one ``OutputRouter`` (``llm.router``),
+which steps the engine and keeps each request's outputs for its reader, so a
+``generate`` run while a stream is open, or two streams read in turn, lose nothing. A
+request added directly with ``llm.engine.add_request`` while this ``LLM`` is streaming
+keeps its outputs there too: ``llm.router.wait(request_id)`` returns its final one.
 """
 
 from __future__ import annotations
@@ -15,12 +22,13 @@ import dataclasses
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from nanoengine.engine.input_processor import Message, is_conversation
 from nanoengine.engine.llm_engine import LLMEngine
+from nanoengine.engine.output_router import OutputRouter
 from nanoengine.outputs import RequestOutput
 from nanoengine.sampling_params import RequestOutputKind, SamplingParams
 
-Prompt = str | list[int]
-Message = dict[str, str]
+Prompt = str | list[int] | list[Message]  # text, token ids, or a chat conversation
 
 
 class LLM:
@@ -29,6 +37,21 @@ class LLM:
     def __init__(self, model: str | Path | None = None, **config) -> None:
         self.engine = LLMEngine.from_pretrained(model, **config)
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        """An ``LLM`` over an engine built elsewhere (``LLMEngine.from_model`` in tests and chapters)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
+    @property
+    def router(self) -> OutputRouter:
+        """The one reader of ``engine.step()``: it keeps each request's outputs for its reader."""
+        router = self.__dict__.get("_router")
+        if router is None or router.engine is not self.engine:  # made on first use, for this engine
+            router = self.__dict__["_router"] = OutputRouter(self.engine)
+        return router
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer
@@ -36,14 +59,17 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run prompts to completion; outputs come back in input order."""
+        """Run prompts to completion; outputs come back in input order.
+
+        A prompt is text, token ids or a chat conversation (see ``chat``).
+        """
         prompts = _as_prompt_list(prompts)
         # Only final outputs are read here, so the engine makes text only once a request ends.
         params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) if isinstance(p, SamplingParams)
                   else p for p in _as_params_list(sampling_params, len(prompts))]
-        for prompt, p in zip(prompts, params):  # validate everything before queueing anything
-            self.engine.make_request(prompt, p, None)
-        ids = [self.engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        processor = self.engine.input_processor  # tokenize and check everything before queueing anything
+        processed = [processor.process(prompt, p) for prompt, p in zip(prompts, params)]
+        ids = [self.engine.add_request(p) for p in processed]
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[Message] | Sequence[list[Message]],
@@ -53,25 +79,24 @@ class LLM:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts "
                              f"(or a list of such lists), got {messages!r}")
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm)
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        for c in conversations:  # a conversation, not text or token ids, whatever generate() would take
+            if not isinstance(c, (list, tuple)) or not c or not isinstance(c[0], dict):
+                raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts "
+                                 f"(or a list of such lists), got {c!r:.200}")
+        return self.generate(conversations, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[Message]) -> str:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template; use generate() with a plain prompt")
-        if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
-            raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts, "
-                             f"got {messages!r}")
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        """The conversation as the model's chat template renders it (the text ``chat`` tokenizes)."""
+        return self.engine.input_processor.apply_chat_template(messages)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text deltas of one request as its tokens are produced.
+        """Yield text deltas of one request (text, token ids or a conversation) as they are produced.
 
-        Other queued requests keep making progress while this one streams. Closing the
-        generator early aborts the request and frees its blocks. A stream is one text, so
-        ``n`` must be 1 (use ``generate`` for several completions).
+        Other queued requests keep making progress while this one streams, and their
+        outputs wait in ``llm.router`` for their readers. Closing the generator early
+        aborts the request and frees its blocks. A stream is one text, so ``n`` must be 1
+        (use ``generate`` for several completions).
         """
         if sampling_params is not None and getattr(sampling_params, "n", 1) != 1:
             raise ValueError(f"stream() yields one completion's text, got SamplingParams(n={sampling_params.n}); "
@@ -80,19 +105,23 @@ class LLM:
         if isinstance(params, SamplingParams):  # only the new text is read: outputs hold only that
             params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         request_id = self.engine.add_request(prompt, params)
+        self.router.watch(request_id)
         finished = False
         try:
-            while not finished and self.engine.has_request(request_id):  # engine.abort() may end it
-                for out in self.engine.step():
-                    if out.request_id == request_id:
-                        finished = out.finished
-                        if out.delta:
-                            yield out.delta
+            while not finished:
+                out = self.router.next_output(request_id)  # steps the engine when nothing is queued
+                if out is None:  # engine.abort() ended it between steps
+                    break
+                finished = out.finished
+                if out.delta:
+                    yield out.delta
         finally:
             if not finished and self.engine.has_request(request_id):
-                self.engine.abort(request_id)
+                self.engine.abort(request_id)  # deferred if this runs inside a step (a dropped stream)
+            self.router.release(request_id)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step (through the router) until every request of ``ids`` has its final output."""
         pending, results = set(ids), {}
         bar = None
         if use_tqdm:
@@ -101,8 +130,12 @@ class LLM:
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         try:
             while pending:
-                for out in self.engine.step():
+                if not self.engine.has_unfinished_requests():
+                    raise RuntimeError(f"requests {sorted(pending)[:5]} ended without a final output here: "
+                                       f"something called engine.abort() on them and took it")
+                for out in self.router.step():
                     if out.finished and out.request_id in pending:
+                        self.router.release(out.request_id)  # read here: its queue is not needed
                         pending.discard(out.request_id)
                         results[out.request_id] = out
                         if bar is not None:
@@ -111,6 +144,7 @@ class LLM:
             for request_id in pending:  # leave no half-finished request holding blocks
                 if self.engine.has_request(request_id):
                     self.engine.abort(request_id)
+                self.router.release(request_id)
             raise
         finally:
             if bar is not None:
@@ -136,7 +170,7 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
+    if isinstance(prompts, str) or is_conversation(prompts):
         return [prompts]
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) and not isinstance(t, bool)
                                                               for t in prompts):
@@ -154,6 +188,10 @@ def _as_params_list(params, n: int) -> list[SamplingParams]:
     if not isinstance(params, (list, tuple)):
         raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {params!r}")
     params = list(params)
+    for p in params:
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {p!r:.80} "
+                            f"({type(p).__name__}) in the list")
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts; give one, or one per prompt")
     return params

@@ -76,8 +76,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids,
                                                              "a list of token ids"))
         _check_number("temperature", self.temperature, float)
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}")
+        if not 0.0 <= self.temperature < float("inf"):  # inf would divide every logit to 0: uniform noise
+            raise ValueError(f"temperature must be >= 0 and finite (0 means greedy), got {self.temperature}")
         _check_number("top_k", self.top_k, int)
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 (no limit), 0 (no limit) or >= 1, got {self.top_k}")

@@ -11,14 +11,16 @@ state: ``snapshot()`` and ``memory_report()`` return frozen records, and ``event
 publishes what happened (queued, scheduled, preempted, finished, blocks allocated, forked,
 freed, stored, evicted, prefix hits, each step's batch layout and timings).
 
-Module map of the engine core: ``scheduler`` decides, ``block_manager`` keeps the KV
-blocks, ``model_runner`` computes, ``output_processor`` turns tokens into outputs; this
-module only wires them together and validates what comes in.
+Module map of the engine core: ``input_processor`` turns prompts into checked requests,
+``parallel_sampling`` fans a request out into its ``n`` completions, ``scheduler``
+decides, ``block_manager`` keeps the KV blocks, ``model_runner`` computes,
+``output_processor`` turns tokens into text and outputs; this module only wires them
+together. A reader that shares the engine with others (``LLM.stream`` next to
+``LLM.generate``, a server) gets its outputs through an ``OutputRouter``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import time
@@ -28,9 +30,11 @@ from typing import Callable
 import torch
 
 from nanoengine.config import EngineConfig, resolve_max_model_len, resolve_num_kv_blocks
+from nanoengine.engine import parallel_sampling
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.block_table import BlockTables
 from nanoengine.engine.cpu_model_runner import model_runner_class
+from nanoengine.engine.input_processor import InputProcessor, ProcessedPrompt, PromptInput
 from nanoengine.engine.model_runner import ModelRunner, SamplingRunner, plan_batch
 from nanoengine.engine.output_processor import OutputProcessor, RequestState
 from nanoengine.engine.profiler import StepProfiler
@@ -61,11 +65,17 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill,
                                    config.scheduling_policy, self.events)
-        self.output_processor = OutputProcessor(tokenizer, self.scheduler, profiler=self.profiler)
+        self.input_processor = InputProcessor(tokenizer, model_config.vocab_size, self.max_model_len,
+                                              config.max_num_seqs)
+        self.output_processor = OutputProcessor(tokenizer, profiler=self.profiler)
         # Block tables of the requests in flight, as one tensor updated in place (engine.block_table).
         self.block_tables = BlockTables(-(-self.max_model_len // config.block_size),
                                         capacity=config.max_num_seqs + 1)
         self._next_id = 0  # automatic request ids are "0", "1", ...
+        # Every id an unfinished request holds (the user's and its completions'), kept as
+        # requests come and go, so checking a new id costs the same at 10 or 10,000 requests.
+        self._live_ids: set[str] = set()
+        self._ids_of: dict[str, tuple[str, ...]] = {}  # user request id -> the ids it holds
         self._probe_ids = itertools.count()  # next_token_logits' private requests
         self.step_count = 0
         self._stepping = False  # inside step(): an abort must wait until the batch is done
@@ -110,31 +120,20 @@ class LLMEngine:
         return cls(config, model_config, make_runner(max_model_len, num_blocks), tokenizer)
 
     # ------------------------------------------------------------- requests
-    def add_request(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+    def add_request(self, prompt: PromptInput | ProcessedPrompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Queue a request; returns its id. Checks everything before changing anything.
 
-        ``arrival_time`` (a ``time.perf_counter()`` value, not in the future) lets a
-        benchmark replaying an online trace date a request from when it arrived rather
-        than when it was added; TTFT is measured from it.
+        ``prompt`` is text, token ids, a chat conversation (a list of ``{'role', 'content'}``
+        messages), or a ``ProcessedPrompt`` that ``input_processor`` already checked (then
+        ``sampling_params`` may be omitted). ``arrival_time`` (a ``time.perf_counter()``
+        value, not in the future) lets a benchmark replaying an online trace date a
+        request from when it arrived rather than when it was added; TTFT is measured from it.
         """
-        params = sampling_params if sampling_params is not None else SamplingParams()
-        state = self.make_request(prompt, params, request_id, arrival_time)
-        if request_id is None:
-            self._next_id += 1
-        leader = state.completions[0]
-        leader.forks = state.completions[1:]
-        self.output_processor.add_request(state)
-        self.scheduler.add_request(leader)
-        self.events.emit(RequestQueued(self.step_count, leader.request_id, leader.num_prompt_tokens))
-        return state.request_id
-
-    def make_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                     arrival_time: float | None = None) -> RequestState:
-        """Validate and tokenize one request without queueing it: its n completions."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be a SamplingParams, got {params!r:.80} ({type(params).__name__})")
-        if request_id is None:  # the next free number; only add_request consumes it
+        processed = self.input_processor.process(prompt, sampling_params)
+        params = processed.sampling_params
+        automatic = request_id is None
+        if automatic:  # the next free number (consumed only once the request is queued)
             while self._id_taken(str(self._next_id), params.n):
                 self._next_id += 1
             request_id = str(self._next_id)
@@ -142,23 +141,36 @@ class LLMEngine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         elif self._id_taken(request_id, params.n):
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={params.n} completions must run at once, but max_num_seqs is "
-                             f"{self.config.max_num_seqs}: lower n or raise max_num_seqs")
         arrival_time = self._check_arrival_time(arrival_time)
-        text, token_ids = self.tokenize_prompt(prompt)
-        for t in params.stop_token_ids:
-            if t >= self.model_config.vocab_size:
-                raise ValueError(f"stop_token_ids holds {t}, outside the vocabulary [0, {self.model_config.vocab_size})")
-        completions = [Request(child_id, token_ids, child_params, prompt=text, eos_token_ids=self.eos_token_ids,
-                               arrival_time=arrival_time, device=self.runner.device, parent_id=request_id, index=i)
-                       for i, (child_id, child_params) in enumerate(_completions(request_id, params))]
-        return RequestState(request_id, text, completions, self.tokenizer, params.stop)
+        if automatic:
+            self._next_id += 1
+
+        def make(child_id: str, child_params: SamplingParams, index: int) -> Request:
+            return Request(child_id, processed.prompt_token_ids, child_params, prompt=processed.prompt,
+                           eos_token_ids=self.eos_token_ids, arrival_time=arrival_time, device=self.runner.device,
+                           parent_id=request_id, index=index)
+
+        completions = parallel_sampling.fan_out(request_id, params, make)
+        ids = (request_id, *(c.request_id for c in completions))
+        self._ids_of[request_id] = ids
+        self._live_ids.update(ids)
+        leader = completions[0]
+        self.output_processor.add_request(RequestState(request_id, processed.prompt, completions, self.tokenizer,
+                                                       params.stop))
+        self.scheduler.add_request(leader)
+        self.events.emit(RequestQueued(self.step_count, leader.request_id, leader.num_prompt_tokens))
+        return request_id
 
     def _id_taken(self, request_id: str, n: int) -> bool:
         """Whether ``request_id`` (or one of its completions' ids) names an unfinished request."""
-        ids = {request_id, *_completion_ids(request_id, n)}
-        return bool(ids & (set(self.output_processor.states) | set(self.requests)))
+        live = self._live_ids
+        return request_id in live or (n > 1 and any(i in live for i in parallel_sampling.completion_ids(request_id, n)))
+
+    def _forget(self, output: RequestOutput) -> RequestOutput:
+        """A request's final output is out: its ids are free again."""
+        if output.finished:
+            self._live_ids.difference_update(self._ids_of.pop(output.request_id, ()))
+        return output
 
     @staticmethod
     def _check_arrival_time(arrival_time: float | None) -> float:
@@ -172,28 +184,11 @@ class LLMEngine:
         return float(arrival_time)
 
     def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids), checked against the vocabulary and max_model_len."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: pass the prompt as a list of token ids")
-            if not prompt:
-                raise ValueError("prompt is empty: give at least one character or token id")
-            text, token_ids = prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-        elif isinstance(prompt, (list, tuple)):
-            text, token_ids = None, list(prompt)
-            vocab = self.model_config.vocab_size
-            bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        else:
-            raise TypeError(f"prompt must be a string or a list of token ids, got {prompt!r:.80} "
-                            f"({type(prompt).__name__})")
-        if not token_ids:
-            raise ValueError("prompt is empty: it has no tokens")
-        if len(token_ids) > self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
-                             f"shorten it or raise max_model_len")
-        return text, token_ids
+        """(prompt text or None, token ids), checked against the vocabulary and max_model_len.
+
+        A text prompt gets the special tokens its tokenizer adds (``InputProcessor.tokenize``).
+        """
+        return self.input_processor.tokenize(prompt)
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -230,7 +225,7 @@ class LLMEngine:
             if not request.is_finished:
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
         state.completions[0].forks = []
-        return self.output_processor.make_output(state)
+        return self._forget(self.output_processor.make_output(state))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -272,8 +267,7 @@ class LLMEngine:
             self.events.emit(BatchPrepared(self.step_count, plan.rows()), keep=False)
         result = self.runner.execute_model(plan, sampled, profiler)
         with profiler.phase("update"):
-            produced = self.scheduler.update_from_output(sched, result.sampled)
-            outputs = self.output_processor.process(produced, result.logprobs)
+            outputs = self._update(sched, result)
         if profiler.enabled:
             self.events.emit(StepFinished(self.step_count, sched.num_prefill_tokens, sched.num_decode_tokens,
                                           len(sched.scheduled), len(sched.preempted), sched.token_budget,
@@ -288,6 +282,19 @@ class LLMEngine:
             if scheduled.request.first_scheduled_time is None:
                 scheduled.request.first_scheduled_time = now
         return plan_batch(sched, self.config.block_size, self.block_tables)
+
+    def _update(self, sched: SchedulerOutput, result) -> list[RequestOutput]:
+        """The step's third move: tokens into requests, the stop decision, outputs.
+
+        The detokenizer runs before the decision because a stop string is found in the
+        text; ``Scheduler.finish_if_stopped`` then decides, in one place, whether each
+        request has finished and why (``scheduler.check_stop`` states the precedence).
+        """
+        produced = self.scheduler.update_from_output(sched, result.sampled)
+        stop_strings = self.output_processor.detokenize(produced, result.logprobs)
+        for request in produced:
+            self.scheduler.finish_if_stopped(request, stop_strings.get(request.request_id))
+        return [self._forget(out) for out in self.output_processor.make_outputs(produced)]
 
     def decode(self, token_ids: list[int]) -> str:
         """Token ids to text, special tokens included (for showing single tokens)."""
@@ -351,34 +358,16 @@ class LLMEngine:
         for request in self.scheduler.waiting:
             if request.block_ids:
                 raise AssertionError(f"waiting request {request.request_id} holds blocks {request.block_ids}")
-        for request in self.scheduler.running + list(self.scheduler.waiting):
-            for fork in request.forks:
-                if fork.block_ids or fork.status != RequestStatus.WAITING:
-                    raise AssertionError(f"fork {fork.request_id} of {request.request_id} is {fork.status.value} "
-                                         f"with blocks {fork.block_ids} before its prompt was computed")
+        parallel_sampling.check_forks(self.scheduler.running + list(self.scheduler.waiting))
+        if set(self.output_processor.states) != set(self._ids_of):
+            raise AssertionError(f"live request ids {sorted(self._ids_of)[:10]} disagree with the output "
+                                 f"processor's {sorted(self.output_processor.states)[:10]}")
 
     def shutdown(self) -> None:
         """Release worker processes (tensor parallelism); a no-op for a single process."""
         close = getattr(self.runner, "shutdown", None)
         if close is not None:
             close()
-
-
-def _completion_ids(request_id: str, n: int) -> list[str]:
-    """The ids of a request's n completions: the request's own when n == 1, else "{i}_{id}" (vLLM's names)."""
-    return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
-
-
-def _completions(request_id: str, params: SamplingParams) -> list[tuple[str, SamplingParams]]:
-    """(id, params) of each completion.
-
-    A seeded request's completion i gets seed ``seed + i``, so each is reproducible and
-    they differ from one another.
-    """
-    if params.n == 1:
-        return [(request_id, params)]
-    return [(child_id, params if params.seed is None else dataclasses.replace(params, seed=(params.seed + i) % 2**63))
-            for i, child_id in enumerate(_completion_ids(request_id, params.n))]
 
 
 def _local_runner(net: torch.nn.Module, config: EngineConfig, max_model_len: int, num_blocks: int) -> ModelRunner:

@@ -10,9 +10,13 @@ into what the user sees. For every request that produced a token it
 * hands out what the request's ``RequestOutputKind`` asks for: everything so far every step
   (``CUMULATIVE``), only what is new every step (``DELTA``, what a stream appends), or
   the final output alone (``FINAL_ONLY``),
-* ends the request when a stop *string* appears in its text (stop token ids and lengths
-  are the scheduler's business, since they need no text),
+* reports a stop *string* that appears in a request's text; it does not end the request
+  itself: whether a request has finished is decided in one place, the scheduler's
+  ``check_stop``, which weighs the stop string against EOS, stop token ids and lengths,
 * and builds one ``RequestOutput`` per user request, gathering its ``n`` completions.
+
+A step therefore goes ``detokenize`` (text so far, stop strings found), then the
+engine's stop decision, then ``make_outputs`` (the outputs, with the finish reasons).
 
 A user request (the id ``add_request`` returned) is a ``RequestState`` here: its prompt,
 its completion requests in index order, and one detokenizer per completion. The state
@@ -23,10 +27,10 @@ state forgotten, so nothing per request outlives it.
 from __future__ import annotations
 
 from nanoengine.engine.detokenizer import IncrementalDetokenizer, token_decoder
+from nanoengine.engine.parallel_sampling import gather_metrics
 from nanoengine.engine.profiler import NO_PROFILER, StepProfiler
-from nanoengine.engine.request import Request, RequestStatus
-from nanoengine.engine.scheduler import Scheduler
-from nanoengine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprob
+from nanoengine.engine.request import Request
+from nanoengine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from nanoengine.sampling_params import RequestOutputKind
 
 
@@ -53,25 +57,25 @@ class RequestState:
 
 
 class OutputProcessor:
-    """Builds ``RequestOutput`` objects and applies stop strings."""
+    """Detokenizes, finds stop strings and builds ``RequestOutput`` objects."""
 
-    def __init__(self, tokenizer, scheduler: Scheduler, profiler: StepProfiler = NO_PROFILER) -> None:
+    def __init__(self, tokenizer, profiler: StepProfiler = NO_PROFILER) -> None:
         self.tokenizer = tokenizer
         self._decode_ids = None if tokenizer is None else token_decoder(tokenizer)
-        self.scheduler = scheduler
         self.states: dict[str, RequestState] = {}  # unfinished user requests by id
         self.profiler = profiler  # detokenizing is the step's "detokenize" phase
 
     def add_request(self, state: RequestState) -> None:
         self.states[state.request_id] = state
 
-    def process(self, produced: list[Request], logprobs: dict[str, tuple]) -> list[RequestOutput]:
-        """Outputs of the user requests whose completions produced a token this step.
+    def detokenize(self, produced: list[Request], logprobs: dict[str, tuple]) -> dict[str, str]:
+        """Take in this step's tokens; returns the stop string found, by request id.
 
-        A ``FINAL_ONLY`` request is reported once it has finished, and its text is made
-        then, from all its tokens at once, unless it has stop strings to look for.
+        Records each token's logprobs, and makes text for the requests whose text is read
+        every step or searched for stop strings. A ``FINAL_ONLY`` request without stop
+        strings gets its text only when it has finished, from all its tokens at once.
         """
-        touched: dict[str, RequestState] = {}
+        stop_strings: dict[str, str] = {}
         for request in produced:
             state = self.states[request.parent_id]
             if request.request_id in logprobs:
@@ -79,9 +83,19 @@ class OutputProcessor:
             if state.reads_every_step or state.stop:
                 detokenizer = state.detokenizers[request.index]
                 state.pending_deltas[request.index] += self._detokenize(request, detokenizer)
-                if detokenizer.stop_hit is not None and not request.is_finished:
-                    request.stop_reason = detokenizer.stop_hit
-                    self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+                if detokenizer.stop_hit is not None:
+                    stop_strings[request.request_id] = detokenizer.stop_hit
+        return stop_strings
+
+    def make_outputs(self, produced: list[Request]) -> list[RequestOutput]:
+        """Outputs of the user requests whose completions produced a token this step.
+
+        Called once the stop decision is made, so finished completions carry their
+        reason. A ``FINAL_ONLY`` request is reported only once all of it has finished.
+        """
+        touched: dict[str, RequestState] = {}
+        for request in produced:
+            state = self.states[request.parent_id]
             if state.reads_every_step or state.finished:
                 touched[state.request_id] = state
         return [self.make_output(state) for state in touched.values()]
@@ -100,7 +114,7 @@ class OutputProcessor:
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
             outputs=completions, finished=finished, num_cached_tokens=first.num_cached_tokens,
-            metrics=_metrics(state.completions))
+            metrics=gather_metrics(state.completions))
 
     def _detokenize(self, request: Request, detokenizer: IncrementalDetokenizer) -> str:
         """Feed the detokenizer the tokens it has not seen yet; the text delta."""
@@ -133,23 +147,3 @@ class OutputProcessor:
         if self._decode_ids is None:
             return ""
         return self._decode_ids(token_ids, False)
-
-
-def _metrics(completions: list[Request]) -> RequestMetrics:
-    """One request's timings; with several completions, taken over all of them."""
-    if len(completions) == 1:  # the usual case, built every step of a stream: read straight off
-        c = completions[0]
-        return RequestMetrics(
-            arrival_time=c.arrival_time, first_scheduled_time=c.first_scheduled_time,
-            first_token_time=c.first_token_time, finished_time=c.finished_time if c.is_finished else None,
-            num_output_tokens=c.num_output_tokens, token_times=tuple(c.output_token_times))
-    scheduled = [c.first_scheduled_time for c in completions if c.first_scheduled_time is not None]
-    first_tokens = [c.first_token_time for c in completions if c.first_token_time is not None]
-    finished = all(c.is_finished for c in completions)
-    return RequestMetrics(
-        arrival_time=completions[0].arrival_time,
-        first_scheduled_time=min(scheduled, default=None),
-        first_token_time=min(first_tokens, default=None),
-        finished_time=max(c.finished_time for c in completions) if finished else None,
-        num_output_tokens=sum(c.num_output_tokens for c in completions),
-        token_times=tuple(sorted(t for c in completions for t in c.output_token_times)))

@@ -25,9 +25,13 @@ recorded in its ``ScheduledRequest``: a decode computes exactly one new token wh
 context is already in the cache (the decode kernel's case); anything else is a prefill
 chunk. The runner, the events and the step statistics all read that record.
 
-Parallel sampling (``n > 1``): a request carries its waiting siblings in ``forks``. It
-takes a sequence slot for each of them; when it samples its first token, ``update_from_output``
-forks them (they share its full prompt blocks, see ``BlockManager.fork``) into running.
+Parallel sampling (``n > 1``, ``parallel_sampling``): a request carries its waiting
+siblings in ``forks``. It takes a sequence slot for each of them; when it samples its
+first token, ``update_from_output`` lets them join the running queue sharing its full
+prompt blocks (``parallel_sampling.join_forks``).
+
+Whether a request has finished after a token (EOS, a stop token id, a stop string, its
+length) is decided in one function, ``check_stop``, with its precedence stated there.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import collections
 import time
 from dataclasses import dataclass, field
 
+from nanoengine.engine import parallel_sampling
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.request import Request, RequestStatus
 from nanoengine.events import EventBus, RequestFinished, RequestPreempted, RequestScheduled
@@ -246,10 +251,12 @@ class Scheduler:
 
     # ------------------------------------------------------------- updating
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance progress, append sampled tokens, fork siblings, finish requests that are done.
+        """Advance progress, append sampled tokens, fork siblings.
 
         ``sampled`` maps a request id to its new token; requests mid-prefill have none.
         Returns the requests that produced a token this step (forked siblings included).
+        Whether one of them is now finished is decided afterwards, once its text is known
+        (``finish_if_stopped``, called by the engine after the detokenizer).
         """
         produced = []
         now = time.perf_counter()
@@ -263,40 +270,54 @@ class Scheduler:
             if token is None:
                 continue
             if request.forks:  # the prompt is computed: its siblings join, sharing its blocks
-                produced.extend(self._fork(request, sampled, now))
-            self._append(request, token, now)
+                forks = parallel_sampling.join_forks(request, self.block_manager)
+                for fork in forks:
+                    self.running.append(fork)
+                    if self.policy == "static":
+                        self.static_batch.add(fork.request_id)
+                    fork.append_output_token(sampled[fork.request_id], now)
+                produced.extend(forks)
+            request.append_output_token(token, now)
             produced.append(request)
         return produced
 
-    def _fork(self, request: Request, sampled: dict[str, int], now: float) -> list[Request]:
-        siblings, request.forks = request.forks, []
-        num_full_blocks = request.num_computed_tokens // self.block_manager.block_size
-        for sibling in siblings:
-            self.block_manager.fork(request, sibling, num_full_blocks)
-            sibling.num_computed_tokens = num_full_blocks * self.block_manager.block_size
-            sibling.num_cached_tokens = request.num_cached_tokens
-            sibling.first_scheduled_time = request.first_scheduled_time
-            sibling.status = RequestStatus.RUNNING
-            self.running.append(sibling)
-            if self.policy == "static":
-                self.static_batch.add(sibling.request_id)
-            self._append(sibling, sampled[sibling.request_id], now)
-        return siblings
+    def finish_if_stopped(self, request: Request, stop_string: str | None = None) -> bool:
+        """Finish ``request`` if its newest token ends it (see ``check_stop``); True if it did."""
+        decision = check_stop(request, stop_string, self.max_model_len)
+        if decision is None:
+            return False
+        status, request.stop_reason = decision
+        self.finish_request(request, status)
+        return True
 
-    def _append(self, request: Request, token: int, now: float) -> None:
-        request.append_output_token(token, now)
-        status = self._check_stop(request, token)
-        if status is not None:
-            self.finish_request(request, status)
 
-    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if not params.ignore_eos and token in request.eos_token_ids:
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+def check_stop(request: Request, stop_string: str | None, max_model_len: int) -> tuple[RequestStatus, str | int | None] | None:
+    """Whether ``request`` is done after its newest token: (status, stop_reason), or None.
+
+    This is the one place that decides a request has finished by itself (an abort is the
+    user's decision, ``LLMEngine.abort``). The first rule that holds wins:
+
+    1. the token is EOS (unless ``ignore_eos``): "stop", stop_reason None;
+    2. the token is one of ``stop_token_ids``: "stop", stop_reason that id;
+    3. a stop string appeared in the text (``stop_string``, found by the detokenizer):
+       "stop", stop_reason the string;
+    4. ``max_tokens`` or ``max_model_len`` is reached: "length", stop_reason None.
+
+    So a stop matched on the last allowed token still reports "stop", as vLLM and the
+    OpenAI API do. vLLM's rules are the same: its scheduler's ``check_stop``
+    (vllm/v1/core/sched/utils.py) tests EOS (stop_reason left None), then stop token ids
+    (stop_reason the id), then the length; its output processor
+    (vllm/v1/engine/output_processor.py) turns a request into "stop" with the string as
+    stop_reason when the detokenizer finds a stop string, even one the length had ended.
+    """
+    token = request.output_token_ids[-1]
+    params = request.sampling_params
+    if not params.ignore_eos and token in request.eos_token_ids:
+        return RequestStatus.FINISHED_STOPPED, None
+    if token in params.stop_token_ids:
+        return RequestStatus.FINISHED_STOPPED, token
+    if stop_string is not None:
+        return RequestStatus.FINISHED_STOPPED, stop_string
+    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH, None
+    return None

@@ -93,6 +93,7 @@ def _cases(table: dict) -> list:
 SAMPLING = {
     "temperature negative": (dict(temperature=-0.5), ValueError, "temperature", "-0.5", ">= 0"),
     "temperature NaN": (dict(temperature=NAN), ValueError, "temperature", "NaN"),
+    "temperature inf": (dict(temperature=INF), ValueError, "temperature", "finite", "inf"),
     "temperature str": (dict(temperature="0.7"), ValueError, "temperature", "'0.7'", "a number"),
     "temperature None": (dict(temperature=None), ValueError, "temperature", "None"),
     "temperature bool": (dict(temperature=True), ValueError, "temperature", "True"),
@@ -179,6 +180,8 @@ ENGINE_CONFIG = {
     "max_num_seqs str": (dict(max_num_seqs="8"), "max_num_seqs", "integer", "'8'"),
     "max_num_batched_tokens zero": (dict(max_num_batched_tokens=0), "max_num_batched_tokens", ">= 1", "0"),
     "max_num_batched_tokens float": (dict(max_num_batched_tokens=1.5), "max_num_batched_tokens", "1.5"),
+    "budget below max_num_seqs": (dict(max_num_batched_tokens=8, max_num_seqs=16), "max_num_batched_tokens (8)",
+                                  "max_num_seqs (16)", "at least 16", "at most 8"),
     "max_model_len zero": (dict(max_model_len=0), "max_model_len", ">= 1", "0"),
     "max_model_len negative": (dict(max_model_len=-1), "max_model_len", ">= 1", "-1"),
     "prefix caching str": (dict(enable_prefix_caching="yes"), "enable_prefix_caching", "True or False", "'yes'"),
@@ -372,6 +375,20 @@ ADD_REQUEST = {
                                                   for k, v in ADD_REQUEST.items()])
 def test_bad_add_request(llm, args, exc, fragments):
     assert_rejected(llm, lambda: llm.engine.add_request(*args), exc, *fragments)
+
+
+def test_max_num_seqs_left_unset_fits_a_small_budget():
+    assert EngineConfig.from_kwargs(max_num_batched_tokens=16).max_num_seqs == 16
+    assert EngineConfig.from_kwargs().max_num_seqs == 256
+    assert EngineConfig.from_kwargs(max_num_batched_tokens=8, max_num_seqs=8).max_num_seqs == 8
+
+
+def test_stop_strings_without_a_tokenizer_are_refused(make_llm):
+    bare = make_llm(with_tokenizer=False)
+    params = SamplingParams(max_tokens=4, stop=["end"])
+    assert_rejected(bare, lambda: bare.engine.add_request([5, 6, 7], params), ValueError, "stop=['end']",
+                    "no", "tokenizer", "stop_token_ids")
+    assert_rejected(bare, lambda: bare.generate([[5, 6, 7]], params), ValueError, "stop=['end']")
 
 
 def test_text_prompt_without_a_tokenizer(make_llm):

@@ -214,3 +214,35 @@ def test_reset_prefix_cache_and_eviction_count(tiny_llama_dir):
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2))
     llm.generate([list(range(100, 130))], SamplingParams(temperature=0, max_tokens=2))
     assert llm.engine.snapshot().num_evictions >= 3
+
+
+class _NoScans(dict):
+    """A dict that refuses to be walked: add_request must not look at every live request."""
+
+    def __iter__(self):
+        raise AssertionError("add_request walked every live request")
+
+    keys = values = items = __iter__
+
+
+def test_add_request_checks_ids_without_walking_the_live_requests():
+    from nanoengine.loader.weights import random_model
+
+    engine = LLMEngine.from_model(random_model("tiny-llama", std=0.08), None, device="cpu", block_size=4,
+                                  num_kv_blocks=64, max_model_len=32, max_num_seqs=4)
+    for i in range(50):
+        engine.add_request([3, 4, 5], SamplingParams(max_tokens=2), request_id=f"r{i}")
+    engine.output_processor.states = _NoScans(engine.output_processor.states)
+    engine.add_request([3, 4, 5], SamplingParams(max_tokens=2, n=2), request_id="fan")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([3], SamplingParams(max_tokens=1), request_id="r7")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([3], SamplingParams(max_tokens=1), request_id="1_fan")  # a completion's id
+    engine.output_processor.states = dict(dict.items(engine.output_processor.states))
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.check_invariants()
+    assert not engine._live_ids  # every id was given back when its request finished
+    engine.add_request([3], SamplingParams(max_tokens=1), request_id="r7")  # free again
+    engine.abort("r7")
+    assert not engine._live_ids

@@ -6,7 +6,7 @@ import pytest
 
 from nanoengine import LLMEngine, SamplingParams
 from nanoengine.engine.request import Request
-from nanoengine.engine.scheduler import ScheduledRequest
+from nanoengine.engine.scheduler import ScheduledRequest, check_stop
 from nanoengine.events import RequestScheduled, StepFinished
 from nanoengine.loader.weights import random_model
 
@@ -87,3 +87,62 @@ def test_step_statistics_and_events_read_the_scheduler_records():
 def test_scheduling_policy_is_validated():
     with pytest.raises(ValueError, match="scheduling_policy must be one of .*'static'"):
         engine(scheduling_policy="round_robin")
+
+
+# ------------------------------------------------------- the one stop decision (issue 25 §1.2)
+def _request_after(tokens: list[int], **params) -> Request:
+    request = Request("r", [5, 6, 7], SamplingParams(**params), eos_token_ids=(2,))
+    for t in tokens:
+        request.append_output_token(t)
+    return request
+
+
+@pytest.mark.parametrize("tokens, params, stop_string, expected", [
+    pytest.param([9, 2], dict(max_tokens=2), None, ("finished_stopped", None), id="EOS on the last allowed token"),
+    pytest.param([9, 2], dict(max_tokens=2, ignore_eos=True), None, ("finished_length", None), id="EOS ignored"),
+    pytest.param([9, 4], dict(max_tokens=2, stop_token_ids=[4]), None, ("finished_stopped", 4),
+                 id="stop token on the last allowed token"),
+    pytest.param([9, 4], dict(max_tokens=2), "ab", ("finished_stopped", "ab"), id="stop string on the last allowed token"),
+    pytest.param([9, 2], dict(max_tokens=5), "ab", ("finished_stopped", None), id="EOS before a stop string"),
+    pytest.param([9, 4], dict(max_tokens=5, stop_token_ids=[4]), "ab", ("finished_stopped", 4),
+                 id="stop token before a stop string"),
+    pytest.param([9, 4], dict(max_tokens=2), None, ("finished_length", None), id="length"),
+    pytest.param([9, 4], dict(max_tokens=5), None, None, id="not finished"),
+])
+def test_check_stop_states_one_precedence(tokens, params, stop_string, expected):
+    decision = check_stop(_request_after(tokens, **params), stop_string, max_model_len=100)
+    assert (None if decision is None else (decision[0].value, decision[1])) == expected
+
+
+def test_check_stop_ends_a_request_at_max_model_len():
+    status, reason = check_stop(_request_after([9, 9]), None, max_model_len=5)
+    assert (status.value, reason) == ("finished_length", None)
+
+
+def test_a_stop_string_on_the_last_allowed_token_reports_stop(build_tiny_llm):
+    """The issue's bug: the text was cut, but the reason said "length"."""
+    llm = build_tiny_llm(dict(device="cpu", max_model_len=64, num_kv_blocks=16, block_size=8))
+    decode = llm.engine.decode
+    tokens = llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].token_ids
+    # The last token whose text is new (not in the text before it): a stop string only it completes.
+    k = max(i for i in range(len(tokens)) if decode([tokens[i]]).strip()
+            and decode([tokens[i]]).strip() not in decode(list(tokens[:i])))
+    piece = decode([tokens[k]]).strip()
+    greedy = dict(temperature=0.0, max_tokens=k + 1, ignore_eos=True)
+    free = llm.generate("Once upon a time", SamplingParams(**greedy))[0]
+    out = llm.generate("Once upon a time", SamplingParams(**greedy, stop=[piece]))[0]
+    assert out.token_ids == free.token_ids  # it ended on the same, last allowed, token
+    assert (out.finish_reason, out.stop_reason) == ("stop", piece)
+    assert out.text == free.text[:free.text.index(piece)]
+    assert (free.finish_reason, free.stop_reason) == ("length", None)
+
+
+def test_a_stop_token_reports_its_id_and_the_output_processor_finishes_nothing(build_tiny_llm):
+    llm = build_tiny_llm(dict(device="cpu", max_model_len=64, num_kv_blocks=16, block_size=8))
+    free = llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    stop_id = free.token_ids[2]
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                           stop_token_ids=[stop_id]))[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    assert out.token_ids == free.token_ids[:free.token_ids.index(stop_id) + 1]
+    assert not hasattr(llm.engine.output_processor, "scheduler")

@@ -282,7 +282,7 @@ def test_pool_of_one_maximal_request_under_full_load(policy, chunked):
     """Eight maximal requests through a pool that holds exactly one: constant preemption."""
     prompts = [tuple((7 * i + j) % VOCAB for j in range(20 + i)) for i in range(8)]
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    run_workload(dict(config=dict(block_size=4, max_model_len=32, num_kv_blocks=8, max_num_seqs=8,
+    run_workload(dict(config=dict(block_size=4, max_model_len=32, num_kv_blocks=8, max_num_seqs=8 if not chunked else 5,
                                   max_num_batched_tokens=32 if not chunked else 5, enable_chunked_prefill=chunked,
                                   enable_prefix_caching=True, scheduling_policy=policy),
                       requests=[dict(prompt=p, params=greedy, arrival=0, abort_after=None) for p in prompts]))

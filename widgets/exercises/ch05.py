@@ -225,7 +225,9 @@ def newcomer_trace(vocab_size: int = 256) -> list[tuple[int, list[int], Sampling
 
 def newcomer_run(max_num_batched_tokens: int = 32, scheduling_policy: str = "fcfs") -> TraceRun:
     """``newcomer_trace`` on a tiny engine with the given budget and policy."""
-    engine = tiny_engine(num_kv_blocks=64, block_size=BLOCK_SIZE, max_model_len=256, max_num_seqs=8,
+    # max_num_seqs may not exceed the budget (a running request needs a token of every step)
+    engine = tiny_engine(num_kv_blocks=64, block_size=BLOCK_SIZE, max_model_len=256,
+                         max_num_seqs=min(8, max_num_batched_tokens),
                          max_num_batched_tokens=max_num_batched_tokens, scheduling_policy=scheduling_policy,
                          enable_prefix_caching=False)
     with single_thread():

@@ -1,0 +1,157 @@
+"""The input processor: a prompt and its sampling parameters in, a checked request out (chapter 2).
+
+Every way into the engine (``LLM.generate``, ``LLM.chat``, ``LLM.stream``,
+``LLMEngine.add_request``, the server) goes through here, so a prompt is
+
+* rendered once: chat messages through the model's chat template,
+* tokenized once, the way the tokenizer says: a text prompt gets the special tokens its
+  tokenizer adds (a BOS token for Llama-3 or TinyLlama, none for SmolLM2), exactly as
+  ``tokenizer(prompt)`` in Hugging Face and a text prompt in vLLM do. A rendered chat
+  template already holds its special tokens, so its text is encoded without adding
+  more (vLLM's ``LLM.chat`` in vllm/entrypoints/llm.py does the same),
+* checked once: the token ids against the vocabulary, the length against
+  ``max_model_len``, ``n`` against ``max_num_seqs``, stop token ids against the
+  vocabulary, stop strings against having a tokenizer to find them with.
+
+The result is a ``ProcessedPrompt``, which ``LLMEngine.add_request`` accepts as it is.
+vLLM v1 splits its engine the same way (vllm/v1/engine/processor.py turns prompts into
+``EngineCoreRequest`` objects before the engine core sees them).
+
+The processor reads only its tokenizer and fixed limits, none of the engine's state
+(queues, blocks, request ids), so a server may call it on a thread other than the one
+stepping the engine, tokenizing a large prompt while the engine keeps serving others (the
+tokenizer is then shared by that thread and the engine's detokenizer). ``process_tokens``
+is the entry for prompts that are already token ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from nanoengine.sampling_params import SamplingParams
+
+Message = dict[str, str]
+PromptInput = str | Sequence[int] | Sequence[Message]  # text, token ids, or a chat conversation
+
+
+@dataclass(frozen=True)
+class ProcessedPrompt:
+    """A prompt that passed every check: ready to become requests.
+
+    ``prompt`` is the text (the rendered chat template for a conversation), or None for
+    a prompt given as token ids.
+    """
+
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class InputProcessor:
+    """Tokenizes, renders and checks prompts for one engine's limits."""
+
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+
+    # ------------------------------------------------------------- entries
+    def process(self, prompt: PromptInput | ProcessedPrompt,
+                sampling_params: SamplingParams | None = None) -> ProcessedPrompt:
+        """Any prompt (text, token ids, chat messages) and its parameters, checked.
+
+        A ``ProcessedPrompt`` is returned as it is when no other parameters are given.
+        """
+        if isinstance(prompt, ProcessedPrompt):
+            if sampling_params is None or sampling_params is prompt.sampling_params:
+                return prompt
+            return self.process_tokens(prompt.prompt_token_ids, sampling_params, prompt.prompt)
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            return self.process_chat(prompt, sampling_params)  # refuses malformed messages by name
+        if isinstance(prompt, (list, tuple)):
+            return self.process_tokens(prompt, sampling_params)
+        text, token_ids = self.tokenize(prompt)
+        return ProcessedPrompt(text, tuple(token_ids), self.check_params(sampling_params))
+
+    def process_chat(self, messages: Sequence[Message],
+                     sampling_params: SamplingParams | None = None) -> ProcessedPrompt:
+        """A conversation through the chat template (with the assistant's turn opened), checked."""
+        params = self.check_params(sampling_params)
+        text = self.apply_chat_template(messages)
+        token_ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template holds them
+        return ProcessedPrompt(text, self._check_length(token_ids), params)
+
+    def process_tokens(self, token_ids: Sequence[int], sampling_params: SamplingParams | None = None,
+                       prompt: str | None = None) -> ProcessedPrompt:
+        """A prompt that is already token ids (``prompt`` optionally its text), checked."""
+        params = self.check_params(sampling_params)
+        if not isinstance(token_ids, (list, tuple)):
+            raise TypeError(f"prompt token ids must be a list of integers, got {token_ids!r:.80} "
+                            f"({type(token_ids).__name__})")
+        vocab = self.vocab_size
+        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        return ProcessedPrompt(prompt, self._check_length(token_ids), params)
+
+    # -------------------------------------------------------------- pieces
+    def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        """(prompt text or None, token ids) of a text or token-id prompt, checked."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass the prompt as a list of token ids")
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one character or token id")
+            # add_special_tokens=True is "what the tokenizer adds": its post-processor decides.
+            return prompt, list(self._check_length(self.tokenizer.encode(prompt, add_special_tokens=True)))
+        if isinstance(prompt, (list, tuple)):
+            return None, list(self.process_tokens(prompt, SamplingParams()).prompt_token_ids)
+        raise TypeError(f"prompt must be a string or a list of token ids (or a list of chat messages), "
+                        f"got {prompt!r:.80} ({type(prompt).__name__})")
+
+    def apply_chat_template(self, messages: Sequence[Message]) -> str:
+        """The conversation as the model's chat template renders it, ending with the assistant's turn."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        if not is_conversation(messages):
+            raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts, "
+                             f"got {messages!r:.200}")
+        return self.tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+
+    def check_params(self, params: SamplingParams | None) -> SamplingParams:
+        """The request's parameters against this engine: what SamplingParams cannot know alone."""
+        if params is None:
+            return SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {params!r:.80} ({type(params).__name__})")
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"n={params.n} completions must run at once, but max_num_seqs is "
+                             f"{self.max_num_seqs}: lower n or raise max_num_seqs")
+        for t in params.stop_token_ids:
+            if t >= self.vocab_size:
+                raise ValueError(f"stop_token_ids holds {t}, outside the vocabulary [0, {self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop={list(params.stop)!r} needs a tokenizer to find the strings in the text, and "
+                             f"this engine has none: use stop_token_ids, or build the engine with a tokenizer")
+        return params
+
+    def _check_length(self, token_ids: Sequence[int]) -> tuple[int, ...]:
+        if not token_ids:
+            raise ValueError("prompt is empty: it has no tokens")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len}; "
+                             f"shorten it or raise max_model_len")
+        return tuple(token_ids)
+
+
+def is_conversation(prompt: object) -> bool:
+    """True for a non-empty list of ``{'role': str, 'content': str}`` messages."""
+    return isinstance(prompt, (list, tuple)) and bool(prompt) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in prompt)
