@@ -84,8 +84,7 @@ class InputProcessor:
         """A conversation through the chat template (with the assistant's turn opened), checked."""
         params = self.check_params(sampling_params)
         text = self.apply_chat_template(messages)
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template holds them
-        return ProcessedPrompt(text, self._check_length(token_ids), params)
+        return ProcessedPrompt(text, self._check_length(self.encode(text, rendered_chat=True)), params)
 
     def process_tokens(self, token_ids: Sequence[int], sampling_params: SamplingParams | None = None,
                        prompt: str | None = None) -> ProcessedPrompt:
@@ -101,6 +100,15 @@ class InputProcessor:
         return ProcessedPrompt(prompt, self._check_length(token_ids), params)
 
     # -------------------------------------------------------------- pieces
+    def encode(self, text: str, rendered_chat: bool = False) -> list[int]:
+        """The token ids of a text, unchecked: the one tokenizing rule of every entry.
+
+        Plain text gets the special tokens its tokenizer adds (``add_special_tokens=True``:
+        the tokenizer's post-processor decides, a BOS for Llama-3, none for SmolLM2); a
+        rendered chat template already holds them, so nothing is added (``rendered_chat``).
+        """
+        return self.tokenizer.encode(text, add_special_tokens=not rendered_chat)
+
     def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         """(prompt text or None, token ids) of a text or token-id prompt, checked."""
         if isinstance(prompt, str):
@@ -108,8 +116,7 @@ class InputProcessor:
                 raise ValueError("this engine has no tokenizer: pass the prompt as a list of token ids")
             if not prompt:
                 raise ValueError("prompt is empty: give at least one character or token id")
-            # add_special_tokens=True is "what the tokenizer adds": its post-processor decides.
-            return prompt, list(self._check_length(self.tokenizer.encode(prompt, add_special_tokens=True)))
+            return prompt, list(self._check_length(self.encode(prompt)))
         if isinstance(prompt, (list, tuple)):
             return None, list(self.process_tokens(prompt, SamplingParams()).prompt_token_ids)
         raise TypeError(f"prompt must be a string or a list of token ids (or a list of chat messages), "

@@ -251,7 +251,7 @@ BAD = [
     ("prompt longer than max_model_len", {"model": NAME, "prompt": [1] * 1025}, "prompt", "max_model_len is 1024"),
     ("prompt + max_tokens over the window", {"model": NAME, "prompt": [1] * 1000, "max_tokens": 30}, "max_tokens",
      "ask for at most 24"),
-    ("n above the limit", {"model": NAME, "prompt": "x", "n": 9}, "n", "at most 8 sequences"),
+    ("n above the limit", {"model": NAME, "prompt": "x", "n": 9}, "n", "max_num_seqs is 8"),
     ("a token id outside the vocabulary", {"model": NAME, "prompt": [1, 99999]}, "prompt", "[0, 49152)"),
     ("an unknown field", {"model": NAME, "prompt": "x", "tools": []}, "tools", "unknown or unsupported field"),
     ("a string for a number", {"model": NAME, "prompt": "x", "temperature": "hot"}, "temperature", "valid number"),

@@ -50,6 +50,7 @@ class Recording:
 def tokenizer_threads(build_tiny_llm):
     engine = build_tiny_llm(CONFIG).engine
     engine.tokenizer = Recording(engine.tokenizer)
+    engine.input_processor.tokenizer = engine.tokenizer  # the server tokenizes through the engine's processor
     return engine
 
 

@@ -45,7 +45,7 @@ def test_chat_through_the_server_equals_llm_chat(default_llm, server):
 
 
 def _chat(engine, llm, messages) -> str:
-    request_id = engine.add_request(llm.apply_chat_template(messages), SamplingParams(temperature=0, max_tokens=20))
+    request_id = engine.add_request(messages, SamplingParams(temperature=0, max_tokens=20))
     while True:
         for out in engine.step():
             if out.request_id == request_id and out.finished:

@@ -203,8 +203,7 @@ def run_arrival(budget: int, policy: str = "fcfs", *, prompt_tokens: int = LONG_
             ends.append(time.perf_counter())
 
     unsubscribe = engine.events.subscribe(observe)
-    short = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-             for q in SHORT_QUESTIONS[:num_decoders]]
+    short = [[{"role": "user", "content": q}] for q in SHORT_QUESTIONS[:num_decoders]]  # conversations
     decoders = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=decode_tokens, ignore_eos=True))
                 for p in short]
     final = {}

@@ -146,9 +146,10 @@ def _explain(exc: ValidationError) -> ProtocolError:
 
 def value_error(exc: ValueError, request: BaseModel) -> ProtocolError:
     """A ``ValueError`` from ``SamplingParams`` or the engine as a 400 (``param`` when its
-    message starts with one of the request's field names, as SamplingParams' messages do)."""
+    message starts with one of the request's field names, as SamplingParams' messages do:
+    "top_p must be ..." or "n=9 completions ...")."""
     message = str(exc)
-    first = message.split(" ", 1)[0].strip(":=,")
+    first = message.split(" ", 1)[0].split("=", 1)[0].strip(":,")
     param = first if first in type(request).model_fields else None
     return ProtocolError(message, param=param)
 

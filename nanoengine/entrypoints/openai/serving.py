@@ -88,8 +88,11 @@ class OpenAIServing:
         self.system_fingerprint = system_fingerprint
         # Read once, before the engine thread starts: these never change while serving.
         self.max_model_len = engine.engine.max_model_len
-        self.max_num_seqs = engine.engine.config.max_num_seqs
         self.tokenizer = engine.engine.tokenizer
+        # The engine's own input processor holds the rules every entry shares (how text is
+        # tokenized, the chat template, what parameters this engine can serve); it reads no
+        # engine state, so the tokenizer thread may call it while the engine thread steps.
+        self.input_processor = engine.engine.input_processor
         self._max_token_bytes: int | None | bool = False  # False: not computed yet (the tokenizer thread does)
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoengine-tokenizer")
 
@@ -106,9 +109,9 @@ class OpenAIServing:
         if any(isinstance(p, str) for p in prompts) and self.tokenizer is None:
             raise ProtocolError("this model has no tokenizer: send the prompt as token ids", param="prompt")
         # A completion's text is tokenized as the tokenizer says (add_special_tokens: a BOS
-        # where the model expects one): vLLM's CompletionRequest.add_special_tokens defaults
-        # to True (vllm/entrypoints/openai/protocol.py).
-        prepared = await self._prepare(lambda: [self._tokenize(p, True) for p in prompts], params,
+        # where the model expects one), as vLLM's CompletionRequest.add_special_tokens
+        # defaults to True (vllm/entrypoints/openai/protocol.py).
+        prepared = await self._prepare(lambda: [self._tokenize(p) for p in prompts], params,
                                        request.max_tokens, request,
                                        on_thread=any(isinstance(p, str) for p in prompts))
         stream = await self._submit(f"cmpl-{uuid.uuid4().hex}", prepared, arrival, request)
@@ -134,7 +137,8 @@ class OpenAIServing:
         # The rendered conversation already holds the template's special tokens (its BOS
         # too): tokenized without adding more, as vLLM's ChatCompletionRequest does
         # (add_special_tokens defaults to False there).
-        prepared = await self._prepare(lambda: [self._tokenize(self._render_chat(request), False)], params,
+        prepared = await self._prepare(lambda: [self._tokenize(self._render_chat(request), rendered_chat=True)],
+                                       params,
                                        request.requested_max_tokens, request)
         stream = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", prepared, arrival, request)
         context = _Context(stream, request, protocol.now())
@@ -213,7 +217,7 @@ class OpenAIServing:
             return prepare()
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, prepare)
 
-    def _tokenize(self, prompt: Prompt, add_special_tokens: bool) -> list[int]:
+    def _tokenize(self, prompt: Prompt, rendered_chat: bool = False) -> list[int]:
         """Token ids of one prompt (runs on the tokenizer thread). Token-id prompts pass
         through (the engine checks their range); text is refused without tokenizing when
         its length proves it too long."""
@@ -229,7 +233,7 @@ class OpenAIServing:
             raise ProtocolError(f"prompt is {len(prompt.encode())} bytes of text, at least {at_least} tokens, but "
                                 f"max_model_len is {self.max_model_len}; shorten it", param="prompt",
                                 code="context_length_exceeded")
-        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return self.input_processor.encode(prompt, rendered_chat)
 
     # ---------------------------------------------------------- validation
     def _check(self, request: CompletionRequest | ChatCompletionRequest) -> None:
@@ -238,14 +242,10 @@ class OpenAIServing:
                                 f"{self.model_name!r} (GET /v1/models lists it)", param="model",
                                 code="model_not_found")
         request.check_supported()
-        if isinstance(request.n, int) and request.n > self.max_num_seqs:
-            raise ProtocolError(f"n={request.n} completions must run at once, but this server runs at most "
-                                f"{self.max_num_seqs} sequences (max_num_seqs); ask for fewer", param="n",
-                                code="invalid_value")
 
     def _params(self, request: CompletionRequest | ChatCompletionRequest):
-        try:
-            params = request.to_sampling_params()
+        try:  # the engine's own checks (n against max_num_seqs, stop token ids, ...), before any work
+            params = self.input_processor.check_params(request.to_sampling_params())
         except ValueError as exc:
             raise protocol.value_error(exc, request) from None
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
@@ -260,8 +260,7 @@ class OpenAIServing:
         """The conversation through the model's chat template, as ``LLM.chat`` renders it
         (Jinja over the messages; on the tokenizer thread, as it is linear in their length)."""
         try:
-            return self.tokenizer.apply_chat_template(request.conversation(), tokenize=False,
-                                                      add_generation_prompt=True)
+            return self.input_processor.apply_chat_template(request.conversation())
         except Exception as exc:  # a template may refuse a conversation (e.g. roles out of order)
             raise ProtocolError(f"the chat template refused these messages: {exc}", param="messages") from None
 
