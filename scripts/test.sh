@@ -2,7 +2,7 @@
 # The test suite. Extra arguments go to pytest.
 #   scripts/test.sh          everything: unit and integration tests, the labs, the browser
 #                            test, and every chapter notebook executed with nbval (CI)
-#   scripts/test.sh --fast   the quick tier: no notebooks, no browser, nothing marked slow
+#   scripts/test.sh --fast   the quick tier (~1 min): no notebooks, no browser, nothing marked slow
 #                            (no default-model load, no long workloads); for the edit-test loop
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"  # idle torch threads sleep instead of spinning: much faster on a shared CPU
 if [ "${1:-}" = "--fast" ]; then
   shift
-  exec python -m pytest tests -m "not slow and not browser" -p no:cacheprovider -q "$@"
+  exec python -m pytest tests -m "not slow and not browser" -p no:cacheprovider -p no:nbval -q "$@"
 fi
 # The notebooks' saved outputs came from a 2-thread run on the native instruction set of the
 # machine that executed them (scripts/execute_notebooks.py). Run them here on another numeric path

@@ -11,6 +11,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
 from traitlets.config import Config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -109,6 +110,7 @@ def _schema(plugin: str) -> dict:
     return json.loads(path.read_text())
 
 
+@pytest.mark.slow
 def test_lab_overrides_name_real_settings_open_markdown_rendered_and_mute_the_news() -> None:
     overrides = json.loads((JUPYTER / "lab-settings" / "overrides.json").read_text())
     for plugin, values in overrides.items():  # a misspelt plugin or setting would be ignored silently

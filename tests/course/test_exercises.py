@@ -31,6 +31,7 @@ def verdicts(path: Path) -> dict[str, list[str]]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.name)
 def test_every_check_fails_on_the_scaffold_and_passes_on_the_solution(chapter: Path):
     number = int(chapter.name[:2])

@@ -22,6 +22,7 @@ def test_the_trace_is_seeded_and_sorted_by_arrival() -> None:
     assert all(16 <= p < 200 and 8 <= m < 160 for _, p, m in trace)
 
 
+@pytest.mark.slow
 def test_replay_counts_recomputed_tokens_only_after_preemption() -> None:
     short = [(0, 20, 4), (1, 30, 4)]
     roomy = ch04.replay_trace(16, 64, trace=short)

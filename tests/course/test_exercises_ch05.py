@@ -20,6 +20,7 @@ def test_placeholders_and_bad_values_are_not_yet(check, value) -> None:
     assert not result.right and str(result).startswith(f"Exercise {result.exercise}: not yet. Hint: ")
 
 
+@pytest.mark.slow
 def test_exercise_5_1_accepts_exactly_the_smallest_budget() -> None:
     assert ch05.check_token_budget(43).right
     assert not ch05.check_token_budget(42).right  # 3 x 39 = 117 < 120: one token short
@@ -28,6 +29,7 @@ def test_exercise_5_1_accepts_exactly_the_smallest_budget() -> None:
     assert not too_big.right and "43" not in str(too_big)  # says what is wrong, not the answer
 
 
+@pytest.mark.slow
 def test_exercise_5_2_accepts_exactly_the_smallest_pool() -> None:
     # ceil((20+40-1)/16) + ceil((28+40-1)/16) + ceil((36+40-1)/16) + ceil((44+40-1)/16) = 4 + 5 + 5 + 6
     assert ch05.check_pool_size(20).right
@@ -37,6 +39,7 @@ def test_exercise_5_2_accepts_exactly_the_smallest_pool() -> None:
     assert not too_big.right and "20" not in str(too_big).split("took")[0]  # the hint does not name the answer
 
 
+@pytest.mark.slow
 def test_exercise_5_3_accepts_the_skipped_decodes_the_engine_counted() -> None:
     # ceil(120 / 36) = 4 prefill-only steps, 3 running requests lose a token in each
     assert ch05.check_skipped_decodes(12).right

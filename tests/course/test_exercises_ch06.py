@@ -79,6 +79,7 @@ def short_runs():
             for policy in ("fcfs", "prefill_first")}
 
 
+@pytest.mark.slow
 def test_chunked_fcfs_gives_decodes_a_token_in_every_prefill_step(short_runs) -> None:
     run = short_runs["fcfs"]
     chunks = [run.steps[i].num_prefill_tokens for i in run.prefill_steps]
@@ -88,6 +89,7 @@ def test_chunked_fcfs_gives_decodes_a_token_in_every_prefill_step(short_runs) ->
     assert run.long_ttft > 0
 
 
+@pytest.mark.slow
 def test_prefill_first_leaves_decodes_out_of_every_prefill_step(short_runs) -> None:
     run = short_runs["prefill_first"]
     assert [run.steps[i].num_prefill_tokens for i in run.prefill_steps] == [64] * 4 + [300 - 4 * 64]
@@ -112,6 +114,7 @@ def test_arrival_run_names_its_worst_gap_and_does_not_call_it_a_p99() -> None:
     assert run.itl_max == 0.9 and "worst 900 ms (of 3 gaps)" in run.describe() and "p99" not in run.describe()
 
 
+@pytest.mark.slow
 def test_exercise_6_3_needs_fcfs_and_a_budget_between_the_two_limits() -> None:
     # the real default model (check_policy runs the chapter's 1,500-token arrival); structure only
     assert ch06.check_policy("fcfs", 390).right  # 4 chunks of at most 386, 4 decodes in each

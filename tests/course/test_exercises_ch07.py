@@ -24,6 +24,7 @@ def test_placeholders_and_bad_values_are_not_yet(check, value) -> None:
     assert not result.right and str(result).startswith(f"Exercise {result.exercise}: not yet. Hint: ")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [..., None, 42, "{rules}{date}", "{rules}{date}{question}{x}",
                                     "{rules}{date}{question}{rules}", "{rules", "{0}{date}{question}"])
 def test_prompt_layout_refuses_placeholders_and_malformed_layouts(text_llm, layout) -> None:
@@ -31,6 +32,7 @@ def test_prompt_layout_refuses_placeholders_and_malformed_layouts(text_llm, layo
     assert not result.right and str(result).startswith("Exercise 7.3: not yet. Hint: ")
 
 
+@pytest.mark.slow
 def test_pool_size_hits_grow_one_block_at_a_time_until_both_prompts_fit() -> None:
     blocks = ch07.TENANT_PROMPT_LEN // 16
     for n in (8, 10, 14):
@@ -61,6 +63,7 @@ def test_exercise_7_2_accepts_the_fewest_tokens_that_align_the_prefix() -> None:
     assert not result.right and "all of it, but" in str(result) and not re.search(r"\b12\b", str(result))
 
 
+@pytest.mark.slow
 def test_prompt_layout_shares_the_rules_only_when_they_come_first(text_llm) -> None:
     hits, rules_tokens = ch07.layout_hits("Today is {date}.\n{rules}\nQuestion: {question}", text_llm)
     assert hits == (0, 0, 0)

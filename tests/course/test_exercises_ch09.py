@@ -37,6 +37,7 @@ def test_placeholders_and_bad_values_are_not_yet(check, value) -> None:
     assert not result.right and str(result).startswith(f"Exercise {result.exercise}: not yet. Hint: ")
 
 
+@pytest.mark.slow
 def test_the_mlp_split_accepts_a_consistent_split_only(tiny) -> None:
     assert ch09.check_mlp_split(_right_split, tiny).right
     assert ch09.check_mlp_split(_right_split, type("LLMish", (), {"engine": tiny})()).right  # an LLM wraps it

@@ -35,6 +35,7 @@ def tiled_attention(q, k, v, block_q, block_k):
     return out, moved
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", [..., None, "4", 2.5, True, -1, 10**6])
 def test_placeholders_and_bad_values_are_not_yet(value) -> None:
     for result in (ch10.check_tile_size(tiled_attention, value, 16), ch10.check_tile_size(tiled_attention, 128, value),
@@ -58,6 +59,7 @@ def test_naive_bytes_grow_with_the_square_of_the_length() -> None:
         3 * (ch10.naive_attention_bytes(1024, 64) - ch10.naive_attention_bytes(512, 64))
 
 
+@pytest.mark.slow
 def test_tile_size_check_needs_fit_traffic_and_equality() -> None:
     assert ch10.check_tile_size(tiled_attention, 128, 16).right  # the worked solution
     assert not ch10.check_tile_size(tiled_attention, 64, 64).right  # too many bytes

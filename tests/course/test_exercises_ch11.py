@@ -57,6 +57,7 @@ def test_steps_fall_to_the_longest_request_once_every_request_has_a_slot() -> No
     assert ch11.steps_to_serve(len(ch11.SLOT_LENS), ch11.SLOT_LENS) == max(ch11.SLOT_LENS)
 
 
+@pytest.mark.slow
 def test_exercise_11_2_accepts_exactly_the_smallest_size() -> None:
     sizes = range(1, len(ch11.SLOT_LENS) + 3)
     steps = {b: ch11.steps_to_serve(b, ch11.SLOT_LENS) for b in sizes}

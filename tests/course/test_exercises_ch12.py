@@ -37,6 +37,7 @@ def test_placeholders_and_bad_values_are_not_yet(check, values):
         assert not result.right and "not yet. Hint: " in str(result), (value, str(result))
 
 
+@pytest.mark.slow
 def test_stream_usage_is_right_only_for_the_servers_counts(server):
     right = ch12.predicted_usage(ch12.USAGE_PROMPTS, ch12.USAGE_N, ch12.USAGE_MAX_TOKENS)
     served, texts = ch12.streamed_usage(server)
@@ -54,6 +55,7 @@ def test_stream_usage_is_right_only_for_the_servers_counts(server):
         assert not result.right and str(completion) not in str(result).split("Hint:")[1], str(result)
 
 
+@pytest.mark.slow
 def test_max_tokens_is_right_only_at_the_edge_of_the_window(server):
     edge = MAX_MODEL_LEN - server.prompt_tokens
     right = ch12.check_max_tokens(server, edge)
@@ -63,6 +65,7 @@ def test_max_tokens_is_right_only_at_the_edge_of_the_window(server):
     assert server.engine.call(lambda e: not e.has_unfinished_requests()).result(30)  # accepted ones were aborted
 
 
+@pytest.mark.slow
 def test_checks_serve_again_after_the_server_was_stopped(build_tiny_llm):
     """After "Run All" the chapter's last cell has stopped its server: no ConnectError."""
     engine = build_tiny_llm(dict(device="cpu", max_model_len=MAX_MODEL_LEN, num_kv_blocks=128, block_size=16)).engine
@@ -76,12 +79,14 @@ def test_checks_serve_again_after_the_server_was_stopped(build_tiny_llm):
     assert not engine.has_unfinished_requests()  # the check's own server was stopped, the engine handed back
 
 
+@pytest.mark.slow
 def test_the_server_follows_the_queue_rule():
     for q in (2, 4, 7):
         assert ch12.overload(q) == ch12.admitted_by_rule(q), q
     assert ch12.admitted_by_rule(2)[2] == "400"  # three prompts can never wait under a limit of 2
 
 
+@pytest.mark.slow
 def test_max_queue_is_right_only_at_the_smallest_limit():
     answer = min(q for q in range(1, 20) if ch12.admitted_by_rule(q).count("429") <= 1
                  and "400" not in ch12.admitted_by_rule(q))

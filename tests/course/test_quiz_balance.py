@@ -135,6 +135,7 @@ def _assert_even(what: str, cases: list[tuple[int, int]]) -> None:
             f"(all quarters: {[round(x, 1) for x in observed]})")
 
 
+@pytest.mark.slow
 def test_the_course_has_live_questions_in_every_chapter_that_builds_them(shown) -> None:
     counts = collections.Counter(chapter for chapter, _ in shown)
     files = {c: len(json.loads(quiz_path(c).read_text(encoding="utf-8"))["questions"]) for c in CHAPTERS}

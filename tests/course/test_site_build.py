@@ -35,6 +35,7 @@ def _copy_course(tmp_path: Path) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_pages_come_from_the_index_in_its_order() -> None:
     pages = build_site().collect_pages(REPO)
     index = (REPO / "notebooks" / "README.md").read_text(encoding="utf-8")

@@ -223,6 +223,7 @@ def test_requests_added_by_other_code_are_tracked_and_close_unsubscribes() -> No
     assert len(view.controller.log) == n
 
 
+@pytest.mark.slow
 def test_a_thousand_block_grid_redraws_fast() -> None:
     engine = tiny_engine(num_kv_blocks=1000, block_size=16, max_model_len=256, max_num_seqs=64,
                          max_num_batched_tokens=4096)
@@ -300,6 +301,7 @@ def test_n_completions_share_the_prompt_blocks_in_the_view() -> None:
         c.add_request(prompt_len=10, max_tokens=4, n=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_tokens, shared_after", [(6, 2), (2, 0)])
 def test_chapter_7_recipe_shows_a_shared_block_with_its_preset_lengths(max_tokens, shared_after) -> None:
     """Chapter 7's "Try it": the pool and lengths of its cell; add, step, add, step.

@@ -58,6 +58,7 @@ def test_known_figures_for_the_presets() -> None:
     assert smol.kv_bytes_per_token == 2 * 30 * 3 * 64 and set(DTYPE_BYTES) >= {"float32", "bfloat16"}
 
 
+@pytest.mark.slow
 def test_the_view_redraws_on_every_control() -> None:
     view = MemoryEstimator(MemoryEstimatorController(devices=DEVICES), model="Llama-3-8B", context_len=8192,
                            batch_size=8, dtype="bfloat16")
@@ -74,6 +75,7 @@ def test_the_view_redraws_on_every_control() -> None:
     assert view.estimate.weights_bytes == PRESETS["SmolLM2-135M"].num_parameters() * 4
 
 
+@pytest.mark.slow
 def test_bad_values_show_a_message() -> None:
     view = MemoryEstimator(MemoryEstimatorController(devices=DEVICES))
     assert view.chart.layout.display is None and view.chart.value[:4] == b"\x89PNG"
@@ -90,6 +92,7 @@ def test_bad_values_show_a_message() -> None:
         view.controller.estimate("GPT-5", 10, 1)
 
 
+@pytest.mark.slow
 def test_the_engine_check_line_in_the_view() -> None:
     engine = tiny_engine()
     view = MemoryEstimator(MemoryEstimatorController(devices=DEVICES), engine=engine)

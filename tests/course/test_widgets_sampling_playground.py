@@ -56,6 +56,7 @@ def cut_tokens(view: SamplingPlayground) -> list[int]:
     return [int(t) for t in re.findall(r'<tr class="ne-token ne-cut" data-token="(\d+)"', view.dist.value)]
 
 
+@pytest.mark.slow
 def test_logits_are_computed_once_per_prompt(engine) -> None:
     view = SamplingPlayground(engine, prompt=PROMPT)
     c = view.controller
@@ -149,6 +150,7 @@ def test_sample_button_draws_a_histogram(view) -> None:
     assert view.histogram.value != png
 
 
+@pytest.mark.slow
 def test_generate_runs_a_real_request_through_the_engine(view, engine) -> None:
     set_sliders(view, temperature=0.0)
     view.gen_tokens.value, view.gen_seed.value = 3, -1

@@ -23,6 +23,7 @@ def tokenizer():
     return load_tokenizer(default_model_dir())
 
 
+@pytest.mark.slow
 def test_pieces_carry_exactly_the_texts_bytes_and_groups_spell_whole_characters(tokenizer) -> None:
     ids = tokenizer.encode(KOREAN_AND_EMOJI, add_special_tokens=False)
     pieces = token_pieces(tokenizer, ids)

@@ -29,6 +29,7 @@ import collections
 import hashlib
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
@@ -275,6 +276,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
 COVERAGE: collections.Counter = collections.Counter()  # what the random runs exercised
 
 
+@pytest.mark.slow
 def test_block_manager_state_machine():
     COVERAGE.clear()
     run_state_machine_as_test(BlockManagerMachine, settings=settings(
@@ -305,6 +307,7 @@ def _weak_hash(parent, tokens):
     return bytes([hashlib.sha256(repr((parent, tuple(tokens))).encode()).digest()[0] % 3])
 
 
+@pytest.mark.slow
 def test_weak_hash_collisions_never_serve_other_tokens():
     run_state_machine_as_test(WeakHashMachine, settings=settings(
         max_examples=60 * SCALE, stateful_step_count=40, deadline=None, database=None, derandomize=DERANDOMIZE,

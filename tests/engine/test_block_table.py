@@ -70,6 +70,7 @@ def test_a_table_longer_than_a_row_is_refused():
         tables.rows([running("a", [1, 2, 3])])
 
 
+@pytest.mark.slow
 def test_a_row_never_keeps_a_finished_request_alive():
     import gc
     import weakref

@@ -37,12 +37,14 @@ def assert_cli_error(capsys, argv, *fragments: str) -> None:
 
 
 # ------------------------------------------------------------------------ good runs
+@pytest.mark.slow
 def test_generate_prints_the_completion(capsys, tiny_llama_tok_dir):
     code, out, err = run(capsys, "generate", "Hello there", "--model", str(tiny_llama_tok_dir), "--device", "cpu",
                          "--max-tokens", "4")
     assert code == 0 and out.strip() and not err
 
 
+@pytest.mark.slow
 def test_generate_stream_and_chat_template(capsys, tiny_llama_tok_dir):
     code, out, _ = run(capsys, "generate", "Hello", "--model", str(tiny_llama_tok_dir), "--device", "cpu",
                        "--max-tokens", "4", "--stream", "--chat", "--temperature", "0.8", "--top-k", "20",
@@ -50,6 +52,7 @@ def test_generate_stream_and_chat_template(capsys, tiny_llama_tok_dir):
     assert code == 0 and out.endswith("\n")
 
 
+@pytest.mark.slow
 def test_chat_loop_reads_stdin_until_exit(capsys, monkeypatch, tiny_llama_tok_dir):
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n\n   \nhow are you?\n/exit\nnever read\n"))
     code, out, _ = run(capsys, "chat", "--model", str(tiny_llama_tok_dir), "--device", "cpu", "--max-tokens", "3",
@@ -58,6 +61,7 @@ def test_chat_loop_reads_stdin_until_exit(capsys, monkeypatch, tiny_llama_tok_di
     assert out.count("assistant> ") == 2  # blank lines are skipped, /exit ends the loop
 
 
+@pytest.mark.slow
 def test_chat_loop_ends_at_end_of_input(capsys, monkeypatch, tiny_llama_tok_dir):
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi"))
     code, out, _ = run(capsys, "chat", "--model", str(tiny_llama_tok_dir), "--device", "cpu", "--max-tokens", "2")
@@ -102,6 +106,7 @@ def test_cuda_without_cuda(capsys):
     assert_cli_error(capsys, ["bench", "--device", "cuda", "--skip-hf"], "device='cuda'", "no CUDA")
 
 
+@pytest.mark.slow
 def test_bad_prompts(capsys, tiny_llama_tok_dir, tiny_llama_dir):
     tok = ["--model", str(tiny_llama_tok_dir), "--device", "cpu", "--max-tokens", "2"]
     assert_cli_error(capsys, ["generate", ""] + tok, "prompt is empty")

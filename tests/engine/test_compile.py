@@ -20,7 +20,8 @@ from nanoengine.engine.compilation import (CPU_MIN_ROWS, CompileFallbackWarning,
                                            compiler_problem, runs_compiled)
 from nanoengine.layers.sampler import Sampler, sampling_params_columns, sampling_probs
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest
+pytestmark = [pytest.mark.usefixtures("one_thread"),  # tiny models: see conftest
+              pytest.mark.slow]  # every test compiles a model
 
 CONFIG = dict(device="cpu", max_model_len=256, num_kv_blocks=1024, block_size=8)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -64,6 +65,7 @@ def test_eager_by_default(build_tiny_llm):
 
 
 # ------------------------------------------------------------------ compiled
+@pytest.mark.slow
 @needs_compile
 def test_compiled_greedy_tokens_equal_eager_at_every_batch_size(build_tiny_llm):
     eager = build_tiny_llm(CONFIG)
@@ -94,6 +96,7 @@ def test_compiled_seeded_sampling_matches_eager(build_tiny_llm):
     assert ours == [list(o.token_ids) for o in eager.generate(batch, params)]
 
 
+@pytest.mark.slow
 @needs_compile
 def test_compiled_sampling_probs_match_eager():
     with torch.inference_mode():  # as the runner's logits are: the warm-up's graphs then serve this call

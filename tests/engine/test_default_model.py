@@ -175,6 +175,7 @@ def test_cached_load_is_fast(model_dir: Path) -> None:
     assert time.perf_counter() - start < 1.0  # validation must not hash 540 MB
 
 
+@pytest.mark.slow
 def test_tokenizer_round_trip_multibyte(tokenizer) -> None:
     for text in ["Hello, world! 12345", "안녕하세요, 세계", "emoji 🌍🚀👩‍💻 café naïve", "  leading spaces\n\ttabs"]:
         ids = tokenizer.encode(text, add_special_tokens=False)

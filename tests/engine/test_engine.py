@@ -29,6 +29,7 @@ def _run_all(engine: LLMEngine, prompts, params, check=True) -> dict[str, tuple[
     return [done[i] for i in ids]
 
 
+@pytest.mark.slow
 def test_batch_invariance_with_chunking_prefix_cache_and_preemption(tiny_llama_dir):
     """32 mixed requests together give exactly the greedy tokens each gives alone."""
     rng = random.Random(7)
@@ -116,6 +117,7 @@ def test_abort_running_request_frees_blocks_and_spares_others(tiny_llama_dir):
     assert engine.snapshot().num_free_blocks == 64
 
 
+@pytest.mark.slow
 def test_prefill_first_policy_gives_same_tokens(tiny_llama_dir):
     prompts = _prompts(10, seed=11)
     fcfs = LLMEngine.from_pretrained(tiny_llama_dir, max_model_len=256, num_kv_blocks=48, block_size=8,
@@ -165,6 +167,7 @@ def test_metrics_are_ordered(tiny_llama_dir):
     assert m.ttft > 0 and m.tpot > 0 and m.num_output_tokens == 6
 
 
+@pytest.mark.slow
 def test_streaming_deltas_concatenate_to_the_final_text(tiny_llama_tok_dir):
     llm = LLM(tiny_llama_tok_dir, max_model_len=256, num_kv_blocks=64)
     params = SamplingParams(temperature=1.0, seed=0, max_tokens=40, ignore_eos=True)
@@ -174,6 +177,7 @@ def test_streaming_deltas_concatenate_to_the_final_text(tiny_llama_tok_dir):
     assert "\ufffd" not in streamed or "\ufffd" in final.text
 
 
+@pytest.mark.slow
 def test_stream_closed_early_aborts_and_frees(tiny_llama_tok_dir):
     llm = LLM(tiny_llama_tok_dir, max_model_len=256, num_kv_blocks=64)
     stream = llm.stream("hello", SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))

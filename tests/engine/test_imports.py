@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -42,6 +44,7 @@ def test_help_imports_neither_torch_nor_the_benchmark():
     assert loaded == []
 
 
+@pytest.mark.slow
 def test_the_engine_never_imports_measure():
     loaded = _run(
         "import json, sys\n"

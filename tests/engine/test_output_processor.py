@@ -93,6 +93,7 @@ def _outputs_by_kind(build_tiny_llm, kind: RequestOutputKind, **params) -> list:
     return outputs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", [(), ("e",)], ids=["no stop", "stop string"])
 def test_the_three_output_kinds_tell_the_same_story(build_tiny_llm, stop):
     """CUMULATIVE shows everything so far, DELTA only what is new (appended, the same),

@@ -91,6 +91,7 @@ def test_seeded_completions_do_not_depend_on_the_batch():
     assert run(single)["0"].token_ids == expected[1]
 
 
+@pytest.mark.slow
 def test_preempted_completions_finish_with_the_same_tokens():
     params = SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=40, ignore_eos=True)
     roomy = engine()

@@ -105,6 +105,7 @@ def test_default_model_greedy_parity_with_transformers(default_llm):
     assert checked >= 0.9 * NUM_TOKENS * len(prompts)  # near-ties are rare, not the rule
 
 
+@pytest.mark.slow
 def test_tiny_qwen3_greedy_parity_with_transformers(tiny_qwen3_dir):
     import random
 

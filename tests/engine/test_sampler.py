@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nanoengine.layers.sampler import Sampler, filter_logits, kept_mask
@@ -68,6 +69,7 @@ def test_candidate_filters_match_the_whole_vocabulary_definition():
     assert torch.allclose(fast, reference, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_row_too_flat_for_its_candidates_falls_back_to_the_whole_vocabulary():
     torch.manual_seed(2)
     flat = torch.randn(2, 49152) * 0.01  # top-p 0.9 needs ~44,000 tokens here
@@ -103,6 +105,7 @@ def test_a_seeded_row_draws_the_same_token_whatever_shares_its_batch():
         assert batch[0] == alone, other
 
 
+@pytest.mark.slow
 def test_temperature_alone_draws_from_the_scaled_softmax_without_filtering(monkeypatch):
     import nanoengine.layers.sampler as sampler_module
 

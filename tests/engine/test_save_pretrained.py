@@ -40,6 +40,7 @@ def test_qwen3_with_qk_norms_round_trips(tmp_path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(net.parameters(), again.parameters()))
 
 
+@pytest.mark.slow
 def test_the_saved_directory_gives_the_same_tokens_alone_and_split_over_two_workers(tmp_path) -> None:
     net = random_model("tiny-llama", seed=0, std=0.08)
     path = save_pretrained(net, tmp_path)

@@ -261,6 +261,7 @@ def _fuzz_random_workloads(workload):
     run_workload(workload)
 
 
+@pytest.mark.slow
 def test_random_workloads_finish_within_bounds_match_alone_and_reach_the_interesting_paths():
     """Every random workload finishes within its bound and matches its requests run alone; and
     the examples, taken together, exercised preemption, prefix hits, aborts and mixed steps.
@@ -276,6 +277,7 @@ def test_random_workloads_finish_within_bounds_match_alone_and_reach_the_interes
 
 
 # --------------------------------------------------------------- worst cases
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["fcfs", "prefill_first", "static"])
 @pytest.mark.parametrize("chunked", [True, False])
 def test_pool_of_one_maximal_request_under_full_load(policy, chunked):

@@ -92,6 +92,7 @@ def test_closing_the_stream_aborts_it_and_spares_the_other_request(make_llm, oth
     _assert_clean(llm)
 
 
+@pytest.mark.slow
 def test_dropping_an_unfinished_stream_aborts_it(make_llm):
     llm, watch = _llm(make_llm)
     stream = llm.stream("Tell me a long story", LONG)

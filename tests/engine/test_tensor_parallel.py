@@ -31,6 +31,8 @@ from nanoengine.distributed.tp_runner import WorkerGroup, allowed_tensor_paralle
 from nanoengine.engine.model_runner import BatchPlan
 from nanoengine.models.presets import PRESETS
 
+pytestmark = pytest.mark.slow  # every test starts worker processes
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, top_k=100, seed=1234, max_tokens=12, ignore_eos=True,
                         logprobs=2)
@@ -87,6 +89,7 @@ def tp1_llama(tiny_llama_tok_dir):
 
 
 # ------------------------------------------------------------------ equality
+@pytest.mark.slow
 def test_tp2_matches_tp1_greedy_and_seeded(tp1_llama, tp2_llama):
     """Same text and tokens at TP=2 as at TP=1, with chunked prefill and prefix hits in play."""
     shared = "Once upon a time, in a land far away, there lived a"
@@ -163,6 +166,7 @@ def test_allowed_sizes_are_the_common_divisors():
 
 
 # ------------------------------------------------------- processes and failure
+@pytest.mark.slow
 def test_two_engines_at_once_and_a_hung_worker_times_out(tp1_llama, tp2_llama, tiny_qwen3_dir):
     """A second TP engine (Qwen3, q/k norms sharded too) runs beside the first; when one of
     its workers stops answering, only that engine fails, within its time limit."""
@@ -190,6 +194,7 @@ def test_two_engines_at_once_and_a_hung_worker_times_out(tp1_llama, tp2_llama, t
         [o.token_ids for o in tp1_llama.generate(text_prompts, GREEDY)]
 
 
+@pytest.mark.slow
 def test_a_killed_worker_is_named_and_the_rest_are_stopped(tiny_llama_dir):
     before = _children()
     llm = LLM(tiny_llama_dir, tensor_parallel_size=2, **SMALL)
@@ -203,6 +208,7 @@ def test_a_killed_worker_is_named_and_the_rest_are_stopped(tiny_llama_dir):
     _assert_stopped(runner, before)
 
 
+@pytest.mark.slow
 def test_a_forgotten_engine_stops_its_workers_when_collected(tiny_llama_dir):
     before = _children()
     llm = LLM(tiny_llama_dir, tensor_parallel_size=2, **SMALL)
@@ -215,6 +221,7 @@ def test_a_forgotten_engine_stops_its_workers_when_collected(tiny_llama_dir):
     assert _children() <= before
 
 
+@pytest.mark.slow
 def test_a_worker_that_stops_reading_cannot_block_the_driver():
     """A plan bigger than a pipe's buffer, to a worker that never reads: a time limit, not a hang."""
     import multiprocessing

@@ -335,12 +335,14 @@ def interpreted_results(request):
     return _run_child(["interpret", *selected], interpret=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_interpreted_kernel_matches_reference(case, interpreted_results):
     result = interpreted_results[case]
     assert result["ok"], f"{case}: {result['error']}"
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_sm90():
     """Catches what only the real compiler rejects, on a machine without a GPU."""
     triton = pytest.importorskip("triton")

@@ -73,6 +73,7 @@ TRACE_MARKERS = {  # the idea each transcript must show (the transcript itself i
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", sorted(V))
 def test_snapshot_runs_as_a_script_and_prints_its_transcript(version: str) -> None:
     script = VERSIONS / V[version] / "run.py"
@@ -91,12 +92,14 @@ def test_snapshot_runs_as_a_script_and_prints_its_transcript(version: str) -> No
 SOLUTION_CHECKS = [(v, f.__name__) for v in H.LAB_VERSIONS for f in H.check_functions(v)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("version", "check"), SOLUTION_CHECKS, ids=[f"{v}-{c[5:]}" for v, c in SOLUTION_CHECKS])
 def test_solution_passes_its_check(version: str, check: str) -> None:
     function = getattr(H.load_check_module(version), check)
     function(H.Lab(VERSIONS / V[version], version))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", H.LAB_VERSIONS)
 def test_starter_fails_its_checks_on_its_todo_stubs_only(version: str) -> None:
     results = H.run_checks(version, STARTERS / V[version])

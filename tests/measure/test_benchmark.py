@@ -67,6 +67,7 @@ def test_workload_flops_counts_weights_head_and_attention():
 
 
 
+@pytest.mark.slow
 def test_bench_runs_transformers_on_the_engines_device_and_dtype(tiny_llama_dir, tmp_path):
     out = tmp_path / "bench-bf16.json"
     code = main(["bench", "--model", str(tiny_llama_dir), "--device", "cpu", "--dtype", "bfloat16",
@@ -90,6 +91,7 @@ def test_load_hf_puts_the_model_on_the_device_in_the_dtype(tiny_llama_dir):
     assert model.generation_config.eos_token_id is None
 
 
+@pytest.mark.slow
 def test_bench_compile_compares_eager_and_compiled_in_one_run(tiny_llama_dir, tmp_path):
     out = tmp_path / "bench-compile.json"
     code = main(["bench", "--model", str(tiny_llama_dir), "--skip-hf", "--compile", "--compile-repeats", "2",

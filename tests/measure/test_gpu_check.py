@@ -20,6 +20,8 @@ import torch
 from nanoengine.measure import gpu_check
 from nanoengine.models.presets import PRESETS
 
+pytestmark = pytest.mark.slow  # the CPU smoke run builds and benchmarks models
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -52,6 +54,7 @@ def test_cpu_smoke_runs_every_stage_and_passes(smoke):
     print(f"cpu smoke: {seconds:.0f} s wall, stages {[c['seconds'] for c in report['checks'].values()]}")
 
 
+@pytest.mark.slow
 def test_cpu_smoke_checks_each_kernel_against_its_reference(smoke):
     kernels = json.loads(smoke[1].read_text())["checks"]["kernels"]
     assert kernels["interpreted"] is True
@@ -83,6 +86,7 @@ def test_cpu_smoke_parity_graphs_and_benchmark_numbers(smoke):
     assert set(bench["ratios_engine_over"]) == {"hf_static", "hf_generate_batch"}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the real check would run")
 def test_without_cuda_it_says_why_and_exits_0(tmp_path):
     out = tmp_path / "never.json"

@@ -82,6 +82,7 @@ def test_the_wait_policy_is_recorded_and_warned_about(monkeypatch) -> None:
     assert measure(lambda: None, repeats=5).passive_wait is (not timing._policy_set_too_late)
 
 
+@pytest.mark.slow
 def test_prepare_environment_before_and_after_torch() -> None:
     # A fresh process: before torch it takes effect; after torch it warns and says so.
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
@@ -124,6 +125,7 @@ def test_roofline_math() -> None:
         roof.attainable(-1)
 
 
+@pytest.mark.slow
 def test_plot_roofline_has_the_roof_and_hoverable_points() -> None:
     roof = Roofline(100e9, 20e9)
     fig = plot_roofline(roof, [(0.5, 8e9, "decode"), RooflinePoint(200.0, 60e9, "prefill")])

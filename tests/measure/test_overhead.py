@@ -36,6 +36,7 @@ def test_phases_cover_the_step_and_model_time_is_excluded(tokenizer):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+@pytest.mark.slow
 def test_bench_overhead_writes_a_results_file(tmp_path):
     out = tmp_path / "overhead.json"
     assert main(["bench", "--overhead", "--overhead-requests", "1", "2", "--overhead-steps", "2",

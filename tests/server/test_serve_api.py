@@ -288,6 +288,7 @@ def test_bad_chat_input_is_a_400(client):
             client.chat.completions.create(model=NAME, **kwargs)
 
 
+@pytest.mark.slow
 def test_bad_requests_leave_the_engine_serving_the_others(server, client, offline):
     want = offline.generate("Keep going", SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0].text
     stream = client.completions.create(model=NAME, prompt="Keep going", max_tokens=60, temperature=0, stream=True,
@@ -374,6 +375,7 @@ def test_overload_past_the_queue_limit_is_429_and_never_a_crash(build_tiny_llm):
         assert client.completions.create(model=NAME, prompt="after", max_tokens=2).choices[0].finish_reason
 
 
+@pytest.mark.slow
 def test_with_an_api_key_every_v1_request_without_it_is_401(build_tiny_llm):
     with serve_in_background(build_tiny_llm(CONFIG).engine, NAME, api_key="s3cret") as server:
         def status(path: str, key: str | None) -> int:

@@ -126,6 +126,7 @@ def _thread_cpu_seconds(native_id: int) -> float:
     return thread.user_time + thread.system_time
 
 
+@pytest.mark.slow
 def test_the_thread_sleeps_when_idle_and_publishes_stats():
     engine = tiny()
 

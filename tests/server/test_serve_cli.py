@@ -105,6 +105,7 @@ def test_bench_server_arguments_are_checked(capsys):
     assert online_client.api_root("http://h:1/v1/") == online_client.api_root("http://h:1") == "http://h:1"
 
 
+@pytest.mark.slow
 def test_bench_drives_a_server_with_the_same_poisson_workload(capsys, tmp_path, build_tiny_llm):
     engine = build_tiny_llm(dict(device="cpu", max_model_len=256, num_kv_blocks=256, block_size=8)).engine
     out = tmp_path / "server.json"

@@ -247,6 +247,7 @@ def test_openapi_describes_the_bodies_and_the_errors(server):
 
 
 # -------------------------------------------------------------- 5. chat stream
+@pytest.mark.slow
 def test_the_role_chunk_goes_out_with_the_first_token(build_tiny_llm):
     engine = build_tiny_llm(CONFIG).engine
     gate, original_step = threading.Event(), engine.step
@@ -296,6 +297,7 @@ def test_the_api_key_protects_v1_only(build_tiny_llm):
 
 
 # ----------------------------------------------- 7. disconnects and slow clients
+@pytest.mark.slow
 def test_a_client_that_disconnects_mid_upload_leaves_no_traceback(server, client):
     records: list[logging.LogRecord] = []
     handler = logging.Handler(level=logging.WARNING)
@@ -316,6 +318,7 @@ def test_a_client_that_disconnects_mid_upload_leaves_no_traceback(server, client
     assert not records, [r.getMessage() for r in records]
 
 
+@pytest.mark.slow
 def test_headers_sent_slowly_are_timed_out(strict):
     start = time.monotonic()
     with socket.create_connection(address(strict), timeout=0.1) as sock:
@@ -336,6 +339,7 @@ def test_headers_sent_slowly_are_timed_out(strict):
     assert time.monotonic() - start < 5
 
 
+@pytest.mark.slow
 def test_a_body_sent_slowly_is_timed_out(strict):
     start = time.monotonic()
     with socket.create_connection(address(strict), timeout=0.1) as sock:
@@ -371,6 +375,7 @@ def test_system_fingerprint_and_cached_prompt_tokens(server, client):
     assert len(fingerprints) == 1 and fingerprints.pop().startswith("fp_")
 
 
+@pytest.mark.slow
 def test_the_length_bound_is_given_only_where_it_holds(tokenizer_threads):
     """``_too_long`` may refuse a text untokenized only if no token stands for more bytes
     than its vocabulary string: checked on the real tokenizer, and refused for tokenizers
