@@ -53,7 +53,7 @@ class LoadReport:
     warmup_requests: int = 0
     free_blocks_at_end: int = 0
     num_blocks: int = 0
-    live_requests_after: int = 0  # Request objects still alive after the run (leak check)
+    live_requests_after: int = 0  # Request objects the run left alive (leak check: after minus before)
     live_detokenizers_after: int = 0
     event_history: int = 0  # events the bus still holds (bounded)
 
@@ -122,6 +122,9 @@ def run_load(num_requests: int = 1000, seed: int = 0, max_outstanding: int = 48,
     added = done = 0
     to_abort: dict[str, int] = {}  # request id -> step at which to abort it
     gc.collect()
+    # Requests and detokenizers that exist already (another engine in this process, a test's
+    # fixture) are not this run's: the leak check counts what the run adds.
+    requests_before, detokenizers_before = _count(Request), _count(IncrementalDetokenizer)
     start = time.perf_counter()
     while done < num_requests:
         while added < num_requests and len(engine.requests) < max_outstanding:
@@ -156,10 +159,15 @@ def run_load(num_requests: int = 1000, seed: int = 0, max_outstanding: int = 48,
     report.free_blocks_at_end = snap.num_free_blocks
     assert not engine.has_unfinished_requests() and not engine.requests, "requests left unfinished"
     gc.collect()
-    report.live_requests_after = sum(1 for obj in gc.get_objects() if type(obj) is Request)
-    report.live_detokenizers_after = sum(1 for obj in gc.get_objects() if type(obj) is IncrementalDetokenizer)
+    report.live_requests_after = _count(Request) - requests_before
+    report.live_detokenizers_after = _count(IncrementalDetokenizer) - detokenizers_before
     report.event_history = len(engine.events.history)
     return report
+
+
+def _count(kind: type) -> int:
+    """How many objects of exactly this type the garbage collector tracks now."""
+    return sum(1 for obj in gc.get_objects() if type(obj) is kind)
 
 
 def main(argv: list[str] | None = None) -> int:
