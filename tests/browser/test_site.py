@@ -76,7 +76,10 @@ class StaticServer:
         self.server.server_close()
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: Playwright's sync API keeps an event loop running in this thread
+# while it is open, and every later test that calls asyncio.run() (the server's, the widgets'
+# redraw tests) would fail with "cannot be called from a running event loop".
+@pytest.fixture(scope="module")
 def browser():
     if not CHROMIUM.exists():
         pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)")
@@ -90,7 +93,7 @@ def browser():
             chromium.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
     build_site = _build_site_module()
     if sys.version_info < build_site.MIN_PYTHON:
@@ -99,7 +102,7 @@ def site(tmp_path_factory) -> Path:
     return build_site.build(tmp_path_factory.mktemp("website") / "site")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def server(site):
     served = StaticServer(site)
     yield served
@@ -189,7 +192,7 @@ def crawl(browser, start: str) -> Crawl:
     return result
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def crawled(browser, server) -> Crawl:
     return crawl(browser, server.url + "index.html")
 
