@@ -291,7 +291,8 @@ def test_n_completions_share_the_prompt_blocks_in_the_view() -> None:
     view = BlockAllocatorView(tiny_engine(num_kv_blocks=64, block_size=4, max_model_len=64))
     c = view.controller
     c.add_request(prompt_len=10, max_tokens=4, n=3)  # 2 full blocks of 4 tokens, 2 tokens in a third
-    c.step()
+    c.step()  # completion 0 computes the prompt; its siblings are queued
+    c.step()  # the siblings are admitted sharing its 2 full blocks
     shared = [cell for cell in c.cells() if cell.ref_count > 1]
     assert len(shared) == 2 and all(cell.ref_count == 3 and len(cell.owners) == 3 for cell in shared)
     while c.engine.has_unfinished_requests():

@@ -78,12 +78,12 @@ def test_the_wait_policy_is_recorded_and_described(monkeypatch) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # spinning is the default a user runs: no warning for it
         t = measure(lambda: None, repeats=5)
-    assert not t.passive_wait and "PASSIVE" not in t.describe()
+    assert not t.passive_wait and "[idle threads sleep" not in t.describe()
     assert timing.wait_policy() == "spin" and "idle threads spin" in machine_description()
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
     passive = measure(lambda: None, repeats=5)
     if not timing._policy_set_too_late:
-        assert passive.passive_wait and "idle threads sleep" in passive.describe()
+        assert passive.passive_wait and "[idle threads sleep" in passive.describe()
 
 
 def test_prepare_environment_refuses_a_non_boolean() -> None:
