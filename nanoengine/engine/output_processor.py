@@ -117,9 +117,17 @@ class OutputProcessor:
             metrics=gather_metrics(state.completions))
 
     def _detokenize(self, request: Request, detokenizer: IncrementalDetokenizer) -> str:
-        """Feed the detokenizer the tokens it has not seen yet; the text delta."""
+        """Feed the detokenizer the tokens it has not seen yet; the text delta.
+
+        A new last token among ``stop_token_ids`` will end the request (the scheduler's
+        ``check_stop`` lets only EOS, also a stop, come before it), so the detokenizer is
+        told to leave its text out, as vLLM does; this runs before that decision because
+        stop strings must be looked for first.
+        """
+        new_token_ids = request.output_token_ids[detokenizer.num_tokens:]
+        ends_on_stop_token = bool(new_token_ids) and new_token_ids[-1] in request.sampling_params.stop_token_ids
         with self.profiler.phase("detokenize"):
-            return detokenizer.update(request.output_token_ids[detokenizer.num_tokens:], request.is_finished)
+            return detokenizer.update(new_token_ids, request.is_finished, ends_on_stop_token)
 
     def _completion(self, state: RequestState, index: int) -> CompletionOutput:
         """Completion ``index`` as its output kind shows it: all of it, or what is new (DELTA)."""
