@@ -168,3 +168,30 @@ def outputs_of(e: LLMEngine, params: SamplingParams) -> list:
 def finish_one(e: LLMEngine, params: SamplingParams):
     """The final completion of one request on ``e`` (prompt "Once upon")."""
     return outputs_of(e, params)[-1].outputs[0]
+
+
+def test_engine_requests_is_a_live_view_of_the_unfinished_completions(build_tiny_llm):
+    """``engine.requests`` follows the engine step by step: each unfinished completion by
+    its own id (``i_<id>`` when n > 1), a completion that stopped before its siblings gone
+    at once, everything gone when the request ends; lookups of unknown ids say no."""
+    llm = build_tiny_llm({"device": "cpu", "num_kv_blocks": 64, "max_model_len": 128})
+    e = llm.engine
+    view = e.requests
+    rid = e.add_request("Once", SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=30, stop=["e"]))
+    single = e.add_request("Once upon", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert set(view) == {"0_" + rid, "1_" + rid, "2_" + rid, single} and len(view) == 4
+    assert view[single].request_id == single and rid not in view and "nobody" not in view
+    with pytest.raises(KeyError):
+        view["nobody"]
+    saw_a_finished_sibling = False
+    while e.has_unfinished_requests():
+        e.step()
+        unfinished = {r.request_id: r for state in e.output_processor.states.values()
+                      for r in state.completions if not r.is_finished}
+        assert dict(view) == unfinished and len(view) == len(unfinished)
+        finished_siblings = [r for state in e.output_processor.states.values() for r in state.completions
+                             if r.is_finished]
+        saw_a_finished_sibling |= bool(finished_siblings)
+        assert not any(r.request_id in view for r in finished_siblings)
+    assert saw_a_finished_sibling, "no completion stopped before its siblings: pick another seed"
+    assert not view and not e.output_processor.completions_by_id and repr(view) == "LiveRequests([])"
