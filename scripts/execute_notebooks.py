@@ -4,8 +4,9 @@
     .venv/bin/python scripts/execute_notebooks.py notebooks/03_kv_cache.ipynb
 
 Committed outputs must come from the code they sit beside (template v2, "fresh outputs").
-This runs each notebook top to bottom in a fresh kernel (OMP_WAIT_POLICY=PASSIVE, as in
-the tests), then, before saving:
+This runs each notebook top to bottom in a fresh kernel, with OpenMP's threads as a
+learner's kernel gets them (spinning while idle; run it on a quiet machine: ``./course test``
+makes them sleep, for shared CI machines), then, before saving:
 
 * drops saved widget state (``metadata.widgets``): it is megabytes of JSON, and the
   views it describes do not survive a kernel restart anyway;
@@ -69,7 +70,6 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"uncommitted changes under {', '.join(SOURCE_DIRS)}: commit first, so the recorded "
                          f"revision holds the code behind the outputs\n{dirty}")
     revision = git("rev-parse", "HEAD")
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     paths = args.notebooks or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")) + sorted(
         (ROOT / "notebooks" / "solutions").glob("[0-9][0-9]_*.ipynb"))
     for path in paths:

@@ -8,7 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck disable=SC1091
 . .venv/bin/activate
-export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"  # idle torch threads sleep instead of spinning: much faster on a shared CPU
+# Idle torch threads sleep instead of spinning: slower on a quiet machine (a learner's notebook
+# keeps OpenMP's spinning default), much faster on a shared CI machine doing other jobs.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 if [ "${1:-}" = "--fast" ]; then
   shift
   exec python -m pytest tests -m "not slow and not browser" -p no:cacheprovider -p no:nbval -q "$@"

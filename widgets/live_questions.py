@@ -179,7 +179,7 @@ def plan_next_step(snapshot: EngineSnapshot, enable_chunked_prefill: bool = True
     budget, bs = snapshot.max_num_batched_tokens, snapshot.block_size
     plan: list[PlannedRequest] = []
     new_blocks = 0
-    seats = sum(1 + r.num_forks for r in snapshot.running)
+    seats = len(snapshot.running)
     for r in snapshot.running:
         if budget <= 0:
             break
@@ -188,7 +188,7 @@ def plan_next_step(snapshot: EngineSnapshot, enable_chunked_prefill: bool = True
         new_blocks += max(0, blocks_needed(r.num_computed_tokens + n, bs) - len(r.block_ids))
         budget -= n
     for r in snapshot.waiting:
-        if budget <= 0 or seats + 1 + r.num_forks > snapshot.max_num_seqs:
+        if budget <= 0 or seats >= snapshot.max_num_seqs:
             break
         n = r.num_tokens
         if n > budget:
@@ -197,7 +197,7 @@ def plan_next_step(snapshot: EngineSnapshot, enable_chunked_prefill: bool = True
             n = budget
         plan.append(PlannedRequest(r.request_id, n, True))
         new_blocks += blocks_needed(n, bs)
-        seats += 1 + r.num_forks
+        seats += 1
         budget -= n
     if new_blocks > snapshot.num_free_blocks:
         raise ValueError(f"the next step needs {new_blocks} new KV blocks and {snapshot.num_free_blocks} are free: "

@@ -19,9 +19,12 @@ collide: the block's stored token ids must equal the request's, and the block mu
 been computed after the very block matched just before it in the chain (each cached block
 records the *cache serial* of its parent, a number no other cached block ever gets).
 
-Parallel sampling (``SamplingParams(n=...)``) shares blocks without the hash table:
-``fork`` gives a sibling the full blocks of a prompt computed once, with their reference
-count raised (see ``fork`` for what happens to the partly filled last block).
+Parallel sampling (``SamplingParams(n=...)``) shares blocks without the hash table: once
+one completion has computed the prompt, ``offer_prefix`` promises each sibling its full
+prompt blocks, and when the scheduler admits the sibling, ``get_computed_blocks`` finds
+them and ``allocate_slots`` hands them over with ``fork`` (reference counts raised; see
+``fork`` for what happens to the partly filled last block). The sibling waits like any
+request and holds nothing until then, with the prefix cache on or off.
 
 Freed blocks go to the back of an LRU free queue but keep their hash, so a later request
 can still hit them; a block is only forgotten when the queue hands it out again for new
@@ -131,6 +134,9 @@ class BlockManager:
         self.hash_fn: BlockHashFn = hash_fn or hash_block
         self._serials = itertools.count()
         self.num_evictions = 0
+        # Prompts promised to parallel-sampling siblings (``offer_prefix``):
+        # sibling id -> (the request that computed the prompt, how many of its blocks).
+        self.prefix_offers: dict[str, tuple["Request", int]] = {}
         # Every public action below runs in the profiler's "block_manager" phase, so a
         # step's report (``StepFinished.block_manager_time``) shows this class's share.
         self.profiler = profiler
@@ -152,12 +158,20 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def get_computed_blocks(self, request: "Request") -> tuple[list[int], int]:
-        """Leading full blocks of ``request`` already in the prefix cache.
+        """Leading full blocks of ``request`` already computed: offered to it, or in the prefix cache.
 
         Returns (block ids, number of tokens they hold). At least the last token is
         always left to compute, since its logits are needed to sample the next one.
+        An offer (``offer_prefix``) whose source no longer holds the blocks (it was
+        preempted or has finished) is dropped, and the prefix cache is asked instead.
         """
         with self.profiler.phase("block_manager"):
+            offer = self.prefix_offers.get(request.request_id)
+            if offer is not None:
+                source, num_blocks = offer
+                if source.num_computed_tokens >= num_blocks * self.block_size and len(source.block_ids) >= num_blocks:
+                    return source.block_ids[:num_blocks], num_blocks * self.block_size
+                del self.prefix_offers[request.request_id]
             if not self.enable_prefix_caching:
                 return [], 0
             tokens = request.all_token_ids
@@ -189,13 +203,18 @@ class BlockManager:
                        computed_blocks: list[int] = ()) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``request``.
 
-        ``computed_blocks`` (at admission) are prefix-cache hits to share. Returns False,
-        changing nothing, when the pool cannot provide the blocks.
+        ``computed_blocks`` (at admission) are what ``get_computed_blocks`` found: an
+        offered prompt, forked, or prefix-cache hits to share. Returns False, changing
+        nothing, when the pool cannot provide the blocks.
         """
         with self.profiler.phase("block_manager"):
             if not self.can_allocate(request, num_new_tokens, computed_blocks):
                 return False
             num_new_blocks = self._num_new_blocks(request, num_new_tokens, computed_blocks)
+            offer = self.prefix_offers.pop(request.request_id, None) if computed_blocks else None
+            if offer is not None:
+                self.fork(offer[0], request, len(computed_blocks))
+                computed_blocks = ()
             for block_id in computed_blocks:
                 block = self.blocks[block_id]
                 if block.ref_count == 0:
@@ -248,6 +267,17 @@ class BlockManager:
                     if self.events.wants(BlockStored):
                         self.events.emit(BlockStored(self.step, block.block_id, block_hash, parent))
 
+    def offer_prefix(self, source: "Request", target: "Request", num_blocks: int) -> None:
+        """Promise ``target`` ``source``'s first ``num_blocks`` blocks, for when it is admitted.
+
+        ``target`` (a waiting parallel-sampling sibling with the same prompt) takes them
+        through ``get_computed_blocks`` and ``allocate_slots``, which ``fork`` them, as
+        long as ``source`` still holds them then. Freeing ``target`` withdraws the offer.
+        """
+        if target.block_ids:
+            raise ValueError(f"offer target {target.request_id} already holds blocks {target.block_ids}")
+        self.prefix_offers[target.request_id] = (source, num_blocks)
+
     def fork(self, parent: "Request", child: "Request", num_blocks: int) -> None:
         """Share ``parent``'s first ``num_blocks`` blocks with ``child`` (parallel sampling).
 
@@ -256,8 +286,10 @@ class BlockManager:
         one per sibling. Only *full* blocks are shared. The prompt's partly filled last block
         is not: every sibling would write its own next token into it. vLLM v0 copied that
         block on write (a device-side KV copy in every worker); here each sibling recomputes
-        the few tokens of that block instead (at most ``block_size - 1``, riding in its next
-        step), which needs no copy kernel and works unchanged under tensor parallelism.
+        the few tokens of that block instead (at most ``block_size - 1``; a whole block when
+        the prompt fills its last one, since the sibling needs that last token's logits for
+        its own first token), which needs no copy kernel and works unchanged under tensor
+        parallelism.
         """
         with self.profiler.phase("block_manager"):
             if child.block_ids:
@@ -285,6 +317,7 @@ class BlockManager:
                 if block.ref_count == 0:
                     self.free_queue[block_id] = None
                     freed.append(block_id)
+            self.prefix_offers.pop(request.request_id, None)  # an aborted sibling gives up its offer
             request.block_ids = []
             request.block_hashes = []
             request.block_serials = []

@@ -12,7 +12,8 @@ publishes what happened (queued, scheduled, preempted, finished, blocks allocate
 freed, stored, evicted, prefix hits, each step's batch layout and timings).
 
 Module map of the engine core: ``input_processor`` turns prompts into checked requests,
-``parallel_sampling`` fans a request out into its ``n`` completions, ``scheduler``
+``parallel_sampling`` fans a request out into its ``n`` completions (and queues the
+siblings once the prompt is computed: ``after_update``, the one call it needs), ``scheduler``
 decides, ``block_manager`` keeps the KV blocks, ``model_runner`` computes,
 ``output_processor`` turns tokens into text and outputs; this module only wires them
 together. A reader that shares the engine with others (``LLM.stream`` next to
@@ -68,6 +69,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(tokenizer, model_config.vocab_size, self.max_model_len,
                                               config.max_num_seqs)
         self.output_processor = OutputProcessor(tokenizer, profiler=self.profiler)
+        self.parents = parallel_sampling.ParentRequests(self.block_manager)  # n > 1: siblings held back
         # Block tables of the requests in flight, as one tensor updated in place (engine.block_table).
         self.block_tables = BlockTables(-(-self.max_model_len // config.block_size),
                                         capacity=config.max_num_seqs + 1)
@@ -150,16 +152,20 @@ class LLMEngine:
                            eos_token_ids=self.eos_token_ids, arrival_time=arrival_time, device=self.runner.device,
                            parent_id=request_id, index=index)
 
-        completions = parallel_sampling.fan_out(request_id, params, make)
-        ids = (request_id, *(c.request_id for c in completions))
+        parent = parallel_sampling.ParentRequest(request_id, params, make)
+        ids = (request_id, *(c.request_id for c in parent.children))
         self._ids_of[request_id] = ids
         self._live_ids.update(ids)
-        leader = completions[0]
-        self.output_processor.add_request(RequestState(request_id, processed.prompt, completions, self.tokenizer,
-                                                       params.stop))
-        self.scheduler.add_request(leader)
-        self.events.emit(RequestQueued(self.step_count, leader.request_id, leader.num_prompt_tokens))
+        self.output_processor.add_request(RequestState(request_id, processed.prompt, parent.children,
+                                                       self.tokenizer, params.stop))
+        self.parents.add(parent)
+        self._queue(parent.first)
         return request_id
+
+    def _queue(self, request: Request) -> None:
+        """Hand ``request`` to the scheduler's waiting queue, and say so."""
+        self.scheduler.add_request(request)
+        self.events.emit(RequestQueued(self.step_count, request.request_id, request.num_prompt_tokens))
 
     def _id_taken(self, request_id: str, n: int) -> bool:
         """Whether ``request_id`` (or one of its completions' ids) names an unfinished request."""
@@ -199,7 +205,7 @@ class LLMEngine:
 
     @property
     def requests(self) -> LiveRequests:
-        """Unfinished requests as the scheduler sees them, by id (a completion each when n > 1).
+        """Unfinished requests by id: a completion each when n > 1, siblings not yet queued included.
 
         A live read-only mapping: ``id in engine.requests`` and ``engine.requests[id]`` are
         one lookup each, whatever the number in flight (``LiveRequests``).
@@ -224,10 +230,10 @@ class LLMEngine:
         if self._stepping:
             self._deferred_aborts.append(request_id)
             return None
+        self.parents.forget(state.completions[0].request_id)  # held-back siblings are never queued
         for request in state.completions:
             if not request.is_finished:
                 self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
-        state.completions[0].forks = []
         return self._forget(self.output_processor.make_output(state))
 
     def has_unfinished_requests(self) -> bool:
@@ -294,6 +300,8 @@ class LLMEngine:
         request has finished and why (``scheduler.check_stop`` states the precedence).
         """
         produced = self.scheduler.update_from_output(sched, result.sampled)
+        for sibling in self.parents.after_update(produced):  # n > 1: the prompt is computed
+            self._queue(sibling)
         stop_strings = self.output_processor.detokenize(produced, result.logprobs)
         for request in produced:
             self.scheduler.finish_if_stopped(request, stop_strings.get(request.request_id))
@@ -361,7 +369,6 @@ class LLMEngine:
         for request in self.scheduler.waiting:
             if request.block_ids:
                 raise AssertionError(f"waiting request {request.request_id} holds blocks {request.block_ids}")
-        parallel_sampling.check_forks(self.scheduler.running + list(self.scheduler.waiting))
         if set(self.output_processor.states) != set(self._ids_of):
             raise AssertionError(f"live request ids {sorted(self._ids_of)[:10]} disagree with the output "
                                  f"processor's {sorted(self.output_processor.states)[:10]}")

@@ -12,8 +12,7 @@ tensors on the model's device (``prepare_inputs``):
 * ``slot_mapping``: where each token's K/V goes (``block_table[pos // B] * B + pos % B``),
 * block tables and context lengths: where each sequence's earlier K/V already is,
 * ``logits_indices``: the rows whose logits are needed, one per sequence that reaches
-  its last token this step (a mid-prompt chunk samples nothing); a parallel-sampling
-  request whose siblings wait for its prompt repeats its row once per sibling.
+  its last token this step (a mid-prompt chunk samples nothing).
 
 ``execute_model`` then reads as the step does: forward pass, logits for those rows only,
 sample. The runner for a CPU (``engine.cpu_model_runner``) adds what only a CPU needs
@@ -137,7 +136,7 @@ def plan_batch(out: SchedulerOutput, block_size: int,
     """Flatten the scheduled requests into one batch: decodes first, then prefill chunks.
 
     Returns the plan and the requests that sample this step, in the order of
-    ``logits_indices`` (forked siblings right after the request whose logits they share).
+    ``logits_indices``.
     ``block_tables`` is the engine's persistent ``BlockTables``: only blocks gained since
     the last step are copied into it, and the slot of every token is computed from it with
     tensor arithmetic, ``table[row, pos // B] * B + pos % B``. Without one (tests, tools),
@@ -165,9 +164,8 @@ def plan_batch(out: SchedulerOutput, block_size: int,
         if scheduled.is_prefill:
             cu_seqlens.append(cu_seqlens[-1] + scheduled.num_tokens)
         if scheduled.samples:  # the last known token: its logits give the next
-            for requester in [request] + request.forks:
-                logits_indices.append(len(input_ids) - 1)
-                sampled.append(requester)
+            logits_indices.append(len(input_ids) - 1)
+            sampled.append(request)
     # Every token's slot from the persistent table: one gather, no per-token Python.
     pos = torch.tensor(positions, dtype=torch.long)
     token_rows = torch.tensor(rows, dtype=torch.long).repeat_interleave(torch.tensor(counts, dtype=torch.long)) \

@@ -70,9 +70,6 @@ class Request:
         self.block_ids: list[int] = []  # the block table: logical block i -> physical block
         self.block_hashes: list[bytes] = []  # chained digests of its full, computed blocks
         self.block_serials: list[int | None] = []  # which cached content each of them is (prefix cache)
-        # Siblings of a parallel-sampling request that wait for this one's prompt: when it
-        # samples its first token they sample theirs from the same logits and share its blocks.
-        self.forks: list[Request] = []
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self.num_preemptions = 0
         self.stop_reason: str | int | None = None
@@ -113,11 +110,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
-
-    @property
-    def num_seats(self) -> int:
-        """Sequence slots this request will take once running: itself and its waiting forks."""
-        return 1 + len(self.forks)
 
     @property
     def first_token_time(self) -> float | None:

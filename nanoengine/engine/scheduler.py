@@ -25,11 +25,6 @@ recorded in its ``ScheduledRequest``: a decode computes exactly one new token wh
 context is already in the cache (the decode kernel's case); anything else is a prefill
 chunk. The runner, the events and the step statistics all read that record.
 
-Parallel sampling (``n > 1``, ``parallel_sampling``): a request carries its waiting
-siblings in ``forks``. It takes a sequence slot for each of them; when it samples its
-first token, ``update_from_output`` lets them join the running queue sharing its full
-prompt blocks (``parallel_sampling.join_forks``).
-
 Whether a request has finished after a token (EOS, a stop token id, a stop string, its
 length) is decided in one function, ``check_stop``, with its precedence stated there.
 """
@@ -37,10 +32,10 @@ length) is decided in one function, ``check_stop``, with its precedence stated t
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 from dataclasses import dataclass, field
 
-from nanoengine.engine import parallel_sampling
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.request import Request, RequestStatus
 from nanoengine.events import EventBus, RequestFinished, RequestPreempted, RequestScheduled
@@ -131,11 +126,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def num_seats_taken(self) -> int:
-        """Sequence slots held by running requests and the forks they will spawn."""
-        return sum(r.num_seats for r in self.running)
-
     def finish_request(self, request: Request, status: RequestStatus) -> None:
         """End ``request`` (stop, length or abort) and give its blocks back."""
         if request.status == RequestStatus.RUNNING:
@@ -167,13 +157,7 @@ class Scheduler:
 
     def _next_static_batch(self) -> set[str]:
         """The waiting requests, in order, that fill ``max_num_seqs`` slots: the next static batch."""
-        batch, seats = set(), 0
-        for request in self.waiting:
-            if seats + request.num_seats > self.max_num_seqs:
-                break
-            batch.add(request.request_id)
-            seats += request.num_seats
-        return batch
+        return {request.request_id for request in itertools.islice(self.waiting, self.max_num_seqs)}
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Give each running request its tokens, preempting the newest when blocks run out."""
@@ -196,7 +180,7 @@ class Scheduler:
         """Move waiting requests to running while budget, slots and blocks allow."""
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            if self.num_seats_taken + request.num_seats > self.max_num_seqs:
+            if len(self.running) >= self.max_num_seqs:
                 break
             if self.policy == "static" and request.request_id not in self.static_batch:
                 break  # the current static batch must finish first
@@ -251,10 +235,10 @@ class Scheduler:
 
     # ------------------------------------------------------------- updating
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance progress, append sampled tokens, fork siblings.
+        """Advance progress, append sampled tokens.
 
         ``sampled`` maps a request id to its new token; requests mid-prefill have none.
-        Returns the requests that produced a token this step (forked siblings included).
+        Returns the requests that produced a token this step.
         Whether one of them is now finished is decided afterwards, once its text is known
         (``finish_if_stopped``, called by the engine after the detokenizer).
         """
@@ -269,14 +253,6 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is None:
                 continue
-            if request.forks:  # the prompt is computed: its siblings join, sharing its blocks
-                forks = parallel_sampling.join_forks(request, self.block_manager)
-                for fork in forks:
-                    self.running.append(fork)
-                    if self.policy == "static":
-                        self.static_batch.add(fork.request_id)
-                    fork.append_output_token(sampled[fork.request_id], now)
-                produced.extend(forks)
             request.append_output_token(token, now)
             produced.append(request)
         return produced

@@ -28,13 +28,12 @@ class RequestSnapshot:
     num_cached_tokens: int
     num_preemptions: int
     parent_id: str = ""  # the user request it belongs to (equal to request_id unless n > 1)
-    num_forks: int = 0  # parallel-sampling siblings waiting for this request's prompt
 
     @classmethod
     def of(cls, r: Request) -> "RequestSnapshot":
         return cls(r.request_id, r.status.value, r.num_prompt_tokens, r.num_output_tokens,
                    r.num_computed_tokens, r.num_tokens, r.sampling_params.max_tokens,
-                   tuple(r.block_ids), r.num_cached_tokens, r.num_preemptions, r.parent_id, len(r.forks))
+                   tuple(r.block_ids), r.num_cached_tokens, r.num_preemptions, r.parent_id)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,9 @@ On the model's own shapes, packed weights make a step's GEMMs faster at every ba
 size measured, most for a few dozen to a few hundred tokens, and the large LM head most
 of all (the figures: ``results/README.md``).
 
-This is the CPU path only (float32 weights on a CPU, PyTorch built with oneDNN). Everything
+This is the CPU path only (float32 or bfloat16 weights on a CPU, PyTorch built with oneDNN;
+bfloat16 where oneDNN has bfloat16 kernels for this CPU, natively with avx512_bf16 or AMX).
+Everything
 else keeps ``F.linear``; ``pack_weight`` returns None when packing is not possible, and
 callers fall back. The packed copy is a snapshot: a model's weights must not change
 after its engine has packed them. It is also a copy: the dense weights stay (loading,
@@ -29,27 +31,33 @@ import functools
 import torch
 import torch.nn.functional as F
 
-PACKABLE_DTYPES = (torch.float32,)
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.lru_cache(maxsize=None)
-def packing_available() -> bool:
-    """True when this PyTorch build has oneDNN and its prepacked linear operators."""
-    if not torch.backends.mkldnn.is_available():
+def packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """True when this PyTorch build has oneDNN and its prepacked linear operators for ``dtype``.
+
+    Probed by packing and multiplying a tiny matrix: a build or CPU without the kernels
+    raises (or, for bfloat16 on a CPU oneDNN has no bfloat16 path for, answers wrongly),
+    and the caller keeps plain ``F.linear``.
+    """
+    if dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
     try:
-        probe = torch.ones(2, 3)
+        probe = torch.ones(2, 3, dtype=dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(probe)
-        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 3), packed, None, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 3, dtype=dtype), packed, None, "none", [], "")
     except (AttributeError, RuntimeError):  # an older or oneDNN-less build: plain F.linear
         return False
-    return bool(torch.equal(out, torch.full((1, 2), 3.0)))
+    return bool(torch.equal(out, torch.full((1, 2), 3.0, dtype=dtype)))
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight (out_features, in_features) reordered for oneDNN, or None if not possible."""
-    if weight.device.type != "cpu" or weight.dtype not in PACKABLE_DTYPES or weight.dim() != 2 \
-            or not packing_available():
+    if weight.device.type != "cpu" or weight.dim() != 2 or not packing_available(weight.dtype):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 

@@ -42,7 +42,7 @@ Run it on an otherwise idle machine. PyTorch's OpenMP threads spin while they wa
 work by default, which is fastest when nothing else runs and very slow when something
 does; the test script sets ``OMP_WAIT_POLICY=PASSIVE`` for shared CI machines. On an
 idle machine passive waiting made the default workload measurably slower
-(``results/README.md``), so the policy is recorded in the results.
+(``results/README.md``), so the bench keeps the default and records the policy.
 
     python -m nanoengine bench                                   # default workload
     python -m nanoengine bench --num-requests 4 --output-len 8   # a quick look

@@ -7,14 +7,18 @@ whatever else the machine does. Every timing in the notebooks therefore goes thr
 with the interquartile range (the middle half of the runs) and the fastest run, next to
 the machine and the engine's git revision the number came from (``Timing``).
 
-On a CPU, PyTorch's OpenMP threads *spin* while they wait for work by default. That is
-fastest on an idle machine and very slow on a shared one (the course's 2-core CI machine
-runs other jobs): spinning threads steal the cores the measured code needs. OpenMP reads
-``OMP_WAIT_POLICY`` once, when PyTorch loads it, so the policy must be set before
-``import torch``. A notebook's first cell therefore calls ``prepare_environment()``, which
-sets ``OMP_WAIT_POLICY=PASSIVE`` unless the environment already chose a policy; every
-``Timing`` records whether passive waiting was in effect. (``import nanoengine.measure.timing``
-does not import torch, see ``nanoengine/__init__.py``.)
+On a CPU, PyTorch's OpenMP threads *spin* for a while when they run out of work, so that
+the next operator starts without waking them. That is what the engine does in any script
+that imports it, and it is the fastest setting on a quiet machine: the chapters measure
+the engine as a user runs it. On a shared machine (a CI runner doing other jobs) spinning
+threads steal the cores the measured code needs, and ``OMP_WAIT_POLICY=PASSIVE`` (idle
+threads sleep at once) is the safer setting; ``./course test`` sets it. OpenMP reads the
+policy once, when PyTorch loads it, so it must be chosen before ``import torch``. A
+notebook's first cell therefore calls ``prepare_environment()``, which keeps a policy the
+environment chose, sets ``PASSIVE`` when asked for a shared machine, and otherwise leaves
+OpenMP's default; ``machine_description()`` says which is in effect and every ``Timing``
+records it. (``import nanoengine.measure.timing`` does not import torch, see
+``nanoengine/__init__.py``.)
 
 The roofline of chapter 6 is built from two measurements taken here:
 
@@ -51,34 +55,45 @@ MIN_REPEATS = 5  # fewer runs give no meaningful quartiles
 PASSIVE = "PASSIVE"
 
 _policy_set_too_late = False  # prepare_environment ran after torch had loaded OpenMP
-_warned_active_wait = False
 
 
 # ------------------------------------------------------------------ the environment
-def prepare_environment() -> bool:
-    """Make idle OpenMP threads sleep rather than spin; call it before ``import torch``.
+def prepare_environment(shared_machine: bool = False) -> str:
+    """Choose how idle OpenMP threads wait; call it before ``import torch``. Returns the policy.
 
-    Sets ``OMP_WAIT_POLICY=PASSIVE`` when the variable is unset (a policy chosen by the
-    caller is kept). Returns whether passive waiting is in effect. Called after torch has
-    been imported it cannot change the running process (OpenMP read the variable at load):
-    it warns, says to restart the kernel, and the variable still reaches child processes
-    (the tensor-parallel workers of chapter 9).
+    A policy the environment already chose (``OMP_WAIT_POLICY``, e.g. set by ``./course
+    test``) is kept. Otherwise ``shared_machine=True`` sets ``PASSIVE`` (idle threads sleep:
+    slower per step on a quiet machine, much faster when other work competes for the
+    cores), and the default leaves OpenMP's own behaviour, spinning before sleeping, which
+    is how the engine runs in a user's script. Returns ``"PASSIVE"``, or ``"spin"`` for
+    OpenMP's default or an explicit ``ACTIVE``.
+
+    Called after torch has been imported it cannot change the running process (OpenMP read
+    the variable at load): setting ``PASSIVE`` then warns, says to restart the kernel, and
+    the variable still reaches child processes (the tensor-parallel workers of chapter 9).
     """
     global _policy_set_too_late
-    if "OMP_WAIT_POLICY" not in os.environ:
+    if not isinstance(shared_machine, bool):
+        raise TypeError(f"shared_machine must be True or False, got {shared_machine!r}")
+    if shared_machine and "OMP_WAIT_POLICY" not in os.environ:
         os.environ["OMP_WAIT_POLICY"] = PASSIVE
         if "torch" in sys.modules:
             _policy_set_too_late = True
             warnings.warn("prepare_environment() ran after torch was imported: OMP_WAIT_POLICY=PASSIVE only "
                           "reaches new processes. Restart the kernel and call it before importing torch "
                           "(or anything from nanoengine other than this module).", RuntimeWarning, stacklevel=2)
-    return passive_wait_in_effect()
+    return wait_policy()
 
 
 def passive_wait_in_effect() -> bool:
     """True when this process's OpenMP threads sleep while idle (``OMP_WAIT_POLICY=PASSIVE``
     was set before torch loaded OpenMP)."""
     return os.environ.get("OMP_WAIT_POLICY", "").strip().upper() == PASSIVE and not _policy_set_too_late
+
+
+def wait_policy() -> str:
+    """How this process's idle OpenMP threads wait: ``"PASSIVE"`` (sleep) or ``"spin"``."""
+    return PASSIVE if passive_wait_in_effect() else "spin"
 
 
 def cpu_model() -> str | None:
@@ -102,7 +117,8 @@ def machine_description() -> str:
     parts = [f"CPU {name}, {os.cpu_count()} cores"]
     if torch.cuda.is_available():
         parts.insert(0, f"GPU {torch.cuda.get_device_name(0)}")
-    parts.append(f"torch {torch.__version__} using {torch.get_num_threads()} threads")
+    idle = "sleep (OMP_WAIT_POLICY=PASSIVE)" if passive_wait_in_effect() else "spin (OpenMP's default)"
+    parts.append(f"torch {torch.__version__} using {torch.get_num_threads()} threads, idle threads {idle}")
     return "; ".join(parts)
 
 
@@ -165,7 +181,7 @@ class Timing:
     warmup: int
     machine: str
     revision: str
-    passive_wait: bool  # OMP_WAIT_POLICY=PASSIVE in effect (see prepare_environment)
+    passive_wait: bool  # idle OpenMP threads slept (OMP_WAIT_POLICY=PASSIVE), else they spun
     label: str = ""
 
     def __post_init__(self) -> None:
@@ -209,7 +225,7 @@ class Timing:
         unit = _unit_for(self.median)
         q1, q3 = self.quartiles
         head = f"{self.label}: " if self.label else ""
-        waiting = "" if self.passive_wait else " [OMP_WAIT_POLICY not PASSIVE: spinning threads]"
+        waiting = " [idle threads sleep: OMP_WAIT_POLICY=PASSIVE]" if self.passive_wait else ""
         return (f"{head}{_format_seconds(self.median, unit)} median (IQR {_format_seconds(q1, unit)} - "
                 f"{_format_seconds(q3, unit)}, min {_format_seconds(self.min, unit)}) over {self.repeats} runs "
                 f"after {self.warmup} warm-up; {self.machine}; engine {self.revision}{waiting}")
@@ -232,9 +248,8 @@ def measure(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 2, labe
 
     ``synchronize`` is called before each clock reading; "auto" waits for CUDA when it is
     in use, so a GPU timing covers the kernels and not just their launch. ``clock`` is
-    replaceable for tests. Warns once per process when OpenMP threads spin while idle.
+    replaceable for tests. The OpenMP wait policy in effect is recorded (``passive_wait``).
     """
-    global _warned_active_wait
     if not isinstance(repeats, int) or repeats < MIN_REPEATS:
         raise ValueError(f"repeats must be an integer >= {MIN_REPEATS} (a median and quartiles of fewer runs "
                          f"mean little), got {repeats!r}")
@@ -244,11 +259,6 @@ def measure(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 2, labe
         raise TypeError(f"fn must be callable with no arguments, got {fn!r}")
     sync = _default_sync() if synchronize == "auto" else synchronize
     passive = passive_wait_in_effect()
-    if not passive and not _warned_active_wait:
-        _warned_active_wait = True
-        warnings.warn("OMP_WAIT_POLICY is not PASSIVE in this process: idle OpenMP threads spin, which slows "
-                      "timings badly on a shared machine. Call nanoengine.measure.timing.prepare_environment() "
-                      "before importing torch (the Timing records this).", RuntimeWarning, stacklevel=2)
     for _ in range(warmup):
         fn()
     runs = []

@@ -33,8 +33,8 @@ def test_replay_counts_recomputed_tokens_only_after_preemption() -> None:
 
 def test_parallel_sampling_shares_the_prompts_full_blocks() -> None:
     entries, distinct = ch04.sampling_savings(3, prompt_len=40, block_size=16)
-    # 40 tokens: 2 full blocks shared by 3 completions, and a partial block each (after the fork, before
-    # the siblings recompute it only the leader holds one)
+    # 40 tokens: 2 full blocks shared by 3 completions, and a partial block each (the siblings,
+    # admitted a step after the first completion, compute their own)
     assert entries - distinct == 2 * 2
 
 

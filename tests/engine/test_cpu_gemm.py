@@ -25,6 +25,19 @@ def test_packed_linear_matches_f_linear(rows, with_bias):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not cpu_gemm.packing_available(torch.bfloat16),
+                    reason="oneDNN has no bfloat16 packing on this CPU")
+@pytest.mark.parametrize("rows", [1, 32])
+def test_bfloat16_weights_pack_and_give_f_linear_results(rows):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=gen).bfloat16()
+    x = torch.randn(rows, 40, generator=gen).bfloat16()
+    packed = cpu_gemm.pack_weight(weight)
+    assert packed is not None
+    # Both round once to bfloat16 from a float32 accumulation; summation order may differ.
+    torch.testing.assert_close(cpu_gemm.packed_linear(x, packed, 96), F.linear(x, weight), rtol=1.6e-2, atol=1e-2)
+
+
 @needs_packing
 def test_packed_linear_keeps_leading_dims_and_empty_inputs():
     weight = torch.randn(12, 8)
@@ -38,7 +51,8 @@ def test_packed_linear_keeps_leading_dims_and_empty_inputs():
 
 
 def test_pack_weight_declines_what_it_cannot_pack():
-    assert cpu_gemm.pack_weight(torch.randn(4, 4, dtype=torch.bfloat16)) is None
+    assert cpu_gemm.pack_weight(torch.randn(4, 4, dtype=torch.float16)) is None
+    assert not cpu_gemm.packing_available(torch.float16)
     assert cpu_gemm.pack_weight(torch.randn(4)) is None
     # No packed copy: plain F.linear, also when the input dtype differs from a packed weight's.
     weight = torch.randn(3, 4)

@@ -126,6 +126,28 @@ def test_decode_plan_is_shared_by_the_layers_of_one_step():
     assert isinstance(step_cache["decode_plan"], cpu_attention.DecodePlan)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_groups_sequences_when_the_gather_would_be_large(monkeypatch, dtype):
+    """Past the gather budget the batch is sorted by length and cut into groups; same answer."""
+    lens, num_heads, num_kv_heads, head_dim, block_size = [40, 3, 25, 9, 33, 1, 17], 6, 2, 8, 4
+    ks, vs = random_sequences(lens, num_kv_heads, head_dim, dtype)
+    k_cache, v_cache, tables, context_lens = make_paged(ks, vs, block_size)
+    query = torch.randn(len(lens), num_heads, head_dim).to(dtype)
+    whole = cpu_attention.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3)
+    row_bytes = num_kv_heads * head_dim * k_cache.element_size()
+    monkeypatch.setattr(cpu_attention, "GATHER_BUDGET_BYTES", row_bytes * 60)  # a few sequences per group
+    step_cache: dict = {}
+    grouped = cpu_attention.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3, step_cache)
+    groups = step_cache["decode_plan"].groups
+    assert len(groups) > 2 and sorted(torch.cat([g.seqs for g in groups]).tolist()) == list(range(len(lens)))
+    for group in groups:  # each group's padded gather fits the budget (a lone long sequence may not)
+        assert group.rows.shape[0] == 1 or row_bytes * group.rows.shape[0] * group.rows.shape[2] <= row_bytes * 60
+    expected = reference.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(grouped.float(), expected.float(), **tol)
+    torch.testing.assert_close(whole.float(), expected.float(), **tol)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
 @pytest.mark.parametrize("q_lens,context_lens", [
     pytest.param([7, 12], [7, 12], id="no-prefix"),

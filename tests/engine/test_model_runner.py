@@ -28,8 +28,6 @@ def test_plan_puts_decodes_first_and_maps_every_position_to_its_slot():
     decoding.block_ids, decoding.num_computed_tokens = [7, 2], 4
     prefilling = Request("p", [1, 2, 3, 4, 5, 6], SamplingParams())
     prefilling.block_ids = [3, 0]
-    sibling = Request("1_p", [1, 2, 3, 4, 5, 6], SamplingParams(), parent_id="p", index=1)
-    prefilling.forks = [sibling]
     out = SchedulerOutput()
     out.add(prefilling, 6)
     out.add(decoding, 1)
@@ -41,8 +39,7 @@ def test_plan_puts_decodes_first_and_maps_every_position_to_its_slot():
     assert plan.decode_block_tables.tolist() == [[7, 2]] and plan.prefill_block_tables.tolist() == [[3, 0]]
     assert plan.decode_context_lens == [5] and plan.prefill_context_lens == [6]
     assert plan.query_start_loc == [0, 1, 7]
-    # The waiting sibling samples from the same logits row as the request it forks from.
-    assert plan.logits_indices == [0, 6, 6] and sampled == [decoding, prefilling, sibling]
+    assert plan.logits_indices == [0, 6] and sampled == [decoding, prefilling]
     rows = plan.rows()
     assert [(r.request_id, r.is_prefill, r.samples) for r in rows] == [("d", False, True), ("p", True, True)]
     assert rows[1].positions == (0, 1, 2, 3, 4, 5) and rows[1].slot_mapping == (12, 13, 14, 15, 0, 1)

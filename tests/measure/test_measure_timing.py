@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -72,35 +73,49 @@ def test_fewer_than_five_repeats_are_refused(repeats) -> None:
         measure(lambda: None, warmup=-1)
 
 
-def test_the_wait_policy_is_recorded_and_warned_about(monkeypatch) -> None:
-    monkeypatch.setattr(timing, "_warned_active_wait", False)
+def test_the_wait_policy_is_recorded_and_described(monkeypatch) -> None:
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")
-    with pytest.warns(RuntimeWarning, match="OMP_WAIT_POLICY is not PASSIVE"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # spinning is the default a user runs: no warning for it
         t = measure(lambda: None, repeats=5)
-    assert not t.passive_wait and "spinning threads" in t.describe()
+    assert not t.passive_wait and "PASSIVE" not in t.describe()
+    assert timing.wait_policy() == "spin" and "idle threads spin" in machine_description()
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
-    assert measure(lambda: None, repeats=5).passive_wait is (not timing._policy_set_too_late)
+    passive = measure(lambda: None, repeats=5)
+    if not timing._policy_set_too_late:
+        assert passive.passive_wait and "idle threads sleep" in passive.describe()
+
+
+def test_prepare_environment_refuses_a_non_boolean() -> None:
+    with pytest.raises(TypeError, match="shared_machine must be True or False"):
+        timing.prepare_environment(shared_machine="yes")
 
 
 @pytest.mark.slow
 def test_prepare_environment_before_and_after_torch() -> None:
-    # A fresh process: before torch it takes effect; after torch it warns and says so.
+    # A fresh process: by default OpenMP's own (spinning) policy is left; a shared machine
+    # gets PASSIVE before torch; after torch it warns and says so; a chosen policy is kept.
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    code = ("import sys, warnings\n"
-            "from nanoengine.measure.timing import prepare_environment, passive_wait_in_effect\n"
-            "assert 'torch' not in sys.modules, 'importing the helper must not import torch'\n"
-            "print(prepare_environment())\n")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
-                         cwd=ROOT)
-    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr
+
+    def run(code: str, extra_env: dict | None = None) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", code], env={**env, **(extra_env or {})}, capture_output=True,
+                             text=True, timeout=120, cwd=ROOT)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    head = ("import sys, os, warnings\n"
+            "from nanoengine.measure.timing import prepare_environment\n"
+            "assert 'torch' not in sys.modules, 'importing the helper must not import torch'\n")
+    assert run(head + "print(prepare_environment(), os.environ.get('OMP_WAIT_POLICY'))\n") == ["spin", "None"]
+    assert run(head + "print(prepare_environment(shared_machine=True))\n") == ["PASSIVE"]
+    assert run(head + "print(prepare_environment())\n", {"OMP_WAIT_POLICY": "PASSIVE"}) == ["PASSIVE"]
     late = ("import warnings, torch\n"
             "from nanoengine.measure.timing import prepare_environment\n"
             "with warnings.catch_warnings(record=True) as w:\n"
             "    warnings.simplefilter('always')\n"
-            "    print(prepare_environment(), any('restart the kernel' in str(x.message).lower() for x in w))\n")
-    out = subprocess.run([sys.executable, "-c", late], env=env, capture_output=True, text=True, timeout=120,
-                         cwd=ROOT)
-    assert out.returncode == 0 and out.stdout.split() == ["False", "True"], (out.stdout, out.stderr)
+            "    print(prepare_environment(shared_machine=True), "
+            "any('restart the kernel' in str(x.message).lower() for x in w))\n")
+    assert run(late) == ["spin", "True"]
 
 
 def test_machine_description_names_the_cpu_and_is_still_importable_from_widgets() -> None:
