@@ -6,7 +6,9 @@ real checkpoint layouts, and the same directory serves as the parity reference.
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -110,3 +112,16 @@ def build_tiny_llm(tiny_llama_tok_dir):
         return llm
 
     return make
+
+
+@pytest.fixture(scope="session")
+def build_site():
+    """scripts/build_site.py as a module, imported once per session (for test_site_build and
+    the browser's test_site). It is registered in ``sys.modules`` before it runs because its
+    dataclasses look their own module up while they are made."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / "build_site.py"
+    spec = importlib.util.spec_from_file_location("build_site", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["build_site"] = module
+    spec.loader.exec_module(module)
+    return module

@@ -14,6 +14,13 @@ precedes it. vLLM's detokenizer uses the same two offsets.
 It also finds stop strings, cuts the text before them, and holds back a tail that could
 still grow into a stop string, so a stream never shows text that the final result drops.
 The deltas always concatenate to the final text: ``text`` is built from them.
+
+A token that ends the request by its id (one of ``stop_token_ids``) is counted but not
+decoded: like a stop string, it ends the text without being part of it. vLLM does the
+same (its detokenizer leaves out the token that stop-terminated a request unless
+``include_stop_str_in_output``, an option nanoengine does not have); the token id stays
+in the output's ``token_ids``. EOS needs no such care: it is a special token, and
+special tokens are skipped when decoding.
 """
 
 from __future__ import annotations
@@ -64,17 +71,24 @@ class IncrementalDetokenizer:
         self.text = ""  # everything emitted so far
         self.stop_hit: str | None = None
         self.flushed = False  # an update with finished=True has released everything held back
+        self.stop_token_id: int | None = None  # the stop token that ended the text, seen but not decoded
 
     @property
     def num_tokens(self) -> int:
-        """How many of the request's tokens this detokenizer has seen."""
-        return len(self.token_ids)
+        """How many of the request's tokens this detokenizer has seen (a stop token included)."""
+        return len(self.token_ids) + (0 if self.stop_token_id is None else 1)
 
-    def update(self, new_token_ids: list[int], finished: bool) -> str:
+    def update(self, new_token_ids: list[int], finished: bool, ends_on_stop_token: bool = False) -> str:
         """Add tokens; return the text delta that became safe to show.
 
-        Sets ``stop_hit`` when a stop string appeared (the caller then ends the request).
+        ``ends_on_stop_token``: the last new token is a stop token id, which ends the
+        request: it is seen but left out of the text. Sets ``stop_hit`` when a stop string
+        appeared (the caller then ends the request).
         """
+        if ends_on_stop_token:
+            if not new_token_ids or self.stop_token_id is not None:
+                raise ValueError("ends_on_stop_token needs a new last token, and a request ends only once")
+            *new_token_ids, self.stop_token_id = new_token_ids
         self.token_ids.extend(new_token_ids)
         self.flushed = self.flushed or finished
         if self.tokenizer is None:

@@ -37,7 +37,7 @@ from nanoengine.engine.block_table import BlockTables
 from nanoengine.engine.cpu_model_runner import model_runner_class
 from nanoengine.engine.input_processor import InputProcessor, ProcessedPrompt, PromptInput
 from nanoengine.engine.model_runner import ModelRunner, SamplingRunner, plan_batch
-from nanoengine.engine.output_processor import OutputProcessor, RequestState
+from nanoengine.engine.output_processor import LiveRequests, OutputProcessor, RequestState
 from nanoengine.engine.profiler import StepProfiler
 from nanoengine.engine.request import Request, RequestStatus
 from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
@@ -204,10 +204,13 @@ class LLMEngine:
         return tuple(sorted(ids))
 
     @property
-    def requests(self) -> dict[str, Request]:
-        """Unfinished requests by id: a completion each when n > 1, siblings not yet queued included."""
-        return {r.request_id: r for state in self.output_processor.states.values()
-                for r in state.completions if not r.is_finished}
+    def requests(self) -> LiveRequests:
+        """Unfinished requests by id: a completion each when n > 1, siblings not yet queued included.
+
+        A live read-only mapping: ``id in engine.requests`` and ``engine.requests[id]`` are
+        one lookup each, whatever the number in flight (``LiveRequests``).
+        """
+        return LiveRequests(self.output_processor.completions_by_id)
 
     def has_request(self, request_id: str) -> bool:
         """True while the request ``add_request`` returned this id for is unfinished."""

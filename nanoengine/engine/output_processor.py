@@ -21,10 +21,13 @@ engine's stop decision, then ``make_outputs`` (the outputs, with the finish reas
 A user request (the id ``add_request`` returned) is a ``RequestState`` here: its prompt,
 its completion requests in index order, and one detokenizer per completion. The state
 lives until every completion has finished; then the final output is built and the
-state forgotten, so nothing per request outlives it.
+state forgotten, so nothing per request outlives it. Its completions are also indexed by
+their own ids, which is what ``LLMEngine.requests`` shows (``LiveRequests``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
 
 from nanoengine.engine.detokenizer import IncrementalDetokenizer, token_decoder
 from nanoengine.engine.parallel_sampling import gather_metrics
@@ -56,6 +59,36 @@ class RequestState:
         return all(c.is_finished for c in self.completions)
 
 
+class LiveRequests(Mapping[str, Request]):
+    """The unfinished completion requests by id: a read-only view, live, not a copy.
+
+    ``request_id in view`` and ``view[request_id]`` cost the same however many requests
+    are in flight (one dict lookup and a status check), so a loop that asks about one
+    request per step stays cheap. ``len`` and iteration walk the in-flight completions
+    (skipping those that finished before their siblings), which is fine for the small
+    batches this engine runs; take ``dict(view)`` for a snapshot, or ``list(view)``
+    before aborting while iterating, because the view follows the engine as it changes.
+    """
+
+    def __init__(self, completions_by_id: dict[str, Request]) -> None:
+        self._completions_by_id = completions_by_id
+
+    def __getitem__(self, request_id: str) -> Request:
+        request = self._completions_by_id[request_id]
+        if request.is_finished:  # finished, but a sibling completion is still running
+            raise KeyError(request_id)
+        return request
+
+    def __iter__(self) -> Iterator[str]:
+        return (rid for rid, request in self._completions_by_id.items() if not request.is_finished)
+
+    def __len__(self) -> int:
+        return sum(1 for request in self._completions_by_id.values() if not request.is_finished)
+
+    def __repr__(self) -> str:
+        return f"LiveRequests({sorted(self)!r})"
+
+
 class OutputProcessor:
     """Detokenizes, finds stop strings and builds ``RequestOutput`` objects."""
 
@@ -63,10 +96,13 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self._decode_ids = None if tokenizer is None else token_decoder(tokenizer)
         self.states: dict[str, RequestState] = {}  # unfinished user requests by id
+        # their completions by completion id (a finished one stays until its whole request ends)
+        self.completions_by_id: dict[str, Request] = {}
         self.profiler = profiler  # detokenizing is the step's "detokenize" phase
 
     def add_request(self, state: RequestState) -> None:
         self.states[state.request_id] = state
+        self.completions_by_id.update((c.request_id, c) for c in state.completions)
 
     def detokenize(self, produced: list[Request], logprobs: dict[str, tuple]) -> dict[str, str]:
         """Take in this step's tokens; returns the stop string found, by request id.
@@ -110,6 +146,8 @@ class OutputProcessor:
         finished = state.finished
         if finished:
             del self.states[state.request_id]
+            for request in state.completions:
+                del self.completions_by_id[request.request_id]
         first = state.completions[0]
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
@@ -117,9 +155,17 @@ class OutputProcessor:
             metrics=gather_metrics(state.completions))
 
     def _detokenize(self, request: Request, detokenizer: IncrementalDetokenizer) -> str:
-        """Feed the detokenizer the tokens it has not seen yet; the text delta."""
+        """Feed the detokenizer the tokens it has not seen yet; the text delta.
+
+        A new last token among ``stop_token_ids`` will end the request (the scheduler's
+        ``check_stop`` lets only EOS, also a stop, come before it), so the detokenizer is
+        told to leave its text out, as vLLM does; this runs before that decision because
+        stop strings must be looked for first.
+        """
+        new_token_ids = request.output_token_ids[detokenizer.num_tokens:]
+        ends_on_stop_token = bool(new_token_ids) and new_token_ids[-1] in request.sampling_params.stop_token_ids
         with self.profiler.phase("detokenize"):
-            return detokenizer.update(request.output_token_ids[detokenizer.num_tokens:], request.is_finished)
+            return detokenizer.update(new_token_ids, request.is_finished, ends_on_stop_token)
 
     def _completion(self, state: RequestState, index: int) -> CompletionOutput:
         """Completion ``index`` as its output kind shows it: all of it, or what is new (DELTA)."""

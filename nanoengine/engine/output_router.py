@@ -15,10 +15,11 @@ A queue is made for any request that produced an output, watched or not (one add
 ``engine.add_request`` behind the router's back), and kept until its final output has
 been read, so nothing is lost; ``release`` drops a queue its reader no longer wants.
 
-A server steps its engine on a thread of its own and delivers to asyncio queues: it can
-call ``route(engine.step())`` and give ``watch`` a ``sink`` (a function called with each
-output) instead of using the router's queues. vLLM's ``AsyncLLM`` routes the same way,
-one ``RequestOutputCollector`` per request (vllm/v1/engine/output_processor.py).
+A server steps its engine on a thread of its own and delivers to asyncio queues: its
+``AsyncLLMEngine`` (chapter 12) calls ``route(engine.step())`` and gives ``watch`` a
+``sink`` (a function called with each output) instead of using the router's queues, and
+calls ``close`` when it stops. vLLM's ``AsyncLLM`` routes the same way, one
+``RequestOutputCollector`` per request (vllm/v1/engine/output_processor.py).
 
 The router is not thread-safe, like the engine: one thread steps and reads.
 """
@@ -123,6 +124,26 @@ class OutputRouter:
             if out.finished:
                 return out
         return None
+
+    def close(self) -> dict[str, Sink]:
+        """Stop collecting for every request; returns the sinks still waiting, by request id.
+
+        For an owner that stops serving: the requests keep running (abort them), and the
+        returned sinks' readers must be told that nothing more will come. Unread queued
+        outputs are dropped.
+        """
+        sinks, self._sinks = self._sinks, {}
+        self._queues.clear()
+        self._released.clear()
+        return sinks
+
+    @property
+    def num_held(self) -> int:
+        """Requests the router still keeps something for (a queue, a sink, or a release mark).
+
+        Zero once every request it saw has finished and been read: what a leak check asks.
+        """
+        return len(self._queues) + len(self._sinks) + len(self._released)
 
     @property
     def num_unread(self) -> int:

@@ -136,7 +136,7 @@ def run_load(num_requests: int = 1000, seed: int = 0, max_outstanding: int = 48,
         for rid, at in list(to_abort.items()):
             if at <= report.steps:
                 del to_abort[rid]
-                if rid in engine.requests:
+                if engine.has_request(rid):  # a user request id (engine.requests holds completion ids)
                     out = engine.abort(rid)
                     report.finished[out.finish_reason] = report.finished.get(out.finish_reason, 0) + 1
                     done += 1

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import http.server
-import importlib.util
 import json
 import re
 import sys
@@ -44,16 +43,6 @@ TIMEOUT_MS = 60_000
 
 # the theme and MyST call Sphinx APIs that Sphinx 11 will remove: their warnings, not ours
 pytestmark = [pytest.mark.browser, pytest.mark.filterwarnings("ignore:.*is deprecated. Check CHANGES for Sphinx API")]
-
-
-@functools.cache
-def _build_site_module():
-    """scripts/build_site.py, imported once (registered, as its dataclasses need)."""
-    spec = importlib.util.spec_from_file_location("build_site", REPO / "scripts" / "build_site.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["build_site"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):
@@ -94,8 +83,7 @@ def browser():
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    build_site = _build_site_module()
+def site(tmp_path_factory, build_site) -> Path:
     if sys.version_info < build_site.MIN_PYTHON:
         pytest.skip(f"the site's build needs Python {build_site.MIN_PYTHON}+ (Sphinx 9)")
     build_site.ensure_packages()
@@ -197,25 +185,26 @@ def crawled(browser, server) -> Crawl:
     return crawl(browser, server.url + "index.html")
 
 
-def _pages(server) -> list:
+@pytest.fixture(scope="module")
+def pages(build_site) -> list:
     """The build script's pages (chapters, solutions, lab, demo), in the course's order."""
-    return _build_site_module().collect_pages(REPO)
+    return build_site.collect_pages(REPO)
 
 
 def _url(server, path: Path) -> str:
     return server.url + str(path.with_suffix(".html"))
 
 
-def test_every_page_loads_links_resolve_images_and_figures_draw(crawled, server) -> None:
+def test_every_page_loads_links_resolve_images_and_figures_draw(crawled, server, pages) -> None:
     assert not crawled.problems, "\n".join(crawled.problems)
-    for page in _pages(server):
+    for page in pages:
         assert _url(server, page.path) in crawled.pages, f"{page.path} is not reachable from the home page"
     plots = sum(len(report.get("plots", [])) for report in crawled.pages.values())
     images = sum(len(report.get("imgs", [])) for report in crawled.pages.values())
     assert plots >= 10 and images >= 10, (plots, images)  # the chapters have dozens of both
 
 
-def test_home_page_is_the_course_index_and_pages_come_in_order(browser, server) -> None:
+def test_home_page_is_the_course_index_and_pages_come_in_order(browser, server, pages) -> None:
     index = (REPO / "notebooks" / "README.md").read_text(encoding="utf-8")
     page = browser.new_page(viewport=VIEWPORT)
     try:
@@ -224,7 +213,7 @@ def test_home_page_is_the_course_index_and_pages_come_in_order(browser, server) 
         assert page.locator("h1").first.inner_text().strip().rstrip("#").strip() == heading
         sidebar = [urllib.parse.urljoin(page.url, href) for href in page.eval_on_selector_all(
             "nav.bd-links a.reference.internal", "els => els.map(e => e.getAttribute('href'))")]
-        wanted = [_url(server, p.path) for p in _pages(server)]
+        wanted = [_url(server, p.path) for p in pages]
         listed = [u for u in sidebar if u in wanted]
         assert listed == wanted, "the sidebar lists the pages out of the course's order"
         # previous/next: walking "next" from the home page visits every page in that order
@@ -239,8 +228,8 @@ def test_home_page_is_the_course_index_and_pages_come_in_order(browser, server) 
         page.close()
 
 
-def test_every_notebook_page_names_its_machine_and_date(crawled, server) -> None:
-    for page in _pages(server):
+def test_every_notebook_page_names_its_machine_and_date(crawled, server, pages) -> None:
+    for page in pages:
         if page.path.suffix != ".ipynb":
             continue
         text = crawled.pages[_url(server, page.path)]["text"]

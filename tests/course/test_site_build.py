@@ -4,8 +4,6 @@ what each notebook becomes on the page (tests/browser/test_site.py builds and cr
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 import re
 import shutil
@@ -19,15 +17,6 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 PLOTLY = "application/vnd.plotly.v1+json"
 
 
-@functools.cache
-def build_site():
-    spec = importlib.util.spec_from_file_location("build_site", REPO / "scripts" / "build_site.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["build_site"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def _copy_course(tmp_path: Path) -> Path:
     """The index and the notebooks it links to, in a scratch repository layout."""
     root = tmp_path / "repo"
@@ -36,8 +25,8 @@ def _copy_course(tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_pages_come_from_the_index_in_its_order() -> None:
-    pages = build_site().collect_pages(REPO)
+def test_pages_come_from_the_index_in_its_order(build_site) -> None:
+    pages = build_site.collect_pages(REPO)
     index = (REPO / "notebooks" / "README.md").read_text(encoding="utf-8")
     table = re.findall(r"^\| *\d+ *\| *\[[^\]]+\]\((\d\d_[\w-]+\.ipynb)\)", index, re.M)
     chapters = [p.path.name for p in pages if p.section == "Chapters"]
@@ -49,7 +38,7 @@ def test_pages_come_from_the_index_in_its_order() -> None:
 
 
 @pytest.mark.parametrize("damage", ["strip outputs", "never executed"])
-def test_an_unexecuted_notebook_is_named_with_the_command_and_nothing_is_built(tmp_path, damage) -> None:
+def test_an_unexecuted_notebook_is_named_with_the_command_and_nothing_is_built(build_site, tmp_path, damage) -> None:
     root = _copy_course(tmp_path)
     victim = root / "notebooks" / "07_prefix_caching.ipynb"
     nb = json.loads(victim.read_text(encoding="utf-8"))
@@ -63,8 +52,8 @@ def test_an_unexecuted_notebook_is_named_with_the_command_and_nothing_is_built(t
     out = tmp_path / "site"
     out.mkdir()
     (out / "index.html").write_text("the previous site")
-    with pytest.raises(build_site().SiteError) as error:
-        build_site().build(out, root=root)
+    with pytest.raises(build_site.SiteError) as error:
+        build_site.build(out, root=root)
     message = str(error.value)
     assert "notebooks/07_prefix_caching.ipynb" in message
     assert "scripts/execute_notebooks.py notebooks/07_prefix_caching.ipynb" in message
@@ -74,13 +63,13 @@ def test_an_unexecuted_notebook_is_named_with_the_command_and_nothing_is_built(t
     assert [p.name for p in out.iterdir()] == ["index.html"] and (out / "index.html").read_text() == "the previous site"
 
 
-def test_a_missing_index_or_chapter_is_named(tmp_path) -> None:
-    with pytest.raises(build_site().SiteError, match="notebooks/README.md not found"):
-        build_site().collect_pages(tmp_path)
+def test_a_missing_index_or_chapter_is_named(build_site, tmp_path) -> None:
+    with pytest.raises(build_site.SiteError, match="notebooks/README.md not found"):
+        build_site.collect_pages(tmp_path)
     root = _copy_course(tmp_path)
     (root / "notebooks" / "12_serving.ipynb").unlink()
-    with pytest.raises(build_site().SiteError, match=r"notebooks/12_serving.ipynb: linked from .* but not found"):
-        build_site().collect_pages(root)
+    with pytest.raises(build_site.SiteError, match=r"notebooks/12_serving.ipynb: linked from .* but not found"):
+        build_site.collect_pages(root)
 
 
 def _outputs(nb: dict) -> list[dict]:
@@ -92,10 +81,10 @@ def _html(output: dict) -> str:
     return "".join(text) if isinstance(text, list) else text
 
 
-def test_a_chapter_page_gets_provenance_static_widgets_and_drawable_figures() -> None:
+def test_a_chapter_page_gets_provenance_static_widgets_and_drawable_figures(build_site) -> None:
     path = Path("notebooks/07_prefix_caching.ipynb")
     original = json.loads((REPO / path).read_text(encoding="utf-8"))
-    staged = build_site().stage_notebook(REPO, path, build_site()._widget_docs(REPO))
+    staged = build_site.stage_notebook(REPO, path, build_site._widget_docs(REPO))
     # every widget view replaced by a static view, every figure by HTML that draws it
     widgets = sum(WIDGET_VIEW in o.get("data", {}) for o in _outputs(original))
     figures = sum(PLOTLY in o.get("data", {}) for o in _outputs(original))
@@ -120,24 +109,24 @@ def test_a_chapter_page_gets_provenance_static_widgets_and_drawable_figures() ->
     assert meta["machine"] in rest.split(":::")[1] and meta["executed"][:10] in rest
 
 
-def test_a_progress_bar_widget_is_a_note_not_a_simulator() -> None:
+def test_a_progress_bar_widget_is_a_note_not_a_simulator(build_site) -> None:
     path = Path("notebooks/11_benchmarks.ipynb")
     original = json.loads((REPO / path).read_text(encoding="utf-8"))
     bars = [o for o in _outputs(original) if WIDGET_VIEW in o.get("data", {})
             and "%|" in "".join(o["data"].get("text/plain", ""))]
     if not bars:
         pytest.skip("chapter 11 shows no progress bar today")
-    staged = build_site().stage_notebook(REPO, path, build_site()._widget_docs(REPO))
+    staged = build_site.stage_notebook(REPO, path, build_site._widget_docs(REPO))
     notes = [_html(o) for o in _outputs(staged) if "ne-widget-note" in _html(o)]
     assert len(notes) == len(bars) and all("a progress bar (" in n for n in notes)
     assert not any("Simulator: <code>widget" in _html(o) for o in _outputs(staged))
 
 
-def test_the_quiz_view_lists_every_question_and_option_and_marks_no_answer() -> None:
-    view = build_site().quiz_view(7, "Quiz(7, live=[prefix_hit_question(x)])", Path("notebooks/07_prefix_caching.ipynb"),
+def test_the_quiz_view_lists_every_question_and_option_and_marks_no_answer(build_site) -> None:
+    view = build_site.quiz_view(7, "Quiz(7, live=[prefix_hit_question(x)])", Path("notebooks/07_prefix_caching.ipynb"),
                                   "Chapter 7: Prefix caching")
     quiz = json.loads((REPO / "widgets" / "quizzes" / "ch07.json").read_text(encoding="utf-8"))
-    code = build_site()._rst_code
+    code = build_site._rst_code
     for question in quiz["questions"]:
         assert code(question["question"]) in view
         for option in question["options"]:
@@ -166,9 +155,9 @@ def test_the_build_imports_no_engine() -> None:
     assert out.strip() == "[]"
 
 
-def test_the_live_only_demo_gets_a_static_view_per_simulator() -> None:
+def test_the_live_only_demo_gets_a_static_view_per_simulator(build_site) -> None:
     path = Path("notebooks/widgets_demo.ipynb")
-    staged = build_site().stage_notebook(REPO, path, build_site()._widget_docs(REPO))
+    staged = build_site.stage_notebook(REPO, path, build_site._widget_docs(REPO))
     views = [_html(o) for o in _outputs(staged)]
     for name in ("SamplingPlayground", "SchedulerStepper", "BlockAllocatorView", "MemoryEstimator", "TokenEditor"):
         assert sum(f"<code>{name}</code>" in v for v in views) == 1, name

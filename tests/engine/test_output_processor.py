@@ -129,3 +129,69 @@ def test_an_aborted_delta_request_ends_with_what_was_not_handed_out(build_tiny_l
     handed_out = sum((out.token_ids for out in seen), ()) + final.token_ids
     assert len(handed_out) == final.metrics.num_output_tokens  # every token exactly once
     assert e.block_manager.num_free_blocks == e.block_manager.num_blocks
+
+
+def test_a_stop_tokens_text_is_left_out_and_its_id_kept(build_tiny_llm):
+    """vLLM's rule (without include_stop_str_in_output): the token that ended a request by
+    its id is in ``token_ids`` but not in ``text``, however the output is read. A stop
+    string that does not occur makes even FINAL_ONLY detokenize every step."""
+    llm = build_tiny_llm({"device": "cpu", "num_kv_blocks": 64, "max_model_len": 128})
+    e = llm.engine
+    greedy = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
+    free = finish_one(e, SamplingParams(**greedy))
+    stop_id = free.token_ids[3]
+    cut = free.token_ids.index(stop_id)  # where the stop token first comes
+    before = finish_one(e, SamplingParams(**{**greedy, "max_tokens": cut}))  # the tokens before it
+    with_it = finish_one(e, SamplingParams(**{**greedy, "max_tokens": cut + 1}))
+    assert len(with_it.text) > len(before.text), "the stop token must have text, or this test proves nothing"
+
+    for kind in RequestOutputKind:
+        for stop in (), ("never in this text",):
+            outputs = outputs_of(e, SamplingParams(**greedy, stop_token_ids=[stop_id], stop=stop, output_kind=kind))
+            final = outputs[-1].outputs[0]
+            reads = outputs if kind == RequestOutputKind.DELTA else outputs[-1:]
+            text = "".join(out.outputs[0].text for out in reads)
+            token_ids = sum((out.outputs[0].token_ids for out in reads), ())
+            assert (final.finish_reason, final.stop_reason) == ("stop", stop_id), (kind, stop)
+            assert token_ids == free.token_ids[:cut + 1] and text == before.text, (kind, stop)
+
+
+def outputs_of(e: LLMEngine, params: SamplingParams) -> list:
+    """Every output of one request on ``e`` (prompt "Once upon"), stepped to its end."""
+    rid = e.add_request("Once upon", params)
+    outputs = []
+    while e.has_unfinished_requests():
+        outputs += [out for out in e.step() if out.request_id == rid]
+    return outputs
+
+
+def finish_one(e: LLMEngine, params: SamplingParams):
+    """The final completion of one request on ``e`` (prompt "Once upon")."""
+    return outputs_of(e, params)[-1].outputs[0]
+
+
+def test_engine_requests_is_a_live_view_of_the_unfinished_completions(build_tiny_llm):
+    """``engine.requests`` follows the engine step by step: each unfinished completion by
+    its own id (``i_<id>`` when n > 1), a completion that stopped before its siblings gone
+    at once, everything gone when the request ends; lookups of unknown ids say no."""
+    llm = build_tiny_llm({"device": "cpu", "num_kv_blocks": 64, "max_model_len": 128})
+    e = llm.engine
+    view = e.requests
+    rid = e.add_request("Once", SamplingParams(n=3, temperature=1.0, seed=4, max_tokens=30, stop=["e"]))
+    single = e.add_request("Once upon", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert set(view) == {"0_" + rid, "1_" + rid, "2_" + rid, single} and len(view) == 4
+    assert view[single].request_id == single and rid not in view and "nobody" not in view
+    with pytest.raises(KeyError):
+        view["nobody"]
+    saw_a_finished_sibling = False
+    while e.has_unfinished_requests():
+        e.step()
+        unfinished = {r.request_id: r for state in e.output_processor.states.values()
+                      for r in state.completions if not r.is_finished}
+        assert dict(view) == unfinished and len(view) == len(unfinished)
+        finished_siblings = [r for state in e.output_processor.states.values() for r in state.completions
+                             if r.is_finished]
+        saw_a_finished_sibling |= bool(finished_siblings)
+        assert not any(r.request_id in view for r in finished_siblings)
+    assert saw_a_finished_sibling, "no completion stopped before its siblings: pick another seed"
+    assert not view and not e.output_processor.completions_by_id and repr(view) == "LiveRequests([])"

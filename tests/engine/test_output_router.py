@@ -107,7 +107,7 @@ def test_a_sink_receives_outputs_and_a_released_request_keeps_running(make_llm):
     while llm.engine.has_unfinished_requests():
         router.step()
     assert len(got) == STREAMED.max_tokens and got[-1].finished and got[-1].request_id == watched
-    assert router.pop(dropped) is None and router.num_unread == 0
+    assert router.pop(dropped) is None and router.num_unread == 0 and router.num_held == 0
     with pytest.raises(TypeError, match="sink must be a function"):
         router.watch("x", sink="not callable")
 
@@ -121,4 +121,21 @@ def test_engine_abort_between_steps_ends_next_output(make_llm):
     assert final.finish_reason == "abort"
     steps = llm.engine.step_count
     assert llm.router.next_output(request_id) is None and llm.engine.step_count == steps
+    _assert_clean(llm)
+
+
+def test_close_hands_back_the_waiting_sinks_and_holds_nothing_after(make_llm):
+    llm = make_llm()
+    router = OutputRouter(llm.engine)
+    sunk, queued, released = (llm.engine.add_request(p, STREAMED) for p in ("a", "b", "c"))
+    sink = [].append
+    router.watch(sunk, sink=sink)
+    router.watch(queued)
+    router.step()
+    router.release(released)
+    assert router.num_held == 3 and router.num_unread == 1
+    assert router.close() == {sunk: sink}
+    assert router.num_held == 0 and router.num_unread == 0
+    for request_id in (sunk, queued, released):  # the requests themselves still run: the owner aborts them
+        llm.engine.abort(request_id)
     _assert_clean(llm)

@@ -34,18 +34,6 @@ def server(build_tiny_llm):
         yield running
 
 
-@pytest.fixture(scope="module")
-def offline(build_tiny_llm):
-    """The same weights run offline: the reference every served token is checked against."""
-    return build_tiny_llm(CONFIG)
-
-
-@pytest.fixture()
-def client(server) -> openai.OpenAI:
-    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=TIMEOUT) as c:
-        yield c
-
-
 def on_engine(server, fn):
     return server.engine.call(fn).result(TIMEOUT)
 

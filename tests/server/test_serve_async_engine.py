@@ -230,3 +230,35 @@ def test_bad_settings_and_a_second_start_are_refused():
     asyncio.run(main())
     with pytest.raises(EngineDeadError, match="not been started"):
         AsyncLLMEngine(tiny()).call(lambda e: None).result(1)
+
+
+def test_the_router_holds_nothing_after_finished_aborted_refused_and_parallel_requests():
+    """Every request the engine thread routes leaves the router once it ends, however it
+    ends: finished, aborted mid-stream, refused at add, or with n > 1 completions (routed
+    by the one user request id)."""
+    engine = tiny()
+    parallel = SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=4, ignore_eos=True)
+
+    async def scenario(ae: AsyncLLMEngine):
+        held = lambda: asyncio.wrap_future(ae.call(lambda e: ae.router.num_held))
+        for i in range(4):
+            finished = await ae.add_requests([(f"done-{i}", [1, 2, 3], GREEDY)])
+            outs = [o async for o in finished]
+            assert outs[-1].finished and len(outs[-1].outputs) == 1
+            aborted = await ae.add_requests([(f"gone-{i}", [4, 5], LONG)])
+            await aborted.__anext__()
+            assert await held() == 1
+            aborted.abort()
+            with pytest.raises(ValueError):
+                await ae.add_requests([(f"ok-{i}", [1, 2], GREEDY), (f"bad-{i}", [1, 10**6], GREEDY)])
+        fanned = await ae.add_requests([("pair", [6, 7, 8], parallel)])
+        outs = [o async for o in fanned]
+        assert {o.request_id for o in outs} == {"pair"} and outs[-1].finished
+        assert [len(c.token_ids) for c in outs[-1].outputs] == [4, 4]
+        deadline = time.monotonic() + 10
+        while await asyncio.wrap_future(ae.call(lambda e: e.has_unfinished_requests())):
+            assert time.monotonic() < deadline, "the aborts were not applied"
+            await asyncio.sleep(0.01)
+        return await held()
+
+    assert run(scenario, engine) == 0

@@ -68,17 +68,6 @@ def strict(build_tiny_llm):
         yield running
 
 
-@pytest.fixture(scope="module")
-def offline(build_tiny_llm):
-    return build_tiny_llm(CONFIG)
-
-
-@pytest.fixture()
-def client(server) -> openai.OpenAI:
-    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=TIMEOUT) as c:
-        yield c
-
-
 def address(server) -> tuple[str, int]:
     host, port = server.url.removeprefix("http://").split(":")
     return host, int(port)

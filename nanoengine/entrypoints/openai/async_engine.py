@@ -8,20 +8,26 @@ must keep answering other clients. So the work is split between two threads:
 
 * **the engine thread** (one, started by ``start``) owns the ``LLMEngine``: it is the only
   thread that ever calls its methods. It loops: take the commands that
-  arrived (add, abort, call), apply them between two steps, run one ``step()``, hand each
-  output to the request it belongs to. When there is nothing to do it sleeps on a
-  condition variable instead of spinning, and a new command wakes it.
+  arrived (add, abort, call), apply them between two steps, run one ``step()``, and give
+  its outputs to an ``OutputRouter`` (chapter 2's, the one routing concept in the
+  codebase), which hands each to the sink its request was watched with. When there is
+  nothing to do it sleeps on a condition variable instead of spinning, and a new
+  command wakes it.
 * **the asyncio side** (the HTTP server's event loop) never touches the engine. It submits
   commands through a list guarded by that condition, and receives each request's outputs
-  on the request's own ``asyncio.Queue``, filled by the engine thread through
-  ``loop.call_soon_threadsafe`` (asyncio objects may only be touched from their loop's
-  thread; that call is the one sanctioned way in).
+  on its HTTP request's ``asyncio.Queue``. The router's sink for the request puts them
+  there through ``loop.call_soon_threadsafe`` (asyncio objects may only be touched from
+  their loop's thread; that call is the one sanctioned way in).
 
 A request's life: ``add_requests`` -> (engine thread) tokenize, check, ``engine.add_request``
--> each ``step()`` puts a ``RequestOutput`` on its queue -> ``RequestStream`` yields them
--> the final output (``finished``) ends the stream. ``abort`` (a client disconnected)
-queues an abort command; the engine thread calls ``engine.abort`` between two steps, which
-frees the request's KV blocks at once.
+and ``router.watch(request_id, sink)`` -> each ``step()``'s outputs go through
+``router.route``, and the sink puts each ``RequestOutput`` on the queue -> ``RequestStream``
+yields them -> the final output (``finished``) ends the stream, and the router forgets
+the request. ``abort`` (a client disconnected) queues an abort command; the engine
+thread calls ``engine.abort`` between two steps, which frees the request's KV blocks at
+once, and routes the aborted final output like any other, so nothing stays behind. A
+request with ``n`` completions is one user request id: its outputs gather all ``n``, so it
+is routed, aborted and finished by that id alone.
 
 The HTTP server hands prompts over as token ids, already tokenized and length-checked on
 its own tokenizer thread (``serving``): the engine thread then only checks their range and
@@ -46,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from nanoengine.engine.llm_engine import LLMEngine
+from nanoengine.engine.output_router import OutputRouter
 from nanoengine.outputs import RequestOutput
 from nanoengine.sampling_params import SamplingParams
 
@@ -172,7 +179,7 @@ class AsyncLLMEngine:
         self._cond = threading.Condition()
         self._commands: list[_Add | _Abort | _Call] = []  # guarded by _cond
         self._stopping = False  # guarded by _cond
-        self._queues: dict[str, asyncio.Queue] = {}  # request id -> its stream; engine thread only
+        self.router = OutputRouter(engine)  # request id -> the sink of its stream; engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stats = EngineStats.of(engine)
@@ -312,25 +319,20 @@ class AsyncLLMEngine:
                 if callable(params):
                     params = params(len(token_ids))
                 engine.add_request(token_ids, params, request_id, arrival_time=command.arrival_time)
-                self._queues[request_id] = command.queue
+                self.router.watch(request_id, sink=_StreamSink(self, command.queue))
                 added.append(request_id)
         except BaseException:
             for request_id in added:  # all or nothing: nothing was computed for them yet
                 engine.abort(request_id)
-                del self._queues[request_id]
+                self.router.release(request_id)
             raise
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand outputs to their streams: one thread-safe hop onto the event loop per step."""
-        batch = []
+        """Report final outputs to ``on_finished``, then route every output to its stream."""
         for out in outputs:
-            queue = self._queues.pop(out.request_id, None) if out.finished else self._queues.get(out.request_id)
             if out.finished:
                 self._finished(out)
-            if queue is not None:
-                batch.append((queue, out))
-        if batch:
-            self._call_soon(_put_all, batch)
+        self.router.route(outputs)
 
     def _finished(self, out: RequestOutput) -> None:
         if self.on_finished is not None:
@@ -354,21 +356,31 @@ class AsyncLLMEngine:
         for command in commands:
             if not isinstance(command, _Abort) and command.done.set_running_or_notify_cancel():
                 command.done.set_exception(error)
-        for request_id in list(self._queues):
+        sinks = self.router.close()  # the streams still waiting: they get the error, not an output
+        for request_id in sinks:
             try:
                 if self.engine.has_request(request_id):
                     self._finished(self.engine.abort(request_id))
             except Exception:  # after a failed step the bookkeeping may be broken; keep going
                 logger.exception("could not abort request %s", request_id)
-        self._call_soon(_put_all, [(queue, error) for queue in set(self._queues.values())])
-        self._queues.clear()
+        for queue in {sink.queue for sink in sinks.values() if isinstance(sink, _StreamSink)}:
+            self._call_soon(queue.put_nowait, error)  # once per stream: it ends at the first error
         try:
             self._stats = EngineStats.of(self.engine)
         except Exception:
             pass
 
 
-def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
-    """On the event loop: put each item on its queue."""
-    for queue, item in batch:
-        queue.put_nowait(item)
+class _StreamSink:
+    """The router's sink for one engine request: its outputs go onto its stream's queue.
+
+    Called on the engine thread; the put itself runs on the event loop (the only thread
+    allowed to touch an ``asyncio.Queue``). The prompts of one HTTP request share a queue.
+    """
+
+    def __init__(self, owner: AsyncLLMEngine, queue: asyncio.Queue) -> None:
+        self._owner = owner
+        self.queue = queue
+
+    def __call__(self, out: RequestOutput) -> None:
+        self._owner._call_soon(self.queue.put_nowait, out)
