@@ -34,6 +34,11 @@ Options beyond the default offline race:
   join while others run, and TTFT counts from each request's arrival. With ``--server URL``
   the same arrivals go to an OpenAI-compatible server instead (``online_client``).
 * ``--batch-sizes B ...``: the engine with at most B sequences per step, for each B.
+* ``--vs-vllm``: vLLM's CPU build as one more system, from its own virtualenv
+  (``./course vllm-setup``), loaded once in a subprocess and timed in the same rounds;
+  its greedy tokens on the first prompts are compared with the engine's, and with
+  ``--online-rates`` both servers are started and raced through the same client
+  (``vllm_peer``, ``vllm_runner``, ``server_race``).
 * The roofline of the machine (GEMM peak and copy bandwidth, same dtype and device) is
   always recorded; ``--compile`` adds an A/B of the engine itself, eager against
   ``compile=True`` (``benchmark_compile``).
@@ -49,6 +54,7 @@ idle machine passive waiting made the default workload measurably slower
     python -m nanoengine bench --compile --skip-hf               # eager vs torch.compile
     python -m nanoengine bench --min-output-len 8 --online-rates 0.5 1 2 --batch-sizes 1 8 32
     python -m nanoengine bench --device cuda --dtype bfloat16    # on a GPU
+    python -m nanoengine bench --vs-vllm --dtype bfloat16        # with vLLM's CPU build (./course vllm-setup)
 """
 
 from __future__ import annotations
@@ -186,6 +192,8 @@ def check_vllm_arguments(args: argparse.Namespace) -> None:
     if isinstance(args.vllm_compare_prompts, bool) or not isinstance(args.vllm_compare_prompts, int) \
             or args.vllm_compare_prompts < 1:
         raise ValueError(f"vllm_compare_prompts must be an integer >= 1, got {args.vllm_compare_prompts!r}")
+    if getattr(args, "server", None):
+        raise ValueError("--vs-vllm starts both servers itself with --online-rates: leave out --server")
     if args.overhead or args.compile or args.batch_sizes:
         raise ValueError("--vs-vllm races the offline workload (and --online-rates): leave out --overhead, "
                          "--compile and --batch-sizes")
@@ -691,6 +699,28 @@ def run_batch_sweep(model_dir: Path, prompts, output_lens, sizes: list[int], rep
     return rows
 
 
+def race_vllm_server(peer, model_dir: Path, prompts, output_lens, args: argparse.Namespace) -> dict:
+    """``--vs-vllm --online-rates``: the engine's server and vLLM's, each started here, the
+    same arrivals through the same client (``server_race``); TTFT and ITL p50/p90 per rate."""
+    from nanoengine.measure.server_race import engine_server, latency_table, race_servers, vllm_server
+
+    peer.close()  # vLLM's offline process gives its cores and memory to the servers
+    settings = peer.settings
+    servers = [engine_server(model_dir, settings.dtype, settings.max_num_batched_tokens, settings.max_num_seqs,
+                             settings.max_model_len, settings.seed), vllm_server(settings)]
+    race = race_servers(servers, prompts, output_lens, args.online_rates, args.seed)
+    table = latency_table(race)
+    def ms(value) -> str:
+        return "-" if value is None else f"{value:.0f}"
+
+    for row in table:
+        print(f"online {row['rate_requests_per_s']:g} req/s, {row['server']} server: TTFT p50 {ms(row['ttft_p50_ms'])} "
+              f"/ p90 {ms(row['ttft_p90_ms'])} ms, ITL p50 {ms(row['itl_p50_ms'])} / p90 {ms(row['itl_p90_ms'])} ms, "
+              f"{row['output_tokens_per_s']:.1f} tok/s, {row['failed']} failed")
+    return {"servers": race, "latency": table,
+            "client": "openai.AsyncOpenAI, streaming /v1/completions (measure/online_client.py)"}
+
+
 # ---------------------------------------------------------------------- main
 def run_from_args(args: argparse.Namespace) -> dict:
     from nanoengine.config import EngineConfig
@@ -706,7 +736,8 @@ def run_from_args(args: argparse.Namespace) -> dict:
 
         return run_server_bench(args)
     # Resolved once, the engine's way, for every system: transformers runs where the engine does.
-    resolved = EngineConfig(device=args.device, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens)
+    resolved = EngineConfig(device=args.device, dtype=args.dtype,
+                            max_num_batched_tokens=args.max_num_batched_tokens)
     device, dtype = resolved.torch_device, resolved.torch_dtype
     dtype_name = str(dtype).removeprefix("torch.")
     engine_kwargs = dict(device=args.device, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens)
@@ -751,9 +782,11 @@ def run_from_args(args: argparse.Namespace) -> dict:
             if peer is not None:
                 runs["vllm"].append(peer.run(prompts, output_lens, keep_tokens=compared))
             if hf is not None:
-                runs["hf_static"].append(run_hf_static(hf, prompts, output_lens, args.hf_batch_size, device=hf.device))
+                runs["hf_static"].append(run_hf_static(hf, prompts, output_lens, args.hf_batch_size,
+                                                       device=hf.device))
                 if not args.skip_generate_batch:
-                        runs["hf_generate_batch"].append(run_hf_continuous(hf, prompts, output_lens, cb_config=cb_config))
+                    runs["hf_generate_batch"].append(run_hf_continuous(hf, prompts, output_lens,
+                                                                       cb_config=cb_config))
 
         engine_runs = runs["nanoengine"]
         engine_tokens = engine_runs[0].tokens
@@ -820,6 +853,9 @@ def run_from_args(args: argparse.Namespace) -> dict:
                       f"({single['ratio']:.2f}x)" + "".join(
                           f", {name} {single[name + '_tok_s']:.1f} tok/s" for name in peers
                           if single[name + "_tok_s"] is not None))
+
+        if peer is not None and args.online_rates:
+            results["online_servers"] = race_vllm_server(peer, model_dir, prompts, output_lens, args)
 
         results.update({
             "workload": {"num_requests": args.num_requests, "prompt_len": [args.min_prompt, args.max_prompt],

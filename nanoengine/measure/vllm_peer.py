@@ -178,8 +178,8 @@ class VllmPeer:
         env, _ = self.settings.environment()
         log = tempfile.NamedTemporaryFile("w", prefix="vllm-runner-", suffix=".log", delete=False)
         self.log_path = Path(log.name)
-        self.process = subprocess.Popen([str(self.python), str(self.runner), json.dumps(self.settings.runner_config())],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+        command = [str(self.python), str(self.runner), json.dumps(self.settings.runner_config())]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
                                         env=env, cwd=str(REPO_ROOT))
         log.close()  # the child holds its own descriptor
         threading.Thread(target=self._read_lines, daemon=True).start()
@@ -325,7 +325,8 @@ def peer_results(peer: VllmPeer, runs: list[dict], engine_record: dict, engine_t
     return {"version": ready["vllm_version"], "torch": ready["torch_version"], "python": ready["python"],
             "load_seconds": ready["load_seconds"], "torch_threads": ready["torch_threads"],
             "settings": {**peer.settings.described(), "runner": ready["settings"]},
-            "environment": ready["environment"], "set_by_vllm": ready.get("set_by_vllm", {}), **record, "ratio_engine_over_vllm": ratio,
+            "environment": ready["environment"], "set_by_vllm": ready.get("set_by_vllm", {}), **record,
+            "ratio_engine_over_vllm": ratio,
             "greedy_agreement": agreement,
             "deterministic_across_repeats": all(r["tokens"] == runs[0]["tokens"] for r in runs)}
 

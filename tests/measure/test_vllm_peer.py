@@ -191,3 +191,39 @@ def test_real_vllm_runner_agrees_with_the_engine_in_float32():
         result = peer.run(prompts, lens, keep_tokens=2)
     assert result["output_tokens"] == 16
     assert greedy_agreement(engine_tokens, result["tokens"])["identical_prompts"] == 2
+
+
+# ------------------------------------------------------ online, both servers
+def test_a_server_that_exits_is_a_clear_error_with_its_log():
+    from nanoengine.measure.server_race import ServerProcess
+
+    server = ServerProcess("broken", [sys.executable, "-c", "import sys; print('bad flag'); sys.exit(4)"], {}, 1)
+    server.start()
+    with pytest.raises(RuntimeError, match="exited \\(code 4\\)") as caught:
+        server.wait_healthy(timeout_s=30)
+    assert "bad flag" in str(caught.value)
+
+
+def test_vllm_server_uses_the_peer_settings_and_opens_the_cache_reset(tmp_path):
+    from nanoengine.measure.server_race import vllm_server
+
+    server = vllm_server(settings(venv=str(fake_venv(tmp_path)), threads_bind="0-1", enforce_eager=True))
+    assert server.command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert server.command[server.command.index("--dtype") + 1] == "float32" and "--enforce-eager" in server.command
+    assert server.env["VLLM_SERVER_DEV_MODE"] == "1" and server.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert server.url == f"http://127.0.0.1:{server.port}"
+
+
+@pytest.mark.slow  # starts two servers
+def test_race_servers_alternates_rates_and_reports_latency_percentiles(tiny_llama_tok_dir):
+    from nanoengine.measure.server_race import engine_server, latency_table, race_servers
+
+    servers = [engine_server(tiny_llama_tok_dir, "float32", 256, 8, 64, 0) for _ in range(2)]
+    servers[1].name = "second"
+    prompts, lens = [[5, 6, 7, 8], [9, 10, 11]], [4, 3]
+    race = race_servers(servers, prompts, lens, [4.0, 8.0], seed=0)
+    assert all(s.process.poll() is not None for s in servers)  # stopped after
+    table = latency_table(race)
+    assert [(r["rate_requests_per_s"], r["server"]) for r in table] == [
+        (4.0, "nanoengine"), (4.0, "second"), (8.0, "nanoengine"), (8.0, "second")]
+    assert all(r["failed"] == 0 and r["ttft_p50_ms"] > 0 and r["itl_p90_ms"] >= r["itl_p50_ms"] for r in table)
