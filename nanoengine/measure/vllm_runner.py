@@ -16,7 +16,8 @@ The protocol, one JSON object per line:
 * start: ``python vllm_runner.py '<config JSON>'`` with ``model`` (a Hugging Face
   directory), ``dtype``, ``max_model_len``, ``max_num_batched_tokens``, ``max_num_seqs``,
   ``seed`` and ``enforce_eager``. After loading and one short warm-up request it answers
-  ``{"event": "ready", "vllm_version": ..., "settings": ..., "environment": ...}``.
+  ``{"event": "ready", "vllm_version": ..., "settings": ..., "environment": ...,
+  "set_by_vllm": ...}`` (the variables as the runner was started, then those vLLM set itself).
 * ``{"command": "run", "prompts": [[ids], ...], "max_tokens": [n, ...], "keep_tokens": k}``:
   one timed greedy run (EOS ignored, the prefix cache emptied first, as the engine's runs
   do) answered by ``{"event": "result", "seconds": ..., "output_tokens": ...,
