@@ -34,6 +34,11 @@ Options beyond the default offline race:
   join while others run, and TTFT counts from each request's arrival. With ``--server URL``
   the same arrivals go to an OpenAI-compatible server instead (``online_client``).
 * ``--batch-sizes B ...``: the engine with at most B sequences per step, for each B.
+* ``--vs-vllm``: vLLM's CPU build as one more system, from its own virtualenv
+  (``./course vllm-setup``), loaded once in a subprocess and timed in the same rounds;
+  its greedy tokens on the first prompts are compared with the engine's, and with
+  ``--online-rates`` both servers are started and raced through the same client
+  (``vllm_peer``, ``vllm_runner``, ``server_race``).
 * The roofline of the machine (GEMM peak and copy bandwidth, same dtype and device) is
   always recorded; ``--compile`` adds an A/B of the engine itself, eager against
   ``compile=True`` (``benchmark_compile``).
@@ -49,6 +54,7 @@ idle machine passive waiting made the default workload measurably slower
     python -m nanoengine bench --compile --skip-hf               # eager vs torch.compile
     python -m nanoengine bench --min-output-len 8 --online-rates 0.5 1 2 --batch-sizes 1 8 32
     python -m nanoengine bench --device cuda --dtype bfloat16    # on a GPU
+    python -m nanoengine bench --vs-vllm --dtype bfloat16        # with vLLM's CPU build (./course vllm-setup)
 """
 
 from __future__ import annotations
@@ -113,7 +119,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overhead-requests", type=int, nargs="+", default=[1, 64, 256], metavar="N",
                    help="with --overhead: running requests per measured step, for each N (default 1 64 256)")
     p.add_argument("--overhead-steps", type=int, default=30, help="with --overhead: timed decode steps per N")
-    p.add_argument("--out", default=None, help="results JSON (default: results/bench-<device>-<date>.json)")
+    p.add_argument("--vs-vllm", action="store_true",
+                   help="also run vLLM's CPU build on the same workload, alternating with the others, from its own "
+                        "virtualenv (made by ./course vllm-setup; measure/vllm_peer.py)")
+    p.add_argument("--vllm-venv", default=None, help="with --vs-vllm: vLLM's virtualenv (default: .venv-vllm)")
+    p.add_argument("--vllm-threads-bind", default=None,
+                   help="with --vs-vllm: VLLM_CPU_OMP_THREADS_BIND, the cores vLLM's threads are pinned to "
+                        "(default: every core this process may use, e.g. 0-1)")
+    p.add_argument("--vllm-kvcache-gib", type=int, default=4,
+                   help="with --vs-vllm: VLLM_CPU_KVCACHE_SPACE, vLLM's KV cache in GiB (default 4)")
+    p.add_argument("--vllm-enforce-eager", action="store_true",
+                   help="with --vs-vllm: run vLLM eagerly (by default it compiles its model, as its CPU build does)")
+    p.add_argument("--vllm-compare-prompts", type=int, default=8,
+                   help="with --vs-vllm: greedy tokens of this many first prompts compared with the engine's")
+    p.add_argument("--out", default=None, help="results JSON (default: results/bench-<device>-<date>.json; with "
+                   "--vs-vllm results/bench-vllm-<device>-<date>-<dtype>.json)")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -151,6 +171,33 @@ def check_arguments(args: argparse.Namespace) -> None:
     for count in args.overhead_requests:
         at_least("each of overhead_requests", count, 1)
     at_least("overhead_steps", args.overhead_steps, 1)
+    if getattr(args, "vs_vllm", False):
+        check_vllm_arguments(args)
+
+
+def check_vllm_arguments(args: argparse.Namespace) -> None:
+    """``--vs-vllm``'s own checks, before anything loads: vLLM's CPU build runs on a CPU in
+    float32 or bfloat16, and its virtualenv must exist (``./course vllm-setup``)."""
+    from nanoengine.measure.vllm_peer import DEFAULT_VENV, DTYPES, vllm_python
+
+    if args.device not in ("auto", "cpu") or (args.device == "auto" and torch.cuda.is_available()):
+        raise ValueError(f"--vs-vllm compares with vLLM's CPU build: run it with --device cpu, got --device "
+                         f"{args.device}" + (" (auto picks CUDA here)" if args.device == "auto" else ""))
+    if args.dtype not in ("auto", *DTYPES):
+        raise ValueError(f"--vs-vllm runs both engines in float32 or bfloat16 (vLLM's CPU dtypes), got "
+                         f"--dtype {args.dtype}")
+    if isinstance(args.vllm_kvcache_gib, bool) or not isinstance(args.vllm_kvcache_gib, int) \
+            or args.vllm_kvcache_gib < 1:
+        raise ValueError(f"vllm_kvcache_gib must be a whole number of GiB >= 1, got {args.vllm_kvcache_gib!r}")
+    if isinstance(args.vllm_compare_prompts, bool) or not isinstance(args.vllm_compare_prompts, int) \
+            or args.vllm_compare_prompts < 1:
+        raise ValueError(f"vllm_compare_prompts must be an integer >= 1, got {args.vllm_compare_prompts!r}")
+    if getattr(args, "server", None):
+        raise ValueError("--vs-vllm starts both servers itself with --online-rates: leave out --server")
+    if args.overhead or args.compile or args.batch_sizes:
+        raise ValueError("--vs-vllm races the offline workload (and --online-rates): leave out --overhead, "
+                         "--compile and --batch-sizes")
+    vllm_python(args.vllm_venv or DEFAULT_VENV)  # VllmSetupError naming ./course vllm-setup when missing
 
 
 def make_workload(num_requests: int, min_prompt: int, max_prompt: int, seed: int,
@@ -443,8 +490,12 @@ def cb_config_for(prompts: list[list[int]], output_lens: list[int], max_batch_to
 
 
 def single_stream_decode(model_dir: Path, hf_model, prompt: list[int], n: int, repeats: int = 5,
-                         **engine_kwargs) -> dict:
-    """Decode speed of one request alone, the engine against transformers (``decode_rates``)."""
+                         peers: dict | None = None, **engine_kwargs) -> dict:
+    """Decode speed of one request alone, the engine against transformers (``decode_rates``).
+
+    ``peers``: other engines' ``run(k)`` (vLLM's, ``VllmPeer.decoder``), timed in the same
+    alternation; each adds ``<name>_tok_s`` and ``ratio_over_<name>`` (the engine's over it).
+    """
     from nanoengine import LLM
 
     llm = LLM(model_dir, enable_prefix_caching=False, **engine_kwargs)
@@ -457,12 +508,19 @@ def single_stream_decode(model_dir: Path, hf_model, prompt: list[int], n: int, r
         if device.type == "cuda":  # generate returns before the GPU is done
             torch.cuda.synchronize(device)
 
-    rates = decode_rates({"nanoengine": engine_decoder(llm, prompt), "hf": hf}, n, repeats)
+    peers = peers or {}
+    rates = decode_rates({"nanoengine": engine_decoder(llm, prompt), "hf": hf, **peers}, n, repeats)
     llm.shutdown()
-    ratio = rates["nanoengine"] / rates["hf"] if None not in rates.values() else None
-    return {"nanoengine_tok_s": rates["nanoengine"], "hf_tok_s": rates["hf"],
-            "ratio": ratio, "tokens": n, "prompt_tokens": len(prompt),
-            "repeats": repeats, "method": "(n - 1) / (median time to n tokens - median time to 1 token)"}
+
+    def over(name: str) -> float | None:
+        return rates["nanoengine"] / rates[name] if rates["nanoengine"] and rates[name] else None
+
+    result = {"nanoengine_tok_s": rates["nanoengine"], "hf_tok_s": rates["hf"],
+              "ratio": over("hf"), "tokens": n, "prompt_tokens": len(prompt),
+              "repeats": repeats, "method": "(n - 1) / (median time to n tokens - median time to 1 token)"}
+    for name in peers:
+        result.update({f"{name}_tok_s": rates[name], f"ratio_over_{name}": over(name)})
+    return result
 
 
 def engine_decoder(llm, prompt: list[int]):
@@ -641,6 +699,28 @@ def run_batch_sweep(model_dir: Path, prompts, output_lens, sizes: list[int], rep
     return rows
 
 
+def race_vllm_server(peer, model_dir: Path, prompts, output_lens, args: argparse.Namespace) -> dict:
+    """``--vs-vllm --online-rates``: the engine's server and vLLM's, each started here, the
+    same arrivals through the same client (``server_race``); TTFT and ITL p50/p90 per rate."""
+    from nanoengine.measure.server_race import engine_server, latency_table, race_servers, vllm_server
+
+    peer.close()  # vLLM's offline process gives its cores and memory to the servers
+    settings = peer.settings
+    servers = [engine_server(model_dir, settings.dtype, settings.max_num_batched_tokens, settings.max_num_seqs,
+                             settings.max_model_len, settings.seed), vllm_server(settings)]
+    race = race_servers(servers, prompts, output_lens, args.online_rates, args.seed)
+    table = latency_table(race)
+    def ms(value) -> str:
+        return "-" if value is None else f"{value:.0f}"
+
+    for row in table:
+        print(f"online {row['rate_requests_per_s']:g} req/s, {row['server']} server: TTFT p50 {ms(row['ttft_p50_ms'])} "
+              f"/ p90 {ms(row['ttft_p90_ms'])} ms, ITL p50 {ms(row['itl_p50_ms'])} / p90 {ms(row['itl_p90_ms'])} ms, "
+              f"{row['output_tokens_per_s']:.1f} tok/s, {row['failed']} failed")
+    return {"servers": race, "latency": table,
+            "client": "openai.AsyncOpenAI, streaming /v1/completions (measure/online_client.py)"}
+
+
 # ---------------------------------------------------------------------- main
 def run_from_args(args: argparse.Namespace) -> dict:
     from nanoengine.config import EngineConfig
@@ -656,7 +736,8 @@ def run_from_args(args: argparse.Namespace) -> dict:
 
         return run_server_bench(args)
     # Resolved once, the engine's way, for every system: transformers runs where the engine does.
-    resolved = EngineConfig(device=args.device, dtype=args.dtype)
+    resolved = EngineConfig(device=args.device, dtype=args.dtype,
+                            max_num_batched_tokens=args.max_num_batched_tokens)
     device, dtype = resolved.torch_device, resolved.torch_dtype
     dtype_name = str(dtype).removeprefix("torch.")
     engine_kwargs = dict(device=args.device, dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens)
@@ -672,102 +753,130 @@ def run_from_args(args: argparse.Namespace) -> dict:
     print(f"workload: {args.num_requests} requests, prompts {args.min_prompt}-{args.max_prompt} random ids, "
           f"{lengths} output tokens each, greedy, EOS ignored; model {model_dir.name}; {args.repeats} repeats")
     print(f"every system on {device.type} in {dtype_name}")
-    roof = measure_roofline(config, device, dtype)
-    peak = roof["gemm_peak_gflops"]
-    print(f"roofline: {dtype_name} GEMM peak on the model's shapes {peak:.1f} GFLOP/s, memory bandwidth "
-          f"{roof['memory_bandwidth_gbs']:.1f} GB/s, ridge at {roof['ridge_flops_per_byte']:.1f} FLOP/byte")
+    peer = None
+    if getattr(args, "vs_vllm", False):
+        from nanoengine.measure.vllm_peer import start_peer
 
-    llm = build_engine(model_dir, **engine_kwargs)
-    # transformers' continuous batching gets the engine's token budget and pages enough for
-    # every request at once (it never needs more): by default it sizes its cache to 90% of
-    # free memory (on a CPU, of the machine's RAM) and spends tens of seconds filling it.
-    cb_config = cb_config_for(prompts, output_lens, args.max_num_batched_tokens)
-    hf = None
-    if not args.skip_hf:
-        hf = load_hf(model_dir, device=device, dtype=dtype)
-        hf_where = {"device": hf.device.type, "dtype": str(hf.dtype).removeprefix("torch.")}
-    runs: dict[str, list] = {"nanoengine": [], "hf_static": [], "hf_generate_batch": []}
-    for _ in range(args.repeats):  # alternating, so a slow spell of the machine hits every system
-        runs["nanoengine"].append(run_engine_once(llm, prompts, output_lens))
+        if device.type != "cpu":
+            raise ValueError(f"--vs-vllm compares with vLLM's CPU build, but the engine resolved to {device.type}")
+        peer = start_peer(args, model_dir, prompts, output_lens, dtype_name, resolved.max_num_seqs)
+    try:
+        roof = measure_roofline(config, device, dtype)
+        peak = roof["gemm_peak_gflops"]
+        print(f"roofline: {dtype_name} GEMM peak on the model's shapes {peak:.1f} GFLOP/s, memory bandwidth "
+              f"{roof['memory_bandwidth_gbs']:.1f} GB/s, ridge at {roof['ridge_flops_per_byte']:.1f} FLOP/byte")
+
+        llm = build_engine(model_dir, **engine_kwargs)
+        # transformers' continuous batching gets the engine's token budget and pages enough for
+        # every request at once (it never needs more): by default it sizes its cache to 90% of
+        # free memory (on a CPU, of the machine's RAM) and spends tens of seconds filling it.
+        cb_config = cb_config_for(prompts, output_lens, args.max_num_batched_tokens)
+        hf = None
+        if not args.skip_hf:
+            hf = load_hf(model_dir, device=device, dtype=dtype)
+            hf_where = {"device": hf.device.type, "dtype": str(hf.dtype).removeprefix("torch.")}
+        runs: dict[str, list] = {"nanoengine": [], "vllm": [], "hf_static": [], "hf_generate_batch": []}
+        compared = min(getattr(args, "vllm_compare_prompts", 0), len(prompts))
+        for _ in range(args.repeats):  # alternating, so a slow spell of the machine hits every system
+            runs["nanoengine"].append(run_engine_once(llm, prompts, output_lens))
+            if peer is not None:
+                runs["vllm"].append(peer.run(prompts, output_lens, keep_tokens=compared))
+            if hf is not None:
+                runs["hf_static"].append(run_hf_static(hf, prompts, output_lens, args.hf_batch_size,
+                                                       device=hf.device))
+                if not args.skip_generate_batch:
+                    runs["hf_generate_batch"].append(run_hf_continuous(hf, prompts, output_lens,
+                                                                       cb_config=cb_config))
+
+        engine_runs = runs["nanoengine"]
+        engine_tokens = engine_runs[0].tokens
+        flops = workload_flops(config, prompts, output_lens)
+        record = system_record([r.seconds for r in engine_runs], total_out)
+        achieved = flops / record["seconds"] / 1e9
+        record.update({"achieved_gflops": achieved, "fraction_of_gemm_peak": achieved / peak,
+                       "deterministic_across_repeats": all(r.tokens == engine_tokens for r in engine_runs),
+                       "latency": latency_summary([m for r in engine_runs for m in r.metrics])})
+        results: dict = {"device": device.type, "dtype": dtype_name, "systems": {"nanoengine": record}}
+        print(describe("nanoengine", record) + f"; {achieved:.1f} GFLOP/s = {achieved / peak:.0%} of the GEMM peak")
+        print(f"  engine latency (all repeats): {describe_latency(record['latency'])}")
+        if peer is not None:
+            from nanoengine.measure.vllm_peer import peer_results
+
+            results["vllm"] = peer_results(peer, runs["vllm"], record, engine_tokens[:compared], total_out)
+
         if hf is not None:
-            runs["hf_static"].append(run_hf_static(hf, prompts, output_lens, args.hf_batch_size, device=hf.device))
-            if not args.skip_generate_batch:
-                    runs["hf_generate_batch"].append(run_hf_continuous(hf, prompts, output_lens, cb_config=cb_config))
+            hf_tokens, _, hf_top2 = runs["hf_static"][0]
+            check = compare_greedy(engine_tokens, hf_tokens, hf_top2, args.tie_tolerance)
+            static = system_record([r[1] for r in runs["hf_static"]], total_out)
+            static.update({"batch_size": args.hf_batch_size, **hf_where, "greedy_check": check,
+                           "computed_output_tokens": static_computed_tokens(output_lens, args.hf_batch_size)})
+            results["systems"]["hf_static"] = static
+            print(describe(f"transformers static ({args.hf_batch_size})", static) +
+                  f"; greedy tokens identical for {check['identical']}/{check['total']} requests, "
+                  f"{check['near_tie_divergences']} near-tie divergences, {len(check['unexplained'])} unexplained")
+            if runs["hf_generate_batch"]:
+                cb_runs = runs["hf_generate_batch"]
+                cb_check = compare_greedy(engine_tokens, cb_runs[0]["tokens"], hf_top2, args.tie_tolerance)
+                batch = system_record([r["seconds"] for r in cb_runs], total_out)
+                batch.update({**hf_where, "greedy_check": cb_check, "setup_seconds": spread([r["setup_seconds"] for r in cb_runs]),
+                              "attn_implementation": cb_runs[0]["attn_implementation"], "config": cb_config})
+                results["systems"]["hf_generate_batch"] = batch
+                print(describe("transformers generate_batch", batch) +
+                      f"; identical for {cb_check['identical']}/{cb_check['total']} requests")
+            ratios = {name: record["output_tokens_per_s"] / r["output_tokens_per_s"]
+                      for name, r in results["systems"].items() if name != "nanoengine"}
+            results["ratios_engine_over"] = ratios
+            print("engine / transformers (medians): " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
 
-    engine_runs = runs["nanoengine"]
-    engine_tokens = engine_runs[0].tokens
-    flops = workload_flops(config, prompts, output_lens)
-    record = system_record([r.seconds for r in engine_runs], total_out)
-    achieved = flops / record["seconds"] / 1e9
-    record.update({"achieved_gflops": achieved, "fraction_of_gemm_peak": achieved / peak,
-                   "deterministic_across_repeats": all(r.tokens == engine_tokens for r in engine_runs),
-                   "latency": latency_summary([m for r in engine_runs for m in r.metrics])})
-    results: dict = {"device": device.type, "dtype": dtype_name, "systems": {"nanoengine": record}}
-    print(describe("nanoengine", record) + f"; {achieved:.1f} GFLOP/s = {achieved / peak:.0%} of the GEMM peak")
-    print(f"  engine latency (all repeats): {describe_latency(record['latency'])}")
+        if args.online_rates:
+            results["online"] = run_online(llm, prompts, output_lens, args.online_rates, args.seed)
+        llm.shutdown()
+        if args.batch_sizes:
+            results["batch_sweep"] = run_batch_sweep(model_dir, prompts, output_lens, args.batch_sizes, args.repeats,
+                                                     **engine_kwargs)
+        if args.compile:
+            from nanoengine.measure.benchmark_compile import compare_compile
 
-    if hf is not None:
-        hf_tokens, _, hf_top2 = runs["hf_static"][0]
-        check = compare_greedy(engine_tokens, hf_tokens, hf_top2, args.tie_tolerance)
-        static = system_record([r[1] for r in runs["hf_static"]], total_out)
-        static.update({"batch_size": args.hf_batch_size, **hf_where, "greedy_check": check,
-                       "computed_output_tokens": static_computed_tokens(output_lens, args.hf_batch_size)})
-        results["systems"]["hf_static"] = static
-        print(describe(f"transformers static ({args.hf_batch_size})", static) +
-              f"; greedy tokens identical for {check['identical']}/{check['total']} requests, "
-              f"{check['near_tie_divergences']} near-tie divergences, {len(check['unexplained'])} unexplained")
-        if runs["hf_generate_batch"]:
-            cb_runs = runs["hf_generate_batch"]
-            cb_check = compare_greedy(engine_tokens, cb_runs[0]["tokens"], hf_top2, args.tie_tolerance)
-            batch = system_record([r["seconds"] for r in cb_runs], total_out)
-            batch.update({**hf_where, "greedy_check": cb_check, "setup_seconds": spread([r["setup_seconds"] for r in cb_runs]),
-                          "attn_implementation": cb_runs[0]["attn_implementation"], "config": cb_config})
-            results["systems"]["hf_generate_batch"] = batch
-            print(describe("transformers generate_batch", batch) +
-                  f"; identical for {cb_check['identical']}/{cb_check['total']} requests")
-        ratios = {name: record["output_tokens_per_s"] / r["output_tokens_per_s"]
-                  for name, r in results["systems"].items() if name != "nanoengine"}
-        results["ratios_engine_over"] = ratios
-        print("engine / transformers (medians): " + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()))
+            results["compile"] = compare_compile(model_dir, prompts, args.output_len, args.compile_repeats,
+                                                 args.single_stream_tokens, **engine_kwargs)
+        if hf is not None and args.single_stream_tokens:
+            peers = {"vllm": peer.decoder(prompts[0][:32])} if peer is not None else {}
+            single = single_stream_decode(model_dir, hf, prompts[0][:32], args.single_stream_tokens,
+                                          peers=peers, device=args.device, dtype=args.dtype)
+            results["single_stream_decode"] = single
+            if single["ratio"] is None:
+                print("single stream decode: too fast to time against this machine's noise; use more "
+                      "--single-stream-tokens")
+            else:
+                print(f"single stream decode (medians of {single['repeats']}): nanoengine "
+                      f"{single['nanoengine_tok_s']:.1f} tok/s, transformers {single['hf_tok_s']:.1f} tok/s "
+                      f"({single['ratio']:.2f}x)" + "".join(
+                          f", {name} {single[name + '_tok_s']:.1f} tok/s" for name in peers
+                          if single[name + "_tok_s"] is not None))
 
-    if args.online_rates:
-        results["online"] = run_online(llm, prompts, output_lens, args.online_rates, args.seed)
-    llm.shutdown()
-    if args.batch_sizes:
-        results["batch_sweep"] = run_batch_sweep(model_dir, prompts, output_lens, args.batch_sizes, args.repeats,
-                                                 **engine_kwargs)
-    if args.compile:
-        from nanoengine.measure.benchmark_compile import compare_compile
+        if peer is not None and args.online_rates:
+            results["online_servers"] = race_vllm_server(peer, model_dir, prompts, output_lens, args)
 
-        results["compile"] = compare_compile(model_dir, prompts, args.output_len, args.compile_repeats,
-                                             args.single_stream_tokens, **engine_kwargs)
-    if hf is not None and args.single_stream_tokens:
-        single = single_stream_decode(model_dir, hf, prompts[0][:32], args.single_stream_tokens,
-                                      device=args.device, dtype=args.dtype)
-        results["single_stream_decode"] = single
-        if single["ratio"] is None:
-            print("single stream decode: too fast to time against this machine's noise; use more "
-                  "--single-stream-tokens")
-        else:
-            print(f"single stream decode (medians of {single['repeats']}): nanoengine "
-                  f"{single['nanoengine_tok_s']:.1f} tok/s, transformers {single['hf_tok_s']:.1f} tok/s "
-                  f"({single['ratio']:.2f}x)")
-
-    results.update({
-        "workload": {"num_requests": args.num_requests, "prompt_len": [args.min_prompt, args.max_prompt],
-                     "output_len": args.output_len, "output_len_range": [min_out, args.output_len],
-                     "output_tokens": total_out, "seed": args.seed, "greedy": True, "ignore_eos": True,
-                     "prompt_tokens": sum(len(p) for p in prompts), "repeats": args.repeats},
-        "gemm_peak_gflops": peak, "gemm_peak_dtype": dtype_name, "roofline": roof, "model": model_dir.name,
-        "load_average": {"start": load_at_start, "end": load_average()},
-        "environment": environment(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": getattr(args, "command_line", None) or " ".join(sys.argv),
-        "format": "results/README.md",
-    })
-    out = Path(args.out) if args.out else Path("results") / (
-        f"bench-{device.type}-{datetime.date.today().isoformat()}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print(f"results written to {out}")
-    return results
+        results.update({
+            "workload": {"num_requests": args.num_requests, "prompt_len": [args.min_prompt, args.max_prompt],
+                         "output_len": args.output_len, "output_len_range": [min_out, args.output_len],
+                         "output_tokens": total_out, "seed": args.seed, "greedy": True, "ignore_eos": True,
+                         "prompt_tokens": sum(len(p) for p in prompts), "repeats": args.repeats},
+            "gemm_peak_gflops": peak, "gemm_peak_dtype": dtype_name, "roofline": roof, "model": model_dir.name,
+            "load_average": {"start": load_at_start, "end": load_average()},
+            "environment": environment(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": getattr(args, "command_line", None) or " ".join(sys.argv),
+            "format": "results/README.md",
+        })
+        today = datetime.date.today().isoformat()
+        out = Path(args.out) if args.out else Path("results") / (
+            f"bench-vllm-{device.type}-{today}-{dtype_name}.json" if peer is not None
+            else f"bench-{device.type}-{today}.json")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
+        print(f"results written to {out}")
+        return results
+    finally:
+        if peer is not None:
+            peer.close()

@@ -1,0 +1,167 @@
+"""Online through HTTP, the engine's server against vLLM's: ``bench --vs-vllm --online-rates R ...``.
+
+``--online-rates`` alone steps the engine in this process (``benchmark.run_online``);
+``--server URL`` sends the arrivals to a server someone else started (``online_client``).
+This module starts both servers itself, each as its own process on this machine, and
+sends them the same workload through the same client, so what is compared is what a
+user of either server would see:
+
+* the engine's: ``python -m nanoengine serve`` with the course's Python;
+* vLLM's: ``python -m vllm.entrypoints.openai.api_server`` from ``.venv-vllm`` (the
+  ``vllm serve`` command of vLLM's CPU wheel 0.32 fails to start; the module it wraps
+  works), with the settings of ``vllm_peer`` (thread binding, KV cache, preloads) and
+  ``VLLM_SERVER_DEV_MODE=1``, which opens its ``/reset_prefix_cache`` endpoint: the
+  client empties each server's prefix cache before each rate, as the engine's own runs do.
+
+Both serve the same model directory in the same dtype with the same token budget per
+step. Each waits for ``GET /health`` before it is measured; both stay up for the whole
+comparison and the rates alternate between them (engine, vLLM, next rate), so a slow
+spell of a shared machine hits both.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+HEALTH_TIMEOUT_S = 1200.0  # vLLM compiles its model before it answers
+SERVED_MODEL_NAME = "nanoengine-bench"
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the OS picks it)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """An OpenAI-compatible server this benchmark started: its command, URL and log."""
+
+    name: str
+    command: list[str]
+    env: dict
+    port: int
+    process: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        log = tempfile.NamedTemporaryFile("w", prefix=f"{self.name}-server-", suffix=".log", delete=False)
+        self.log_path = Path(log.name)
+        self.process = subprocess.Popen(self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                        env=self.env)
+        log.close()
+
+    def wait_healthy(self, timeout_s: float = HEALTH_TIMEOUT_S) -> float:
+        """Seconds until ``GET /health`` answered 200; an error naming the log if the server
+        exits or stays silent."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the {self.name} server exited (code {self.process.returncode}) before it was "
+                                   f"healthy: {self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=5) as response:
+                    if response.status == 200:
+                        return time.monotonic() - start
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        raise RuntimeError(f"the {self.name} server was not healthy after {timeout_s:.0f} s: {self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "no log"
+        text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        return f"last lines of {self.log_path}:\n" + "\n".join(text)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def engine_server(model_dir: Path, dtype: str, max_num_batched_tokens: int, max_num_seqs: int,
+                  max_model_len: int, seed: int) -> ServerProcess:
+    port = free_port()
+    command = [sys.executable, "-m", "nanoengine", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
+               "--port", str(port), "--served-model-name", SERVED_MODEL_NAME, "--device", "cpu", "--dtype", dtype,
+               "--max-num-batched-tokens", str(max_num_batched_tokens), "--max-num-seqs", str(max_num_seqs),
+               "--max-model-len", str(max_model_len), "--seed", str(seed), "--log-level", "warning"]
+    return ServerProcess("nanoengine", command, dict(os.environ), port)
+
+
+def vllm_server(settings) -> ServerProcess:
+    """vLLM's OpenAI server with ``settings`` (``vllm_peer.VllmSettings``) and its environment."""
+    from nanoengine.measure.vllm_peer import vllm_python
+
+    port = free_port()
+    command = [str(vllm_python(settings.venv)), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", settings.model_dir, "--served-model-name", SERVED_MODEL_NAME, "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", settings.dtype, "--max-model-len", str(settings.max_model_len),
+               "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
+               "--max-num-seqs", str(settings.max_num_seqs), "--seed", str(settings.seed),
+               "--disable-uvicorn-access-log"]
+    if settings.enforce_eager:
+        command.append("--enforce-eager")
+    env, _ = settings.environment()
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # opens /reset_prefix_cache, which the client calls before each rate
+    return ServerProcess("vllm", command, env, port)
+
+
+def race_servers(servers: list[ServerProcess], prompts: list[list[int]], output_lens: list[int],
+                 rates: list[float], seed: int) -> dict:
+    """Every server started and healthy, then each rate sent to each in turn by the
+    project's client (``online_client.run_server_online``); the servers are stopped after.
+
+    Returns ``{name: {"rows": [one row per rate], "command": [...], "seconds_to_healthy": s}}``.
+    """
+    from nanoengine.measure.online_client import run_server_online
+
+    results = {}
+    try:
+        for server in servers:  # one at a time: two models compiling at once on two cores helps nobody
+            server.start()
+            healthy = server.wait_healthy()
+            print(f"{server.name} server healthy at {server.url} after {healthy:.0f} s (log {server.log_path})")
+            results[server.name] = {"command": server.command, "seconds_to_healthy": healthy, "rows": []}
+        for rate in rates:
+            for server in servers:
+                print(f"{server.name} server:", end=" ")
+                rows = run_server_online(server.url, prompts, output_lens, [rate], seed, model=SERVED_MODEL_NAME)
+                results[server.name]["rows"].extend(rows)
+    finally:
+        for server in servers:
+            server.stop()
+    return results
+
+
+def latency_table(results: dict) -> list[dict]:
+    """Per rate and server: TTFT and inter-token latency p50 and p90 (ms), tok/s, failures."""
+    table = []
+    for name, entry in results.items():
+        for row in entry["rows"]:
+            ttft, itl = row.get("ttft_ms") or {}, row.get("itl_ms") or {}
+            table.append({"server": name, "rate_requests_per_s": row["rate_requests_per_s"],
+                          "ttft_p50_ms": ttft.get("p50"), "ttft_p90_ms": ttft.get("p90"),
+                          "itl_p50_ms": itl.get("p50"), "itl_p90_ms": itl.get("p90"),
+                          "output_tokens_per_s": row["output_tokens_per_s"], "failed": row["failed"]})
+    return sorted(table, key=lambda r: (r["rate_requests_per_s"], r["server"]))

