@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
 from nanoengine.measure import results_report
 from nanoengine.measure.results_report import BEGIN, END, collect, main, render_section
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_peer_report import vllm_results  # noqa: E402  (a results dict as bench --vs-vllm writes it)
 
 
 def _bench_file(path, engine, static, batch=None, **extra):
@@ -76,3 +81,29 @@ def test_a_file_that_timed_the_setup_apart_is_not_flagged(tmp_path):
     (tmp_path / "bench-new.json").write_text(json.dumps(data))
     (row,) = collect(tmp_path)
     assert not row.setup_counted and "| 2.50x |" in render_section([row])
+
+
+def test_a_vllm_race_gets_its_ratio_column_and_a_row_in_the_vllm_table(tmp_path):
+    (tmp_path / "bench-vllm-cpu-b.json").write_text(json.dumps(vllm_results(engine=120.0, vllm=150.0, static=60.0)))
+    _bench_file(tmp_path / "bench-cpu-a.json", engine=100.0, static=50.0)
+    rows = collect(tmp_path)
+    plain, raced = sorted(rows, key=lambda r: r.file)
+    assert plain.vllm is None and raced.vllm.ratio_over_vllm == pytest.approx(0.8)
+    section = render_section(rows)
+    # The main table: a "-" for the file without vLLM, the ratio and vLLM's settings in brief for the other.
+    assert "| engine / vLLM |" in section and "| 2.00x | - | - |" in section
+    assert "| 2.00x | - | 0.80x (vLLM 0.32.0, float32, compiled, threads bound to 0-1, tcmalloc preloaded) |" in section
+    # The second table: both throughputs, both ratios, the greedy agreement, the command.
+    assert ("| [`bench-vllm-cpu-b.json`](results/bench-vllm-cpu-b.json) | float32 | 120.0 | 150.0 | 0.80x | "
+            "0.75x (30.0 / 40.0 tok/s) | 8/8 prompts, 512/512 tokens | "
+            "`python -m nanoengine bench --vs-vllm --dtype float32` |") in section
+    assert "A ratio below 1 means vLLM was" in section
+    assert results_report.plot_series(rows)["engine / vLLM (CPU build)"] == [0.0, pytest.approx(0.8)]  # by date
+
+
+def test_without_a_vllm_race_there_is_no_vllm_table_or_series(tmp_path):
+    _bench_file(tmp_path / "bench-cpu-a.json", engine=100.0, static=50.0)
+    rows = collect(tmp_path)
+    assert "Against vLLM" not in render_section(rows) and "| 2.00x | - | - |" in render_section(rows)
+    assert list(results_report.plot_series(rows)) == ["engine / transformers static batching",
+                                                      "engine / transformers generate_batch"]
