@@ -34,7 +34,8 @@ def test_four_completions_of_one_real_prompt_share_its_blocks(default_llm: LLM):
     engine = default_llm.engine
     prompt = default_llm.apply_chat_template([{"role": "user", "content": "Name a colour."}])
     rid = engine.add_request(prompt, SamplingParams(n=4, temperature=0.9, seed=2, max_tokens=8))
-    engine.step()
+    engine.step()  # completion 0 computes the prompt; its three siblings are queued
+    engine.step()  # the siblings are admitted, sharing its full prompt blocks
     snap = engine.snapshot()
     mine = [r for r in snap.running if r.parent_id == rid]
     full_blocks = mine[0].num_prompt_tokens // snap.block_size
