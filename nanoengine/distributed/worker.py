@@ -46,8 +46,7 @@ import torch
 import torch.distributed as dist
 
 from nanoengine.distributed.parallel_state import TPGroup
-from nanoengine.engine.cpu_model_runner import model_runner_class
-from nanoengine.engine.model_runner import BatchPlan, ModelInput, ModelRunner
+from nanoengine.engine.model_runner import BatchPlan, ModelRunner
 from nanoengine.loader.weights import load_model
 from nanoengine.models.config import ModelConfig
 
@@ -113,8 +112,7 @@ def _setup(rank: int, spec: WorkerSpec) -> ModelRunner:
     tp = TPGroup(rank, spec.world_size, dist.group.WORLD)
     dtype = getattr(torch, spec.dtype)
     net = load_model(Path(spec.source), spec.model_config, device, dtype, max_position=spec.max_position, tp=tp)
-    return model_runner_class(device)(net, spec.model_config, spec.num_blocks, spec.block_size, device, dtype,
-                                      spec.seed)
+    return ModelRunner(net, spec.model_config, spec.num_blocks, spec.block_size, device, dtype, spec.seed)
 
 
 def _serve(rank: int, conn: Connection, runner: ModelRunner) -> None:
@@ -127,7 +125,7 @@ def _serve(rank: int, conn: Connection, runner: ModelRunner) -> None:
             raise ValueError(f"worker rank {rank} got an unknown message {kind!r}")
         _, step_id, fields = message
         plan = BatchPlan(**fields)
-        logits = runner.run_model(ModelInput.from_plan(plan, runner.device))  # (S, vocab) float32
+        logits = runner.run_model(runner.prepare_inputs(plan))  # (S, vocab) float32
         if rank == 0:  # every rank holds the gathered logits; one answer is enough
             conn.send(("logits", step_id, logits.cpu().numpy()))
 

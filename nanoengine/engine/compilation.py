@@ -51,8 +51,9 @@ engines in the same process stay eager.
   compiling fails, the engine warns once, naming the cause, and runs eagerly: it never
   crashes for it and never warns per call.
 * The GEMMs are not compiled: they keep calling oneDNN with the weights prepacked by
-  ``kernels.cpu_gemm``. On CUDA the runner compiles before it captures CUDA graphs, so
-  the graphs record the compiled kernels.
+  the CPU backend (``backends/cpu.py``, ``kernels.cpu_gemm``). The device backend calls
+  ``compile_runner`` from ``prepare_forward``; on CUDA it compiles before it captures CUDA
+  graphs, so the graphs record the compiled kernels.
 
 Why not compile the whole decode step (the model's forward)? Tried with
 ``torch.compile(model.forward, dynamic=True)`` (torch 2.13, ``results/README.md``): Dynamo

@@ -34,7 +34,7 @@ from nanoengine.config import EngineConfig, resolve_max_model_len, resolve_num_k
 from nanoengine.engine import parallel_sampling
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.block_table import BlockTables
-from nanoengine.engine.cpu_model_runner import model_runner_class
+from nanoengine.backends import select_backend
 from nanoengine.engine.input_processor import InputProcessor, ProcessedPrompt, PromptInput
 from nanoengine.engine.model_runner import ModelRunner, SamplingRunner, plan_batch
 from nanoengine.engine.output_processor import LiveRequests, OutputProcessor, RequestState
@@ -381,8 +381,11 @@ class LLMEngine:
 
 
 def _local_runner(net: torch.nn.Module, config: EngineConfig, max_model_len: int, num_blocks: int) -> ModelRunner:
-    """A runner with the model in this process (CUDA graphs unless enforce_eager or on CPU)."""
-    runner_class = model_runner_class(config.torch_device)  # CpuModelRunner on a CPU
-    return runner_class(net, net.config, num_blocks, config.block_size, config.torch_device, config.torch_dtype,
-                        config.seed, cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512),
-                        max_model_len=max_model_len, compile=config.compile)
+    """A runner with the model in this process, on the backend for its device (chosen here, once).
+
+    CUDA graphs unless enforce_eager (never on a CPU); compiled fused ops with compile=True.
+    """
+    backend = select_backend(config.torch_device, compile=config.compile, max_model_len=max_model_len,
+                             cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512))
+    return ModelRunner(net, net.config, num_blocks, config.block_size, config.torch_device, config.torch_dtype,
+                       config.seed, backend=backend)

@@ -15,9 +15,10 @@ tensors on the model's device (``prepare_inputs``):
   its last token this step (a mid-prompt chunk samples nothing).
 
 ``execute_model`` then reads as the step does: forward pass, logits for those rows only,
-sample. The runner for a CPU (``engine.cpu_model_runner``) adds what only a CPU needs
-(prepacked GEMM weights, malloc settings, logits in chunks); ``model_runner_class``
-there picks the runner for a device, once, when the engine is built.
+sample. Everything that depends on the hardware (the attention kernels and the metadata
+they read, the GEMM weights' layout, a compiled or graphed forward, logits in chunks) is
+the runner's device backend, picked once when the runner is built
+(``nanoengine.backends``: ``CpuBackend`` holds every CPU trick).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nanoengine import kernels
+from nanoengine.backends import Backend, select_backend
 from nanoengine.engine.block_table import BlockTables
-from nanoengine.engine.compilation import CompileReport, compile_runner
+from nanoengine.engine.compilation import CompileReport
 from nanoengine.engine.profiler import NO_PROFILER, StepProfiler
 from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import SchedulerOutput
@@ -95,40 +96,13 @@ def _as_lists(values) -> list:
 class ModelInput:
     input_ids: torch.Tensor  # (T,)
     positions: torch.Tensor  # (T,)
-    attn_metadata: AttentionMetadata
+    attn_metadata: AttentionMetadata  # built by the device backend (``Backend.build_metadata``)
     logits_indices: torch.Tensor  # (S,) rows of the flat batch to compute logits for
-
-    @classmethod
-    def from_plan(cls, plan: BatchPlan, device: torch.device) -> "ModelInput":
-        def ints(values, dtype=torch.int32):
-            if isinstance(values, torch.Tensor):
-                return values.to(device=device, dtype=dtype)
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        meta = AttentionMetadata(
-            slot_mapping=ints(plan.slot_mapping, torch.long),
-            num_decode_tokens=plan.num_decode_tokens,
-            decode_block_tables=_table(plan.decode_block_tables, device),
-            decode_context_lens=ints(plan.decode_context_lens),
-            prefill_block_tables=_table(plan.prefill_block_tables, device),
-            prefill_cu_seqlens_q=ints(plan.prefill_cu_seqlens_q),
-            prefill_context_lens=ints(plan.prefill_context_lens))
-        return cls(ints(plan.input_ids, torch.long), ints(plan.positions, torch.long), meta,
-                   ints(plan.logits_indices, torch.long))
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
-    """Bytes of a tensor's elements (also for oneDNN's opaque packed tensors: same element count)."""
+    """Bytes of a tensor's elements."""
     return tensor.numel() * tensor.element_size()
-
-
-def _table(tables, device: torch.device) -> torch.Tensor:
-    """(num_seqs, max_blocks) int32 on ``device``; from lists, rows are padded with -1 (never read by the kernels)."""
-    if isinstance(tables, torch.Tensor):
-        return tables.to(device=device, dtype=torch.int32)
-    width = max((len(t) for t in tables), default=0)
-    rows = [t + [-1] * (width - len(t)) for t in tables]
-    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(tables), width)
 
 
 def plan_batch(out: SchedulerOutput, block_size: int,
@@ -262,23 +236,21 @@ def _wait_for(tensor: torch.Tensor) -> None:
 class ModelRunner(SamplingRunner):
     """Holds the model and the paged KV cache; prepares inputs, runs, samples.
 
-    Built in this order: the KV cache (bound to every attention layer), the model made
-    ready for the device (``prepare_model``: nothing here, prepacked weights on a CPU),
-    the sampler, then, when asked, compiled ops (warmed up now) and CUDA graphs (which
-    record the compiled kernels).
+    Built in this order: the device backend (``nanoengine.backends``, unless one is given),
+    the KV cache (bound to every attention layer with the backend's kernels), the weights
+    laid out for the backend's GEMMs, the sampler, then whatever the backend does to the
+    forward pass once (compiled ops warmed up now, CUDA graphs captured).
     """
 
-    packed_weights = 0  # GEMM weights with a prepacked copy (``CpuModelRunner``)
-
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, seed: int = 0, cuda_graph_max_batch: int = 0,
-                 max_model_len: int | None = None, compile: bool = False) -> None:
+                 device: torch.device, dtype: torch.dtype, seed: int = 0, backend: Backend | None = None) -> None:
         self.model = model
         self.model_config = model_config
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = device
         self.dtype = dtype
+        self.backend = backend if backend is not None else select_backend(device)
         layers = model.attention_layers()
         if layers[0].k_cache is not None:
             raise ValueError("this model is already bound to another engine's KV cache; two engines sharing "
@@ -287,27 +259,13 @@ class ModelRunner(SamplingRunner):
         self.kv_cache = torch.zeros(2, len(layers), num_blocks, block_size, num_kv_heads,
                                     model_config.head_dim, dtype=dtype, device=device)
         for i, attn in enumerate(layers):
-            attn.k_cache, attn.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-        self.packed_weight_bytes = self.prepare_model()
+            attn.bind(self.kv_cache[0, i], self.kv_cache[1, i], self.backend.attention)
+        self.backend.bind_kv_cache(block_size, num_kv_heads, layers[0].num_heads, model_config.head_dim, dtype)
+        self.backend.prepare_weights(model)
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.cuda_graphs = None
         self.compilation = CompileReport.not_requested()
-        if compile:  # torch.compile the fused elementwise ops and warm them up now, timed (engine.compilation)
-            self.compilation = compile_runner(self)
-        if cuda_graph_max_batch and device.type == "cuda" and kernels.triton_available():
-            from nanoengine.engine.cuda_graphs import CudaGraphDecoder
-
-            max_len = max_model_len or model_config.max_position_embeddings
-            self.cuda_graphs = CudaGraphDecoder(model, cuda_graph_max_batch, -(-max_len // block_size), device)
-            self.cuda_graphs.capture()
-
-    def prepare_model(self) -> int:
-        """Make the loaded model ready for this device; returns the bytes of any weight copies made.
-
-        Nothing to do on a GPU. ``CpuModelRunner`` prepacks the GEMM weights here.
-        """
-        return 0
+        self.backend.prepare_forward(self)  # may compile (sets self.compilation) or capture graphs
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -315,13 +273,17 @@ class ModelRunner(SamplingRunner):
 
     def memory_usage(self) -> dict[str, int]:
         weights = sum(_nbytes(t) for t in self.model.parameters())  # tied embeddings counted once
-        return {"weight_bytes": weights, "packed_weight_bytes": self.packed_weight_bytes,
+        return {"weight_bytes": weights, "packed_weight_bytes": self.backend.weight_copy_bytes,
                 "kv_cache_bytes": self.kv_cache_bytes}
 
     # -------------------------------------------------------------- inputs
     def prepare_inputs(self, plan: BatchPlan) -> ModelInput:
-        """The step's tensors on this runner's device."""
-        return ModelInput.from_plan(plan, self.device)
+        """The step's tensors on this runner's device, the attention metadata built by the backend."""
+        device = self.device
+        return ModelInput(torch.tensor(plan.input_ids, dtype=torch.long, device=device),
+                          torch.tensor(plan.positions, dtype=torch.long, device=device),
+                          self.backend.build_metadata(plan),
+                          torch.tensor(plan.logits_indices, dtype=torch.long, device=device))
 
     # ----------------------------------------------------------- execution
     @torch.inference_mode()
@@ -331,18 +293,43 @@ class ModelRunner(SamplingRunner):
 
     @torch.inference_mode()
     def sampled_hidden(self, model_input: ModelInput) -> torch.Tensor:
-        """Forward pass; the final hidden states of the rows to sample. -> (S, hidden)."""
-        meta = model_input.attn_metadata
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
-            hidden = self.cuda_graphs.run(model_input.input_ids, model_input.positions, meta)
-        else:
-            hidden = self.model(model_input.input_ids, model_input.positions, meta)
+        """Forward pass (as the backend runs it); the final hidden states of the rows to sample. -> (S, hidden)."""
+        hidden = self.backend.forward(self.model, model_input.input_ids, model_input.positions,
+                                      model_input.attn_metadata)
         return hidden[model_input.logits_indices]
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head on final hidden states. (S, hidden) -> (S, vocab) float32."""
         return self.model.compute_logits(hidden).float()
+
+    @torch.inference_mode()
+    def execute_model(self, plan: BatchPlan, sampled: list[Request],
+                      profiler: StepProfiler = NO_PROFILER) -> ModelRunnerOutput:
+        """Inputs, forward pass, then logits and sampling, in as many chunks of rows as the backend asks.
+
+        One chunk on a GPU; on a CPU each chunk's logits are sampled and freed before the
+        next is computed, so their memory is reused (``backends/cpu.py``).
+        """
+        with profiler.phase("prepare"):
+            model_input = self.prepare_inputs(plan)
+        with profiler.phase("model"):
+            hidden = self.sampled_hidden(model_input)
+        token_ids, logprobs = [], []
+        config = self.model_config
+        step = self.backend.logits_rows_per_chunk(hidden.shape[0], config.vocab_size, config.hidden_size)
+        for start in range(0, hidden.shape[0], step):
+            rows = slice(start, start + step)
+            with profiler.phase("model"):
+                logits = self.logits(hidden[rows])
+                if profiler.enabled:
+                    _wait_for(logits)
+            with profiler.phase("sample"):
+                result = self.sample(logits, sampled[rows])
+            del logits  # freed before the next chunk is computed, so its memory is reused
+            token_ids += result.token_ids
+            logprobs += result.logprobs
+        return ModelRunnerOutput.of(sampled, SampleResult(token_ids, logprobs))
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int) -> None:

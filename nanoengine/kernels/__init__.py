@@ -1,11 +1,13 @@
-"""The paged-KV kernels, with one dispatch point between CPU and GPU.
+"""The paged-KV kernels: a PyTorch reference, a CPU-tuned path and Triton for CUDA.
 
 Each operation has a PyTorch reference (``reference.py``, the specification) and a
 Triton kernel (``triton_kernels.py``, the CUDA path); decode attention also has a
 CPU-tuned version (``cpu_attention.py``) beside the CPU GEMM path (``cpu_gemm.py``).
-Callers use the functions below; they pick Triton for CUDA tensors when Triton is
-installed, and the CPU path otherwise. Only ``triton_kernels`` imports triton, and only when first needed,
-so importing the engine never requires a GPU toolchain.
+The engine never picks among them per call: its device backend (``nanoengine.backends``)
+chooses the kernels once, when the engine is built. The three functions below are for
+tools and notebooks that hold tensors and want "the path the engine would take for
+them". Only ``triton_kernels`` imports triton, and only when first needed, so importing
+the engine never requires a GPU toolchain.
 """
 
 from __future__ import annotations
@@ -42,17 +44,12 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     impl.store_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, step_cache=None):
-    """Decode attention over the paged cache (see ``reference.paged_decode_attention``).
-
-    ``step_cache`` is a dict that lives for one step; the CPU path keeps its per-step
-    gather plan there so the layers after the first reuse it. Triton needs none.
-    """
+def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale):
+    """Decode attention over the paged cache (see ``reference.paged_decode_attention``)."""
     triton = _triton_for(query)
     if triton is not None:
         return triton.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
-    return cpu_attention.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
-                                                step_cache)
+    return cpu_attention.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def paged_prefill_attention(

@@ -6,7 +6,8 @@ for the whole batch at once, in the way that is fast on a CPU, where decode atte
 limited by memory traffic:
 
 * a ``DecodePlan`` turns the block tables into cache-row indices once per step, and every
-  layer of that step reuses it (the tables are the same in all layers);
+  layer of that step reuses it (the tables are the same in all layers: the CPU backend
+  builds it with the step's metadata, ``backends/cpu.py``);
 * keys are gathered straight into the layout of one batched matmul, a bounded group of
   sequences at a time (hundreds of long sequences would otherwise copy hundreds of
   megabytes of keys per layer, most of it padding);
@@ -15,8 +16,7 @@ limited by memory traffic:
 
 Both choices made a decode step faster than gathering the values for SDPA, the
 ``embedding_bag`` values most (the A/B figures: ``results/README.md``).
-``kernels.paged_decode_attention`` picks
-this path for CPU tensors; tests compare it with the reference.
+The CPU backend (``backends/cpu.py``) runs this path; tests compare it with the reference.
 """
 
 from __future__ import annotations
@@ -52,19 +52,19 @@ class DecodePlan:
     its padded keys fit ``GATHER_BUDGET_BYTES``; a larger batch (long contexts, hundreds of
     sequences) is sorted by length and cut into groups that each fit, so the padding stays
     small and no layer copies hundreds of megabytes of keys at once. Building the plan is
-    index arithmetic only; a step builds it once (the first layer) and every other layer
-    reuses it (see ``paged_decode_attention``'s ``step_cache``).
+    index arithmetic only; a step builds it once (the CPU backend, with the step's
+    metadata) and every layer reuses it.
     """
 
     groups: tuple[DecodeGroup, ...]
 
     @classmethod
     def build(cls, block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-              num_kv_heads: int, num_heads: int, head_dim: int = 0, element_size: int = 4) -> "DecodePlan":
+              num_kv_heads: int, num_heads: int, head_dim: int, element_size: int) -> "DecodePlan":
         row_bytes = num_kv_heads * head_dim * element_size  # one token's keys
         lens = context_lens.tolist()
         if row_bytes * len(lens) * max(lens) <= GATHER_BUDGET_BYTES:
-            return cls((cls._group(None, block_tables, context_lens, block_size, num_kv_heads, num_heads),))
+            return cls((cls._group(None, block_tables, context_lens, max(lens), block_size, num_kv_heads, num_heads),))
         order = sorted(range(len(lens)), key=lens.__getitem__)
         groups, start = [], 0
         while start < len(order):
@@ -72,16 +72,16 @@ class DecodePlan:
             while end < len(order) and row_bytes * (end + 1 - start) * lens[order[end]] <= GATHER_BUDGET_BYTES:
                 end += 1
             seqs = torch.tensor(order[start:end], device=block_tables.device)
-            groups.append(cls._group(seqs, block_tables[seqs], context_lens[seqs], block_size, num_kv_heads,
-                                     num_heads))
+            groups.append(cls._group(seqs, block_tables[seqs], context_lens[seqs], lens[order[end - 1]], block_size,
+                                     num_kv_heads, num_heads))
             start = end
         return cls(tuple(groups))
 
     @staticmethod
-    def _group(seqs: torch.Tensor | None, block_tables: torch.Tensor, context_lens: torch.Tensor,
+    def _group(seqs: torch.Tensor | None, block_tables: torch.Tensor, context_lens: torch.Tensor, longest: int,
                block_size: int, num_kv_heads: int, num_heads: int) -> DecodeGroup:
         device = block_tables.device
-        max_blocks = (int(context_lens.max()) + block_size - 1) // block_size
+        max_blocks = (longest + block_size - 1) // block_size
         table = block_tables[:, :max_blocks].long().clamp(min=0)  # padding entries read block 0, masked
         slots = (table[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)  # (G, L)
         heads = torch.arange(num_kv_heads, device=device)
@@ -100,7 +100,7 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-    step_cache: dict | None = None,
+    plan: DecodePlan | None = None,
 ) -> torch.Tensor:
     """One query token per sequence against its paged context (``reference.paged_decode_attention``).
 
@@ -116,17 +116,14 @@ def paged_decode_attention(
        ``embedding_bag`` wants the weights in the cache's dtype: a bfloat16 cache gets its
        probabilities rounded to bfloat16 (the output is rounded to bfloat16 anyway).
 
-    ``step_cache``, a dict that lives for one step, keeps the ``DecodePlan`` so the
-    layers after the first skip its index arithmetic (pass None to always rebuild).
+    ``plan`` is the step's ``DecodePlan`` for these tables (built once per step by the CPU
+    backend, so the layers skip its index arithmetic); without one it is built here.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
-    plan = step_cache.get("decode_plan") if step_cache is not None else None
     if plan is None:
         plan = DecodePlan.build(block_tables, context_lens, k_cache.shape[1], num_kv_heads, num_heads, head_dim,
                                 k_cache.element_size())
-        if step_cache is not None:
-            step_cache["decode_plan"] = plan
     if len(plan.groups) == 1 and plan.groups[0].seqs is None:
         return _attend(query, k_cache, v_cache, plan.groups[0], scale)
     out = torch.empty_like(query)

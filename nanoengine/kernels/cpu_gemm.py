@@ -72,54 +72,50 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
     return out.reshape(*x.shape[:-1], out_features)
 
 
-# Weight shape -> whether a one-row product is faster with the packed copy (``tune_single_row``).
-_SINGLE_ROW_PACKED: dict[tuple[int, int], bool] = {}
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None) -> torch.Tensor:
-    """y = x W^T + b, with the packed copy of W when there is one and it is the faster way."""
-    if packed is None or x.dtype != weight.dtype or \
-            (x.numel() == x.shape[-1] and not _SINGLE_ROW_PACKED.get(tuple(weight.shape), True)):
+           packed: torch.Tensor | None = None, one_row_packed: bool = True) -> torch.Tensor:
+    """y = x W^T + b, with the packed copy of W when there is one and it is the faster way.
+
+    ``one_row_packed``: whether a one-row product (one sequence decoding) should use the
+    packed copy too; ``tune_single_row`` measures which way is faster on this CPU.
+    """
+    if packed is None or x.dtype != weight.dtype or (x.numel() == x.shape[-1] and not one_row_packed):
         return F.linear(x, weight, bias)
     return packed_linear(x, packed, weight.shape[0], bias)
 
 
-def tune_single_row(modules) -> dict[tuple[int, int], bool]:
+def tune_single_row(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[tuple[int, int], bool]:
     """Time one-row products (a decode step of one sequence) both ways for each weight shape.
 
-    A single row is a matrix-vector product: it only streams the weight once, and which
-    library streams faster depends on the CPU: on one machine MKL's plain ``F.linear`` won
-    on every layer weight, on another the packed LM head won (``results/README.md``). So
-    each shape is timed once per process, over every module of that shape
-    in turn (so the weights come from memory, as in a real step), and ``linear`` then takes
-    the faster way for one-row inputs. Several rows always use the packed copy.
-    Returns {shape: packed is faster} for the shapes timed now.
+    ``pairs`` are (weight, packed copy). A single row is a matrix-vector product: it only
+    streams the weight once, and which library streams faster depends on the CPU: on one
+    machine MKL's plain ``F.linear`` won on every layer weight, on another the packed LM
+    head won (``results/README.md``). So each shape is timed over every weight of that
+    shape in turn (so the weights come from memory, as in a real step). Returns
+    {shape: packed is faster}; the caller (one engine's CPU backend) keeps the answer, so
+    one engine's decision never changes another's path.
     """
     import time
     from collections import defaultdict
 
     groups = defaultdict(list)
-    for module in modules:
-        if getattr(module, "packed_weight", None) is not None:
-            groups[tuple(module.weight.shape)].append(module)
+    for weight, packed in pairs:
+        groups[tuple(weight.shape)].append((weight, packed))
     decided = {}
     with torch.inference_mode():
         for shape, group in groups.items():
-            if shape in _SINGLE_ROW_PACKED:
-                continue
-            x = torch.randn(1, shape[1], dtype=group[0].weight.dtype)
+            x = torch.randn(1, shape[1], dtype=group[0][0].dtype)
 
             def best(product) -> float:
                 times = []
                 for _ in range(4):  # the first pass warms up; the minimum of the rest
                     start = time.perf_counter()
-                    for module in group:
-                        product(module)
+                    for weight, packed in group:
+                        product(weight, packed)
                     times.append(time.perf_counter() - start)
                 return min(times[1:])
 
-            plain = best(lambda m: F.linear(x, m.weight))
-            packed = best(lambda m: packed_linear(x, m.packed_weight, shape[0]))
-            decided[shape] = _SINGLE_ROW_PACKED[shape] = packed < plain
+            plain = best(lambda weight, packed: F.linear(x, weight))
+            packed_time = best(lambda weight, packed: packed_linear(x, packed, shape[0]))
+            decided[shape] = packed_time < plain
     return decided

@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoengine.distributed.parallel_state import TPGroup
-from nanoengine.kernels import cpu_gemm
-from nanoengine.layers.linear import PackableWeight, _copy_checked, _divide
+from nanoengine.layers.linear import GemmLayer, _copy_checked, _divide
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -38,8 +37,8 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(y)
 
 
-class ParallelLMHead(PackableWeight, VocabParallelEmbedding):
+class ParallelLMHead(GemmLayer, VocabParallelEmbedding):
     """hidden -> logits over the vocabulary; may share its weight with the embedding."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, hidden) -> (B, vocab)
-        return self.tp.all_gather_last_dim(cpu_gemm.linear(hidden, self.weight, None, self.packed_weight))
+        return self.tp.all_gather_last_dim(self.linear_method.apply(self, hidden, None))

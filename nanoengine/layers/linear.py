@@ -11,15 +11,19 @@
 
 A column-parallel layer followed by a row-parallel one (attention's qkv -> o, the MLP's
 gate_up -> down) needs a single all-reduce per pair: the Megatron-LM layout.
+
+How the product itself is computed is the layer's ``linear_method`` (vLLM's name): plain
+``F.linear`` on the weight as loaded, unless the device backend gave the layer a method of
+its own when it prepared the weights (on a CPU, a prepacked copy: ``backends/cpu.py``).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nanoengine.distributed.parallel_state import TPGroup
-from nanoengine.kernels import cpu_gemm
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -28,22 +32,26 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-class PackableWeight:
+class UnquantizedLinearMethod:
+    """``y = x W^T + b`` with ``F.linear`` on the layer's weight as loaded: every device's default."""
+
+    name = "F.linear"
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class GemmLayer:
     """Mixin for a module whose ``weight`` (out_features, in_features) feeds a GEMM.
 
-    ``pack_weight()`` keeps a copy prepacked for the CPU's GEMM (``kernels.cpu_gemm``);
-    the model runner calls it once, after loading. It returns whether packing applied
-    (not on a GPU, not for dtypes oneDNN does not pack here).
+    ``linear_method`` computes the product; the class default is ``F.linear``, and a device
+    backend may set an instance's own once the weights are loaded (``Backend.prepare_weights``).
     """
 
-    packed_weight: torch.Tensor | None = None
-
-    def pack_weight(self) -> bool:
-        self.packed_weight = cpu_gemm.pack_weight(self.weight)
-        return self.packed_weight is not None
+    linear_method = UnquantizedLinearMethod()
 
 
-class LinearBase(PackableWeight, nn.Module):
+class LinearBase(GemmLayer, nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPGroup) -> None:
         super().__init__()
         self.tp = tp
@@ -56,7 +64,7 @@ class LinearBase(PackableWeight, nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return cpu_gemm.linear(x, self.weight, self.bias, self.packed_weight)
+        return self.linear_method.apply(self, x, self.bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy_checked(param.data, loaded)
@@ -128,7 +136,7 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param.data, loaded.narrow(1, self.tp.rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = cpu_gemm.linear(x, self.weight, None, self.packed_weight)
+        y = self.linear_method.apply(self, x, None)
         self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 

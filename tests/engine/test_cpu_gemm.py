@@ -4,7 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nanoengine.backends.cpu import CpuBackend, PackedLinearMethod
 from nanoengine.kernels import cpu_gemm
+from nanoengine.layers.linear import UnquantizedLinearMethod
 from nanoengine.layers.embed_head import ParallelLMHead
 from nanoengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
@@ -70,7 +72,9 @@ def test_parallel_layers_pack_and_compute_the_same():
             p.data.normal_()
         x = torch.randn(5, 16)
         before = layer(x)
-        assert layer.packed_weight is None and layer.pack_weight()
+        assert isinstance(layer.linear_method, UnquantizedLinearMethod)
+        CpuBackend("cpu").prepare_weights(layer)
+        assert isinstance(layer.linear_method, PackedLinearMethod)
         torch.testing.assert_close(layer(x), before, rtol=1e-5, atol=1e-5)
 
 
@@ -82,35 +86,36 @@ def test_engine_packs_every_gemm_weight_and_generates_what_plain_weights_do(tiny
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     packed = LLM(tiny_llama_dir, device="cpu", num_kv_blocks=64)
     layers = packed.engine.model_config.num_hidden_layers
-    assert packed.engine.runner.packed_weights == 4 * layers + 1  # qkv, o, gate_up, down per layer + LM head
+    assert packed.engine.runner.backend.num_prepared_weights == 4 * layers + 1  # qkv, o, gate_up, down per layer + LM head
     packed_logits = packed.engine.next_token_logits(prompts[1])
     packed_tokens = [o.token_ids for o in packed.generate(prompts, params)]
 
     monkeypatch.setattr(cpu_gemm, "pack_weight", lambda weight: None)
     plain = LLM(tiny_llama_dir, device="cpu", num_kv_blocks=64)
-    assert plain.engine.runner.packed_weights == 0
+    assert plain.engine.runner.backend.num_prepared_weights == 0
     torch.testing.assert_close(packed_logits, plain.engine.next_token_logits(prompts[1]), rtol=1e-4, atol=1e-4)
     assert packed_tokens == [o.token_ids for o in plain.generate(prompts, params)]
 
 
-def test_one_row_takes_the_way_this_cpu_ran_faster(monkeypatch):
+def test_one_row_takes_the_way_this_cpu_ran_faster():
     from nanoengine.kernels import cpu_gemm as gemm
     from nanoengine.layers.linear import ReplicatedLinear
 
     if not gemm.packing_available():
         pytest.skip("this PyTorch build has no oneDNN prepacking")
-    monkeypatch.setattr(gemm, "_SINGLE_ROW_PACKED", {})
     layers = [ReplicatedLinear(48, 40), ReplicatedLinear(48, 40), ReplicatedLinear(40, 24)]
     for layer in layers:
         torch.nn.init.normal_(layer.weight)
-        layer.pack_weight()
-    decided = gemm.tune_single_row(layers)
-    assert set(decided) == {(40, 48), (24, 40)}  # one timing per shape, over all its modules
-    assert gemm.tune_single_row(layers) == {}  # once per process
+    model = torch.nn.ModuleList(layers)
+    backend = CpuBackend("cpu")
+    backend.prepare_weights(model)
+    assert set(backend.single_row_packed) == {(40, 48), (24, 40)}  # one timing per shape, over all its modules
+    assert CpuBackend("cpu").single_row_packed == {}  # the decision is this engine's, not the process's
+    packed = layers[0].linear_method.packed
     x = torch.randn(1, 48)
     for packed_is_faster, expected in ((False, F.linear(x, layers[0].weight)),
-                                       (True, gemm.packed_linear(x, layers[0].packed_weight, 40))):
-        gemm._SINGLE_ROW_PACKED[(40, 48)] = packed_is_faster
+                                       (True, gemm.packed_linear(x, packed, 40))):
+        layers[0].linear_method = PackedLinearMethod(packed, packed_is_faster)
         assert torch.equal(layers[0](x), expected)
     rows = torch.randn(3, 48)  # several rows: always the packed copy
-    assert torch.equal(layers[0](rows), gemm.packed_linear(rows, layers[0].packed_weight, 40))
+    assert torch.equal(layers[0](rows), gemm.packed_linear(rows, packed, 40))

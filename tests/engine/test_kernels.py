@@ -110,20 +110,19 @@ def test_decode_matches_naive(num_heads, num_kv_heads, block_size, lens):
 
 
 def test_decode_plan_is_shared_by_the_layers_of_one_step():
-    """A step's layers reuse the first layer's gather plan and get what they would alone."""
+    """A step's layers reuse one gather plan (the CPU backend builds it once) and get what they would alone."""
     lens, num_heads, num_kv_heads, head_dim, block_size = [9, 30, 17], 6, 2, 8, 4
     layers = [make_paged(*random_sequences(lens, num_kv_heads, head_dim, torch.float32, seed=layer), block_size)
               for layer in range(3)]  # same tables and lengths, different K/V: three layers of one step
     query = torch.randn(len(lens), num_heads, head_dim)
-    step_cache: dict = {}
+    _, _, tables, context_lens = layers[0]
+    plan = cpu_attention.DecodePlan.build(tables, context_lens, block_size, num_kv_heads, num_heads, head_dim, 4)
     for k_cache, v_cache, tables, context_lens in layers:
-        shared = cpu_attention.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3,
-                                                      step_cache)
+        shared = cpu_attention.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3, plan)
         alone = cpu_attention.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3)
         assert torch.equal(shared, alone)
         torch.testing.assert_close(shared, reference.paged_decode_attention(query, k_cache, v_cache, tables,
                                                                             context_lens, 0.3), atol=1e-5, rtol=1e-5)
-    assert isinstance(step_cache["decode_plan"], cpu_attention.DecodePlan)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -136,9 +135,10 @@ def test_decode_groups_sequences_when_the_gather_would_be_large(monkeypatch, dty
     whole = cpu_attention.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3)
     row_bytes = num_kv_heads * head_dim * k_cache.element_size()
     monkeypatch.setattr(cpu_attention, "GATHER_BUDGET_BYTES", row_bytes * 60)  # a few sequences per group
-    step_cache: dict = {}
-    grouped = cpu_attention.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3, step_cache)
-    groups = step_cache["decode_plan"].groups
+    plan = cpu_attention.DecodePlan.build(tables, context_lens, block_size, num_kv_heads, num_heads, head_dim,
+                                          k_cache.element_size())
+    grouped = cpu_attention.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3, plan)
+    groups = plan.groups
     assert len(groups) > 2 and sorted(torch.cat([g.seqs for g in groups]).tolist()) == list(range(len(lens)))
     for group in groups:  # each group's padded gather fits the budget (a lone long sequence may not)
         assert group.rows.shape[0] == 1 or row_bytes * group.rows.shape[0] * group.rows.shape[2] <= row_bytes * 60

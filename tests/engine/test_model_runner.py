@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from nanoengine import LLMEngine, SamplingParams
-from nanoengine.engine.cpu_model_runner import CpuModelRunner, model_runner_class
+from nanoengine.backends import Backend, select_backend
+from nanoengine.backends.cpu import CpuBackend
 from nanoengine.engine.model_runner import BatchPlan, ModelRunner, plan_batch
 from nanoengine.engine.profiler import StepProfiler
 from nanoengine.engine.request import Request
@@ -84,7 +85,7 @@ def test_on_a_cpu_logits_come_in_chunks_and_every_row_is_sampled_as_one_chunk_wo
     # tiny-llama-eos has hidden size 64, so CPU logits come in chunks of at most 64 rows.
     eng = engine(max_num_seqs=100, num_kv_blocks=512, block_size=16, max_num_batched_tokens=1024)
     runner = eng.runner
-    assert type(runner) is CpuModelRunner and runner.logits_rows_per_chunk(100) == 64
+    assert type(runner.backend) is CpuBackend and runner.backend.logits_rows_per_chunk(100, 49152, 64) == 64
     prompts = [[(7 * i + j) % 500 + 3 for j in range(5)] for i in range(100)]
     for p in prompts:
         eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=1, logprobs=1))
@@ -105,12 +106,12 @@ def test_on_a_cpu_logits_come_in_chunks_and_every_row_is_sampled_as_one_chunk_wo
     assert times["prepare_time"] > 0 and times["model_time"] > 0 and times["sample_time"] > 0
 
 
-def test_the_runner_is_chosen_by_device_and_the_generic_one_runs_one_logits_call():
-    assert model_runner_class("cpu") is CpuModelRunner and model_runner_class(torch.device("cpu")) is CpuModelRunner
-    assert model_runner_class("cuda") is ModelRunner and model_runner_class("cuda:1") is ModelRunner
+def test_the_backend_is_chosen_by_device_and_the_reference_one_runs_one_logits_call():
+    assert type(select_backend("cpu")) is CpuBackend and type(select_backend(torch.device("cpu"))) is CpuBackend
+    assert type(select_backend("meta")) is Backend  # any other device: the reference backend
     net = random_model("tiny-llama-eos", std=0.08)
-    generic = ModelRunner(net, net.config, 16, 4, torch.device("cpu"), torch.float32)
-    assert generic.packed_weights == 0 and generic.memory_usage()["packed_weight_bytes"] == 0
+    generic = ModelRunner(net, net.config, 16, 4, torch.device("cpu"), torch.float32, backend=Backend("cpu"))
+    assert generic.backend.num_prepared_weights == 0 and generic.memory_usage()["packed_weight_bytes"] == 0
     requests = [Request(f"r{i}", [5 + i, 9, 200, 31, 7], SamplingParams(temperature=0.0, max_tokens=1))
                 for i in range(3)]
     batch = SchedulerOutput()

@@ -1,0 +1,37 @@
+"""Device backends: what a step needs from its hardware, chosen once per engine (chapter 10).
+
+``select_backend`` is called once, when the model runner is built: ``CpuBackend`` on a CPU
+(``backends/cpu.py``), ``CudaBackend`` on a CUDA GPU (``backends/cuda.py``), the reference
+``Backend`` (``backends/base.py``) anywhere else. The runner and the layers then read like
+nano-vLLM's: they call the backend and never ask which device they are on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoengine.backends.base import Backend
+
+
+def select_backend(device: torch.device | str, *, compile: bool = False, cuda_graph_max_batch: int = 0,
+                   max_model_len: int | None = None) -> Backend:
+    """The backend for ``device``.
+
+    compile: torch.compile the small fused ops (``engine.compilation``).
+    cuda_graph_max_batch: on CUDA, capture decode graphs up to this batch (0: never, enforce_eager).
+    max_model_len: the longest sequence a graph's block tables must hold (CUDA).
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        from nanoengine.backends.cpu import CpuBackend
+
+        return CpuBackend(device, compile=compile)
+    if device.type == "cuda":
+        from nanoengine.backends.cuda import CudaBackend
+
+        return CudaBackend(device, compile=compile, cuda_graph_max_batch=cuda_graph_max_batch,
+                           max_model_len=max_model_len)
+    return Backend(device, compile=compile)
+
+
+__all__ = ["Backend", "select_backend"]

@@ -1,0 +1,75 @@
+"""The CUDA backend: Triton kernels and CUDA graphs (chapters 3, 4 and 10).
+
+On a GPU the PyTorch reference kernels would run as hundreds of small launches per layer;
+this backend runs the Triton kernels of ``kernels.triton_kernels`` instead (store-KV, paged
+decode attention, paged prefill attention), and replays decode-only steps from CUDA graphs
+(``engine.cuda_graphs``) unless ``enforce_eager`` is set. Weights stay as loaded:
+cuBLAS packs its tiles on the fly, so ``F.linear`` is the GEMM. Without Triton the
+reference kernels run (correct, slow) and no graphs are captured.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoengine.backends.base import Backend
+from nanoengine.kernels import triton_available
+from nanoengine.layers.attention import AttentionImpl, AttentionMetadata
+
+
+class TritonAttention(AttentionImpl):
+    """The Triton kernels; each checks its arguments before it launches."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from nanoengine.kernels import triton_kernels  # imports triton: only when this backend is built
+
+        self.kernels = triton_kernels
+
+    def store_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        self.kernels.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)  # skips slot -1 in the kernel
+
+    def decode(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self.kernels.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
+                                                   meta.decode_context_lens, scale)
+
+    def prefill(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return self.kernels.paged_prefill_attention(query, k_cache, v_cache, meta.prefill_block_tables,
+                                                    meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale)
+
+
+class CudaBackend(Backend):
+    """Triton attention and CUDA graphs for decode (bucketed batch sizes)."""
+
+    name = "cuda"
+
+    def __init__(self, device: torch.device, compile: bool = False, cuda_graph_max_batch: int = 0,
+                 max_model_len: int | None = None) -> None:
+        super().__init__(device, compile)
+        self.has_triton = triton_available()
+        if self.has_triton:
+            self.attention = TritonAttention()
+        self.cuda_graph_max_batch = cuda_graph_max_batch if self.has_triton else 0
+        self.max_model_len = max_model_len
+        self.cuda_graphs = None
+
+    def prepare_forward(self, runner) -> None:
+        """Compile first (when asked), then capture: the graphs record the compiled kernels."""
+        super().prepare_forward(runner)
+        if self.cuda_graph_max_batch:
+            from nanoengine.engine.cuda_graphs import CudaGraphDecoder
+
+            max_len = self.max_model_len or runner.model_config.max_position_embeddings
+            self.cuda_graphs = CudaGraphDecoder(runner.model, self.cuda_graph_max_batch, -(-max_len // self.block_size),
+                                                self.device)
+            self.cuda_graphs.capture()
+
+    def forward_mode(self) -> str:
+        mode = super().forward_mode()
+        return f"{mode}, CUDA graphs for decode" if self.cuda_graph_max_batch else mode
+
+    def forward(self, model, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
+            return self.cuda_graphs.run(input_ids, positions, meta)
+        return model(input_ids, positions, meta)

@@ -1,0 +1,67 @@
+"""Device backends (nanoengine.backends): chosen once, and the only place a device's tricks live."""
+
+from __future__ import annotations
+
+import torch
+
+from nanoengine import LLMEngine, SamplingParams
+from nanoengine.backends import Backend, select_backend
+from nanoengine.backends.base import ReferenceAttention
+from nanoengine.backends.cpu import CpuAttentionMetadata, CpuBackend
+from nanoengine.config import EngineConfig
+from nanoengine.engine.model_runner import BatchPlan, ModelRunner, plan_batch
+from nanoengine.kernels.cpu_attention import DecodePlan
+from nanoengine.loader.weights import random_model
+
+
+def _engine(backend: Backend | None = None) -> LLMEngine:
+    """A tiny engine (always the same weights); ``backend`` replaces the one its device would pick."""
+    torch.manual_seed(0)
+    net = random_model("tiny-llama-eos", std=0.08)
+    config = EngineConfig.from_kwargs(device="cpu", num_kv_blocks=64, block_size=4, max_model_len=64)
+    if backend is None:
+        return LLMEngine.from_model(net, None, device="cpu", num_kv_blocks=64, block_size=4, max_model_len=64)
+    return LLMEngine._build(config, net.config, lambda max_len, blocks: ModelRunner(
+        net, net.config, blocks, 4, torch.device("cpu"), torch.float32, backend=backend), None)
+
+
+def _greedy(engine: LLMEngine, prompts) -> list[list[int]]:
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)) for p in prompts]
+    tokens = {i: [] for i in ids}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+    return [tokens[i] for i in ids]
+
+
+def test_a_cpu_gets_the_cpu_backend_and_every_attention_layer_its_kernels():
+    engine = _engine()
+    backend = engine.runner.backend
+    assert isinstance(backend, CpuBackend) and backend.describe().startswith("cpu backend")
+    assert all(layer.impl is backend.attention for layer in engine.runner.model.attention_layers())
+
+
+def test_the_cpu_backend_builds_the_decode_plan_once_per_step_as_a_typed_field():
+    engine = _engine()
+    engine.add_request([5, 9, 200, 31, 7], SamplingParams(temperature=0.0, max_tokens=4))
+    engine.add_request(list(range(20, 33)), SamplingParams(temperature=0.0, max_tokens=4))
+    engine.step()  # both prefill
+    plan, _ = plan_batch(engine.scheduler.schedule(), engine.config.block_size, engine.block_tables)
+    meta = engine.runner.backend.build_metadata(plan)
+    assert isinstance(meta, CpuAttentionMetadata) and isinstance(meta.decode_plan, DecodePlan)
+    assert meta.num_decode_tokens == 2 and meta.all_slots_stored
+    warm_up = engine.runner.backend.build_metadata(BatchPlan.dummy(3))  # slot -1: nothing stored
+    assert warm_up.decode_plan is None and not warm_up.all_slots_stored
+
+
+def test_the_cpu_backend_generates_what_the_reference_kernels_do():
+    prompts = [[5, 9, 200, 31, 7], list(range(40, 70)), [3] * 9]
+    fast = _greedy(_engine(), prompts)
+    reference = _greedy(_engine(Backend("cpu")), prompts)
+    assert fast == reference and all(len(t) == 10 for t in fast)
+
+
+def test_the_reference_backend_is_plain():
+    backend = select_backend("meta")
+    assert type(backend) is Backend and isinstance(backend.attention, ReferenceAttention)
+    assert backend.logits_rows_per_chunk(300, 49152, 64) == 300 and backend.forward_mode() == "eager"
