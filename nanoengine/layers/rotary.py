@@ -6,8 +6,14 @@ their distance only. cos/sin are precomputed for every position once; applying t
 an elementwise multiply, cheap next to the matmuls. This is the "rotate half" (GPT-NeoX)
 layout that Hugging Face Llama and Qwen checkpoints use.
 
-The math is the plain function ``apply_rotary`` (gather cos/sin, split, multiply, add,
-concatenate: about a dozen small ops for q and k). The module calls it through
+The tables hold every position's rows at full width: ``cos = [cos | cos]`` and a signed
+``sin = [-sin | sin]``, so rotating is ``x * cos + swap_halves(x) * sin`` (the textbook
+products and sums in the same order, so the same bits). The rows of a step's positions
+are the same in every layer: the model keeps one ``RotaryEmbedding`` for all its layers,
+gathers the rows once per step (``rows``) and hands them down, and each layer rotates its
+queries and keys in one call, as one (tokens, heads + kv_heads, head_dim) view.
+
+The math is the plain function ``rotate_half``. The module calls it through
 ``rotate_fn``, which ``engine.compilation`` replaces with a ``torch.compile``'d version
 on one model's instances when the engine runs with ``compile=True``.
 """
@@ -20,22 +26,21 @@ import torch
 from torch import nn
 
 
-def apply_rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_table: torch.Tensor,
-                 sin_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q (T, heads, d) and k (T, kv_heads, d) by their positions (T,). Tables (max_pos, d/2)."""
-    cos = cos_table[positions].unsqueeze(1)  # (T, 1, d/2)
-    sin = sin_table[positions].unsqueeze(1)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (T, heads, d) by rows cos / signed sin (T, 1, d); computed in float32, returned in x's dtype.
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    Channel i < d/2 becomes ``x_i cos - x_(i+d/2) sin``, channel i + d/2 becomes
+    ``x_(i+d/2) cos + x_i sin``: one 2-D rotation per pair of channels.
+    """
+    dtype = x.dtype
+    x = x.float()
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat((x2, x1), dim=-1) * sin).to(dtype)
 
 
 class RotaryEmbedding(nn.Module):
     compilable = ("rotate_fn",)  # see engine.compilation; the class attribute is the eager one
-    rotate_fn = staticmethod(apply_rotary)
+    rotate_fn = staticmethod(rotate_half)
 
     def __init__(self, head_dim: int, max_position: int, base: float,
                  rope_scaling: dict | None = None) -> None:
@@ -46,12 +51,22 @@ class RotaryEmbedding(nn.Module):
             inv_freq = _scale_inv_freq(inv_freq, rope_scaling)
         positions = torch.arange(max_position, dtype=torch.float64)
         angles = torch.outer(positions, inv_freq)  # (max_position, head_dim/2)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        cos, sin = angles.cos().float(), angles.sin().float()
+        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)  # (max_position, d)
+        self.register_buffer("sin", torch.cat((-sin, sin), dim=-1), persistent=False)
+
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos and signed sin rows of ``positions`` (T,), each (T, 1, head_dim): once per step."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def rotate(self, x: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x (T, n, head_dim), any mix of query and key heads, rotated by ``rows`` -> a rotated copy."""
+        return self.rotate_fn(x, *rows)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q (T, heads, head_dim), k (T, kv_heads, head_dim) -> rotated copies."""
-        return self.rotate_fn(positions, q, k, self.cos, self.sin)
+        rows = self.rows(positions)
+        return self.rotate(q, rows), self.rotate(k, rows)
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

@@ -35,7 +35,7 @@ PACKED_MODULES = {
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, max_position: int, tp: TPGroup) -> None:
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
@@ -44,21 +44,24 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
                                         bias=False, tp=tp)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_scaling)
+        self.rotary_emb = rotary_emb  # one module for all layers: the same tables
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
         if config.uses_qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, h, d)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, kvh, d)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
+                rotary_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """``rotary_rows``: this step's cos/sin rows, gathered once for all layers (from ``positions`` if None)."""
+        num_tokens, heads, kv_heads, d = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(hidden)  # (T, q_size + 2 * kv_size): [q | k | v]
+        qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, heads + kv_heads, d)  # query and key heads
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, kv_heads, d)  # (T, kvh, d)
+        if hasattr(self, "q_norm"):  # Qwen3: each head normalised on its own before the rotation
+            q, k = qk.split([heads, kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        qk = self.rotary_emb.rotate(qk, rotary_rows or self.rotary_emb.rows(positions))  # all heads in one call
+        q, k = qk.split([heads, kv_heads], dim=1)  # (T, h, d), (T, kvh, d)
         out = self.attn(q, k, v, meta)  # (T, h, d)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -75,19 +78,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, max_position: int, tp: TPGroup) -> None:
+    def __init__(self, config: ModelConfig, rotary_emb: RotaryEmbedding, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, max_position, tp)
+        self.self_attn = LlamaAttention(config, rotary_emb, tp)
         self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, meta):
+    def forward(self, positions, hidden, residual, meta, rotary_rows=None):
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
+        hidden = self.self_attn(positions, hidden, meta, rotary_rows)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -96,14 +99,16 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, max_position: int, tp: TPGroup) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, max_position, tp)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, max_position, config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.rotary_emb, tp)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
         hidden, residual = self.embed_tokens(input_ids), None  # (T, hidden)
+        rotary_rows = self.rotary_emb.rows(positions)  # the same in every layer: gathered once
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
+            hidden, residual = layer(positions, hidden, residual, meta, rotary_rows)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 
 from nanoengine import LLMEngine, SamplingParams
@@ -65,3 +72,45 @@ def test_the_reference_backend_is_plain():
     backend = select_backend("meta")
     assert type(backend) is Backend and isinstance(backend.attention, ReferenceAttention)
     assert backend.logits_rows_per_chunk(300, 49152, 64) == 300 and backend.forward_mode() == "eager"
+
+
+_TRITON_ENGINE = """
+import json, torch
+from nanoengine.backends.cuda import CudaBackend, TritonAttention
+from nanoengine.config import EngineConfig
+from nanoengine.engine.llm_engine import LLMEngine
+from nanoengine.engine.model_runner import ModelRunner
+from nanoengine.loader.weights import random_model
+from nanoengine import SamplingParams
+
+def tokens(backend):
+    torch.manual_seed(0)
+    net = random_model("tiny-llama-eos", std=0.08)
+    config = EngineConfig.from_kwargs(device="cpu", num_kv_blocks=32, block_size=4, max_model_len=48)
+    engine = LLMEngine._build(config, net.config, lambda max_len, blocks: ModelRunner(
+        net, net.config, blocks, 4, torch.device("cpu"), torch.float32, backend=backend), None)
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+           for p in ([5, 9, 200, 31, 7, 8], list(range(40, 51)))]
+    out = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] = list(o.outputs[0].token_ids)
+    return [out[i] for i in ids], engine.runner.backend
+
+triton_tokens, backend = tokens(CudaBackend(torch.device("cpu")))  # no graphs: they need a GPU
+assert isinstance(backend.attention, TritonAttention), backend.describe()
+from nanoengine.backends import Backend
+print(json.dumps({"triton": triton_tokens, "reference": tokens(Backend("cpu"))[0]}))
+"""
+
+
+@pytest.mark.slow
+def test_the_cuda_backend_runs_the_engine_on_the_triton_kernels_interpreted():
+    """The CUDA backend's attention (Triton, here under TRITON_INTERPRET=1 on a CPU) gives the reference's tokens."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", _TRITON_ENGINE], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["triton"] == result["reference"] and all(len(t) == 3 for t in result["triton"])

@@ -22,7 +22,8 @@ def test_cuda_graph_buckets_cover_every_batch_size():
 def test_no_graphs_on_the_cpu():
     engine = LLMEngine.from_model(random_model("tiny-llama"), None, device="cpu", num_kv_blocks=16,
                                   block_size=4, max_model_len=32, enforce_eager=False)
-    assert engine.runner.cuda_graphs is None and engine.runner.device == torch.device("cpu")
+    assert engine.runner.device == torch.device("cpu") and not hasattr(engine.runner.backend, "cuda_graphs")
+    assert "CUDA graphs" not in engine.runner.backend.describe()
 
 
 @pytest.mark.gpu
@@ -41,7 +42,7 @@ def test_graph_replay_gives_the_eager_tokens():
             for out in engine.step():
                 if out.finished:
                     tokens[out.request_id] = out.token_ids
-        return [tokens[k] for k in sorted(tokens)], engine.runner.cuda_graphs
+        return [tokens[k] for k in sorted(tokens)], engine.runner.backend.cuda_graphs
 
     graphed, graphs = run(enforce_eager=False)
     eager, none = run(enforce_eager=True)
