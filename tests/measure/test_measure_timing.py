@@ -1,4 +1,4 @@
-"""Tests for nanoengine.measure.timing: the one helper every timing in the course goes through."""
+"""Tests for nanobench.timing: the one helper every timing in the course goes through."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoengine.measure import timing
-from nanoengine.measure.timing import (MIN_REPEATS, Roofline, RooflinePoint, Timing, machine_description, measure,
-                                       measure_gemm_peak, measure_memory_bandwidth, plot_roofline, roofline)
+from nanobench import timing
+from nanobench.timing import (MIN_REPEATS, Roofline, RooflinePoint, Timing, machine_description, measure,
+                              measure_gemm_peak, measure_memory_bandwidth, plot_roofline, roofline)
 
 
 ROOT = Path(__file__).resolve().parents[2]  # the subprocesses import this checkout
@@ -104,13 +104,13 @@ def test_prepare_environment_before_and_after_torch() -> None:
         return out.stdout.split()
 
     head = ("import sys, os, warnings\n"
-            "from nanoengine.measure.timing import prepare_environment\n"
+            "from nanobench.timing import prepare_environment\n"
             "assert 'torch' not in sys.modules, 'importing the helper must not import torch'\n")
     assert run(head + "print(prepare_environment(), os.environ.get('OMP_WAIT_POLICY'))\n") == ["spin", "None"]
     assert run(head + "print(prepare_environment(shared_machine=True))\n") == ["PASSIVE"]
     assert run(head + "print(prepare_environment())\n", {"OMP_WAIT_POLICY": "PASSIVE"}) == ["PASSIVE"]
     late = ("import warnings, torch\n"
-            "from nanoengine.measure.timing import prepare_environment\n"
+            "from nanobench.timing import prepare_environment\n"
             "with warnings.catch_warnings(record=True) as w:\n"
             "    warnings.simplefilter('always')\n"
             "    print(prepare_environment(shared_machine=True), "
