@@ -129,11 +129,11 @@ def _machine() -> str:
 
 def source_revision() -> str | None:
     """The git commit of the engine's source tree, "+modified" if it has local changes."""
-    root = pathlib.Path(__file__).resolve().parents[2]  # the repository: nanobench/ -> ../..
+    root = pathlib.Path(__file__).resolve().parents[1]  # the repository: nanobench/ -> ..
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                              text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "nanoengine"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "nanoengine", "nanobench"], cwd=root,
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None  # not a git checkout (an installed wheel) or no git

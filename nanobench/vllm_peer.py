@@ -34,7 +34,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 SETUP_COMMAND = "./course vllm-setup"

@@ -127,6 +127,17 @@ def test_machine_description_names_the_cpu_and_is_still_importable_from_widgets(
     assert text.startswith("GPU ") == torch.cuda.is_available()
 
 
+def test_the_package_finds_this_checkout() -> None:
+    # nanobench/ sits at the top of the repository: its paths to the README, the results and
+    # the git revision go one level up (they went two from nanoengine/measure/).
+    from nanobench import results_report, vllm_peer
+
+    assert results_report.ROOT == ROOT and (results_report.ROOT / "README.md").exists()
+    assert vllm_peer.REPO_ROOT == ROOT
+    if (ROOT / ".git").exists():
+        assert timing.source_revision() is not None
+
+
 def test_roofline_math() -> None:
     roof = roofline(peak_flops=100e9, bandwidth=20e9)
     assert roof.ridge_point == pytest.approx(5.0)
