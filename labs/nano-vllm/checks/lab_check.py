@@ -212,6 +212,9 @@ class _Watchdog:
                 samples.append(live_stack(frame))
             time.sleep(0.05)
         running, callers = looping_function(*sampled_stacks(samples), self.folder)
+        with self.lock:
+            if self.deadline is None:  # the check ended while its stack was sampled
+                return
         index = len(self.results)
         function = self.functions[index]
         limit = f"did not finish within {self.limit:g} s (nor {self.grace:g} s after being told to stop)"
