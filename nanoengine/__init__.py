@@ -7,7 +7,7 @@ The public API mirrors vLLM's: ``LLM``, ``SamplingParams``, ``RequestOutput``, a
 from typing import TYPE_CHECKING
 
 # The public names load on first use (PEP 562), so importing a torch-free module of the
-# package, such as ``nanoengine.measure.timing`` whose ``prepare_environment()`` must run
+# package, such as ``nanobench.timing`` whose ``prepare_environment()`` must run
 # before torch loads OpenMP, does not import torch. ``from nanoengine import LLM`` works
 # as before.
 _PUBLIC = {

@@ -28,7 +28,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The command line's parser; ``bench``'s options only when ``argv`` runs ``bench``.
 
-    ``bench``'s options are defined next to the benchmark, which imports torch (seconds):
+    ``bench``'s options are defined next to the benchmark (``nanobench``, the package beside
+    the engine, which the engine never imports), which imports torch (seconds):
     adding them only for the command being run keeps ``--help``, ``generate --help`` and
     the rest from paying for it. ``argv`` None means ``sys.argv[1:]``.
     """
@@ -46,7 +47,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     _sampling_args(chat)
     bench = sub.add_parser("bench", help="throughput against Hugging Face transformers")
     if command == "bench":
-        from nanoengine.measure.benchmark import add_arguments
+        from nanobench.benchmark import add_arguments  # the one import of nanobench in nanoengine
 
         add_arguments(bench)
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
@@ -65,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     try:
         if args.command == "bench":
-            from nanoengine.measure.benchmark import run_from_args
+            from nanobench.benchmark import run_from_args
 
             words = sys.argv[1:] if argv is None else argv
             args.command_line = "python -m nanoengine " + " ".join(words)  # recorded in the results

@@ -30,7 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_BYTES = 1_000_000
-SOURCE_DIRS = ("nanoengine", "widgets")  # what the outputs depend on
+SOURCE_DIRS = ("nanoengine", "nanobench", "widgets")  # what the outputs depend on
 
 
 def git(*args: str) -> str:

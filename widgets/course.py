@@ -2,7 +2,7 @@
 
 Every code excerpt in the notebooks comes through ``show_source`` (the code that actually
 runs, read from the installed package, never a pasted copy), and every measurement is
-printed next to ``machine_description()`` (which lives in ``nanoengine.measure.timing``, with
+printed next to ``machine_description()`` (which lives in ``nanobench.timing``, with
 ``measure``, the helper every timing goes through; it is re-exported here).
 """
 
@@ -12,7 +12,7 @@ import hashlib
 import inspect
 from pathlib import Path
 
-from nanoengine.measure.timing import machine_description  # re-exported: it moved next to the timing helper
+from nanobench import machine_description  # re-exported: it lives next to the timing helper
 
 
 def source_of(obj) -> tuple[str, str, int]:

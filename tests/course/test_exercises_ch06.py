@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from nanoengine.measure.timing import model_gemm_shapes, roofline
+from nanobench.timing import model_gemm_shapes, roofline
 from nanoengine.models.presets import PRESETS
 from widgets.exercises import ch06
 from widgets.step_cost_explorer import StepCostFit

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from nanoengine.measure.benchmark import static_computed_tokens
+from nanobench.benchmark import static_computed_tokens
 from widgets.exercises import ch11
 from widgets.throughput_explorer import OnlineRun
 

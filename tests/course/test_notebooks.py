@@ -57,8 +57,8 @@ def test_notebook_is_small_and_has_no_widget_state(path: Path):
 def _belongs_to_another_chapter(changed_file: str, notebook: Path) -> bool:
     """A chapter's own exercise checks and quiz (``widgets/exercises/chNN.py``,
     ``widgets/quizzes/chNN.json``) feed only chapter NN and its solution, so adding chapter
-    11's checks does not make chapter 5's outputs stale. Everything else under nanoengine/
-    and widgets/ may feed any chapter."""
+    11's checks does not make chapter 5's outputs stale. Everything else under nanoengine/,
+    nanobench/ and widgets/ may feed any chapter."""
     match = re.fullmatch(r"widgets/(?:exercises/ch(\d\d)\.py|quizzes/ch(\d\d)\.json)", changed_file)
     return bool(match) and (match.group(1) or match.group(2)) != notebook.name[:2]
 
@@ -72,7 +72,8 @@ def test_chapter_outputs_come_from_todays_engine(path: Path):
     revision = meta["revision"]
     if _git("cat-file", "-e", f"{revision}^{{commit}}").returncode != 0:
         pytest.fail(f"{path.name} was executed at {revision[:10]}, which this repository does not have")
-    changed = [f for f in _git("diff", "--name-only", revision, "HEAD", "--", "nanoengine", "widgets").stdout.split()
+    changed = [f for f in _git("diff", "--name-only", revision, "HEAD", "--", "nanoengine", "nanobench",
+                               "widgets").stdout.split()
                if not _belongs_to_another_chapter(f, path)]
     assert not changed, (f"{path.name}'s outputs come from {revision[:10]}; since then {len(changed)} engine or "
                          f"widget files changed ({', '.join(changed[:5])}): re-execute it with "

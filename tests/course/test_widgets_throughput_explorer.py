@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nanoengine.measure import benchmark as bench
+from nanobench import benchmark as bench
 from widgets import single_thread, tiny_engine
 from widgets.throughput_explorer import OnlineRun, ThroughputExplorer, ThroughputExplorerController, meets
 

@@ -1,5 +1,8 @@
 """The command line, ``python -m nanoengine {generate,chat,bench}``: good runs and bad input.
 
+``python -m nanobench`` (the benchmark's own package) runs the same benchmark as ``bench``,
+with the same options and the same answers to bad input (its cases at the end).
+
 Most cases call ``nanoengine.__main__.main([...])`` in-process (fast); two run the real
 ``python -m nanoengine`` in a subprocess. A bad value must end with exit status 2 and a
 one-line ``error: ...`` on stderr that names the value and what is allowed (no traceback);
@@ -16,6 +19,7 @@ import sys
 import pytest
 import torch
 
+from nanobench.__main__ import main as nanobench_main
 from nanoengine.__main__ import main
 
 
@@ -187,3 +191,41 @@ def test_python_m_nanoengine_reports_a_bad_value():
     done = _python_m("generate", "hi", "--top-p", "0")
     assert done.returncode == 2
     assert done.stderr.strip() == "error: top_p must be in (0, 1], got 0.0"
+
+
+# -------------------------------------------------------- python -m nanobench: the same bench
+@pytest.mark.parametrize("flags, fragments", [
+    pytest.param(["--num-requests", "0"], ("num_requests", ">= 1", "0"), id="no requests"),
+    pytest.param(["--device", "tpu"], ("device", "'tpu'", "cpu", "cuda"), id="device unknown"),
+    pytest.param(["--online-rates", "1", "0"], ("online_rates", "> 0", "requests per second"), id="rate zero"),
+])
+def test_nanobench_answers_bad_values_as_bench_does(capsys, tiny_llama_dir, flags, fragments):
+    code = nanobench_main(["--model", str(tiny_llama_dir), "--skip-hf"] + flags)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and "Traceback" not in err, (code, err)
+    for fragment in fragments:
+        assert fragment in err, f"{fragment!r} not in {err!r}"
+    assert main(["bench", "--model", str(tiny_llama_dir), "--skip-hf"] + flags) == 2
+    assert capsys.readouterr().err == err
+
+
+def test_nanobench_argparse_errors_and_the_recorded_command(capsys, monkeypatch):
+    with pytest.raises(SystemExit) as info:
+        nanobench_main(["--num-requests", "many"])
+    assert info.value.code == 2 and "invalid int value: 'many'" in capsys.readouterr().err
+    seen = []
+    monkeypatch.setattr("nanobench.benchmark.run_from_args", seen.append)
+    assert nanobench_main(["--num-requests", "4", "--skip-hf"]) == 0
+    assert seen[0].num_requests == 4 and seen[0].skip_hf
+    assert seen[0].command_line == "python -m nanobench --num-requests 4 --skip-hf"  # written into the results
+
+
+@pytest.mark.slow
+def test_python_m_nanobench_runs():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "nanobench", "--help"], capture_output=True, text=True,
+                          timeout=180, env=env)
+    assert done.returncode == 0 and "usage: python -m nanobench" in done.stdout and "--vs-vllm" in done.stdout
+    done = subprocess.run([sys.executable, "-m", "nanobench", "--repeats", "0"], capture_output=True, text=True,
+                          timeout=180, env=env)
+    assert done.returncode == 2 and done.stderr.strip().startswith("error: repeats"), done.stderr

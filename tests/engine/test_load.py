@@ -1,6 +1,6 @@
 """Load: 1,000 random requests through a small KV cache on a tiny model (chapters 4 and 5).
 
-The workload and the measurements live in ``nanoengine.measure.load_report`` (which prints them);
+The workload and the measurements live in ``nanobench.load_report`` (which prints them);
 this test runs it and asserts: every request finishes (length, stop or abort), no block
 is leaked, no ``Request`` or detokenizer outlives the run, the event history stays
 bounded, the run really exercised preemption, prefix-cache hits and aborts, and memory is
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from nanoengine.measure.load_report import run_load
+from nanobench.load_report import run_load
 
 RSS_GROWTH_MIB = 6.0
 NUM_REQUESTS = 1000

@@ -1,7 +1,7 @@
-"""A stand-in for ``nanoengine/measure/vllm_runner.py`` that speaks its protocol without vLLM.
+"""A stand-in for ``nanobench/vllm_runner.py`` that speaks its protocol without vLLM.
 
 The tests run it with the course's own Python, so the suite exercises the driver
-(``measure/vllm_peer.py``) and ``bench --vs-vllm`` on machines without ``.venv-vllm``.
+(``nanobench/vllm_peer.py``) and ``bench --vs-vllm`` on machines without ``.venv-vllm``.
 Its "generated" tokens are a fixed function of the prompt (``fake_tokens``), so a test
 knows what to expect. ``FAKE_VLLM_MODE`` makes it misbehave on purpose:
 

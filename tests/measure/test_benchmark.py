@@ -7,9 +7,9 @@ import json
 import pytest
 
 from nanoengine.__main__ import main
-from nanoengine.measure.benchmark import (cb_config_for, compare_greedy, latency_summary, make_output_lens, make_workload,
-                                          percentiles, poisson_arrivals, spread, static_computed_tokens,
-                                          workload_flops)
+from nanobench.benchmark import (cb_config_for, compare_greedy, latency_summary, make_output_lens, make_workload,
+                                 percentiles, poisson_arrivals, spread, static_computed_tokens,
+                                 workload_flops)
 from nanoengine.engine.compilation import CPU_MIN_ROWS
 from nanoengine.models.presets import PRESETS
 
@@ -84,7 +84,7 @@ def test_bench_runs_transformers_on_the_engines_device_and_dtype(tiny_llama_dir,
 def test_load_hf_puts_the_model_on_the_device_in_the_dtype(tiny_llama_dir):
     import torch
 
-    from nanoengine.measure.benchmark import load_hf
+    from nanobench.benchmark import load_hf
 
     model = load_hf(tiny_llama_dir, device="cpu", dtype=torch.bfloat16)
     assert model.device.type == "cpu" and {p.dtype for p in model.parameters()} == {torch.bfloat16}

@@ -1,4 +1,4 @@
-"""The GPU check script (``nanoengine/measure/gpu_check.py``), exercised on the CPU.
+"""The GPU check script (``nanobench/gpu_check.py``), exercised on the CPU.
 
 The real check needs a CUDA GPU; here ``--cpu-smoke`` runs every stage at tiny sizes
 (Triton under its interpreter, the engine and transformers on the CPU), in a child
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoengine.measure import gpu_check
+from nanobench import gpu_check
 from nanoengine.models.presets import PRESETS
 
 pytestmark = pytest.mark.slow  # the CPU smoke run builds and benchmarks models
@@ -26,7 +26,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "nanoengine.measure.gpu_check", *args], cwd=REPO_ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "nanobench.gpu_check", *args], cwd=REPO_ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -127,7 +127,7 @@ def test_nano_vllm_workload_on_the_cpu_reports_rate_steps_and_host_share(tmp_pat
     assert gpu_check.main(["--nano-vllm", "--cpu-smoke", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     bench = report["nano_vllm_bench"]
-    from nanoengine.measure.nano_vllm_bench import NanoVllmWorkload, draw_workload
+    from nanobench.nano_vllm_bench import NanoVllmWorkload, draw_workload
 
     _, lens = draw_workload(NanoVllmWorkload(**gpu_check.NANO_VLLM_WORKLOADS["cpu-smoke"]))
     assert bench["complete"] and bench["output_tokens"] == sum(lens) == bench["workload"]["output_tokens"]
@@ -140,7 +140,7 @@ def test_nano_vllm_workload_on_the_cpu_reports_rate_steps_and_host_share(tmp_pat
 
 def test_nano_vllm_workload_is_nano_vllms_bench():
     cuda = gpu_check.NANO_VLLM_WORKLOADS["cuda"]
-    from nanoengine.measure.nano_vllm_bench import NanoVllmWorkload
+    from nanobench.nano_vllm_bench import NanoVllmWorkload
 
     w = NanoVllmWorkload(**cuda)
     assert (w.model, w.dtype, w.num_requests, w.prompt_len, w.output_len, w.seed) == (

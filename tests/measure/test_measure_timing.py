@@ -1,4 +1,4 @@
-"""Tests for nanoengine.measure.timing: the one helper every timing in the course goes through."""
+"""Tests for nanobench.timing: the one helper every timing in the course goes through."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanoengine.measure import timing
-from nanoengine.measure.timing import (MIN_REPEATS, Roofline, RooflinePoint, Timing, machine_description, measure,
-                                       measure_gemm_peak, measure_memory_bandwidth, plot_roofline, roofline)
+from nanobench import timing
+from nanobench.timing import (MIN_REPEATS, Roofline, RooflinePoint, Timing, machine_description, measure,
+                              measure_gemm_peak, measure_memory_bandwidth, plot_roofline, roofline)
 
 
 ROOT = Path(__file__).resolve().parents[2]  # the subprocesses import this checkout
@@ -104,13 +104,13 @@ def test_prepare_environment_before_and_after_torch() -> None:
         return out.stdout.split()
 
     head = ("import sys, os, warnings\n"
-            "from nanoengine.measure.timing import prepare_environment\n"
+            "from nanobench.timing import prepare_environment\n"
             "assert 'torch' not in sys.modules, 'importing the helper must not import torch'\n")
     assert run(head + "print(prepare_environment(), os.environ.get('OMP_WAIT_POLICY'))\n") == ["spin", "None"]
     assert run(head + "print(prepare_environment(shared_machine=True))\n") == ["PASSIVE"]
     assert run(head + "print(prepare_environment())\n", {"OMP_WAIT_POLICY": "PASSIVE"}) == ["PASSIVE"]
     late = ("import warnings, torch\n"
-            "from nanoengine.measure.timing import prepare_environment\n"
+            "from nanobench.timing import prepare_environment\n"
             "with warnings.catch_warnings(record=True) as w:\n"
             "    warnings.simplefilter('always')\n"
             "    print(prepare_environment(shared_machine=True), "
@@ -125,6 +125,17 @@ def test_machine_description_names_the_cpu_and_is_still_importable_from_widgets(
     assert from_widgets is machine_description
     assert f"{os.cpu_count()} cores" in text and f"torch {torch.__version__}" in text
     assert text.startswith("GPU ") == torch.cuda.is_available()
+
+
+def test_the_package_finds_this_checkout() -> None:
+    # nanobench/ sits at the top of the repository: its paths to the README, the results and
+    # the git revision go one level up (they went two from nanoengine/measure/).
+    from nanobench import results_report, vllm_peer
+
+    assert results_report.ROOT == ROOT and (results_report.ROOT / "README.md").exists()
+    assert vllm_peer.REPO_ROOT == ROOT
+    if (ROOT / ".git").exists():
+        assert timing.source_revision() is not None
 
 
 def test_roofline_math() -> None:

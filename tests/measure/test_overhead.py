@@ -8,7 +8,7 @@ import pytest
 
 from nanoengine.__main__ import main
 from nanoengine.events import StepFinished
-from nanoengine.measure.overhead import PHASES, measure_overhead, overhead_engine
+from nanobench.overhead import PHASES, measure_overhead, overhead_engine
 
 
 @pytest.fixture(scope="module")

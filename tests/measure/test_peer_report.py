@@ -1,4 +1,4 @@
-"""Reading ``bench --vs-vllm`` results files: the engine against vLLM (measure/peer_report.py)."""
+"""Reading ``bench --vs-vllm`` results files: the engine against vLLM (nanobench/peer_report.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from nanoengine.measure.peer_report import describe, live_comparison, newest_comparisons, read_file, reading, report
+from nanobench.peer_report import describe, live_comparison, newest_comparisons, read_file, reading, report
 
 
 def vllm_results(engine=120.0, vllm=150.0, static=60.0, dtype="float32", date="2026-12-02T15:30:00+00:00",
@@ -108,7 +108,7 @@ def test_the_live_comparison_is_the_bench_commands_run(monkeypatch, tmp_path):
         seen["args"] = args
         return vllm_results(command=args.command_line)
 
-    monkeypatch.setattr("nanoengine.measure.benchmark.run_from_args", fake_run)
+    monkeypatch.setattr("nanobench.benchmark.run_from_args", fake_run)
     c = live_comparison(dtype="bfloat16", num_requests=4, output_len=8, out=tmp_path / "live.json",
                         vllm_venv=str(tmp_path / "venv"))
     args = seen["args"]

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from nanoengine.measure import results_report
-from nanoengine.measure.results_report import BEGIN, END, collect, main, render_section
+from nanobench import results_report
+from nanobench.results_report import BEGIN, END, collect, main, render_section
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_peer_report import vllm_results  # noqa: E402  (a results dict as bench --vs-vllm writes it)

@@ -1,4 +1,4 @@
-"""``bench --vs-vllm``: vLLM's CPU build driven as a long-lived subprocess (measure/vllm_peer.py).
+"""``bench --vs-vllm``: vLLM's CPU build driven as a long-lived subprocess (nanobench/vllm_peer.py).
 
 Most tests drive a stand-in runner (``fake_vllm_runner.py``, the same JSON-lines protocol)
 with the course's own Python, so they need no vLLM; the last runs the real runner and is
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from nanoengine.__main__ import main
-from nanoengine.measure.vllm_peer import (DEFAULT_VENV, VllmPeer, VllmRunnerError, VllmSettings, VllmSetupError,
-                                          format_cpu_list, greedy_agreement, vllm_python)
+from nanobench.vllm_peer import (DEFAULT_VENV, VllmPeer, VllmRunnerError, VllmSettings, VllmSetupError,
+                                 format_cpu_list, greedy_agreement, vllm_python)
 
 FAKE_RUNNER = Path(__file__).with_name("fake_vllm_runner.py")
 sys.path.insert(0, str(FAKE_RUNNER.parent))
@@ -127,7 +127,7 @@ def test_peer_refuses_mismatched_lengths_without_sending():
 
 
 def test_peer_results_refuse_a_short_run(monkeypatch):
-    from nanoengine.measure.vllm_peer import peer_results
+    from nanobench.vllm_peer import peer_results
 
     monkeypatch.setenv("FAKE_VLLM_MODE", "short")
     with fake_peer() as peer:
@@ -174,7 +174,7 @@ def test_bench_vs_vllm_alternates_and_writes_a_vllm_section(tiny_llama_dir, tmp_
 @pytest.mark.skipif(not (DEFAULT_VENV / "bin" / "python").exists(), reason="no .venv-vllm (./course vllm-setup)")
 def test_real_vllm_runner_agrees_with_the_engine_in_float32():
     from nanoengine import LLM, default_model_dir
-    from nanoengine.measure.benchmark import make_workload, run_engine_once
+    from nanobench.benchmark import make_workload, run_engine_once
 
     model_dir = default_model_dir()
     prompts = make_workload(2, 8, 24, seed=0)
@@ -195,7 +195,7 @@ def test_real_vllm_runner_agrees_with_the_engine_in_float32():
 
 # ------------------------------------------------------ online, both servers
 def test_a_server_that_exits_is_a_clear_error_with_its_log():
-    from nanoengine.measure.server_race import ServerProcess
+    from nanobench.server_race import ServerProcess
 
     server = ServerProcess("broken", [sys.executable, "-c", "import sys; print('bad flag'); sys.exit(4)"], {}, 1)
     server.start()
@@ -205,7 +205,7 @@ def test_a_server_that_exits_is_a_clear_error_with_its_log():
 
 
 def test_vllm_server_uses_the_peer_settings_and_opens_the_cache_reset(tmp_path):
-    from nanoengine.measure.server_race import vllm_server
+    from nanobench.server_race import vllm_server
 
     server = vllm_server(settings(venv=str(fake_venv(tmp_path)), threads_bind="0-1", enforce_eager=True))
     assert server.command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
@@ -216,7 +216,7 @@ def test_vllm_server_uses_the_peer_settings_and_opens_the_cache_reset(tmp_path):
 
 @pytest.mark.slow  # starts two servers
 def test_race_servers_alternates_rates_and_reports_latency_percentiles(tiny_llama_tok_dir):
-    from nanoengine.measure.server_race import engine_server, latency_table, race_servers
+    from nanobench.server_race import engine_server, latency_table, race_servers
 
     servers = [engine_server(tiny_llama_tok_dir, "float32", 256, 8, 64, 0) for _ in range(2)]
     servers[1].name = "second"

@@ -22,8 +22,8 @@ import pytest
 
 from nanoengine.__main__ import main
 from nanoengine.entrypoints.openai.api_server import serve_in_background
-from nanoengine.measure import online_client
-from nanoengine.measure.benchmark import make_output_lens
+from nanobench import online_client
+from nanobench.benchmark import make_output_lens
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest
 ROOT = Path(__file__).resolve().parents[2]

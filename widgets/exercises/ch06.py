@@ -4,7 +4,7 @@ Two pieces of the chapter live here so that the notebook, its exercises and the 
 solutions (``notebooks/solutions/06_prefill_vs_decode.ipynb``) run the very same code:
 
 * ``step_cost``: the FLOPs and the bytes one engine step moves, computed from the model's
-  shapes (``nanoengine.measure.timing.model_gemm_shapes`` plus the attention output
+  shapes (``nanobench.timing.model_gemm_shapes`` plus the attention output
   projection, the attention itself and the LM head), so that a step's *arithmetic
   intensity* (FLOPs per byte) can be placed on the roofline;
 * ``run_arrival``: a long prompt arrives while a few short requests are decoding, on the real
@@ -38,7 +38,7 @@ import numpy as np
 
 from nanoengine import LLMEngine, SamplingParams
 from nanoengine.events import StepFinished
-from nanoengine.measure.timing import Roofline, measure, model_gemm_shapes
+from nanobench import Roofline, measure, model_gemm_shapes
 from nanoengine.models.config import ModelConfig
 from widgets.exercises import CheckResult, todo, verdict, whole
 from widgets.step_cost_explorer import StepCostFit

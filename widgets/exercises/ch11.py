@@ -23,7 +23,7 @@ import math
 
 from nanoengine import SamplingParams
 from nanoengine.events import StepFinished
-from nanoengine.measure.benchmark import make_output_lens, make_workload, static_computed_tokens
+from nanobench import make_output_lens, make_workload, static_computed_tokens
 from widgets._common import single_thread, tiny_engine
 from widgets.exercises import CheckResult, todo, verdict, whole
 

@@ -8,9 +8,13 @@
 
 (``./course`` calls this file with ``.venv/bin/python``; ``python lab_check.py lab-start|lab-check
 ...`` works the same, and so do the short names ``start`` / ``check``.) Each check prints its
-line as soon as it finishes, and a check that runs past its time limit (a loop in your copy
-that never ends) fails with a message instead of hanging. The exit status is 0 only when
-every check passes. For full tracebacks run the same checks under pytest::
+line as soon as it finishes. A check that runs past its time limit (a loop in your copy that
+never ends) fails with a message naming the function of your copy that was still running,
+and the run stops there: the later checks would loop too, so they are listed as not run
+(SKIP) instead of each waiting out its own limit. Should your code swallow the stop (an
+``except BaseException`` in the loop), a watchdog ends the run a few seconds later with the
+same verdict. The exit status is 0 only when every check passes. For full tracebacks run the
+same checks under pytest::
 
     NANO_VLLM_LAB_DIR=labs/nano-vllm/work/v05_paged_kv python -m pytest labs/nano-vllm/checks/test_v05.py
 """
@@ -22,12 +26,16 @@ import os
 import shutil
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lab_harness import (  # noqa: E402
-    DEFAULT_TIME_LIMIT_S, LAB, LAB_VERSIONS, STARTERS, V, VERSIONS, WORK, iter_checks, version_of)
+    DEFAULT_TIME_LIMIT_S, LAB, LAB_VERSIONS, STARTERS, V, VERSIONS, WORK, CheckResult, check_functions, iter_checks,
+    SAMPLES, live_stack, looping_function, sampled_stacks, skipped_result, timed_out_result, timeout_message,
+    version_of)
 from lab_tasks import PARTS, TASKS  # noqa: E402
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # tiny tensors: sleeping threads are faster
@@ -96,29 +104,128 @@ def check(args: argparse.Namespace) -> int:
     parts = PARTS.get(version, {})
     if parts:
         print("  this version has parts: " + "; ".join(f"{k} = {v}" for k, v in parts.items()), flush=True)
-    width = 96
-    results = []
-    for result in iter_checks(version, folder, limit):  # print each check as soon as it has run
-        results.append(result)
-        print(f"  {'PASS' if result.passed else 'FAIL'}  {result.title}")
-        if not result.passed:
-            for line in result.error.splitlines():
-                print(textwrap.fill(line, width, initial_indent="        ", subsequent_indent="          "))
-            if result.hint:
-                print(textwrap.fill(f"hint: {result.hint}", width, initial_indent="        ",
-                                    subsequent_indent="              "))
-        sys.stdout.flush()
+    results: list[CheckResult] = []
+    watchdog = _Watchdog(version, Path(folder).resolve(), limit, results, sys.stdout) if limit else None
+    checks = iter_checks(version, folder, limit)
+    try:
+        while True:
+            if watchdog:
+                watchdog.arm()
+            result = next(checks, None)  # runs the next check (print each as soon as it has run)
+            if watchdog:
+                watchdog.disarm()
+            if result is None:
+                break
+            results.append(result)
+            _print_result(result, version, results, sys.stdout)
+    finally:
+        if watchdog:
+            watchdog.close()
+    return _print_summary(results, version, sys.stdout)
+
+
+WIDTH = 96
+
+
+def _print_result(result: CheckResult, version: str, results: list[CheckResult], out) -> None:
+    if result.skipped:
+        if not results[-2].skipped:  # the first one not run: say why once
+            stuck = f" (your copy was stuck in {results[-2].running})" if results[-2].running else ""
+            print(textwrap.fill(f"the checks below were not run: the one above timed out{stuck}, and they "
+                                f"would loop too. Fix that loop, then run ./course lab-check {version} again.",
+                                WIDTH, initial_indent="  ", subsequent_indent="  "), file=out)
+        print(f"  SKIP  {result.title}", file=out)
+        out.flush()
+        return
+    print(f"  {'PASS' if result.passed else 'FAIL'}  {result.title}", file=out)
+    if not result.passed:
+        for line in result.error.splitlines():
+            print(textwrap.fill(line, WIDTH, initial_indent="        ", subsequent_indent="          "), file=out)
+        if result.hint:
+            print(textwrap.fill(f"hint: {result.hint}", WIDTH, initial_indent="        ",
+                                subsequent_indent="              "), file=out)
+    out.flush()
+
+
+def _print_summary(results: list[CheckResult], version: str, out) -> int:
     passed = sum(r.passed for r in results)
-    print(f"{passed}/{len(results)} checks pass.", end=" ")
+    print(f"{passed}/{len(results)} checks pass.", end=" ", file=out)
     if passed == len(results):
         following = [v for v in LAB_VERSIONS if v > version]
         print(f"{version} is done." + (f" Next: ./course lab-start {following[0]}" if following else
-                                       " That was the last lab: read versions/v10_mapping next."))
+                                       " That was the last lab: read versions/v10_mapping next."), file=out)
+        out.flush()
         return 0
+    skipped = sum(r.skipped for r in results)
+    failed = len(results) - passed - skipped
     todo = sum(r.todo for r in results if not r.passed)
-    print(f"{len(results) - passed} fail" + (f" ({todo} on unwritten TODO({version}) stubs)" if todo else "")
-          + ". Start with the first FAIL above.")
+    print(f"{failed} fail" + (f" ({todo} on unwritten TODO({version}) stubs)" if todo else "")
+          + (f", {skipped} not run (a check timed out)" if skipped else "")
+          + ". Start with the first FAIL above.", file=out)
+    out.flush()
     return 1
+
+
+class _Watchdog:
+    """The hard stop behind each check's time limit.
+
+    The limit normally stops a check by raising inside it (``lab_harness.time_limit``). Code
+    that catches that (``except BaseException`` in a loop), or one C call that never returns,
+    would still hang the run; so a thread watches each check, and ``grace`` seconds after
+    its limit it samples the stack of the main thread (where the check runs), prints the
+    same verdict as a timeout (naming the copy's function still running), the later checks
+    as not run and the summary, and ends the process with status 1."""
+
+    def __init__(self, version: str, folder: Path, limit: float, results: list[CheckResult], out) -> None:
+        self.version, self.folder, self.limit, self.results, self.out = version, folder, limit, results, out
+        self.grace = min(10.0, max(1.0, limit / 2))
+        self.functions = check_functions(version)
+        self.main = threading.main_thread().ident
+        self.deadline: float | None = None
+        self.lock = threading.Lock()
+        self.closed = threading.Event()
+        threading.Thread(target=self._watch, name="lab-check watchdog", daemon=True).start()
+
+    def close(self) -> None:
+        self.closed.set()
+
+    def arm(self) -> None:
+        with self.lock:
+            self.deadline = time.monotonic() + self.limit + self.grace
+
+    def disarm(self) -> None:
+        with self.lock:
+            self.deadline = None
+
+    def _watch(self) -> None:
+        while not self.closed.wait(0.2):
+            with self.lock:
+                overdue = self.deadline is not None and time.monotonic() > self.deadline
+            if overdue:
+                self._stop()
+
+    def _stop(self) -> None:
+        samples = []
+        for _ in range(SAMPLES):  # the main thread's stack, where the check runs (see lab_harness.time_limit)
+            frame = sys._current_frames().get(self.main)
+            if frame is not None:
+                samples.append(live_stack(frame))
+            time.sleep(0.05)
+        running, callers = looping_function(*sampled_stacks(samples), self.folder)
+        with self.lock:
+            if self.deadline is None:  # the check ended while its stack was sampled
+                return
+        index = len(self.results)
+        function = self.functions[index]
+        limit = f"did not finish within {self.limit:g} s (nor {self.grace:g} s after being told to stop)"
+        stuck = timed_out_result(function, timeout_message(limit, running, callers), running)
+        self.results.append(stuck)
+        _print_result(stuck, self.version, self.results, self.out)
+        for later in self.functions[index + 1:]:
+            self.results.append(skipped_result(later, stuck))
+            _print_result(self.results[-1], self.version, self.results, self.out)
+        _print_summary(self.results, self.version, self.out)
+        os._exit(1)
 
 
 def _time_limit(text: str) -> float:

@@ -177,6 +177,9 @@ class CheckResult:
     hint: str  # the 'Hint:' paragraph of its docstring
     error: str  # '' when the check passed, else a short explanation
     todo: bool  # the failure is a TODO stub that is still unwritten
+    timed_out: bool = False  # stopped at its time limit
+    running: str = ""  # when timed out: the function of the copy that was still running, if any
+    skipped: bool = False  # not run: an earlier check timed out (the copy loops; later checks would too)
 
     @property
     def passed(self) -> bool:
@@ -214,11 +217,48 @@ def _doc_parts(function: Callable) -> tuple[str, str]:
 DEFAULT_TIME_LIMIT_S = 60.0  # per check; every solution's check takes well under a second
 
 
+Frame = tuple[str, int, str]  # (file, line, qualified function name); stacks list them outermost first
+SAMPLES, SAMPLE_GAP_S = 5, 0.02  # a timed-out check's stack is sampled this often before it is stopped
+
+
+def frame_info(frame) -> Frame:
+    code = frame.f_code
+    return code.co_filename, frame.f_lineno, getattr(code, "co_qualname", code.co_name)
+
+
+def live_stack(frame) -> list:
+    """The frame objects of a live stack ending at ``frame``, outermost first."""
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    return frames[::-1]
+
+
+def sampled_stacks(samples: list[list]) -> tuple[list[Frame], list[Frame]]:
+    """From stacks of one thread sampled a few ms apart: (the frames in every sample, the last stack).
+
+    A loop's own frame stays on the stack from sample to sample, while the short calls it
+    makes come and go: the frames common to every sample (the same frame objects, not just
+    the same function) end at the loop, the last stack ends wherever it happened to be."""
+    common = []
+    for frames in zip(*samples):
+        if any(f is not frames[0] for f in frames):
+            break
+        common.append(frames[0])
+    return [frame_info(f) for f in common], [frame_info(f) for f in samples[-1]] if samples else []
+
+
 class CheckTimeout(BaseException):
     """A check ran past its time limit (raised inside the check by ``time_limit``).
 
     A BaseException, like KeyboardInterrupt, so that an ``except Exception`` in the
-    learner's code cannot swallow it and keep looping."""
+    learner's code cannot swallow it and keep looping. ``stack``: the frames that stayed
+    on the stack while it was sampled (they end at the loop); ``last``: the last sample."""
+
+    def __init__(self, message: str, stack: list[Frame] = (), last: list[Frame] = ()) -> None:
+        super().__init__(message)
+        self.stack, self.last = list(stack), list(last)
 
 
 @contextlib.contextmanager
@@ -229,9 +269,10 @@ def time_limit(seconds: float | None) -> Iterator[None]:
     never comes) must end the check, not the session. On Unix, in the main thread, a
     real-time timer delivers SIGALRM and its handler raises; elsewhere a timer thread
     interrupts the main thread (``_thread.interrupt_main``) and the KeyboardInterrupt is
-    turned into ``CheckTimeout``. Either way the check stops at its next Python bytecode;
-    a single C call that never returns (one huge tensor op) cannot be interrupted.
-    ``None`` or 0 means no limit.
+    turned into ``CheckTimeout``. Either way the stack is first sampled ``SAMPLES`` times,
+    ``SAMPLE_GAP_S`` apart (so the message can name the loop, not whatever short call it
+    was making), and the check stops at its next Python bytecode; a single C call that
+    never returns (one huge tensor op) cannot be interrupted. ``None`` or 0 means no limit.
     """
     if not seconds:
         yield
@@ -239,9 +280,14 @@ def time_limit(seconds: float | None) -> Iterator[None]:
     if seconds < 0:
         raise ValueError(f"a time limit must be positive seconds (or 0/None for none), got {seconds}")
     message = f"did not finish within {seconds:g} s"
+    samples: list[list] = []
     if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
         def on_alarm(signum, frame):
-            raise CheckTimeout(message)
+            samples.append(live_stack(frame))
+            if len(samples) < SAMPLES:
+                signal.setitimer(signal.ITIMER_REAL, SAMPLE_GAP_S)
+                return
+            raise CheckTimeout(message, *sampled_stacks(samples))
         previous = signal.signal(signal.SIGALRM, on_alarm)
         signal.setitimer(signal.ITIMER_REAL, seconds)
         try:
@@ -249,11 +295,19 @@ def time_limit(seconds: float | None) -> Iterator[None]:
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
+            samples.clear()  # frame objects: let them go
         return
     import _thread
+    import time
     fired = threading.Event()
+    checked = threading.get_ident()
 
     def interrupt() -> None:
+        for _ in range(SAMPLES):
+            frame = sys._current_frames().get(checked)
+            if frame is not None:
+                samples.append(live_stack(frame))
+            time.sleep(SAMPLE_GAP_S)
         fired.set()
         _thread.interrupt_main()
 
@@ -264,10 +318,49 @@ def time_limit(seconds: float | None) -> Iterator[None]:
         yield
     except KeyboardInterrupt:
         if fired.is_set():
-            raise CheckTimeout(message) from None
+            raise CheckTimeout(message, *sampled_stacks(samples)) from None
         raise
     finally:
         timer.cancel()
+        samples.clear()
+
+
+def traceback_frames(tb) -> list[Frame]:
+    """The frames of a traceback, outermost first."""
+    frames = []
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        frames.append((code.co_filename, tb.tb_lineno, getattr(code, "co_qualname", code.co_name)))
+        tb = tb.tb_next
+    return frames
+
+
+def still_running(frames: list[Frame], folder: Path) -> tuple[str, str]:
+    """(the innermost function of the copy in ``frames``, the copy's calls that led to it).
+
+    E.g. ``("Scheduler.schedule (scheduler.py:74)", "LLMEngine.step (llm_engine.py:40)")``;
+    ``("", "")`` when no frame is in the copy (the check itself was running)."""
+    mine = [f"{name} ({Path(file).name}:{line})" for file, line, name in frames
+            if Path(file).resolve().parent == folder]
+    if not mine:
+        return "", ""
+    return mine[-1], " < ".join(reversed(mine[:-1]))
+
+
+def looping_function(stack: list[Frame], last: list[Frame], folder: Path) -> tuple[str, str]:
+    """``still_running`` of the frames common to every sample, else of the last sample."""
+    found = still_running(stack, folder)
+    return found if found[0] else still_running(last, folder)
+
+
+def timeout_message(limit: str, running: str, callers: str) -> str:
+    """What a learner reads when a check ran out of time."""
+    if not running:
+        return (f"timed out: the check {limit}, stopped inside the check, not in your files "
+                "(a step that never finishes the requests?).")
+    called = f", called from {callers}" if callers else ""
+    return (f"timed out: the check {limit}; your code was still running {running}{called}. "
+            "A loop there is waiting for something that nothing inside the loop changes.")
 
 
 def _failed_line(exc: BaseException) -> str:
@@ -277,6 +370,11 @@ def _failed_line(exc: BaseException) -> str:
         return ""
     frame = frames[-1]
     return (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+
+
+def _timed_out_in(exc: CheckTimeout, folder: Path) -> tuple[str, str]:
+    last = exc.last or traceback_frames(exc.__traceback__)
+    return looping_function(exc.stack, last, folder)
 
 
 def _explain(exc: BaseException, folder: Path) -> tuple[str, bool]:
@@ -291,11 +389,7 @@ def _explain(exc: BaseException, folder: Path) -> tuple[str, bool]:
             where = f" (at {Path(frame.filename).name}:{frame.lineno}, in {frame.name})"
             break
     if isinstance(exc, CheckTimeout):
-        chain = [f"{Path(f.filename).name}:{f.lineno} ({f.name})" for f in traceback.extract_tb(exc.__traceback__)
-                 if Path(f.filename).resolve().parent == folder]
-        stopped = f"; it was stopped in {' > '.join(chain)}" if chain else ""
-        return (f"timed out: the check {message}{stopped}. A loop in your copy is waiting for "
-                "something that nothing inside the loop changes."), False
+        return timeout_message(message, *_timed_out_in(exc, folder)), False
     kind = "check failed" if isinstance(exc, AssertionError) else type(exc).__name__
     if not message:
         line = _failed_line(exc)
@@ -316,16 +410,42 @@ def run_check(function: Callable[[Lab], None], lab: Lab,
         raise
     except BaseException as exc:  # noqa: BLE001 - pytest.raises failures are BaseExceptions
         error, todo = _explain(exc, lab.folder)
+        if isinstance(exc, CheckTimeout):
+            return timed_out_result(function, error, _timed_out_in(exc, lab.folder)[0])
         return CheckResult(function.__name__, title, hint, error, todo)
     return CheckResult(function.__name__, title, hint, "", False)
 
 
+def timed_out_result(function: Callable[[Lab], None], error: str, running: str) -> CheckResult:
+    """A check stopped at its time limit while ``running`` (a function of the copy, or '')."""
+    title, hint = _doc_parts(function)
+    return CheckResult(function.__name__, title, hint, error, False, timed_out=True, running=running)
+
+
+def skipped_result(function: Callable[[Lab], None], stuck: CheckResult) -> CheckResult:
+    """A check not run because ``stuck``, an earlier one, timed out."""
+    title, hint = _doc_parts(function)
+    where = f" in {stuck.running}" if stuck.running else ""
+    return CheckResult(function.__name__, title, hint, f"not run: an earlier check timed out{where}", False,
+                       skipped=True)
+
+
 def iter_checks(version: str, folder: Path | str,
                 time_limit_s: float | None = DEFAULT_TIME_LIMIT_S) -> Iterator[CheckResult]:
-    """Every check of ``version`` against the copy in ``folder``, in order, each as it finishes."""
+    """Every check of ``version`` against the copy in ``folder``, in order, each as it finishes.
+
+    The first check that runs out of time ends the run: a copy that loops in one check
+    (a scheduler waiting for a block nobody frees) loops in the later ones too, and each
+    would wait out its own limit. The later checks come back ``skipped``, not run."""
     lab = Lab(folder, version)
-    for function in check_functions(version):
-        yield run_check(function, lab, time_limit_s)
+    functions = check_functions(version)
+    for i, function in enumerate(functions):
+        result = run_check(function, lab, time_limit_s)
+        yield result
+        if result.timed_out:
+            for later in functions[i + 1:]:
+                yield skipped_result(later, result)
+            return
 
 
 def run_checks(version: str, folder: Path | str,

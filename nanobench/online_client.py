@@ -1,6 +1,6 @@
 """The online benchmark through HTTP: ``bench --online-rates R --server URL`` (chapters 11, 12).
 
-``run_online`` (``measure/benchmark.py``) steps the engine in this process and reads its
+``run_online`` (``nanobench/benchmark.py``) steps the engine in this process and reads its
 per-token timestamps. This module sends the *same* workload (the same random token-id
 prompts, the same output lengths, the same seeded Poisson arrivals, greedy, EOS ignored)
 to any OpenAI-compatible server instead, this project's (``python -m nanoengine serve``) or
@@ -39,8 +39,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanoengine.measure.benchmark import (describe_latency, environment, latency_summary, load_average,
-                                          make_output_lens, make_workload, poisson_arrivals)
+from nanobench.benchmark import (describe_latency, environment, latency_summary, load_average,
+                                 make_output_lens, make_workload, poisson_arrivals)
 from nanoengine.outputs import RequestMetrics
 
 VOCAB_LIMIT = 10000  # prompt token ids below this: valid in any vocabulary a server is likely to have

@@ -111,7 +111,7 @@ def engine_server(model_dir: Path, dtype: str, max_num_batched_tokens: int, max_
 
 def vllm_server(settings) -> ServerProcess:
     """vLLM's OpenAI server with ``settings`` (``vllm_peer.VllmSettings``) and its environment."""
-    from nanoengine.measure.vllm_peer import vllm_python
+    from nanobench.vllm_peer import vllm_python
 
     port = free_port()
     command = [str(vllm_python(settings.venv)), "-m", "vllm.entrypoints.openai.api_server",
@@ -134,7 +134,7 @@ def race_servers(servers: list[ServerProcess], prompts: list[list[int]], output_
 
     Returns ``{name: {"rows": [one row per rate], "command": [...], "seconds_to_healthy": s}}``.
     """
-    from nanoengine.measure.online_client import run_server_online
+    from nanobench.online_client import run_server_online
 
     results = {}
     try:

@@ -2,7 +2,7 @@
 
 ``python -m nanoengine bench --vs-vllm`` races the engine, vLLM and transformers in
 alternating rounds on the same requests and writes ``results/bench-vllm-<device>-<date>-<dtype>.json``
-(``measure/vllm_peer.py`` drives vLLM; ``results/README.md`` describes every field). This
+(``nanobench/vllm_peer.py`` drives vLLM; ``results/README.md`` describes every field). This
 module turns such a file into what a reader asks first: where and when it ran, at which
 revision and with which command; each system's throughput; the engine's ratio over vLLM
 and over transformers, batched and for a single stream; and whether the two engines
@@ -212,7 +212,7 @@ def live_comparison(dtype: str = "float32", num_requests: int = 8, max_prompt: i
     directory, so ``results/`` and the README's table stay as they are).
     """
     from nanoengine.__main__ import build_parser
-    from nanoengine.measure.benchmark import run_from_args
+    from nanobench.benchmark import run_from_args
 
     if out is None:
         out = Path(tempfile.mkdtemp(prefix="bench-vllm-")) / f"bench-vllm-live-{dtype}.json"

@@ -14,8 +14,8 @@ with computing the prompt. This measures, on the default model and one long prom
 and writes both, and their ratio, to a results file that names the machine, the engine
 revision, the date and the command.
 
-    python -m nanoengine.measure.prefix_hash                 # 8,000 tokens
-    python -m nanoengine.measure.prefix_hash --tokens 2048 --repeats 3
+    python -m nanobench.prefix_hash                 # 8,000 tokens
+    python -m nanobench.prefix_hash --tokens 2048 --repeats 3
 """
 
 from __future__ import annotations
@@ -85,9 +85,9 @@ def measure(num_tokens: int, repeats: int, prefill_repeats: int, block_size: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    from nanoengine.measure.benchmark import environment
+    from nanobench.benchmark import environment
 
-    p = argparse.ArgumentParser(prog="python -m nanoengine.measure.prefix_hash", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m nanobench.prefix_hash", description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=8000, help="prompt length (default 8000)")
     p.add_argument("--repeats", type=int, default=21, help="timings of the digest chain (median taken)")
     p.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills (median taken)")
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     result = measure(args.tokens, args.repeats, args.prefill_repeats)
     now = datetime.datetime.now(datetime.timezone.utc)
     result.update(date=now.isoformat(timespec="seconds"), environment=environment(),
-                  command="python -m nanoengine.measure.prefix_hash " + " ".join(sys.argv[1:] if argv is None else argv))
+                  command="python -m nanobench.prefix_hash " + " ".join(sys.argv[1:] if argv is None else argv))
     out = Path(args.out) if args.out else Path("results") / f"prefix-hash-cost-{now.date()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -17,7 +17,7 @@ policy once, when PyTorch loads it, so it must be chosen before ``import torch``
 notebook's first cell therefore calls ``prepare_environment()``, which keeps a policy the
 environment chose, sets ``PASSIVE`` when asked for a shared machine, and otherwise leaves
 OpenMP's default; ``machine_description()`` says which is in effect and every ``Timing``
-records it. (``import nanoengine.measure.timing`` does not import torch, see
+records it. (``import nanobench.timing`` does not import torch, see
 ``nanoengine/__init__.py``.)
 
 The roofline of chapter 6 is built from two measurements taken here:
@@ -129,11 +129,11 @@ def _machine() -> str:
 
 def source_revision() -> str | None:
     """The git commit of the engine's source tree, "+modified" if it has local changes."""
-    root = pathlib.Path(__file__).resolve().parents[2]  # the repository: nanoengine/measure/ -> ../..
+    root = pathlib.Path(__file__).resolve().parents[1]  # the repository: nanobench/ -> ..
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
                              text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "nanoengine"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "nanoengine", "nanobench"], cwd=root,
                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None  # not a git checkout (an installed wheel) or no git

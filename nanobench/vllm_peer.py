@@ -3,7 +3,7 @@
 vLLM cannot live in the course's ``.venv``: its CPU wheel pins its own torch, an older
 transformers and its own web stack. ``./course vllm-setup`` (``scripts/setup_vllm.sh``)
 gives it a virtualenv of its own, ``.venv-vllm``, with pinned versions, and this module
-reaches it only through a subprocess: ``measure/vllm_runner.py`` runs under
+reaches it only through a subprocess: ``nanobench/vllm_runner.py`` runs under
 ``.venv-vllm/bin/python``, loads ``vllm.LLM`` once (about a minute and a half: it compiles)
 and times workloads sent to it as JSON lines. The benchmark can then alternate run by run,
 engine, vLLM, transformers, engine, ..., as it does for its other systems.
@@ -34,7 +34,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 SETUP_COMMAND = "./course vllm-setup"
@@ -310,7 +310,7 @@ def peer_results(peer: VllmPeer, runs: list[dict], engine_record: dict, engine_t
     A run with fewer tokens than requested (EOS is ignored, so it must produce them all)
     is an error, never a measurement.
     """
-    from nanoengine.measure.benchmark import describe, system_record
+    from nanobench.benchmark import describe, system_record
 
     short = [r["output_tokens"] for r in runs if r["output_tokens"] != expected_tokens]
     if short:

@@ -3,7 +3,7 @@ times workloads sent to it as JSON lines.
 
 This file is *executed* by ``.venv-vllm/bin/python`` (made by ``./course vllm-setup``), never
 imported by the course: that virtualenv has vLLM and its own torch but not nanoengine, so
-the script uses vLLM and the standard library only. ``measure/vllm_peer.py`` drives it.
+the script uses vLLM and the standard library only. ``nanobench/vllm_peer.py`` drives it.
 
 Why a process that stays up rather than one per run: loading vLLM's CPU build takes about
 a minute and a half on two cores (it compiles the model with torch's inductor), and the

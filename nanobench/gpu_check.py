@@ -1,9 +1,9 @@
 """The GPU check: what CPU CI cannot test, in one command on a CUDA machine (chapters 4, 6, 11).
 
-    ./course gpu-check                            # python -m nanoengine.measure.gpu_check; < 8 min on an H200
-    python -m nanoengine.measure.gpu_check --quick        # a reduced workload, a few minutes
-    python -m nanoengine.measure.gpu_check --cpu-smoke    # tiny shapes on the CPU: how CI tests this script
-    python -m nanoengine.measure.gpu_check --nano-vllm    # nano-vLLM's bench workload alone (< 6 min on an H200)
+    ./course gpu-check                            # python -m nanobench.gpu_check; < 8 min on an H200
+    python -m nanobench.gpu_check --quick        # a reduced workload, a few minutes
+    python -m nanobench.gpu_check --cpu-smoke    # tiny shapes on the CPU: how CI tests this script
+    python -m nanobench.gpu_check --nano-vllm    # nano-vLLM's bench workload alone (< 6 min on an H200)
 
 Four sub-checks, each recorded as pass / fail / skipped with its numbers:
 
@@ -63,14 +63,14 @@ from pathlib import Path
 import torch
 
 from nanoengine.models.config import ModelConfig
-from nanoengine.measure.timing import median_ms
+from nanobench.timing import median_ms
 from nanoengine.models.presets import PRESETS
 
 TOLERANCES = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}  # as tests/engine/test_triton_kernels.py
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 NO_CUDA_MESSAGE = ("nanoengine gpu-check: no CUDA device is visible, so there is nothing to check here: the "
                    "Triton kernels, CUDA graphs and the GPU benchmark need an NVIDIA GPU.\n"
-                   "Run `python -m nanoengine.measure.gpu_check --cpu-smoke` to exercise every stage at tiny sizes on "
+                   "Run `python -m nanobench.gpu_check --cpu-smoke` to exercise every stage at tiny sizes on "
                    "the CPU (what CI runs).")
 
 # A small Qwen3 for the correctness stages: big enough to use every code path (GQA, q/k
@@ -331,7 +331,7 @@ def save_random_qwen3(shape: ModelConfig, path: Path, peaked: bool, dtype: str =
 
 def _workload(mode: Mode, num_requests: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
     """Random prompts and a random output length for each (``benchmark.make_varlen_workload``)."""
-    from nanoengine.measure.benchmark import make_varlen_workload
+    from nanobench.benchmark import make_varlen_workload
 
     return make_varlen_workload(num_requests, mode.prompt_len, mode.output_len, vocab, seed)
 
@@ -431,14 +431,14 @@ class InputsOnModelDevice:
 
 def _load_hf(model_dir: Path, device: str, dtype: str):
     """``benchmark.load_hf`` (fp32, CPU, EOS off), then moved to ``device`` and ``dtype``."""
-    from nanoengine.measure.benchmark import load_hf
+    from nanobench.benchmark import load_hf
 
     return load_hf(model_dir).to(device=device, dtype=DTYPES[dtype])
 
 
 def check_hf_parity(model_dir: Path, mode: Mode) -> dict:
     """Greedy tokens equal transformers', request by request (fp32 gates; bf16 is reported)."""
-    from nanoengine.measure.benchmark import compare_greedy, run_engine, run_hf_static
+    from nanobench.benchmark import compare_greedy, run_engine, run_hf_static
 
     prompts, output_lens = _check_workload(mode, seed=9)
     prompts, output_len = prompts[:8], max(output_lens)
@@ -501,7 +501,7 @@ def run_hf_static_varlen(model, prompts: list[list[int]], output_lens: list[int]
                          time_limit_s: float) -> dict:
     """``benchmark.run_hf_static`` batch by batch: each batch runs to its longest output and
     every request is truncated to its own length; no new batch starts after ``time_limit_s``."""
-    from nanoengine.measure.benchmark import run_hf_static
+    from nanobench.benchmark import run_hf_static
 
     tokens, top2, seconds, useful, generated = [], [], 0.0, 0, 0
     deadline = time.monotonic() + time_limit_s
@@ -570,7 +570,7 @@ def run_benchmark(model_dir: Path, mode: Mode, budget: Budget) -> dict:
 
 
 def _bench_hf_static(hf, mode, budget, prompts, output_lens, engine_tokens, notes) -> dict:
-    from nanoengine.measure.benchmark import compare_greedy
+    from nanobench.benchmark import compare_greedy
 
     n = min(mode.hf_static_requests, len(prompts))
     static = run_hf_static_varlen(InputsOnModelDevice(hf), prompts[:n], output_lens[:n], mode.hf_static_batch,
@@ -590,7 +590,7 @@ def _bench_hf_static(hf, mode, budget, prompts, output_lens, engine_tokens, note
 
 
 def _bench_hf_continuous(hf, mode, budget, prompts, output_lens, engine_tokens, notes) -> dict:
-    from nanoengine.measure.benchmark import run_hf_continuous
+    from nanobench.benchmark import run_hf_continuous
 
     n = min(mode.hf_cb_requests, len(prompts))
     cb = run_hf_continuous(hf, prompts[:n], output_lens[:n], budget.stage_limit("hf_generate_batch"),
@@ -611,7 +611,7 @@ def _bench_hf_continuous(hf, mode, budget, prompts, output_lens, engine_tokens, 
 # ---------------------------------------------------------------------- main
 def environment(device: str) -> dict:
     """``benchmark.environment()`` plus the GPU, CUDA and Triton versions."""
-    from nanoengine.measure.benchmark import environment as base
+    from nanobench.benchmark import environment as base
 
     info = base()
     info["cuda_available"] = torch.cuda.is_available()
@@ -630,7 +630,7 @@ def environment(device: str) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m nanoengine.measure.gpu_check", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m nanobench.gpu_check", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a reduced workload (a few minutes)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="run every stage at tiny sizes on the CPU (Triton interpreted); what CI runs")
@@ -639,7 +639,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget-s", type=float, default=None, help="overall time limit (default per mode)")
     p.add_argument("--nano-vllm", action="store_true",
                    help="instead: nano-vLLM's bench workload (256 requests, prompts and outputs 100-1024 tokens, "
-                        "Qwen3-0.6B shape, bf16): tok/s, decode-step time, host share (measure/nano_vllm_bench.py)")
+                        "Qwen3-0.6B shape, bf16): tok/s, decode-step time, host share (nanobench/nano_vllm_bench.py)")
     p.add_argument("--out", default=None, help="results JSON (default: results/gpu-check-<date>.json)")
     return p
 
@@ -673,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else Path("results") / (
         f"gpu-check-{'cpu-smoke-' if mode.device == 'cpu' else ''}{today}.json")
     report = {"mode": mode.name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": "python -m nanoengine.measure.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv),
+              "command": "python -m nanobench.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv),
               "environment": environment(mode.device), "time_budget_s": budget.total_s, "checks": {}}
     print(f"nanoengine gpu-check ({mode.name}) on {report['environment'].get('gpu', 'the CPU')}; "
           f"time budget {budget.total_s:.0f} s")
@@ -729,7 +729,7 @@ NANO_VLLM_WORKLOADS = {
 
 def nano_vllm_main(args, argv) -> int:
     """``--nano-vllm``: nano-vLLM's bench workload on the engine; writes its own results file."""
-    from nanoengine.measure.nano_vllm_bench import NanoVllmWorkload, run_nano_vllm_bench
+    from nanobench.nano_vllm_bench import NanoVllmWorkload, run_nano_vllm_bench
 
     if not args.cpu_smoke and not torch.cuda.is_available():
         print(NO_CUDA_MESSAGE)
@@ -748,7 +748,7 @@ def nano_vllm_main(args, argv) -> int:
     result = run_nano_vllm_bench(workload)
     report = {"mode": f"nano-vllm ({kind})",
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": "python -m nanoengine.measure.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv),
+              "command": "python -m nanobench.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv),
               "environment": environment(workload.device), "nano_vllm_bench": result,
               "anchors": ["published for this workload (nano-vLLM's bench, 133,966 output tokens, Qwen3-0.6B), as "
                           "quoted in the engine-speed-v3 issue: vLLM 0.10.2 at 8,588 tok/s on an A800-80GB",

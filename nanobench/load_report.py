@@ -1,7 +1,7 @@
 """Load report: many random requests through a small KV cache on a tiny random model.
 
-    python -m nanoengine.measure.load_report                       # 1,000 requests, prints the figures
-    python -m nanoengine.measure.load_report --num-requests 5000 --threads 2
+    python -m nanobench.load_report                       # 1,000 requests, prints the figures
+    python -m nanobench.load_report --num-requests 5000 --threads 2
 
 The workload mixes everything the engine supports: prompt lengths from 1 token to
 max_model_len, shared prefixes (prefix-cache hits), greedy and sampled requests with

@@ -38,8 +38,8 @@ import torch
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.events import StepFinished
 from nanoengine.loader.weights import load_tokenizer, random_model, resolve_model_source
-from nanoengine.measure.benchmark import environment, load_average
-from nanoengine.measure.timing import median_ms
+from nanobench.benchmark import environment, load_average
+from nanobench.timing import median_ms
 from nanoengine.models.config import ModelConfig
 from nanoengine.sampling_params import RequestOutputKind, SamplingParams
 

@@ -25,7 +25,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
-from nanoengine.measure.benchmark import compare_greedy, decode_rates, engine_decoder
+from nanobench.benchmark import compare_greedy, decode_rates, engine_decoder
 from nanoengine.engine.compilation import CPU_MIN_ROWS, compilable_objects
 
 SYSTEMS = ("eager", "compiled")

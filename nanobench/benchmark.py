@@ -74,8 +74,8 @@ from pathlib import Path
 
 import torch
 
-from nanoengine.measure.timing import (cpu_model, measure_gemm_peak as measure_peak, measure_memory_bandwidth,
-                                       model_gemm_shapes, source_revision)
+from nanobench.timing import (cpu_model, measure_gemm_peak as measure_peak, measure_memory_bandwidth,
+                              model_gemm_shapes, source_revision)
 from nanoengine.models.config import ModelConfig
 
 
@@ -102,7 +102,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also serve the workload to the engine as Poisson arrivals at each RATE requests/s")
     p.add_argument("--server", default=None, metavar="URL",
                    help="with --online-rates: send those arrivals to this OpenAI-compatible server (its root or "
-                   "/v1 URL) through a streaming client instead, and measure only that (measure/online_client.py)")
+                   "/v1 URL) through a streaming client instead, and measure only that (nanobench/online_client.py)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[], metavar="B",
                    help="also run the engine with at most B sequences per step, for each B")
     p.add_argument("--single-stream-tokens", type=int, default=32,
@@ -115,13 +115,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-repeats", type=int, default=3, help="workload runs per engine for --compile")
     p.add_argument("--overhead", action="store_true",
                    help="instead: the engine's host time per decode step on a tiny random model (no GPU needed, "
-                        "no transformers), split by phase (nanoengine/measure/overhead.py)")
+                        "no transformers), split by phase (nanobench/overhead.py)")
     p.add_argument("--overhead-requests", type=int, nargs="+", default=[1, 64, 256], metavar="N",
                    help="with --overhead: running requests per measured step, for each N (default 1 64 256)")
     p.add_argument("--overhead-steps", type=int, default=30, help="with --overhead: timed decode steps per N")
     p.add_argument("--vs-vllm", action="store_true",
                    help="also run vLLM's CPU build on the same workload, alternating with the others, from its own "
-                        "virtualenv (made by ./course vllm-setup; measure/vllm_peer.py)")
+                        "virtualenv (made by ./course vllm-setup; nanobench/vllm_peer.py)")
     p.add_argument("--vllm-venv", default=None, help="with --vs-vllm: vLLM's virtualenv (default: .venv-vllm)")
     p.add_argument("--vllm-threads-bind", default=None,
                    help="with --vs-vllm: VLLM_CPU_OMP_THREADS_BIND, the cores vLLM's threads are pinned to "
@@ -159,7 +159,7 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise ValueError(f"online_rates must be finite request rates > 0 (requests per second), got {rate}")
     server = getattr(args, "server", None)
     if server is not None:
-        from nanoengine.measure.online_client import api_root
+        from nanobench.online_client import api_root
 
         api_root(server)  # ValueError unless it is an http(s) URL
         if not args.online_rates:
@@ -178,7 +178,7 @@ def check_arguments(args: argparse.Namespace) -> None:
 def check_vllm_arguments(args: argparse.Namespace) -> None:
     """``--vs-vllm``'s own checks, before anything loads: vLLM's CPU build runs on a CPU in
     float32 or bfloat16, and its virtualenv must exist (``./course vllm-setup``)."""
-    from nanoengine.measure.vllm_peer import DEFAULT_VENV, DTYPES, vllm_python
+    from nanobench.vllm_peer import DEFAULT_VENV, DTYPES, vllm_python
 
     if args.device not in ("auto", "cpu") or (args.device == "auto" and torch.cuda.is_available()):
         raise ValueError(f"--vs-vllm compares with vLLM's CPU build: run it with --device cpu, got --device "
@@ -583,7 +583,7 @@ def measure_gemm_peak(config: ModelConfig, tokens: int = 1024, repeats: int = 15
     On a CPU in float32 both ways to multiply are tried, ``F.linear`` (MKL) and a oneDNN
     prepacked weight (what the engine uses, ``kernels.cpu_gemm``), and the faster one
     counts: the roofline is what this machine can do, not what one library does. The
-    timing is the course's one helper (``nanoengine.measure.timing``); the fastest run of
+    timing is the course's one helper (``nanobench.timing``); the fastest run of
     each shape is used, as this command always has.
     """
     peak = measure_peak(model_gemm_shapes(config), tokens, repeats=repeats, warmup=1, device=device, dtype=dtype,
@@ -702,7 +702,7 @@ def run_batch_sweep(model_dir: Path, prompts, output_lens, sizes: list[int], rep
 def race_vllm_server(peer, model_dir: Path, prompts, output_lens, args: argparse.Namespace) -> dict:
     """``--vs-vllm --online-rates``: the engine's server and vLLM's, each started here, the
     same arrivals through the same client (``server_race``); TTFT and ITL p50/p90 per rate."""
-    from nanoengine.measure.server_race import engine_server, latency_table, race_servers, vllm_server
+    from nanobench.server_race import engine_server, latency_table, race_servers, vllm_server
 
     peer.close()  # vLLM's offline process gives its cores and memory to the servers
     settings = peer.settings
@@ -718,7 +718,7 @@ def race_vllm_server(peer, model_dir: Path, prompts, output_lens, args: argparse
               f"/ p90 {ms(row['ttft_p90_ms'])} ms, ITL p50 {ms(row['itl_p50_ms'])} / p90 {ms(row['itl_p90_ms'])} ms, "
               f"{row['output_tokens_per_s']:.1f} tok/s, {row['failed']} failed")
     return {"servers": race, "latency": table,
-            "client": "openai.AsyncOpenAI, streaming /v1/completions (measure/online_client.py)"}
+            "client": "openai.AsyncOpenAI, streaming /v1/completions (nanobench/online_client.py)"}
 
 
 # ---------------------------------------------------------------------- main
@@ -728,11 +728,11 @@ def run_from_args(args: argparse.Namespace) -> dict:
 
     check_arguments(args)
     if args.overhead:
-        from nanoengine.measure.overhead import run_overhead
+        from nanobench.overhead import run_overhead
 
         return run_overhead(args.overhead_requests, args.overhead_steps, args.out, getattr(args, "command_line", None))
     if getattr(args, "server", None):
-        from nanoengine.measure.online_client import run_server_bench
+        from nanobench.online_client import run_server_bench
 
         return run_server_bench(args)
     # Resolved once, the engine's way, for every system: transformers runs where the engine does.
@@ -755,7 +755,7 @@ def run_from_args(args: argparse.Namespace) -> dict:
     print(f"every system on {device.type} in {dtype_name}")
     peer = None
     if getattr(args, "vs_vllm", False):
-        from nanoengine.measure.vllm_peer import start_peer
+        from nanobench.vllm_peer import start_peer
 
         if device.type != "cpu":
             raise ValueError(f"--vs-vllm compares with vLLM's CPU build, but the engine resolved to {device.type}")
@@ -800,7 +800,7 @@ def run_from_args(args: argparse.Namespace) -> dict:
         print(describe("nanoengine", record) + f"; {achieved:.1f} GFLOP/s = {achieved / peak:.0%} of the GEMM peak")
         print(f"  engine latency (all repeats): {describe_latency(record['latency'])}")
         if peer is not None:
-            from nanoengine.measure.vllm_peer import peer_results
+            from nanobench.vllm_peer import peer_results
 
             results["vllm"] = peer_results(peer, runs["vllm"], record, engine_tokens[:compared], total_out)
 
@@ -835,7 +835,7 @@ def run_from_args(args: argparse.Namespace) -> dict:
             results["batch_sweep"] = run_batch_sweep(model_dir, prompts, output_lens, args.batch_sizes, args.repeats,
                                                      **engine_kwargs)
         if args.compile:
-            from nanoengine.measure.benchmark_compile import compare_compile
+            from nanobench.benchmark_compile import compare_compile
 
             results["compile"] = compare_compile(model_dir, prompts, args.output_len, args.compile_repeats,
                                                  args.single_stream_tokens, **engine_kwargs)

@@ -18,8 +18,8 @@ bookkeeping, input preparation, sampling, output processing). On a GPU that shar
 engine's overhead; nano-vLLM's point is that a thin host side lets a small engine keep up
 with vLLM.
 
-    python -m nanoengine.measure.gpu_check --nano-vllm            # on a CUDA machine
-    python -m nanoengine.measure.gpu_check --nano-vllm --cpu-smoke   # tiny sizes on the CPU (CI)
+    python -m nanobench.gpu_check --nano-vllm            # on a CUDA machine
+    python -m nanobench.gpu_check --nano-vllm --cpu-smoke   # tiny sizes on the CPU (CI)
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanoengine.measure.timing import median_ms
+from nanobench.timing import median_ms
 from nanoengine.models.config import ModelConfig
 
 
@@ -53,7 +53,7 @@ class NanoVllmWorkload:
 
 def draw_workload(w: NanoVllmWorkload) -> tuple[list[list[int]], list[int]]:
     """Prompts of random ids (< 10,000, as nano-vLLM draws them) and each request's output length."""
-    from nanoengine.measure.benchmark import make_varlen_workload
+    from nanobench.benchmark import make_varlen_workload
 
     return make_varlen_workload(w.num_requests, w.prompt_len, w.output_len, w.model.vocab_size, w.seed)
 
