@@ -59,8 +59,9 @@ def step_settings(engine, batch: int | str, context: tuple[int, int] | str) -> s
     if isinstance(context, tuple):
         low, high = context
         context = f"{low} tokens" if low == high else f"{low}-{high} tokens"
-    return (f"batch {batch}, context {context}, {engine.memory_report().dtype}, {torch.get_num_threads()} "
-            f"threads, {mode}")
+    threads = torch.get_num_threads()
+    return (f"batch {batch}, context {context}, {engine.memory_report().dtype}, {threads} "
+            f"thread{'s' * (threads != 1)}, {mode}")
 
 
 def running_context(engine) -> tuple[int, int]:
