@@ -8,7 +8,9 @@ random engine, so the numbers differ from a chapter's but the builders, option c
 shuffles are the same) - and checks:
 
 - the correct option's length rank (1 = longest ... k = shortest of its k options) is
-  spread over all ranks as evenly as chance would spread it;
+  spread over all ranks as evenly as chance would spread it, over the course and within
+  every chapter (a learner takes one chapter's quiz at a time: chapter 1's once had the
+  correct option shortest in 4 of its 5 questions, balanced only by the other chapters);
 - the correct option's position is spread the same way;
 - at least half of the file's questions apply an idea to a new case (a scenario with
   numbers, a configuration to predict), and they say so (``"applies": true``).
@@ -53,9 +55,18 @@ def _live_questions() -> dict[int, list[Question]]:
     live: dict[int, list[Question]] = {}
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
+    from widgets.exercises import ch01
+
     engine = _tiny()
     report = engine.memory_report()
-    live[1] = [kv_bytes_question(engine.model_config, report, chapter=1)]
+
+    class Pieces:  # a stand-in tokenizer: a piece per 4 characters, about what SmolLM2's makes of English
+        def encode(self, text, add_special_tokens=False):
+            return list(range(0, len(text), 4))
+
+    live[1] = [ch01.layer_parameters_question(engine.runner.model, layer=1),  # as chapter 1 builds them
+               ch01.token_count_question(Pieces(), "Inference engines batch 2048 requests."),
+               kv_bytes_question(engine.model_config, report, chapter=1)]
     live[10] = [kv_bytes_question(engine.model_config, report, chapter=10)]
     live[3] = [kv_bytes_question(engine.model_config, report, chapter=3)]
 
@@ -149,6 +160,25 @@ def test_the_correct_option_length_rank_is_spread_evenly(shown) -> None:
     ranks = collections.Counter(r for r, _ in cases)
     n = len(cases)
     assert ranks[0] <= 0.33 * n and ranks[1] <= 0.33 * n, f"longest / second-longest correct: {ranks}"
+
+
+# Chapters whose quiz still collects its correct options in one length quarter (issue 36,
+# item 3): their authors rebalance them; the test then passes and this entry goes.
+NOT_YET_BALANCED = {4: "the correct option is never the longest of chapter 4's seven questions"}
+
+
+@pytest.mark.parametrize("chapter", [
+    pytest.param(c, marks=pytest.mark.xfail(reason=NOT_YET_BALANCED[c], strict=False)) if c in NOT_YET_BALANCED
+    else c for c in CHAPTERS])
+def test_the_correct_option_length_rank_is_spread_within_every_chapter(shown, chapter) -> None:
+    """Within one chapter's quiz no length quarter collects the correct options, and none is
+    without them: each quarter holds chance's share (a quarter of the questions) within 1.5."""
+    cases = [(length_rank(q) - 1, len(q.options)) for c, q in shown if c == chapter]
+    observed, expected = _observed_and_expected(cases)
+    for q, (o, e) in enumerate(zip(observed, expected)):
+        assert abs(o - e) <= 1.5, (
+            f"ch{chapter:02d}: length quarter {q + 1} (1 = longest) holds {o:.2f} correct options of "
+            f"{len(cases)}, chance would put {e:.2f} there (all quarters: {[round(x, 2) for x in observed]})")
 
 
 def test_the_correct_option_length_rank_is_even_among_the_written_questions(shown) -> None:
