@@ -115,3 +115,70 @@ def test_dtype_check_needs_the_measured_activation_and_a_dtype_with_range(defaul
     assert not ch10.check_dtype("float32", largest).right  # right range, but not half the bytes
     assert not ch10.check_dtype("bfloat16", largest / 2).right  # a guess, not the measurement
     assert not ch10.check_dtype("bfloat16", 65504.0).right  # float16's largest value is not the model's
+
+
+# ------------------------------------------------------------------ the chapter's readings
+def test_compare_times_both_sides() -> None:
+    assert "(slower)" in ch10.compare_times(1.45, "compiled", "eager")
+    assert "(faster)" in ch10.compare_times(0.5, "compiled", "eager")
+    assert "about the same" in ch10.compare_times(1.05, "compiled", "eager")
+    assert "about the same" in ch10.compare_times(0.95, "compiled", "eager")
+
+
+def test_fusion_reading_says_what_the_ratios_say() -> None:
+    slow = ch10.fusion_reading({1: 2.72, 256: 1.45})  # the issue's numbers: compiled never caught up
+    assert "even at 256 rows compiling did not pay" in slow and "fell from 2.72 to 1.45" in slow
+    assert "catches up" not in slow
+    fast = ch10.fusion_reading({1: 2.72, 256: 0.8})
+    assert "at 256 rows compiling paid" in fast and "did not pay" not in fast
+    level = ch10.fusion_reading({1: 1.0, 256: 1.02})
+    assert "level" in level and "barely changed" in level
+    rising = ch10.fusion_reading({1: 1.0, 256: 1.3})
+    assert "rose from 1.00 to 1.30" in rising
+
+
+def test_speedup_reading_band() -> None:
+    assert "no measurable difference" in ch10.speedup_reading(0.97, "workload")
+    assert "no measurable difference" in ch10.speedup_reading(1.02, "workload")
+    assert "a speed-up" in ch10.speedup_reading(1.2, "workload")
+    assert "a slow-down" in ch10.speedup_reading(0.8, "workload")
+
+
+def test_dispatch_reading_both_sides() -> None:
+    small = ch10.dispatch_reading(overhead_s=0.010, step_s=0.0514, matmul_s=0.0295, operators_s=0.035)
+    assert "most of it" in small and "the smaller part" in small
+    big = ch10.dispatch_reading(overhead_s=0.040, step_s=0.050, matmul_s=0.010, operators_s=0.035)
+    assert "less than half" in big and "dispatch-bound" in big
+
+
+def test_precision_reading_every_band() -> None:
+    # the issue's numbers: 0.51 -> 0.31 ms at 1 row, 4.72 -> 2.34 ms at 256 rows
+    text = ch10.precision_reading({(1, "float32"): 0.51e-3, (1, "bfloat16"): 0.31e-3,
+                                   (256, "float32"): 4.72e-3, (256, "bfloat16"): 2.34e-3})
+    assert "at 1 row(s) bfloat16 took 0.61x float32's time (faster, by less than half)" in text
+    assert "at 256 row(s) bfloat16 took 0.50x float32's time (about halved" in text
+    assert "not faster" not in text
+    same = ch10.precision_reading({(1, "float32"): 1.0, (1, "bfloat16"): 1.05})
+    assert "bfloat16 was not faster" in same
+    slower = ch10.precision_reading({(1, "float32"): 1.0, (1, "bfloat16"): 3.0})
+    assert "slower" in slower
+
+
+def test_bytes_reading() -> None:
+    assert "halves them exactly" in ch10.bytes_reading("KV", 46080, 23040)
+    assert "some tensors stay in float32" in ch10.bytes_reading("weights", 1000, 510)
+
+
+def test_parity_reading() -> None:
+    agreed = {"total": 8, "identical": 8, "near_tie_divergences": 0, "unexplained": []}
+    ties = {"total": 8, "identical": 0, "near_tie_divergences": 8, "unexplained": []}
+    odd = {"total": 8, "identical": 6, "near_tie_divergences": 1, "unexplained": ["x"]}
+    text = ch10.parity_reading({"float32": agreed, "bfloat16": ties})
+    assert "float32 the engine and transformers agreed token for token" in text
+    assert "bfloat16 8 of 8 outputs parted, every one at a near tie" in text
+    assert "1 of them not at a near tie" in ch10.parity_reading({"bfloat16": odd})
+
+
+def test_agreement_reading() -> None:
+    assert "agree within 15%" in ch10.agreement_reading(0.024, 0.023, "a", "b")
+    assert "do not agree" in ch10.agreement_reading(0.0514, 0.023, "a", "b")

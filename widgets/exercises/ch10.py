@@ -329,7 +329,151 @@ def check_fusion(fused_fn) -> CheckResult:
                    f"{seen}: {hint}.")
 
 
-__all__ = ["ATTN_HEAD_DIM", "ATTN_TOKENS", "DTYPE_PROMPTS", "MIN_TILE", "SRAM_BYTES", "TRAFFIC_TARGET",
+# ------------------------------------------------------------------ readings of the chapter's measurements
+# Each turns numbers a cell measured into the sentence printed beside them, and says the opposite
+# when the numbers do (tests/course/test_exercises_ch10.py feeds both sides of every threshold).
+SAME = 0.10  # two times within 10% of each other: "about the same"
+
+
+def compare_times(ratio: float, this: str, other: str) -> str:
+    """'<this> took 2.72x the time of <other> (slower)' / '(faster)' / '(about the same, within 10%)'."""
+    if ratio > 1 + SAME:
+        verdict_ = "slower"
+    elif ratio < 1 - SAME:
+        verdict_ = "faster"
+    else:
+        verdict_ = f"about the same, within {SAME:.0%}"
+    return f"{this} took {ratio:.2f}x the time of {other} ({verdict_})"
+
+
+def fusion_reading(ratios: dict[int, float]) -> str:
+    """RMSNorm + residual, compiled / eager time per row count: at each size whether compiling paid,
+    and whether the compiled call's disadvantage shrank as the rows grew (its guard checks are a
+    fixed cost per call, the fused pass saves work per row)."""
+    sizes = sorted(ratios)
+    parts = [compare_times(ratios[r], f"at {r} row(s) compiled", "eager") for r in sizes]
+    small, large = ratios[sizes[0]], ratios[sizes[-1]]
+    if len(sizes) > 1:
+        if large < small * (1 - SAME):
+            trend = f"the compiled call's ratio fell from {small:.2f} to {large:.2f} as the rows grew"
+        elif large > small * (1 + SAME):
+            trend = f"the compiled call's ratio rose from {small:.2f} to {large:.2f} as the rows grew"
+        else:
+            trend = f"the ratio barely changed between {sizes[0]} and {sizes[-1]} rows"
+        parts.append(trend)
+    if large < 1 - SAME:
+        parts.append(f"at {sizes[-1]} rows compiling paid on this machine")
+    elif large > 1 + SAME:
+        parts.append(f"even at {sizes[-1]} rows compiling did not pay on this machine")
+    else:
+        parts.append(f"at {sizes[-1]} rows compiled and eager were level on this machine")
+    return "; ".join(parts) + "."
+
+
+def speedup_reading(speedup: float, what: str) -> str:
+    """A benchmark's speed-up (eager time / compiled time, > 1 is faster) read with a 5% band."""
+    if speedup > 1.05:
+        return f"{what}: {speedup:.2f}x, a speed-up"
+    if speedup < 0.95:
+        return f"{what}: {speedup:.2f}x, a slow-down"
+    return f"{what}: {speedup:.2f}x, no measurable difference (within 5%)"
+
+
+def dispatch_reading(overhead_s: float, step_s: float, matmul_s: float, operators_s: float) -> str:
+    """A CPU decode step: the matrix multiplies' share of the profiled operator time, and the
+    dispatch overhead (calls x the cost of a call that does no work) as a share of the step."""
+    mm, ov = matmul_s / operators_s, overhead_s / step_s
+    parts = [f"the matrix multiplies took {mm:.0%} of the profiled operator time "
+             f"({'most of it' if mm >= 0.5 else 'less than half of it'})",
+             f"dispatch overhead was about {ov:.0%} of the step "
+             f"({'the smaller part' if ov < 0.5 else 'the larger part: this step is dispatch-bound'})"]
+    return "; ".join(parts) + "."
+
+
+def precision_reading(times: dict[tuple[int, str], float], halves: float = 0.55) -> str:
+    """bfloat16 against float32 at each row count (``times[(rows, dtype_name)]`` in seconds): about
+    half the time (at most ``halves`` of it, as the bytes), faster by less, about the same, or slower."""
+    parts = []
+    for rows in sorted({r for r, _ in times}):
+        ratio = times[rows, "bfloat16"] / times[rows, "float32"]
+        if ratio <= halves:
+            how = "about halved, as the bytes did"
+        elif ratio < 1 - SAME:
+            how = "faster, by less than half"
+        elif ratio <= 1 + SAME:
+            how = "about the same (within 10%): bfloat16 was not faster"
+        else:
+            how = "slower: bfloat16 cost time here"
+        parts.append(f"at {rows} row(s) bfloat16 took {ratio:.2f}x float32's time ({how})")
+    return "; ".join(parts) + "."
+
+
+def bytes_reading(what: str, float32_bytes: int, bfloat16_bytes: int) -> str:
+    """'halve exactly' only when they do; otherwise the share, and why it can differ (tensors kept in float32)."""
+    if 2 * bfloat16_bytes == float32_bytes:
+        return f"{what}: bfloat16 halves them exactly"
+    return (f"{what}: bfloat16 holds {bfloat16_bytes / float32_bytes:.1%} of float32's bytes "
+            f"({'some tensors stay in float32' if 2 * bfloat16_bytes > float32_bytes else 'less than half'})")
+
+
+def parity_reading(runs: dict[str, dict]) -> str:
+    """The GPU check's greedy parity with transformers per dtype: identical outputs, and whether every
+    divergence was at a near tie."""
+    parts = []
+    for name, run in runs.items():
+        total, same, ties = run["total"], run["identical"], run["near_tie_divergences"]
+        parted, unexplained = total - same, len(run["unexplained"])
+        if parted == 0:
+            parts.append(f"in {name} the engine and transformers agreed token for token ({same} of {total})")
+        elif unexplained == 0:
+            parts.append(f"in {name} {parted} of {total} outputs parted, every one at a near tie")
+        else:
+            parts.append(f"in {name} {parted} of {total} outputs parted, {unexplained} of them not at a near tie")
+    return "; ".join(parts) + "."
+
+
+def decode_step_settings(engine, context_tokens: int) -> str:
+    """The settings a decode-step time depends on, in one line: batch, context, dtype, compile,
+    threads and how idle threads wait."""
+    from nanoengine.measure.timing import wait_policy
+
+    compiled = engine.runner.compilation.compiled
+    return (f"1 request, context {context_tokens} tokens, {str(engine.config.torch_dtype).replace('torch.', '')}, "
+            f"{'compiled small ops' if compiled else 'eager (compile off)'}, {torch.get_num_threads()} threads, "
+            f"idle threads {'sleep' if wait_policy() == 'PASSIVE' else 'spin'}")
+
+
+def decode_steps(engine, prompt, steps: int = 11) -> tuple[list[float], int]:
+    """Run ``prompt`` alone on ``engine`` for ``steps`` decode steps (after its prefill) and return the
+    engine's own time of each (``StepFinished.total_time``, seconds) and the context length at the
+    last step: the way chapter 5 times a decode step."""
+    from nanoengine import SamplingParams
+    from nanoengine.events import StepFinished
+
+    times: list[float] = []
+    unsubscribe = engine.events.subscribe(
+        lambda e: times.append(e.total_time) if isinstance(e, StepFinished) and not e.num_prefill_tokens else None)
+    try:
+        rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        unsubscribe()
+    context = len(engine.tokenizer.encode(prompt, add_special_tokens=False)) if isinstance(prompt, str) else len(prompt)
+    del rid
+    return times, context + steps
+
+
+def agreement_reading(a_s: float, b_s: float, a: str, b: str, band: float = 0.15) -> str:
+    """Two medians of the same kind of step: agree (within ``band``) or not, and by how much."""
+    ratio = a_s / b_s
+    if abs(ratio - 1) <= band:
+        return f"{a} and {b} agree within {band:.0%} ({ratio:.2f}x)"
+    return f"{a} took {ratio:.2f}x the time of {b}: they do not agree within {band:.0%}"
+
+__all__ = ["agreement_reading", "bytes_reading", "compare_times", "decode_step_settings", "decode_steps",
+           "dispatch_reading", "fusion_reading", "parity_reading", "precision_reading", "speedup_reading",
+           "ATTN_HEAD_DIM", "ATTN_TOKENS", "DTYPE_PROMPTS", "MIN_TILE", "SRAM_BYTES", "TRAFFIC_TARGET",
            "attention_inputs", "check_dtype", "check_fusion", "check_tile_size", "largest_hidden_state",
            "naive_attention", "naive_attention_bytes", "operator_calls", "product_shapes", "tile_working_set_bytes",
            "tiled_attention_bytes"]
