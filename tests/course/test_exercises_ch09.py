@@ -29,7 +29,7 @@ def _right_split(gate, up, down, rank, tp):
     return gate[part], up[part], down[:, part]
 
 
-@pytest.mark.parametrize("check", [ch09.check_allreduce_bytes, lambda v: ch09.check_tp_size(v, 3),
+@pytest.mark.parametrize("check", [ch09.check_crossover_batch, lambda v: ch09.check_tp_size(v, 3),
                                    lambda v: ch09.check_tp_size(4, v)])
 @pytest.mark.parametrize("value", [..., None, "4", 2.5, True, -1, 10**12])
 def test_placeholders_and_bad_values_are_not_yet(check, value) -> None:
@@ -75,15 +75,73 @@ def test_the_layout_is_the_smallest_size_that_fits_then_replicas() -> None:
         assert not result.right and reason in " ".join(str(result).split()), (tp, replicas, str(result))
 
 
-def test_the_bytes_are_counted_from_the_engines_llama70b() -> None:
-    count, expected = ch09.row_parallel_bytes(ch09.llama70b_on_meta(), ch09.EX3_TOKENS, 2)
-    assert count == 2 * 80 and expected == 16 * 8192 * 2 * 2 * 80
-    assert all(p.device.type == "meta" for p in ch09.llama70b_on_meta().parameters())
-    assert ch09.check_allreduce_bytes(expected).right
-    for wrong in (expected // 16, expected // 2, expected * 2, expected // 8, expected + 1):
-        assert not ch09.check_allreduce_bytes(wrong).right
+def test_the_crossover_batch_is_counted_from_the_engines_llama8b() -> None:
+    from nanoengine.models.presets import PRESETS
+
+    shape = PRESETS["Llama-3-8B"]
+    count, _ = ch09.row_parallel_bytes(ch09.model_on_meta(), 1, 2)
+    assert count == 2 * shape.num_hidden_layers and all(p.device.type == "meta" for p in ch09.model_on_meta().parameters())
+    # by hand: 2 x 32 + 1 all-reduces, ring 2(4-1)/4, 4096 hidden, bf16; a quarter of the weights at HBM speed
+    sent = 1.5 * 65 * 4096 * 2 / 64e9
+    read = shape.num_parameters() * 2 / 4 / 3.35e12
+    assert ch09.crossover_batch() == int(read // sent) == 96
+    assert ch09.check_crossover_batch(96).right
+
+
+@pytest.mark.parametrize("wrong, reason", [(144, "ring"), (189, "one all-reduce per decoder layer"),
+                                           (97, "leaves out one all-reduce"), (384, "its share"),
+                                           (675, "PCIe only"), (95, "too few"), (100, "too many")])
+def test_the_crossover_batch_rejects_plausible_mistakes_and_says_what_is_wrong(wrong, reason) -> None:
+    result = ch09.check_crossover_batch(wrong)
+    assert not result.right and reason in " ".join(str(result).split()), str(result)
+    assert "96" not in str(result)  # the feedback does not give the answer away
 
 
 def test_row_parallel_bytes_counts_o_proj_and_down_proj() -> None:
     net = random_model("tiny-llama")  # 2 layers, hidden 32
     assert ch09.row_parallel_bytes(net, num_tokens=5, dtype_bytes=4) == (4, 4 * 5 * 32 * 4)
+
+
+# ------------------------------------------------------------------ section 9's readings: both sides
+class _T:
+    def __init__(self, median, nbytes=2304, world_size=2):
+        self.median, self.bytes, self.world_size = median, nbytes, world_size
+
+
+def test_the_tp_step_reading_follows_the_ratio() -> None:
+    assert "8.0x" in ch09.read_tp_step(0.0408, 0.327, 3) and "slower" in ch09.read_tp_step(0.0408, 0.327, 3)
+    assert "faster" in ch09.read_tp_step(0.040, 0.020, 8)
+    assert "about as fast" in ch09.read_tp_step(0.040, 0.041, 2)
+
+
+def test_the_allreduce_size_reading_separates_latency_from_bytes() -> None:
+    assert "latency" in ch09.read_allreduce_size(_T(896e-6), _T(814e-6, 64 * 2304))
+    assert "bandwidth" in ch09.read_allreduce_size(_T(10e-6), _T(600e-6, 64 * 2304))
+    assert "both" in ch09.read_allreduce_size(_T(100e-6), _T(1000e-6, 64 * 2304))
+
+
+def test_the_ranks_and_cores_readings() -> None:
+    assert "waiting for one another" in ch09.read_ranks(_T(0.9e-3), _T(7.2e-3, world_size=3))
+    assert "ring's extra traffic" in ch09.read_ranks(_T(0.9e-3), _T(1.2e-3, world_size=3))
+    assert "outnumber" in ch09.read_cores(3, 2)
+    assert "a core each" in ch09.read_cores(2, 2)
+    assert "of its own" in ch09.read_cores(2, 16)
+
+
+def test_the_allreduce_share_reading() -> None:
+    assert "most of it" in ch09.read_allreduce_share(7e-3, 61, 0.287)
+    assert "part of it" in ch09.read_allreduce_share(0.9e-3, 61, 0.287)
+    assert "nothing to explain" in ch09.read_allreduce_share(0.9e-3, 61, -0.001)
+
+
+def test_gpu_results_give_provenance_and_find_no_allreduce_figure_where_there_is_none(tmp_path) -> None:
+    import json
+
+    from nanoengine.measure.results_report import ROOT
+
+    rows = ch09.gpu_results(ROOT / "results")
+    assert rows and all(r["hardware"] and r["date"] and r["revision"] and r["command"] for r in rows)
+    (tmp_path / "gpu-x.json").write_text(json.dumps({"date": "d", "command": "c", "environment": {
+        "gpu": "H100", "gpu_count": 8}, "checks": {"nccl": {"all_reduce_us": 12.0}}}))
+    (row,) = ch09.gpu_results(tmp_path)
+    assert row["allreduce"] == ["checks.nccl.all_reduce_us"] and row["hardware"].startswith("8 x H100")

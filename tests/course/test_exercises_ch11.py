@@ -97,3 +97,69 @@ def test_ttft_slo_with_more_requests_needs_the_kth_not_the_slowest() -> None:
     assert ch11.needed_ms(ttfts) == 270
     assert ch11.check_ttft_slo(run, 270).right
     assert not ch11.check_ttft_slo(run, 290).right and not ch11.check_ttft_slo(run, 269).right
+
+
+# ------------------------------------------------------------------ the chapter's readings: both sides
+def _row(size=None, tok_s=50.0, ttft=100.0, tpot=40.0, rate=None):
+    row = {"output_tokens_per_s": tok_s, "ttft_ms": {"p50": ttft}, "tpot_ms": {"p50": tpot}}
+    if size is not None:
+        row["max_num_seqs"] = size
+    if rate is not None:
+        row["rate_requests_per_s"] = rate
+    return row
+
+
+def test_the_batch_sweep_reading_names_the_sweeps_own_sizes_and_follows_the_tpot() -> None:
+    weights = ch11.read_batch_sweep([_row(2, 46.6, tpot=39), _row(4, 77.2, tpot=43), _row(8, 116.8, tpot=38)])
+    assert "max_num_seqs 8 against 2 (4x" in weights and "max_num_seqs 1" not in weights
+    assert "bound by reading the weights" in weights
+    arithmetic = ch11.read_batch_sweep([_row(2, 46.6, tpot=39), _row(8, 50.0, tpot=39 * 3.5)])
+    assert "arithmetic" in arithmetic and "reading the weights" not in arithmetic
+    # the threshold: TPOT grown halfway to the batch ratio (4x -> 2.5x)
+    assert "reading the weights" in ch11.read_batch_sweep([_row(2, tpot=10), _row(8, tpot=24.9)])
+    assert "arithmetic" in ch11.read_batch_sweep([_row(2, tpot=10), _row(8, tpot=25.1)])
+    assert "8 against 1" in ch11.read_batch_sweep([_row(1), _row(8)])
+
+
+def test_the_first_call_reading() -> None:
+    assert "cold cost of its own" in ch11.read_first_call(1.3, 1.0)
+    assert "sat in the build" in ch11.read_first_call(1.1, 1.0)
+
+
+def test_the_oversized_cache_reading() -> None:
+    assert "longer" in ch11.read_oversized_cache(9.5, 1.8, 1.6, 1.9) and "fell within" in \
+        ch11.read_oversized_cache(9.5, 1.8, 1.6, 1.9)
+    assert "shorter" in ch11.read_oversized_cache(0.9, 3.0, 1.6, 1.9) and "outside" in \
+        ch11.read_oversized_cache(0.9, 3.0, 1.6, 1.9)
+
+
+def test_the_online_reading_says_which_way_ttft_moved() -> None:
+    rows = [_row(rate=6.5, ttft=97, tpot=54, tok_s=45), _row(rate=52, ttft=165, tpot=53, tok_s=87.8)]
+    text = ch11.read_online(rows, 109.3)
+    assert "TTFT p50 97 -> 165 ms climbed" in text and "TPOT p50 54 -> 53 ms stayed within 25%" in text
+    assert "80% of the offline figure" in text
+    level = ch11.read_online([_row(rate=1, ttft=75), _row(rate=30, ttft=78)], 100)
+    assert "TTFT p50 75 -> 78 ms stayed within 25%" in level
+    assert "fell" in ch11.read_online([_row(rate=1, ttft=100), _row(rate=30, ttft=70)], 100)
+
+
+def test_the_goodput_reading() -> None:
+    assert "served too late" in ch11.read_goodput(26.0, 52.0)
+    assert "held up to the highest" in ch11.read_goodput(52.0, 52.0)
+    assert "below every measured rate" in ch11.read_goodput(None, 52.0)
+
+
+def test_the_ridge_side_and_control_plane_readings() -> None:
+    assert ch11.ridge_side(1.5, 4.0, 14.1) == "left of the ridge"
+    assert ch11.ridge_side(71, 71, 14.1) == "right of the ridge"
+    assert ch11.ridge_side(5, 20, 14.1) == "on both sides of the ridge"
+    assert "model step decides" in ch11.read_control_plane(0.022)
+    assert "real share" in ch11.read_control_plane(0.15)
+
+
+def test_step_settings_names_batch_context_dtype_threads_and_mode() -> None:
+    from nanoengine.config import EngineConfig
+
+    text = ch11.step_settings(EngineConfig(device="cpu"), batch="1 sequence", context="13-token prompt", threads=1)
+    assert text == "settings: 1 sequence, 13-token prompt, float32 on cpu, 1 CPU thread(s) per process, eager"
+    assert "torch.compile" in ch11.step_settings(EngineConfig(device="cpu", compile=True), batch="b", context="c")

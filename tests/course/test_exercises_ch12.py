@@ -94,3 +94,31 @@ def test_max_queue_is_right_only_at_the_smallest_limit():
     # plausible wrong answers: every prompt but one (sum - 1), the largest request, one too few
     for wrong in {sum(ch12.QUEUE_SIZES) - 1, max(ch12.QUEUE_SIZES), answer - 1, answer + 1} - {answer}:
         assert not ch12.check_max_queue(wrong).right, wrong
+
+
+# ------------------------------------------------------------------ the chapter's readings: both sides
+def _rows(ttfts, rates=(1.88, 30.16)):
+    return [{"rate_requests_per_s": r, "ttft_ms": {"p50": t}} for r, t in zip(rates, ttfts)]
+
+
+def test_ttft_climbs_only_on_a_curve_whose_numbers_climb():
+    server = ch12.read_ttft_climb(_rows([110, 273]), "through the server")
+    assert "110 -> 273 ms" in server and "it climbed" in server
+    in_process = ch12.read_ttft_climb(_rows([75, 78]), "in-process")  # the case: 69-82 ms
+    assert "stayed about level" in in_process and "climbed" not in in_process
+    assert "climbed" in ch12.read_ttft_climb(_rows([100, 150]), "x")  # the threshold, 1.5x
+    assert "level" in ch12.read_ttft_climb(_rows([100, 149]), "x")
+
+
+def test_the_gap_readings_follow_their_numbers():
+    assert "widened" in ch12.read_gap_trend([35, 41, 33, 131, 195], hops_ms=1.05)
+    assert "narrowed" in ch12.read_gap_trend([131, 195, 33, 35, 41], hops_ms=1.05)
+    assert "stayed about level" in ch12.read_gap_trend([35, 36, 35, 35.5, 36], hops_ms=1.05)
+    assert "something else" in ch12.read_median_gap(41, 1.05)
+    assert "account for it" in ch12.read_median_gap(2.0, 1.05)
+    assert "negative" in ch12.read_median_gap(-3.0, 1.05)
+
+
+def test_the_slow_reader_reading():
+    assert "did not wait" in ch12.read_slow_reader(15)
+    assert "shows nothing" in ch12.read_slow_reader(0)

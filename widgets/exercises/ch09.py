@@ -13,17 +13,20 @@ engine's own pieces, never the text of the code:
   validation the engine runs before it starts any worker (``check_tensor_parallel_size``), fit,
   be the smallest that fits (a larger one only adds collectives), and the replicas must use as
   many of the GPUs as whole replicas can;
-* ``check_allreduce_bytes`` (9.3): the bytes the row-parallel all-reduces carry in one
-  decode step of Llama-3-70B, counted from the engine's own module tree for that shape
-  (built on PyTorch's "meta" device: shapes, no memory).
+* ``check_crossover_batch`` (9.3): the largest decode batch of Llama-3-8B in bf16 at
+  ``tensor_parallel_size=4`` over PCIe whose ring all-reduce bytes take no longer than each
+  GPU's read of its weights: the all-reduces counted from the engine's own module tree for
+  that shape (built on PyTorch's "meta" device: shapes, no memory), plus the embedding's.
 
 ``row_parallel_bytes`` is the counting rule the chapter, the live quiz question and 9.3
-share.
+share. Section 9's readings (``read_*``) and the GPU results' provenance (``gpu_results``) close
+the module.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -40,11 +43,12 @@ EX2_GPUS = 12  # GPUs on hand
 EX2_GPU_GB = 80  # memory of each (an H100 SXM: NVIDIA H100 datasheet)
 EX2_KV_GB = 20  # at least this much of each GPU left for the KV cache
 EX2_DTYPE_BYTES = 2  # bf16
-EX3_MODEL = "Llama-3-70B"  # exercise 9.3
-EX3_TP = 8
-EX3_TOKENS = 16  # one decode step of 16 sequences
+EX3_MODEL = "Llama-3-8B"  # exercise 9.3
+EX3_TP = 4
 EX3_DTYPE = torch.bfloat16
+HBM_BYTES_PER_S = 3.35e12  # H100 SXM HBM3 (NVIDIA H100 datasheet), as in the chapter's section 9
 NVLINK_BYTES_PER_S = 450e9  # H100 SXM, NVLink 4: 900 GB/s per GPU counts both directions, 450 each way (datasheet)
+PCIE_BYTES_PER_S = 64e9  # PCIe Gen5 x16, each way (same datasheet)
 
 
 # ------------------------------------------------------------------ shared rule
@@ -174,47 +178,168 @@ def check_tp_size(tp_size, replicas) -> CheckResult:
 
 
 # ------------------------------------------------------------------ exercise 9.3
-@functools.lru_cache(maxsize=1)
-def llama70b_on_meta(tp_size: int = EX3_TP) -> nn.Module:
-    """The engine's Llama-3-70B module tree for one of ``tp_size`` ranks, on the meta device
+@functools.lru_cache(maxsize=2)
+def model_on_meta(name: str = EX3_MODEL, tp_size: int = EX3_TP) -> nn.Module:
+    """The engine's module tree of preset ``name`` for one of ``tp_size`` ranks, on the meta device
     (every parameter has its shape and dtype but no memory: building it takes a moment)."""
     from nanoengine.distributed.parallel_state import TPGroup
     from nanoengine.loader.weights import build_model
     from nanoengine.models.presets import PRESETS
 
-    return build_model(PRESETS[EX3_MODEL], torch.device("meta"), EX3_DTYPE, max_position=16,
-                       tp=TPGroup(0, tp_size, None))
+    return build_model(PRESETS[name], torch.device("meta"), EX3_DTYPE, max_position=16, tp=TPGroup(0, tp_size, None))
 
 
-def check_allreduce_bytes(allreduce_bytes) -> CheckResult:
-    """9.3: bytes the row-parallel all-reduces carry in one decode step of 16 sequences."""
-    if todo(allreduce_bytes):
-        return verdict("9.3", False, "", "replace ... with a number of bytes (a whole number), then run the cell "
-                                         "again.")
-    if isinstance(allreduce_bytes, bool) or not isinstance(allreduce_bytes, (int, float)) or allreduce_bytes < 0:
-        return verdict("9.3", False, "", f"allreduce_bytes must be a number of bytes, got {allreduce_bytes!r}.")
-    count, expected = row_parallel_bytes(llama70b_on_meta(), EX3_TOKENS, EX3_DTYPE.itemsize)
-    if allreduce_bytes == expected:
-        ring = 2 * (EX3_TP - 1) / EX3_TP
-        micro = 1e6 * ring * expected / NVLINK_BYTES_PER_S
+def crossover_batch(*, ring: bool = True, per_layer: int | None = None, embedding: bool = True,
+                    split_weights: bool = True, link: float = PCIE_BYTES_PER_S, dtype_bytes: int | None = None) -> int:
+    """9.3: the largest decode batch whose ring all-reduce bytes, sent by one GPU each way at ``link``,
+    take no longer than that GPU's read of its share of the weights at ``HBM_BYTES_PER_S``.
+
+    The defaults are the right counting; each keyword turns one step of it into a plausible mistake
+    (no ring factor, one all-reduce per layer, no embedding all-reduce, the whole model's weights,
+    another link, another dtype), so the check can name what a wrong answer left out.
+    """
+    from nanoengine.models.presets import PRESETS
+
+    shape = PRESETS[EX3_MODEL]
+    dtype_bytes = EX3_DTYPE.itemsize if dtype_bytes is None else dtype_bytes
+    rows, _ = row_parallel_bytes(model_on_meta(), 1, dtype_bytes)  # o_proj and down_proj of every layer
+    if per_layer is not None:
+        rows = per_layer * shape.num_hidden_layers
+    collectives = rows + (1 if embedding else 0)  # the vocabulary-split embedding adds up its slices
+    factor = 2 * (EX3_TP - 1) / EX3_TP if ring else 1.0
+    sent_per_token = factor * collectives * shape.hidden_size * dtype_bytes  # bytes each GPU sends, each way
+    weights = shape.num_parameters() * dtype_bytes / (EX3_TP if split_weights else 1)
+    read_s = weights / HBM_BYTES_PER_S
+    return math.floor(read_s / (sent_per_token / link) + 1e-9)
+
+
+def check_crossover_batch(batch) -> CheckResult:
+    """9.3: the largest decode batch of Llama-3-8B at tensor_parallel_size=4 over PCIe whose
+    all-reduce bytes take no longer than the weight read."""
+    if todo(batch):
+        return verdict("9.3", False, "", "replace ... with a number of sequences (a whole number), then run the "
+                                         "cell again.")
+    b = whole(batch, 1, 10**6)
+    if b is None:
+        return verdict("9.3", False, "", f"batch is a whole number of sequences, at least 1, got {batch!r}.")
+    right = crossover_batch()
+    if b == right:
         return verdict("9.3", True,
-                       f"{count} row-parallel layers in the engine's Llama-3-70B (o_proj and down_proj of each "
-                       f"layer) each all-reduce {EX3_TOKENS} x 8192 bf16 values: {expected:,} bytes per step. A ring "
-                       f"all-reduce sends {ring:.2f} times that per GPU: about {micro:.0f} microseconds at NVLink's "
-                       f"450 GB/s each way, before the {count} collectives' own latency, which at small batches "
-                       f"costs more than the bytes (section 9).", "")
-    mistakes = {
-        expected // EX3_TOKENS: f"that is one token; the step has {EX3_TOKENS}, one per sequence",
-        expected // 2: "that counts one all-reduce per layer; attention (o_proj) and the MLP (down_proj) have one each",
-        expected * 2: "that uses 4-byte floats; bf16 takes 2 bytes",
-        expected // EX3_TP: f"each rank contributes a full-width partial sum, not 1/{EX3_TP} of it",
-        expected * 28672 // 8192: "that uses the MLP's intermediate width; down_proj's output is the hidden size",
-        expected * 8: "that is bits, not bytes",
-    }
-    why = mistakes.get(int(allreduce_bytes), "recount")
-    return verdict("9.3", False, "", f"{int(allreduce_bytes):,} bytes is not it: {why}. Count what one "
-                                     f"row-parallel layer sends for one token, then how many such layers run.")
+                       f"{right} sequences. The weight read is fixed per step while the all-reduce bytes grow with "
+                       f"every sequence, so past {right} sequences per step PCIe, not HBM, sets the pace of a "
+                       f"decode step (before any latency). Over NVLink the same crossing comes about "
+                       f"{NVLINK_BYTES_PER_S / PCIE_BYTES_PER_S:.0f} times later: that is why tensor parallelism "
+                       f"stays inside an NVLink server.", "")
+    mistakes = [
+        (crossover_batch(ring=False), "your count leaves out what a ring all-reduce sends per GPU: more than the "
+                                      "tensor itself (section 4)"),
+        (crossover_batch(per_layer=1), "your count has one all-reduce per decoder layer; attention and the MLP "
+                                       "each end in one"),
+        (crossover_batch(embedding=False), "your count leaves out one all-reduce the step runs besides the "
+                                           "decoder layers' (section 8)"),
+        (crossover_batch(split_weights=False), "each GPU reads only its share of the weights, not the whole model"),
+        (crossover_batch(link=NVLINK_BYTES_PER_S), "these GPUs are joined by PCIe only, not NVLink"),
+    ]
+    for value, why in mistakes:
+        if b == value and value != right:
+            return verdict("9.3", False, "", f"{b} sequences is not it: {why}.")
+    side = "too many: at that batch the bytes already take longer than the read" if b > right else \
+        "too few: a larger batch still sends its bytes within the read"
+    return verdict("9.3", False, "", f"{b} sequences is {side}. Write the step's two costs as functions of the batch "
+                                     f"and find where they cross.")
 
 
-__all__ = ["EX2_GPUS", "EX2_GPU_GB", "EX2_KV_GB", "check_allreduce_bytes", "check_mlp_split", "check_tp_size",
-           "hidden_states", "llama70b_on_meta", "row_parallel_bytes", "weight_gb_per_rank"]
+__all__ = ["EX2_GPUS", "EX2_GPU_GB", "EX2_KV_GB", "check_crossover_batch", "check_mlp_split", "check_tp_size", "gpu_results",
+           "read_allreduce_share", "read_allreduce_size", "read_cores", "read_ranks", "read_tp_step",
+           "crossover_batch", "hidden_states", "model_on_meta", "row_parallel_bytes", "weight_gb_per_rank"]
+
+
+# ------------------------------------------------------------------ section 9's readings
+# Each turns the numbers a cell measured into the sentence it prints, so the sentence says the
+# opposite when the numbers do (tests/course/test_exercises_ch09.py feeds each both sides).
+
+def read_tp_step(one_s: float, split_s: float, ranks: int) -> str:
+    """The decode step at ``tensor_parallel_size=ranks`` against one process."""
+    ratio = split_s / one_s
+    verdict_ = "slower" if ratio > 1.05 else "faster" if ratio < 0.95 else "about as fast"
+    return (f"tensor_parallel_size={ranks} took {ratio:.1f}x as long per decode step as one process "
+            f"({1e3 * (split_s - one_s):+.1f} ms): {verdict_} on this machine")
+
+
+def read_allreduce_size(small, large) -> str:
+    """Two all-reduce timings (``widgets.allreduce_timing.AllReduceTiming``) of different sizes:
+    does the time follow the bytes (bandwidth) or stay put (a fixed cost per collective)?"""
+    bytes_ratio, time_ratio = large.bytes / small.bytes, large.median / small.median
+    text = f"{bytes_ratio:.0f}x the bytes took {time_ratio:.1f}x the time: "
+    if time_ratio < 2:
+        return text + "the cost is per collective (latency), not per byte"
+    if time_ratio < bytes_ratio / 2:
+        return text + "both a fixed cost per collective and the bytes count"
+    return text + "the bytes set the time (bandwidth)"
+
+
+def read_ranks(two, three) -> str:
+    """The same all-reduce over 2 and over 3 processes, against the ring's extra bytes (1.00x -> 1.33x)."""
+    ring = (2 * (three.world_size - 1) / three.world_size) / (2 * (two.world_size - 1) / two.world_size)
+    ratio = three.median / two.median
+    text = (f"over {three.world_size} processes the same all-reduce took {ratio:.1f}x as long as over "
+            f"{two.world_size}, where the ring's extra bytes alone give {ring:.2f}x: ")
+    if ratio > 1.5 * ring:
+        return text + "far more, so most of that time is ranks waiting for one another to be scheduled"
+    return text + "about what the ring's extra traffic explains"
+
+
+def read_cores(ranks: int, cores: int) -> str:
+    """Ranks against the machine's cores (the driver process comes on top)."""
+    if ranks > cores:
+        return (f"{ranks} ranks and the driver share {cores} cores: ranks outnumber the cores, so at an all-reduce "
+                f"some rank is often not running and the others wait for it")
+    if ranks == cores:
+        return f"{ranks} ranks on {cores} cores, plus the driver: a core each, and the driver takes turns with them"
+    return f"{ranks} ranks on {cores} cores: each rank has a core of its own"
+
+
+def read_allreduce_share(per_allreduce_s: float, count: int, overhead_s: float) -> str:
+    """How much of the measured tensor-parallel overhead ``count`` all-reduces of the timed cost explain."""
+    estimate = per_allreduce_s * count
+    text = (f"{count} all-reduces per step x {1e6 * per_allreduce_s:.0f} µs = {1e3 * estimate:.1f} ms per step")
+    if overhead_s <= 0:
+        return text + ", yet the split step was not slower here: nothing to explain"
+    share = estimate / overhead_s
+    text += f", {share:.0%} of the {1e3 * overhead_s:.1f} ms the split added"
+    if share >= 0.5:
+        return text + ": the collectives alone account for most of it"
+    return (text + ": they are part of it; the rest is the driver's round trip to the ranks and ranks waiting "
+                   "for a core")
+
+
+def _find(tree, needle: str) -> list[str]:
+    """Keys anywhere in a JSON tree whose name contains ``needle`` (a dotted path each)."""
+    found = []
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            if needle in key.lower().replace("-", "_"):
+                found.append(key)
+            found += [f"{key}.{sub}" for sub in _find(value, needle)]
+    elif isinstance(tree, list):
+        for i, value in enumerate(tree):
+            found += [f"{i}.{sub}" for sub in _find(value, needle)]
+    return found
+
+
+def gpu_results(results_dir) -> list[dict]:
+    """Every ``gpu-*.json`` of ``results_dir`` with its provenance (hardware, date, revision,
+    command) and the keys in it that hold an all-reduce figure (``all_reduce``/``allreduce``)."""
+    import json
+    from pathlib import Path
+
+    rows = []
+    for path in sorted(Path(results_dir).glob("gpu-*.json")):
+        data = json.loads(path.read_text())
+        env = data.get("environment", {})
+        hardware = f"{env.get('gpu_count', 1)} x {env.get('gpu', 'unknown GPU')}, CPU {env.get('cpu_model', '?')}"
+        revision = env.get("nanoengine_revision") or data.get("source", "not recorded")
+        figures = _find(data, "all_reduce") + _find(data, "allreduce")
+        rows.append({"file": path.name, "hardware": hardware, "date": data.get("date", "not recorded"),
+                     "revision": revision, "command": data.get("command", "not recorded"), "allreduce": figures})
+    return rows

@@ -138,3 +138,103 @@ def check_ttft_slo(run, slo_ms) -> CheckResult:
     return verdict(name, True, f"{slo_ms:g} ms is met by {met} of {n} requests ({met / n:.0%}), and one millisecond "
                    f"less would leave fewer than {k}: with {n} requests, {SLO_TARGET:.0%} attainment means "
                    f"{k} of them, so the limit is set by the slowest of the {k} fastest TTFTs, not by a percentile.", "")
+
+
+# ------------------------------------------------------------------ the chapter's readings
+# Each reading below turns the numbers a cell measured into the sentence the cell prints, so the
+# sentence follows the numbers: it says the opposite when they do (tests/course/test_exercises_ch11.py
+# feeds each one numbers on both sides of its thresholds). Chapters 9 and 12 use ``step_settings``.
+
+def step_settings(engine, *, batch: str, context: str, threads: int | None = None) -> str:
+    """Under which settings a decode-step time or a TTFT was measured, in one line: batch, context,
+    dtype, device, CPU threads, eager or compiled (chapter 10: ``compile=True``; on CUDA, graphs
+    unless ``enforce_eager``). ``engine`` is an ``LLM``, an ``LLMEngine`` or an ``EngineConfig``;
+    ``threads`` overrides torch's thread count (a tensor-parallel worker runs its own)."""
+    import torch
+
+    engine = getattr(engine, "engine", engine)
+    cfg = getattr(engine, "config", engine)
+    device = cfg.torch_device.type
+    mode = "torch.compile" if cfg.compile else "eager"
+    if device == "cuda":
+        mode += ", no CUDA graphs" if cfg.enforce_eager else ", CUDA graphs"
+    threads = torch.get_num_threads() if threads is None else threads
+    dtype = str(cfg.torch_dtype).removeprefix("torch.")
+    return f"settings: {batch}, {context}, {dtype} on {device}, {threads} CPU thread(s) per process, {mode}"
+
+
+def read_first_call(first_s: float, warm_s: float) -> str:
+    """Section 1: did the first call after the build pay a cold cost of its own (> 1.2x the warm median)?"""
+    ratio = first_s / warm_s
+    if ratio > 1.2:
+        return f"({ratio:.2f}x): the first call paid a cold cost of its own"
+    return f"({ratio:.2f}x): the first call paid little extra here, so this engine's cold cost sat in the build"
+
+
+def read_oversized_cache(setup_ratio: float, big_run_s: float, runs_min_s: float, runs_max_s: float) -> str:
+    """Section 3: what a 16x cache did to the manager's setup and to its generation run."""
+    inside = runs_min_s * 0.9 <= big_run_s <= runs_max_s * 1.1
+    return (f"the 16x cache made the setup {setup_ratio:.1f}x " + ("longer" if setup_ratio > 1 else "shorter")
+            + "; its generation run " + ("fell within 10% of the sized cache's range of runs" if inside else
+                                         "fell outside the sized cache's range of runs by more than 10%"))
+
+
+def _moved(ratio: float, what: str) -> str:
+    if ratio >= 1.25:
+        return f"{what} climbed ({ratio:.1f}x)"
+    if ratio <= 0.8:
+        return f"{what} fell ({ratio:.1f}x)"
+    return f"{what} stayed within 25% ({ratio:.1f}x)"
+
+
+def read_online(rows: list[dict], offline_tok_s: float) -> str:
+    """Section 4: from the lowest offered rate to the highest, how TTFT p50, TPOT p50 and throughput moved."""
+    lo, hi = rows[0], rows[-1]
+    ttft, tpot = hi["ttft_ms"]["p50"] / lo["ttft_ms"]["p50"], hi["tpot_ms"]["p50"] / lo["tpot_ms"]["p50"]
+    return (f"from {lo['rate_requests_per_s']:g} to {hi['rate_requests_per_s']:g} req/s, "
+            + _moved(ttft, f"TTFT p50 {lo['ttft_ms']['p50']:.0f} -> {hi['ttft_ms']['p50']:.0f} ms") + ", "
+            + _moved(tpot, f"TPOT p50 {lo['tpot_ms']['p50']:.0f} -> {hi['tpot_ms']['p50']:.0f} ms")
+            + f"; throughput {lo['output_tokens_per_s']:.1f} -> {hi['output_tokens_per_s']:.1f} tok/s "
+              f"({hi['output_tokens_per_s'] / offline_tok_s:.0%} of the offline figure)")
+
+
+def read_goodput(goodput: float | None, best_rate: float) -> str:
+    """Section 4: the goodput against the rate of highest throughput."""
+    text = (f"goodput {goodput:g} req/s" if goodput is not None else "goodput below every measured rate") \
+        + f"; the highest throughput was at {best_rate:g} req/s"
+    if goodput is None:
+        return text
+    return text + (": the SLO held up to the highest throughput measured" if goodput >= best_rate else
+                   ": past the goodput, the extra throughput came from requests served too late")
+
+
+def read_batch_sweep(sweep: list[dict]) -> str:
+    """Section 5: the largest ``max_num_seqs`` of the sweep against its smallest: throughput gained,
+    TPOT paid, and whether steps grew far less than the batch (a step bound by reading the weights)
+    or nearly with it (by arithmetic). The sizes named are the sweep's own."""
+    small, large = sweep[0], sweep[-1]
+    batch = large["max_num_seqs"] / small["max_num_seqs"]
+    gain = large["output_tokens_per_s"] / small["output_tokens_per_s"]
+    cost = large["tpot_ms"]["p50"] / small["tpot_ms"]["p50"]
+    text = (f"max_num_seqs {large['max_num_seqs']} against {small['max_num_seqs']} ({batch:g}x the sequences per "
+            f"step) gave {gain:.1f}x the throughput for {cost:.1f}x the TPOT: ")
+    if cost < 1 + (batch - 1) / 2:
+        return text + "steps grew far less than the batch, the mark of a step bound by reading the weights"
+    return text + "steps grew almost with the batch: arithmetic, not the weight read, set the step time here"
+
+
+def ridge_side(intensity_min: float, intensity_max: float, ridge: float) -> str:
+    """Section 6: where a kind of step sits on the roofline."""
+    if intensity_max < ridge:
+        return "left of the ridge"
+    if intensity_min > ridge:
+        return "right of the ridge"
+    return "on both sides of the ridge"
+
+
+def read_control_plane(outside_share: float) -> str:
+    """Section 7: the most a zero-cost control plane could save, and whether it decides throughput (10%)."""
+    text = f"a control plane that cost nothing would make these steps at most {1 / (1 - outside_share):.3f}x faster; "
+    if outside_share < 0.1:
+        return text + "the model step decides this machine's throughput"
+    return text + "the control plane is a real share of the step here: a faster one would show in throughput"

@@ -249,3 +249,50 @@ def check_max_queue(max_queue) -> CheckResult:
     return verdict(name, True, f"the server answered ({said}). The refused request waits for nothing and can retry "
                    "or go to another replica, while the waiting ones start as seats free up; one prompt fewer "
                    "of room and a second request would be refused.", "")
+
+
+# ------------------------------------------------------------------ the chapter's readings
+# Each turns the numbers a cell measured into the sentence it prints, so the sentence says the
+# opposite when the numbers do (tests/course/test_exercises_ch12.py feeds each both sides).
+CLIMB = 1.5  # TTFT p50 at the highest rate over the lowest: at or above this, "climbed"
+
+
+def read_ttft_climb(rows: list[dict], label: str) -> str:
+    """Section 6: did TTFT p50 climb from the lowest offered rate to the highest on this curve? It
+    climbs once the rate passes what that path serves (its capacity) and requests queue; where it
+    stays level, the rates never passed that path's capacity."""
+    lo, hi = rows[0], rows[-1]
+    ratio = hi["ttft_ms"]["p50"] / lo["ttft_ms"]["p50"]
+    seen = (f"{label}: TTFT p50 {lo['ttft_ms']['p50']:.0f} -> {hi['ttft_ms']['p50']:.0f} ms from "
+            f"{lo['rate_requests_per_s']:g} to {hi['rate_requests_per_s']:g} req/s ({ratio:.1f}x)")
+    if ratio >= CLIMB:
+        return seen + ": it climbed, so the highest rates passed what this path serves and requests queued"
+    return seen + ": it stayed about level, so even the highest rate stayed within what this path serves"
+
+
+def read_gap_trend(gaps_ms: list[float], hops_ms: float) -> str:
+    """Section 6: how the server-minus-in-process TTFT gap moved with the rate (two lowest rates
+    against two highest; a change within the measured hops counts as level)."""
+    low, high = sum(gaps_ms[:2]) / len(gaps_ms[:2]), sum(gaps_ms[-2:]) / len(gaps_ms[-2:])
+    trend = "widened" if high > low + hops_ms else "narrowed" if high < low - hops_ms else "stayed about level"
+    return f"the gap {trend} with the rate (mean {low:+.0f} ms at the two lowest rates, {high:+.0f} ms at the two highest)"
+
+
+def read_median_gap(median_gap_ms: float, hops_ms: float) -> str:
+    """Section 6: the median gap against the HTTP + engine-thread hops measured in section 3."""
+    if median_gap_ms > 2 * hops_ms:
+        said = (f"{median_gap_ms / hops_ms:.0f}x the measured HTTP + engine-thread hops: most of it is something "
+                "else, which this chapter does not measure")
+    elif median_gap_ms >= -2 * hops_ms:
+        said = "within twice the measured HTTP + engine-thread hops: those hops account for it"
+    else:
+        said = ("negative: the server's requests got their first token sooner in this run, which no serving cost "
+                "explains; with one run per rate, this machine's noise is larger than what serving adds")
+    return f"the median gap, {median_gap_ms:+.0f} ms, is {said}"
+
+
+def read_slow_reader(waiting: int) -> str:
+    """Section 7: chunks already waiting after a client's pause mean the engine did not wait for it."""
+    if waiting:
+        return "the engine did not wait for the reader"
+    return "none had piled up, so this run shows nothing either way (was the pause shorter than a step?)"
