@@ -19,7 +19,7 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def run_settings(engine=None, *, batch: int, context: int | str, dtype: torch.dtype | str | None = None,
+def run_settings(engine=None, *, batch: int | str, context: int | str, dtype: torch.dtype | str | None = None,
                  compiled: bool | None = None, threads: int | None = None) -> str:
     """``batch B, C-token context, dtype, T threads, eager|compiled`` for one measurement.
 
