@@ -268,19 +268,19 @@ def read_chunking(runs: dict, similar: float = 0.05) -> list[str]:
               else "the decoders' worst gap does not grow steadily with the budget (") + names + ")"]
     top_budget, top = fcfs[-1]
 
-    def compare(x: float, y: float) -> str:
+    def compare(x: float, y: float, other: str) -> str:
         if abs(x / y - 1) <= similar:
-            return f"about the same (within {similar:.0%})"
-        return f"{x / y - 1:.0%} longer" if x > y else f"{1 - x / y:.0%} shorter"
+            return f"about the same as {other} (within {similar:.0%})"
+        return f"{x / y - 1:.0%} longer than {other}" if x > y else f"{1 - x / y:.0%} shorter than {other}"
 
     for b, r in fcfs[:-1]:
-        verdict_ = compare(r.long_ttft, top.long_ttft)
+        verdict_ = compare(r.long_ttft, top.long_ttft, "unchunked")
         why = " (noise: the same work cannot finish sooner)" if r.long_ttft < (1 - similar) * top.long_ttft else ""
-        lines.append(f"budget {b}: the long prompt's TTFT is {verdict_} than unchunked{why}")
+        lines.append(f"budget {b}: the long prompt's TTFT is {verdict_}{why}")
     for (b, p), r in runs.items():
         if p == "prefill_first":
-            lines.append(f"prefill_first, budget {b}: the decoders' worst gap is {compare(r.itl_max, top.itl_max)} "
-                         f"than fcfs at {top_budget}")
+            lines.append(f"prefill_first, budget {b}: the decoders' worst gap is "
+                         f"{compare(r.itl_max, top.itl_max, f'fcfs at {top_budget}')}")
     return ["reading: " + line for line in lines]
 
 
