@@ -7,7 +7,17 @@ that explains them, a straight line in the tokens a step carries:
     step time = fixed + per_prefill_token x prefill tokens + per_decode_token x decode tokens
 
 ``fixed`` is what every step pays whatever it carries (reading the weights, the engine's
-own work), the two slopes what each extra token adds. ``explore`` then replays the
+own work), the two slopes what each extra token adds. That line is fitted to short prompts
+computed from position 0; a chunk of a long prompt also attends over everything before it,
+and attention's work grows with (tokens in the chunk) x (tokens they attend over), which a
+line in the tokens cannot see. ``StepCostFit.fit(..., attention=True)`` adds that term:
+
+    step time = fixed + per_prefill_token x p + per_decode_token x d + per_attention_pair x pairs
+
+where ``pairs`` counts, for every prefill token, the tokens it attends over (``attention_pairs``:
+a chunk of c tokens after ``start`` cached ones has c x start + c (c + 1) / 2). Chapter 6
+fits it to the engine's own steps of the arrival scenario (``arrival_points``), the shapes
+that matter, and sets both fits beside the measured runs. ``explore`` then replays the
 chapter's arrival scenario with that model instead of the engine: ``num_decoders`` requests
 are decoding when a prompt of ``prompt_len`` tokens arrives; the scheduler runs steps of at
 most ``budget`` tokens under ``fcfs`` (the decodes first, the prompt's chunk in what is
@@ -34,41 +44,54 @@ from widgets._common import MessageView, check_int, escape, guarded
 POLICIES = ("fcfs", "prefill_first")
 
 
+def attention_pairs(chunk: int, start: int = 0) -> int:
+    """(query, key) pairs of causal attention for ``chunk`` prefill tokens after ``start``
+    cached tokens: token i of the chunk attends over start + i + 1 tokens."""
+    return chunk * start + chunk * (chunk + 1) // 2
+
+
 @dataclass(frozen=True)
 class StepCostFit:
-    """A step's time in seconds as ``fixed + per_prefill_token * p + per_decode_token * d``."""
+    """A step's time in seconds as ``fixed + per_prefill_token * p + per_decode_token * d``
+    (+ ``per_attention_pair * pairs`` when fitted with ``attention=True``)."""
 
     fixed: float
     per_prefill_token: float
     per_decode_token: float
     num_points: int = 0  # measurements the line was fitted to (0: written by hand)
+    per_attention_pair: float = 0.0  # seconds per (prefill token, token it attends over) pair
 
     def __post_init__(self) -> None:
-        for name in ("fixed", "per_prefill_token", "per_decode_token"):
+        for name in ("fixed", "per_prefill_token", "per_decode_token", "per_attention_pair"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and np.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
 
     @classmethod
-    def fit(cls, points: Sequence[tuple[int, int, float]]) -> "StepCostFit":
-        """Least squares over ``(prefill tokens, decode tokens, seconds)`` measurements.
+    def fit(cls, points: Sequence[tuple], attention: bool = False) -> "StepCostFit":
+        """Least squares over ``(prefill tokens, decode tokens, seconds)`` measurements, or
+        ``(prefill tokens, decode tokens, attention pairs, seconds)`` with ``attention=True``.
 
-        Needs steps of both kinds and at least two sizes of one of them, or the three
-        coefficients are not determined. A coefficient the data would make negative (noise
-        on a flat curve) is clipped to 0 and the others refitted, since a token cannot make
-        a step faster.
+        Needs steps of both kinds and at least two sizes of one of them (three prefill shapes
+        with ``attention``), or the coefficients are not determined. A coefficient the data
+        would make negative (noise on a flat curve) is clipped to 0 and the others refitted,
+        since a token cannot make a step faster.
         """
-        rows = [(int(p), int(d), float(s)) for p, d, s in points]
-        if len(rows) < 3:
-            raise ValueError(f"fit needs at least 3 measured steps, got {len(rows)}")
-        if any(p < 0 or d < 0 or p + d == 0 or not (s > 0) for p, d, s in rows):
+        width = 4 if attention else 3
+        if any(len(pt) != width for pt in points):
+            raise ValueError(f"each point is {width} numbers: (prefill tokens, decode tokens"
+                             f"{', attention pairs' if attention else ''}, seconds)")
+        rows = [(int(pt[0]), int(pt[1]), int(pt[2]) if attention else 0, float(pt[-1])) for pt in points]
+        if len(rows) < width:
+            raise ValueError(f"fit needs at least {width} measured steps, got {len(rows)}")
+        if any(p < 0 or d < 0 or q < 0 or p + d == 0 or not (s > 0) for p, d, q, s in rows):
             raise ValueError("each point is (prefill tokens >= 0, decode tokens >= 0, not both 0, seconds > 0)")
-        x = np.array([[1.0, p, d] for p, d, _ in rows])
-        y = np.array([s for _, _, s in rows])
-        if np.linalg.matrix_rank(x) < 3:
+        x = np.array([[1.0, p, d, q][:width] for p, d, q, _ in rows])
+        y = np.array([s for *_, s in rows])
+        if np.linalg.matrix_rank(x) < width:
             raise ValueError("the points do not determine the line: measure prefill steps and decode steps, "
-                             "at two sizes or more")
-        keep = [0, 1, 2]
+                             "at two sizes or more" + (" (prefill chunks at several positions)" if attention else ""))
+        keep = list(range(width))
         while True:
             coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
             negative = [k for k, c in zip(keep, coef) if c < 0]
@@ -76,16 +99,54 @@ class StepCostFit:
                 break
             keep.remove(negative[0])
         full = dict(zip(keep, coef))
-        return cls(float(full.get(0, 0.0)), float(full.get(1, 0.0)), float(full.get(2, 0.0)), len(rows))
+        return cls(float(full.get(0, 0.0)), float(full.get(1, 0.0)), float(full.get(2, 0.0)), len(rows),
+                   float(full.get(3, 0.0)))
 
-    def step_time(self, prefill_tokens: int, decode_tokens: int) -> float:
-        """Predicted seconds of a step carrying these tokens."""
-        return self.fixed + self.per_prefill_token * prefill_tokens + self.per_decode_token * decode_tokens
+    def step_time(self, prefill_tokens: int, decode_tokens: int, start: int = 0) -> float:
+        """Predicted seconds of a step carrying these tokens; ``start``: tokens of the prompt
+        already cached before this chunk (they are attended over, not computed)."""
+        return (self.fixed + self.per_prefill_token * prefill_tokens + self.per_decode_token * decode_tokens
+                + self.per_attention_pair * attention_pairs(prefill_tokens, start))
 
     def describe(self) -> str:
+        pairs = (f" + {1e6 * self.per_attention_pair:.3f} ms per 1,000 attention pairs"
+                 if self.per_attention_pair else "")
         return (f"step time = {1e3 * self.fixed:.1f} ms + {1e3 * self.per_prefill_token:.3f} ms per prefill token "
-                f"+ {1e3 * self.per_decode_token:.3f} ms per decode token"
+                f"+ {1e3 * self.per_decode_token:.3f} ms per decode token{pairs}"
                 + (f" (least squares over {self.num_points} measured steps)" if self.num_points else ""))
+
+
+def arrival_points(run) -> list[tuple[int, int, int, float]]:
+    """``(prefill, decode, attention pairs, seconds)`` of the steps of one arrival run
+    (``widgets.exercises.ch06.ArrivalRun``) whose shape is known: the long prompt's prefill
+    steps (each chunk after the ones before it) and the decode-only steps. The decoders' own
+    first prefill (several short prompts in one step) is left out."""
+    points, start = [], 0
+    for i, s in enumerate(run.steps):
+        if i in run.prefill_steps:
+            points.append((s.num_prefill_tokens, s.num_decode_tokens,
+                           attention_pairs(s.num_prefill_tokens, start), s.total_time))
+            start += s.num_prefill_tokens
+        elif s.num_prefill_tokens == 0 and s.num_decode_tokens:
+            points.append((0, s.num_decode_tokens, 0, s.total_time))
+    return points
+
+
+def read_prediction(name: str, measured: Sequence[float], predicted: Sequence[float],
+                    tolerance: float = 0.10) -> str:
+    """How far a fit's predictions fall from the measured values: under, over or within
+    ``tolerance`` of every one, or on both sides."""
+    if not measured or len(measured) != len(predicted) or min(measured) <= 0:
+        raise ValueError("need as many predictions as measured values, all measured > 0")
+    errors = [p / m - 1 for m, p in zip(measured, predicted)]
+    span = (f"{100 * min(abs(e) for e in errors):.0f}-{100 * max(abs(e) for e in errors):.0f}%")
+    if all(abs(e) <= tolerance for e in errors):
+        return f"{name} is within {tolerance:.0%} of every measured value"
+    if all(e < 0 for e in errors):
+        return f"{name} under-predicts every measured value, by {span}"
+    if all(e > 0 for e in errors):
+        return f"{name} over-predicts every measured value, by {span}"
+    return f"{name} misses on both sides, by {span}"
 
 
 @dataclass(frozen=True)
@@ -122,7 +183,7 @@ def explore(fit: StepCostFit, prompt_len: int, budget: int, num_decoders: int = 
     while left:
         decodes = num_decoders if policy == "fcfs" else 0
         chunk = min(left, budget - decodes)
-        steps.append((chunk, decodes, fit.step_time(chunk, decodes)))
+        steps.append((chunk, decodes, fit.step_time(chunk, decodes, start=prompt_len - left)))
         left -= chunk
     decode_step = fit.step_time(0, num_decoders) if num_decoders else 0.0
     ttft = sum(s for _, _, s in steps)
@@ -193,4 +254,5 @@ class StepCostExplorer(MessageView, W.VBox):
         update()
 
 
-__all__ = ["POLICIES", "Prediction", "StepCostExplorer", "StepCostFit", "explore", "render_prediction"]
+__all__ = ["POLICIES", "Prediction", "StepCostExplorer", "StepCostFit", "arrival_points", "attention_pairs", "explore",
+           "read_prediction", "render_prediction"]

@@ -106,7 +106,23 @@ def test_exercise_6_2_accepts_the_largest_budget_the_fit_allows() -> None:
     for wrong in (88, 93, 91, 172):  # the decodes forgotten; one over; one under; 2 x 88 + 4 (twice the chunk)
         result = ch06.check_token_budget(wrong, FIT)
         assert not result.right and "92" not in str(result)
-    assert "run section 2 first" in str(ch06.check_token_budget(92, None))
+    assert "run section 6 first" in str(ch06.check_token_budget(92, None))
+
+
+def test_exercise_6_2_with_an_attention_term_judges_the_last_and_dearest_chunk() -> None:
+    # 0.1 us per attention pair: a chunk late in the 1,500-token prompt attends over ~1,400 tokens
+    fit = StepCostFit(0.080, 0.001, 0.002, per_attention_pair=1e-7)
+    best = ch06.largest_budget(fit)
+    assert 5 < best < 92  # attention makes every chunk dearer than the line alone says
+    assert ch06.longest_chunk_step(fit, best) <= 2 * fit.step_time(0, 4) < ch06.longest_chunk_step(fit, best + 1)
+    assert ch06.check_token_budget(best, fit).right
+    # two plausible wrong answers: the line without its attention term (92), and the budget
+    # whose *first* chunk (no context yet) takes twice a decode step
+    first_only = max(b for b in range(5, 200) if fit.step_time(b - 4, 4) <= 2 * fit.step_time(0, 4))
+    assert first_only != best
+    for wrong in (92, first_only, best - 1):
+        result = ch06.check_token_budget(wrong, fit)
+        assert not result.right and str(best) not in str(result).split("budget ", 1)[1].split(":", 1)[1]
 
 
 def test_arrival_run_names_its_worst_gap_and_does_not_call_it_a_p99() -> None:
@@ -121,3 +137,29 @@ def test_exercise_6_3_needs_fcfs_and_a_budget_between_the_two_limits() -> None:
     assert not ch06.check_policy("prefill_first", 390).right  # the decodes wait in every prefill step
     default = ch06.check_policy("fcfs", 2048)  # the chapter's default configuration: one step of 1,504 tokens
     assert not default.right and "more than 400 tokens" in str(default)
+
+
+def test_token_cost_reading_follows_its_numbers() -> None:
+    assert "far cheaper" in ch06.read_token_costs(0.00146, 0.032)
+    assert "cheaper than a decode step (1.5x" in ch06.read_token_costs(0.02, 0.03)
+    assert "about what a decode step did" in ch06.read_token_costs(0.03, 0.03)
+    assert "cost more than a decode step" in ch06.read_token_costs(0.05, 0.03)
+
+
+def _run(gap, ttft):
+    return types.SimpleNamespace(itl_max=gap, long_ttft=ttft)
+
+
+def test_chunking_readings_follow_their_numbers() -> None:
+    saved = {(256, "fcfs"): _run(0.397, 1.966), (512, "fcfs"): _run(0.745, 1.892), (2048, "fcfs"): _run(1.708, 1.701),
+             (2048, "prefill_first"): _run(1.813, 1.739)}
+    lines = ch06.read_chunking(saved)
+    assert "worst gap grows with the budget" in lines[0]
+    assert "budget 256: the long prompt's TTFT is 16% longer" in lines[1] and "11% longer" in lines[2]
+    assert "prefill_first, budget 2048: the decoders' worst gap is 6% longer than fcfs at 2048" in lines[3]
+    other = {(256, "fcfs"): _run(0.8, 1.60), (512, "fcfs"): _run(0.7, 1.69), (2048, "fcfs"): _run(1.7, 1.70),
+             (2048, "prefill_first"): _run(1.72, 1.7)}
+    lines = ch06.read_chunking(other)
+    assert "does not grow steadily" in lines[0]
+    assert "6% shorter than unchunked (noise" in lines[1] and "about the same as unchunked (within 5%)" in lines[2]
+    assert "worst gap is about the same as fcfs at 2048" in lines[3]

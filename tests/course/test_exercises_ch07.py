@@ -71,3 +71,33 @@ def test_prompt_layout_shares_the_rules_only_when_they_come_first(text_llm) -> N
     assert hits[0] == 0 and all(h == 16 * (rules_tokens // 16) for h in hits[1:])
     assert ch07.check_prompt_layout("{rules}\n{question}\n{date}", text_llm).right
     assert not ch07.check_prompt_layout("{question}\n{rules}\n{date}", text_llm).right
+
+
+def test_hash_cost_reading_follows_its_numbers() -> None:
+    # the saved run: 1.0 µs per block, 3.9x Python's hash, 61 ns per token
+    seen = ch07.read_hash_cost(0.98e-6, 0.25e-6, 61e-9)
+    assert "under a microsecond" in seen and "several times slower" in seen and "the same order as" in seen
+    assert "about a microsecond" in ch07.read_hash_cost(1.01e-6, 0.25e-6, 61e-9)
+    assert "a few microseconds" in ch07.read_hash_cost(2.1e-6, 0.25e-6, 61e-9)
+    assert "tens of microseconds" in ch07.read_hash_cost(10.1e-6, 0.25e-6, 61e-9)
+    assert "somewhat slower" in ch07.read_hash_cost(1.9e-6, 1.0e-6, 61e-9)
+    assert "about as fast" in ch07.read_hash_cost(1.0e-6, 1.0e-6, 61e-9)
+    assert "faster" in ch07.read_hash_cost(0.7e-6, 1.0e-6, 61e-9)
+    assert "well below" in ch07.read_hash_cost(1e-6, 1e-6, 30e-9)
+    assert "well above" in ch07.read_hash_cost(1e-6, 1e-6, 700e-9)
+
+
+def test_ttft_agreement_reading_follows_its_numbers() -> None:
+    assert "the same within 5%" in ch07.read_ttft_agreement(1.039, 1.040)
+    # the saved run's warm medians, 61 ms against 66.7 ms: not "the same"
+    below = ch07.read_ttft_agreement(0.061, 0.0667)
+    assert "below the wall time" in below and "same" not in below
+    assert "the same within 5%" in ch07.read_ttft_agreement(0.0636, 0.0667)
+    assert "above the wall time" in ch07.read_ttft_agreement(0.075, 0.0667)
+
+
+def test_cache_speedup_reading_follows_its_numbers() -> None:
+    assert "less, because" in ch07.read_cache_speedup(15.6, 40)
+    assert "about the ratio of tokens" in ch07.read_cache_speedup(38, 40)
+    assert "about the ratio of tokens" in ch07.read_cache_speedup(43, 40)
+    assert "more than the tokens alone" in ch07.read_cache_speedup(45, 40)

@@ -18,9 +18,11 @@ a noisy shared machine, or by structural facts (how many tokens each step carrie
 
 * ``check_decode_batch`` (6.1): the smallest decode batch whose arithmetic intensity reaches
   this machine's ridge point, confirmed on the engine (a step of that many decodes);
-* ``check_token_budget`` (6.2): the largest token budget whose chunked-prefill step (four
-  decodes and a chunk of the long prompt) the chapter's step-cost fit predicts at no more than
-  twice a decode-only step: decided by the fit the chapter measured, not by a new timing;
+* ``check_token_budget`` (6.2): the largest token budget whose longest chunked-prefill step
+  (four decodes and a chunk of the long prompt) the chapter's step-cost fit predicts at no
+  more than twice a decode-only step: decided by the fit the chapter measured on the
+  arrival's own steps (with its attention term, ``StepCostFit.fit(..., attention=True)``),
+  not by a new timing;
 * ``check_policy`` (6.3): a policy and budget under which the decoding requests produce a
   token in every step of the long prefill, the prefill takes at most 4 steps and no step
   carries more than 400 tokens (structural: read from the steps' token counts).
@@ -41,7 +43,7 @@ from nanoengine.events import StepFinished
 from nanobench import Roofline, measure, model_gemm_shapes
 from nanoengine.models.config import ModelConfig
 from widgets.exercises import CheckResult, todo, verdict, whole
-from widgets.step_cost_explorer import StepCostFit
+from widgets.step_cost_explorer import StepCostFit, explore
 
 DECODE_CONTEXT = 16  # exercise 6.1: tokens already in each decoding request's context
 BUDGET_DECODERS = 4  # exercise 6.2: requests decoding while the long prompt is chunked
@@ -238,6 +240,50 @@ def run_arrival(budget: int, policy: str = "fcfs", *, prompt_tokens: int = LONG_
     return run
 
 
+# ------------------------------------------------------------------ readings
+def read_token_costs(prefill_s_per_token: float, decode_s_per_token: float) -> str:
+    """Section 1's reading: what a token cost inside the prefill step against a decode step's."""
+    if not (prefill_s_per_token > 0 and decode_s_per_token > 0):
+        raise ValueError("the costs must be > 0 seconds")
+    r = decode_s_per_token / prefill_s_per_token
+    if r >= 2:
+        return f"reading: per token, the prefill was far cheaper than a decode step ({r:.0f}x less per token)"
+    if r >= 1.25:
+        return f"reading: per token, the prefill was cheaper than a decode step ({r:.1f}x less per token)"
+    if r > 0.8:
+        return f"reading: per token, the prefill cost about what a decode step did ({r:.2f}x)"
+    return f"reading: per token, the prefill cost more than a decode step ({1 / r:.1f}x more per token)"
+
+
+def read_chunking(runs: dict, similar: float = 0.05) -> list[str]:
+    """Section 6's readings of the arrival runs, ``{(budget, policy): ArrivalRun}``: how the
+    decoders' worst gap moves with the fcfs budget, each chunked run's TTFT against the
+    unchunked fcfs run (the largest budget), and prefill_first's worst gap against it."""
+    fcfs = sorted((b, r) for (b, p), r in runs.items() if p == "fcfs")
+    if len(fcfs) < 2:
+        raise ValueError("need fcfs runs at two budgets or more")
+    gaps = [r.itl_max for _, r in fcfs]
+    names = ", ".join(f"{1e3 * g:.0f} ms at {b}" for (b, _), g in zip(fcfs, gaps))
+    lines = [("the decoders' worst gap grows with the budget (" if all(x < y for x, y in zip(gaps, gaps[1:]))
+              else "the decoders' worst gap does not grow steadily with the budget (") + names + ")"]
+    top_budget, top = fcfs[-1]
+
+    def compare(x: float, y: float, other: str) -> str:
+        if abs(x / y - 1) <= similar:
+            return f"about the same as {other} (within {similar:.0%})"
+        return f"{x / y - 1:.0%} longer than {other}" if x > y else f"{1 - x / y:.0%} shorter than {other}"
+
+    for b, r in fcfs[:-1]:
+        verdict_ = compare(r.long_ttft, top.long_ttft, "unchunked")
+        why = " (noise: the same work cannot finish sooner)" if r.long_ttft < (1 - similar) * top.long_ttft else ""
+        lines.append(f"budget {b}: the long prompt's TTFT is {verdict_}{why}")
+    for (b, p), r in runs.items():
+        if p == "prefill_first":
+            lines.append(f"prefill_first, budget {b}: the decoders' worst gap is "
+                         f"{compare(r.itl_max, top.itl_max, f'fcfs at {top_budget}')}")
+    return ["reading: " + line for line in lines]
+
+
 # ------------------------------------------------------------------ the checks
 # ------------------------------------------------------------------ exercise 6.1
 def decode_step_tokens(engine: LLMEngine, batch: int, repeats: int = 5):
@@ -299,19 +345,29 @@ def check_decode_batch(decode_batch, roof: Roofline | None, engine: LLMEngine | 
 
 
 # ------------------------------------------------------------------ exercise 6.2
-def largest_budget(fit: StepCostFit, decoders: int = BUDGET_DECODERS, ratio: float = BUDGET_STEP_RATIO) -> int:
-    """The largest budget whose fcfs step (``decoders`` decodes + a chunk of budget - decoders
-    prompt tokens) the fit predicts at no more than ``ratio`` decode-only steps."""
-    limit = ratio * fit.step_time(0, decoders)
-    if fit.per_prefill_token == 0:
+def longest_chunk_step(fit: StepCostFit, budget: int, decoders: int = BUDGET_DECODERS,
+                       prompt_tokens: int = LONG_PROMPT_TOKENS) -> float:
+    """The longest step of the long prompt's chunked prefill under fcfs (``decoders`` decodes
+    and a chunk of what is left of ``budget``), predicted by ``fit``: with an attention term
+    the later chunks, which attend over more of the prompt, cost more."""
+    return max(s for _, _, s in explore(fit, prompt_tokens, budget, decoders, "fcfs").steps)
+
+
+def largest_budget(fit: StepCostFit, decoders: int = BUDGET_DECODERS, ratio: float = BUDGET_STEP_RATIO,
+                   prompt_tokens: int = LONG_PROMPT_TOKENS, high: int = 8192) -> int:
+    """The largest budget whose longest fcfs step of the prompt's chunked prefill the fit
+    predicts at no more than ``ratio`` decode-only steps of ``decoders`` requests."""
+    if fit.per_prefill_token == 0 and fit.per_attention_pair == 0:
         raise ValueError("the fit has no cost per prefill token: every budget fits")
-    chunk = math.floor((limit - fit.step_time(0, decoders)) / fit.per_prefill_token + 1e-9)
-    return decoders + max(chunk, 0)
+    limit = ratio * fit.step_time(0, decoders) + 1e-12
+    ok = [b for b in range(decoders + 1, high + 1) if longest_chunk_step(fit, b, decoders, prompt_tokens) <= limit]
+    return max(ok) if ok else decoders
 
 
 def check_token_budget(budget, fit: StepCostFit | None) -> CheckResult:
-    """6.2: the largest budget whose chunked-prefill step the fit predicts at most twice a
-    decode-only step of the four decoders (judged on ``fit``, the chapter's own measurement)."""
+    """6.2: the largest budget whose longest chunked-prefill step the fit predicts at most
+    twice a decode-only step of the four decoders (judged on ``fit``, the chapter's own
+    measurement of the arrival's steps)."""
     if todo(budget):
         return verdict("6.2", False, "", f"replace ... with a token budget (max_num_batched_tokens, a whole number "
                                          f"from {BUDGET_DECODERS + 1} to 8192), then run the cell again.")
@@ -320,22 +376,26 @@ def check_token_budget(budget, fit: StepCostFit | None) -> CheckResult:
         return verdict("6.2", False, "", f"the budget must be a whole number from {BUDGET_DECODERS + 1} to 8192 "
                                          f"(the {BUDGET_DECODERS} decodes come first), got {budget!r}.")
     if not isinstance(fit, StepCostFit):
-        return verdict("6.2", False, "", "run section 2 first: it fits the step cost (fit) this check uses.")
+        return verdict("6.2", False, "", "run section 6 first: it fits the step cost of the arrival's own steps "
+                                         "(arrival_fit) that this check uses.")
     d = BUDGET_DECODERS
     decode_only = fit.step_time(0, d)
-    step = fit.step_time(b - d, d)
-    seen = (f"budget {b}: a step of {d} decodes and a {b - d}-token chunk is predicted at {1e3 * step:.0f} ms, "
-            f"{step / decode_only:.2f}x a decode-only step ({1e3 * decode_only:.0f} ms)")
-    if step > BUDGET_STEP_RATIO * decode_only + 1e-12:
+    step = longest_chunk_step(fit, b, d)
+    limit = BUDGET_STEP_RATIO * decode_only + 1e-12
+    seen = (f"budget {b}: the longest step of the prompt's chunked prefill ({d} decodes and a chunk of up to "
+            f"{b - d} tokens) is predicted at {1e3 * step:.0f} ms, {step / decode_only:.2f}x a decode-only step "
+            f"({1e3 * decode_only:.0f} ms)")
+    if step > limit:
         return verdict("6.2", False, "", f"{seen}: above {BUDGET_STEP_RATIO:g}x. Under fcfs the decodes take "
-                                         f"their {d} tokens first; the chunk is the rest of the budget.")
-    if fit.step_time(b + 1 - d, d) <= BUDGET_STEP_RATIO * decode_only + 1e-12:
+                                         f"their {d} tokens first; the chunk is the rest of the budget, and a late "
+                                         f"chunk also attends over the prompt's earlier chunks.")
+    if largest_budget(fit, d) > b:
         return verdict("6.2", False, "", f"{seen}: within {BUDGET_STEP_RATIO:g}x, but not the largest budget "
-                                         f"that is. Solve the fit's line for the chunk instead of trying values.")
-    return verdict("6.2", True, f"{seen}, and one token more would pass {BUDGET_STEP_RATIO:g}x. Every step pays "
-                                f"the fixed cost once, so the chunk may add one fixed cost's worth of prefill "
-                                f"tokens; a larger budget lets a long prompt stretch the decoders' gaps further.",
-                   "")
+                                         f"that is. Which chunk is the most expensive, and what does it cost?")
+    return verdict("6.2", True, f"{seen}, and no larger budget stays within {BUDGET_STEP_RATIO:g}x. Every step "
+                                f"pays the fixed cost once, so a chunk may add about one fixed cost's worth of "
+                                f"work, and the last chunk pays the most attention; a larger budget lets a long "
+                                f"prompt stretch the decoders' gaps further.", "")
 
 
 # ------------------------------------------------------------------ exercise 6.3
@@ -370,6 +430,7 @@ def check_policy(policy, budget) -> CheckResult:
 
 
 __all__ = ["ArrivalRun", "arrival_engine", "check_decode_batch", "check_policy", "check_token_budget",
-           "decode_intensity", "decode_step_tokens", "intensity", "largest_budget", "long_prompt_ids", "ridge_batch",
+           "decode_intensity", "decode_step_tokens", "intensity", "largest_budget", "long_prompt_ids",
+           "longest_chunk_step", "read_chunking", "read_token_costs", "ridge_batch",
            "run_arrival",
            "step_cost"]

@@ -18,6 +18,10 @@ code and never a timing:
 ``tenant_turns``, ``shared_prefix_hits``, ``padded_prefix_hits`` and ``layout_hits`` are the experiments behind the
 checks, kept here so the checks and the worked solutions
 (``notebooks/solutions/07_prefix_caching.ipynb``) run the same thing.
+
+The chapter's readings of its timings are computed here from the numbers its cells
+measured, so that they say the opposite when the numbers do: ``read_hash_cost`` (section
+3), ``read_ttft_agreement`` and ``read_cache_speedup`` (sections 4 and 7).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from nanoengine import LLM, LLMEngine, SamplingParams
 from widgets._common import TokenSource, single_thread, tiny_engine
 from widgets.exercises import CheckResult, todo, verdict, whole
 
+VLLM_SHA256_NS_PER_TOKEN = (100, 200)  # vLLM's design document, docs/design/prefix_caching.md (cited)
 # exercise 7.1: two tenants, each with its own system prompt, take turns
 TENANT_PROMPT_LEN = 96  # tokens of each tenant's system prompt (6 blocks of 16)
 TENANT_QUESTION_LEN = 20  # tokens of each request's own question
@@ -226,5 +231,59 @@ def check_prompt_layout(layout, llm: LLM | LLMEngine) -> CheckResult:
                                      f"whatever changes between requests must come after what they share.")
 
 
-__all__ = ["TurnsResult", "check_pool_size", "check_prefix_padding", "check_prompt_layout", "layout_hits",
+# ------------------------------------------------------------------ readings
+def read_hash_cost(sha_s_per_block: float, python_s_per_block: float, sha_s_per_token: float) -> str:
+    """Section 3's reading of the digest chain's timing: its cost per block in words, against
+    Python's ``hash`` of a tuple, and its cost per token against vLLM's cited 100-200 ns."""
+    if not (sha_s_per_block > 0 and python_s_per_block > 0 and sha_s_per_token > 0):
+        raise ValueError("the times must be > 0 seconds")
+    us = 1e6 * sha_s_per_block
+    size = ("under a microsecond" if us < 1 else "about a microsecond" if us < 2 else
+            "a few microseconds" if us < 10 else "tens of microseconds or more")
+    r = sha_s_per_block / python_s_per_block
+    versus = (f"{r:.1f}x Python's hash, several times slower" if r >= 2 else
+              f"{r:.1f}x Python's hash, somewhat slower" if r >= 1.25 else
+              f"{r:.2f}x Python's hash, about as fast" if r >= 0.8 else
+              f"{r:.2f}x Python's hash, faster")
+    ns = 1e9 * sha_s_per_token
+    lo, hi = VLLM_SHA256_NS_PER_TOKEN
+    order = ("the same order as" if lo / 3 <= ns <= hi * 3 else "well below" if ns < lo else "well above")
+    return (f"reading: SHA-256 costs {size} per block here ({us:.1f} µs), {versus}; {ns:.0f} ns per token is "
+            f"{order} vLLM's cited {lo}-{hi} ns per token.")
+
+
+def read_ttft_agreement(engine_s: float, wall_s: float, tolerance: float = 0.05) -> str:
+    """How the engine's own TTFT (``metrics.ttft``, median) compares with the wall time of the
+    calls (median): the same within ``tolerance``, or by how much and why it differs."""
+    if not (engine_s > 0 and wall_s > 0):
+        raise ValueError("the times must be > 0 seconds")
+    gap = (wall_s - engine_s) / wall_s
+    ms = f"{1e3 * engine_s:.0f} ms against {1e3 * wall_s:.0f} ms"
+    if abs(gap) <= tolerance:
+        return f"{ms}: the same within {tolerance:.0%}"
+    if gap > 0:
+        return (f"{ms}: {gap:.0%} below the wall time, which also counts the call's own work before the request "
+                f"arrives and after its first token (tokenizing the prompt, building the output)")
+    return (f"{ms}: {-gap:.0%} above the wall time around the whole call, which it should not be: a noisy run "
+            f"(the two medians may come from different runs)")
+
+
+def read_cache_speedup(speedup: float, token_ratio: float, tolerance: float = 0.10) -> str:
+    """Section 7's reading: the TTFT speed-up the cache gave against the ratio of prompt tokens
+    computed without and with it (the most skipping tokens could give at a fixed cost per token)."""
+    if not (speedup > 0 and token_ratio > 0):
+        raise ValueError("both ratios must be > 0")
+    share = speedup / token_ratio
+    if share < 1 - tolerance:
+        return (f"reading: the cache gave {speedup:.1f}x against {token_ratio:.0f}x fewer tokens computed: less, "
+                f"because a request pays a cost that does not shrink with the tokens it computes.")
+    if share > 1 + tolerance:
+        return (f"reading: the cache gave {speedup:.1f}x against {token_ratio:.0f}x fewer tokens computed: more "
+                f"than the tokens alone explain (the long prefill costs more per token than the short one).")
+    return (f"reading: the cache gave {speedup:.1f}x against {token_ratio:.0f}x fewer tokens computed: about the "
+            f"ratio of tokens, so almost nothing is paid per request beyond its tokens.")
+
+
+__all__ = ["TurnsResult", "VLLM_SHA256_NS_PER_TOKEN", "read_cache_speedup", "read_hash_cost", "read_ttft_agreement",
+           "check_pool_size", "check_prefix_padding", "check_prompt_layout", "layout_hits",
            "padded_prefix_hits", "shared_prefix_hits", "tenant_turns"]
