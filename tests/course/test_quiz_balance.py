@@ -164,7 +164,7 @@ def test_the_correct_option_length_rank_is_spread_evenly(shown) -> None:
 
 # Chapters whose quiz still collects its correct options in one length quarter (issue 36,
 # item 3): their authors rebalance them; the test then passes and this entry goes.
-NOT_YET_BALANCED = {4: "the correct option is never the longest of chapter 4's seven questions"}
+NOT_YET_BALANCED: dict[int, str] = {}  # chapter -> why its quiz is not yet balanced (an expected failure)
 
 
 @pytest.mark.parametrize("chapter", [
