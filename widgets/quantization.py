@@ -154,7 +154,7 @@ def kv_bytes_per_token(config, fmt: str) -> int:
 class GemmTimes:
     """One decoder layer's four linear layers at ``rows`` rows: per variant ("float32", "bfloat16",
     "int8 x float32", "int8 x bfloat16" and "int8", the faster int8 one) the sum of their median times
-    (seconds), and the measurements (``nanoengine.measure.timing.Timing``) per shape."""
+    (seconds), and the measurements (``nanobench.timing.Timing``) per shape."""
 
     rows: int
     seconds: dict[str, float]
@@ -170,7 +170,7 @@ def time_layer_gemms(config, rows: int = 1, repeats: int = 5, warmup: int = 1, s
     and with bfloat16 activations (``seconds["int8"]`` is the faster of the two, named in
     ``int8_activations``). Random weights of the real shapes: the time does not depend on the values."""
     from nanoengine.kernels import cpu_gemm
-    from nanoengine.measure.timing import measure
+    from nanobench.timing import measure
 
     g = torch.Generator().manual_seed(seed)
     timings: dict[str, list] = {"float32": [], "bfloat16": [], "int8 x float32": [], "int8 x bfloat16": []}

@@ -137,7 +137,7 @@ def test_the_allreduce_share_reading() -> None:
 def test_gpu_results_give_provenance_and_find_no_allreduce_figure_where_there_is_none(tmp_path) -> None:
     import json
 
-    from nanoengine.measure.results_report import ROOT
+    from nanobench.results_report import ROOT
 
     rows = ch09.gpu_results(ROOT / "results")
     assert rows and all(r["hardware"] and r["date"] and r["revision"] and r["command"] for r in rows)

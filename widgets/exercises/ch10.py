@@ -435,7 +435,7 @@ def parity_reading(runs: dict[str, dict]) -> str:
 def decode_step_settings(engine, context_tokens: int) -> str:
     """The settings a decode-step time depends on, in one line: batch, context, dtype, compile,
     threads and how idle threads wait."""
-    from nanoengine.measure.timing import wait_policy
+    from nanobench.timing import wait_policy
 
     compiled = engine.runner.compilation.compiled
     return (f"1 request, context {context_tokens} tokens, {str(engine.config.torch_dtype).replace('torch.', '')}, "
