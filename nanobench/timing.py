@@ -281,7 +281,7 @@ class GemmMeasurement:
     tokens: int
     out_features: int
     in_features: int
-    path: str  # "oneDNN packed" (the engine's CPU path) or "F.linear"
+    path: str  # "few-rows kernel" or "oneDNN packed" (the engine's CPU paths) or "F.linear"
     timing: Timing
 
     @property
@@ -326,15 +326,17 @@ def measure_gemm_peak(shapes: Sequence[tuple[int, int]], tokens: int = 1024, *, 
                       paths: Sequence[str] = ("engine",), seed: int = 0) -> GemmPeak:
     """FLOP/s of matrix multiplies of ``tokens`` rows by weights of the given (out, in) shapes.
 
-    ``paths``: "engine" multiplies the way the engine does (``cpu_gemm.linear`` with a
-    prepacked oneDNN weight on a CPU when this PyTorch can pack, else ``F.linear``);
+    ``paths``: "engine" multiplies the way the engine's CPU backend does (up to
+    ``cpu_gemv.MAX_ROWS`` rows the few-rows kernel when it is built, more rows
+    ``cpu_gemm.linear`` with a prepacked oneDNN weight when this PyTorch can pack, else
+    ``F.linear``);
     "F.linear" always hands the plain weight to ``F.linear`` (MKL on a CPU, cuBLAS on a
     GPU). Each measurement records which path actually ran.
     """
     import torch
     import torch.nn.functional as F
 
-    from nanoengine.kernels import cpu_gemm
+    from nanoengine.kernels import cpu_gemm, cpu_gemv
 
     if tokens < 1 or not shapes:
         raise ValueError(f"need tokens >= 1 and at least one shape, got tokens={tokens}, shapes={shapes!r}")
@@ -349,8 +351,14 @@ def measure_gemm_peak(shapes: Sequence[tuple[int, int]], tokens: int = 1024, *, 
         x = torch.randn(tokens, n_in, generator=gen).to(dev, dtype)  # (tokens, in)
         w = torch.randn(n_out, n_in, generator=gen).to(dev, dtype)  # (out, in)
         for path in paths:
-            packed = cpu_gemm.pack_weight(w) if path == "engine" else None
-            if packed is not None:
+            few_rows = (path == "engine" and dev.type == "cpu" and tokens <= cpu_gemv.MAX_ROWS
+                        and dtype in cpu_gemv.DTYPES and cpu_gemv.load())
+            packed = cpu_gemm.pack_weight(w) if path == "engine" and not few_rows else None
+            if few_rows:
+                def run(x=x, w=w):
+                    return cpu_gemv.few_rows_linear(x, w)  # (tokens, out)
+                used = "few-rows kernel"
+            elif packed is not None:
                 def run(x=x, w=w, packed=packed):
                     return cpu_gemm.linear(x, w, None, packed)  # (tokens, out)
                 used = "oneDNN packed"

@@ -7,9 +7,13 @@ cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here:
 * **Prepacked GEMM weights.** oneDNN multiplies fastest with weights reordered into its
   blocked layout; ``prepare_weights`` reorders every linear layer's weight once, at load
   (``kernels.cpu_gemm``; a copy: ``memory_report().packed_weight_bytes``), and gives the
-  layer a ``PackedLinearMethod``. For a single row (one sequence decoding) plain
-  ``F.linear`` can be the faster way, depending on the CPU, so each weight shape is timed
-  both ways once, for this engine only (``cpu_gemm.tune_single_row``).
+  layer a ``CpuLinearMethod``.
+* **A kernel of its own for a few rows.** Decoding one to a few sequences multiplies a few
+  rows by every weight: a matrix-vector product whose speed is the memory bandwidth, which
+  the GEMM libraries use badly. Up to ``cpu_gemv.MAX_ROWS`` rows go to a hand-written AVX2
+  kernel (``kernels.cpu_gemv``, compiled once and cached) that streams each weight once on
+  all threads; its bits do not depend on the CPU, the threads or the batch. The rule is
+  fixed, not timed, so two engines built alike compute alike.
 * **A decode plan per step, not per layer.** The CPU decode kernel gathers keys through
   cache-row indices computed from the block tables (``kernels.cpu_attention.DecodePlan``).
   The tables are the same in every layer, so ``build_metadata`` builds the plan once, as a
@@ -36,7 +40,7 @@ import torch
 
 from nanoengine.backends.base import Backend
 from nanoengine.engine.host_memory import keep_freed_memory
-from nanoengine.kernels import cpu_attention, cpu_gemm, reference
+from nanoengine.kernels import cpu_attention, cpu_gemm, cpu_gemv, reference
 from nanoengine.kernels.cpu_attention import DecodePlan
 from nanoengine.layers.attention import AttentionImpl, AttentionMetadata
 from nanoengine.layers.linear import GemmLayer
@@ -76,46 +80,64 @@ class CpuAttention(AttentionImpl):
                                                  meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale)
 
 
-class PackedLinearMethod:
-    """A linear layer's product through its weight prepacked for oneDNN (``kernels.cpu_gemm``).
+class CpuLinearMethod:
+    """A linear layer's product on a CPU: few rows by the few-rows kernel, more by oneDNN.
 
-    ``one_row_packed``: whether a one-row input also takes the packed copy (measured per
-    weight shape when the engine was built; ``F.linear`` otherwise).
+    ``packed``: the weight prepacked for oneDNN (``kernels.cpu_gemm``), or None where this
+    build or dtype cannot pack (then ``F.linear``). ``few_rows``: whether inputs of up to
+    ``cpu_gemv.MAX_ROWS`` rows take the hand-written kernel (``kernels.cpu_gemv``).
     """
 
-    name = "oneDNN prepacked"
-
-    def __init__(self, packed: torch.Tensor, one_row_packed: bool) -> None:
+    def __init__(self, packed: torch.Tensor | None, few_rows: bool) -> None:
         self.packed = packed
-        self.one_row_packed = one_row_packed
+        self.few_rows = few_rows
+
+    @property
+    def name(self) -> str:
+        many = "oneDNN prepacked" if self.packed is not None else "F.linear"
+        return f"few-rows kernel up to {cpu_gemv.MAX_ROWS} rows, then {many}" if self.few_rows else many
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return cpu_gemm.linear(x, layer.weight, bias, self.packed, self.one_row_packed)
+        weight = layer.weight
+        if self.few_rows and x.numel() <= cpu_gemv.MAX_ROWS * x.shape[-1] and x.dtype == weight.dtype:
+            return cpu_gemv.few_rows_linear(x, weight, bias)
+        return cpu_gemm.linear(x, weight, bias, self.packed)
 
 
 class CpuBackend(Backend):
-    """Prepacked GEMMs, a per-step decode plan, kept host memory, chunked logits."""
+    """Prepacked GEMMs, a few-rows kernel, a per-step decode plan, kept host memory, chunked logits."""
 
     name = "cpu"
+
+    def describe(self) -> str:
+        gemm = f"few-rows kernel up to {cpu_gemv.MAX_ROWS} rows, then oneDNN" if self.few_rows_kernel else "oneDNN"
+        return f"{super().describe()}, {gemm} GEMMs"
 
     def __init__(self, device: torch.device, compile: bool = False) -> None:
         super().__init__(device, compile)
         self.attention = CpuAttention()
-        self.single_row_packed: dict[tuple[int, int], bool] = {}  # weight shape -> packed is faster (this engine)
+        self.few_rows_kernel = False  # set by prepare_weights: the few-rows kernel is built and used
         keep_freed_memory()
 
     def prepare_weights(self, model: torch.nn.Module) -> None:
-        """Prepack every GEMM weight and decide, per shape, the faster one-row product."""
+        """Prepack every GEMM weight; route few-row products to the few-rows kernel."""
         layers = [m for m in model.modules() if isinstance(m, GemmLayer)]
-        packed = {id(m): cpu_gemm.pack_weight(m.weight) for m in layers}
-        layers = [m for m in layers if packed[id(m)] is not None]
-        self.single_row_packed = cpu_gemm.tune_single_row([(m.weight, packed[id(m)]) for m in layers])
+        self.few_rows_kernel = bool(layers) and cpu_gemv.load()
+        num_packed = copy_bytes = 0
         for module in layers:
-            module.linear_method = PackedLinearMethod(packed[id(module)],
-                                                      self.single_row_packed[tuple(module.weight.shape)])
-        self.num_prepared_weights = len(layers)
-        # A tied LM head shares its weight with the embedding: each layer's packed copy is its own.
-        self.weight_copy_bytes = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+            weight = module.weight
+            packed = cpu_gemm.pack_weight(weight)
+            few_rows = (self.few_rows_kernel and weight.dtype in cpu_gemv.DTYPES and weight.device.type == "cpu"
+                        and weight.is_contiguous())
+            if packed is None and not few_rows:
+                continue  # the layer keeps plain F.linear
+            module.linear_method = CpuLinearMethod(packed, few_rows)
+            if packed is not None:
+                num_packed += 1
+                # A tied LM head shares its weight with the embedding: each packed copy is its own.
+                copy_bytes += weight.numel() * weight.element_size()
+        self.num_prepared_weights = num_packed
+        self.weight_copy_bytes = copy_bytes
 
     def build_metadata(self, plan) -> CpuAttentionMetadata:
         fields = self._metadata_fields(plan)

@@ -73,49 +73,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: torch.Tensor | None = None, one_row_packed: bool = True) -> torch.Tensor:
-    """y = x W^T + b, with the packed copy of W when there is one and it is the faster way.
-
-    ``one_row_packed``: whether a one-row product (one sequence decoding) should use the
-    packed copy too; ``tune_single_row`` measures which way is faster on this CPU.
-    """
-    if packed is None or x.dtype != weight.dtype or (x.numel() == x.shape[-1] and not one_row_packed):
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x W^T + b, with the packed copy of W when there is one (``F.linear`` otherwise)."""
+    if packed is None or x.dtype != weight.dtype:
         return F.linear(x, weight, bias)
     return packed_linear(x, packed, weight.shape[0], bias)
-
-
-def tune_single_row(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[tuple[int, int], bool]:
-    """Time one-row products (a decode step of one sequence) both ways for each weight shape.
-
-    ``pairs`` are (weight, packed copy). A single row is a matrix-vector product: it only
-    streams the weight once, and which library streams faster depends on the CPU: on one
-    machine MKL's plain ``F.linear`` won on every layer weight, on another the packed LM
-    head won (``results/README.md``). So each shape is timed over every weight of that
-    shape in turn (so the weights come from memory, as in a real step). Returns
-    {shape: packed is faster}; the caller (one engine's CPU backend) keeps the answer, so
-    one engine's decision never changes another's path.
-    """
-    import time
-    from collections import defaultdict
-
-    groups = defaultdict(list)
-    for weight, packed in pairs:
-        groups[tuple(weight.shape)].append((weight, packed))
-    decided = {}
-    with torch.inference_mode():
-        for shape, group in groups.items():
-            x = torch.randn(1, shape[1], dtype=group[0][0].dtype)
-
-            def best(product) -> float:
-                times = []
-                for _ in range(4):  # the first pass warms up; the minimum of the rest
-                    start = time.perf_counter()
-                    for weight, packed in group:
-                        product(weight, packed)
-                    times.append(time.perf_counter() - start)
-                return min(times[1:])
-
-            plain = best(lambda weight, packed: F.linear(x, weight))
-            packed_time = best(lambda weight, packed: packed_linear(x, packed, shape[0]))
-            decided[shape] = packed_time < plain
-    return decided

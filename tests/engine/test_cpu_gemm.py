@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanoengine.backends.cpu import CpuBackend, PackedLinearMethod
+from nanoengine.backends.cpu import CpuBackend, CpuLinearMethod
 from nanoengine.kernels import cpu_gemm
 from nanoengine.layers.linear import UnquantizedLinearMethod
 from nanoengine.layers.embed_head import ParallelLMHead
@@ -74,7 +74,7 @@ def test_parallel_layers_pack_and_compute_the_same():
         before = layer(x)
         assert isinstance(layer.linear_method, UnquantizedLinearMethod)
         CpuBackend("cpu").prepare_weights(layer)
-        assert isinstance(layer.linear_method, PackedLinearMethod)
+        assert isinstance(layer.linear_method, CpuLinearMethod)
         torch.testing.assert_close(layer(x), before, rtol=1e-5, atol=1e-5)
 
 
@@ -95,27 +95,3 @@ def test_engine_packs_every_gemm_weight_and_generates_what_plain_weights_do(tiny
     assert plain.engine.runner.backend.num_prepared_weights == 0
     torch.testing.assert_close(packed_logits, plain.engine.next_token_logits(prompts[1]), rtol=1e-4, atol=1e-4)
     assert packed_tokens == [o.token_ids for o in plain.generate(prompts, params)]
-
-
-def test_one_row_takes_the_way_this_cpu_ran_faster():
-    from nanoengine.kernels import cpu_gemm as gemm
-    from nanoengine.layers.linear import ReplicatedLinear
-
-    if not gemm.packing_available():
-        pytest.skip("this PyTorch build has no oneDNN prepacking")
-    layers = [ReplicatedLinear(48, 40), ReplicatedLinear(48, 40), ReplicatedLinear(40, 24)]
-    for layer in layers:
-        torch.nn.init.normal_(layer.weight)
-    model = torch.nn.ModuleList(layers)
-    backend = CpuBackend("cpu")
-    backend.prepare_weights(model)
-    assert set(backend.single_row_packed) == {(40, 48), (24, 40)}  # one timing per shape, over all its modules
-    assert CpuBackend("cpu").single_row_packed == {}  # the decision is this engine's, not the process's
-    packed = layers[0].linear_method.packed
-    x = torch.randn(1, 48)
-    for packed_is_faster, expected in ((False, F.linear(x, layers[0].weight)),
-                                       (True, gemm.packed_linear(x, packed, 40))):
-        layers[0].linear_method = PackedLinearMethod(packed, packed_is_faster)
-        assert torch.equal(layers[0](x), expected)
-    rows = torch.randn(3, 48)  # several rows: always the packed copy
-    assert torch.equal(layers[0](rows), gemm.packed_linear(rows, packed, 40))

@@ -1,0 +1,134 @@
+// A few rows times a weight matrix, streaming the weight once (chapter 10: decode is a
+// matrix-vector product). Built and loaded by cpu_gemv.py; registered as the PyTorch
+// operator torch.ops.nanoengine.few_rows_linear.
+//
+// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n])   x (M, K), w (N, K) row-major, M small.
+//
+// Why it exists: with one sequence decoding, a step multiplies one row of activations by
+// every weight of the model. That reads each weight once and does two flops per weight, so
+// its speed is the memory bandwidth. MKL's sgemv and oneDNN's packed GEMM both read the
+// weights at well under half of what this CPU can stream with two threads; this loop splits
+// the weight's rows between PyTorch's threads (at::parallel_for, the same OpenMP pool as
+// every other op) and each thread streams its rows once, whatever the number of rows x has.
+//
+// Why it is written by hand, with fixed AVX2 + FMA intrinsics and not -march=native: the
+// order of the additions decides the last bits of a float sum. Here it is fixed by this
+// source alone: for each (m, n), two 8-lane accumulators over k in steps of 16, summed in a
+// fixed order, then a scalar tail. So the result is the same on every x86-64 CPU with AVX2
+// (AVX-512 ones included), for any number of threads, and for a row whether it is computed
+// alone or beside other rows: the bits do not depend on the batch.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+// Eight values as fp32 lanes: float loads directly, bfloat16 is the top half of a float.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 load8(const c10::BFloat16* p) {
+  __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
+}
+
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Up to four rows of x against one weight row, reading the weight row once.
+template <typename T, int ROWS>
+inline void dot_rows(const T* x, int64_t x_stride, const T* w, int64_t K, float* out) {
+  __m256 acc0[ROWS], acc1[ROWS];
+  for (int r = 0; r < ROWS; ++r) {
+    acc0[r] = _mm256_setzero_ps();
+    acc1[r] = _mm256_setzero_ps();
+  }
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    const __m256 w0 = load8(w + k), w1 = load8(w + k + 8);
+    for (int r = 0; r < ROWS; ++r) {
+      acc0[r] = _mm256_fmadd_ps(w0, load8(x + r * x_stride + k), acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(w1, load8(x + r * x_stride + k + 8), acc1[r]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    float sum = horizontal_sum(_mm256_add_ps(acc0[r], acc1[r]));
+    for (int64_t t = k; t < K; ++t) sum += static_cast<float>(w[t]) * static_cast<float>(x[r * x_stride + t]);
+    out[r] = sum;
+  }
+}
+
+template <typename T>
+void few_rows_kernel(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t K, int64_t N) {
+  // Each task takes a run of weight rows: at least ~32 KiB of weights, so a thread's share of
+  // a small matrix is still worth waking it for.
+  const int64_t grain = std::max<int64_t>(1, (32 * 1024) / (K * static_cast<int64_t>(sizeof(T))));
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    float out[4];
+    for (int64_t n = begin; n < end; ++n) {
+      const T* w_row = w + n * K;
+      const float b = bias ? static_cast<float>(bias[n]) : 0.0f;
+      for (int64_t m = 0; m < M; m += 4) {
+        const int64_t rows = std::min<int64_t>(4, M - m);
+        const T* x_rows = x + m * K;
+        switch (rows) {
+          case 4: dot_rows<T, 4>(x_rows, K, w_row, K, out); break;
+          case 3: dot_rows<T, 3>(x_rows, K, w_row, K, out); break;
+          case 2: dot_rows<T, 2>(x_rows, K, w_row, K, out); break;
+          default: dot_rows<T, 1>(x_rows, K, w_row, K, out); break;
+        }
+        for (int64_t r = 0; r < rows; ++r) y[(m + r) * N + n] = static_cast<T>(out[r] + b);
+      }
+    }
+  });
+}
+
+at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "few_rows_linear: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "few_rows_linear: x (M, K) and weight (N, K) expected, got ", x.sizes(), " and ", weight.sizes());
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "few_rows_linear: x and weight must share a dtype, got ",
+              x.scalar_type(), " and ", weight.scalar_type());
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "few_rows_linear: contiguous tensors only");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->scalar_type() == x.scalar_type() &&
+                    bias->is_contiguous(),
+                "few_rows_linear: bias must be a contiguous (N,) tensor of x's dtype");
+  }
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  if (x.scalar_type() == at::kFloat) {
+    few_rows_kernel<float>(x.data_ptr<float>(), weight.data_ptr<float>(),
+                           has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N);
+  } else if (x.scalar_type() == at::kBFloat16) {
+    few_rows_kernel<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),
+                                   has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr,
+                                   y.data_ptr<c10::BFloat16>(), M, K, N);
+  } else {
+    TORCH_CHECK(false, "few_rows_linear: float32 or bfloat16 only, got ", x.scalar_type());
+  }
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(nanoengine, m) {
+  m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(nanoengine, CPU, m) {
+  m.impl("few_rows_linear", &few_rows_linear);
+}
