@@ -327,7 +327,7 @@ def measure_gemm_peak(shapes: Sequence[tuple[int, int]], tokens: int = 1024, *, 
     """FLOP/s of matrix multiplies of ``tokens`` rows by weights of the given (out, in) shapes.
 
     ``paths``: "engine" multiplies the way the engine's CPU backend does (up to
-    ``cpu_gemv.MAX_ROWS`` rows the few-rows kernel when it is built, more rows
+    ``cpu_native.MAX_ROWS`` rows the few-rows kernel when it is built, more rows
     ``cpu_gemm.linear`` with a prepacked oneDNN weight when this PyTorch can pack, else
     ``F.linear``);
     "F.linear" always hands the plain weight to ``F.linear`` (MKL on a CPU, cuBLAS on a
@@ -336,7 +336,7 @@ def measure_gemm_peak(shapes: Sequence[tuple[int, int]], tokens: int = 1024, *, 
     import torch
     import torch.nn.functional as F
 
-    from nanoengine.kernels import cpu_gemm, cpu_gemv
+    from nanoengine.kernels import cpu_gemm, cpu_native
 
     if tokens < 1 or not shapes:
         raise ValueError(f"need tokens >= 1 and at least one shape, got tokens={tokens}, shapes={shapes!r}")
@@ -351,12 +351,12 @@ def measure_gemm_peak(shapes: Sequence[tuple[int, int]], tokens: int = 1024, *, 
         x = torch.randn(tokens, n_in, generator=gen).to(dev, dtype)  # (tokens, in)
         w = torch.randn(n_out, n_in, generator=gen).to(dev, dtype)  # (out, in)
         for path in paths:
-            few_rows = (path == "engine" and dev.type == "cpu" and tokens <= cpu_gemv.MAX_ROWS
-                        and dtype in cpu_gemv.DTYPES and cpu_gemv.load())
+            few_rows = (path == "engine" and dev.type == "cpu" and tokens <= cpu_native.MAX_ROWS
+                        and dtype in cpu_native.DTYPES and cpu_native.load())
             packed = cpu_gemm.pack_weight(w) if path == "engine" and not few_rows else None
             if few_rows:
                 def run(x=x, w=w):
-                    return cpu_gemv.few_rows_linear(x, w)  # (tokens, out)
+                    return cpu_native.few_rows_linear(x, w)  # (tokens, out)
                 used = "few-rows kernel"
             elif packed is not None:
                 def run(x=x, w=w, packed=packed):

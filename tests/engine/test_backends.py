@@ -54,16 +54,24 @@ def test_the_cpu_backend_builds_the_decode_plan_once_per_step_as_a_typed_field()
     engine.add_request(list(range(20, 33)), SamplingParams(temperature=0.0, max_tokens=4))
     engine.step()  # both prefill
     plan, _ = plan_batch(engine.scheduler.schedule(), engine.config.block_size, engine.block_tables)
-    meta = engine.runner.backend.build_metadata(plan)
-    assert isinstance(meta, CpuAttentionMetadata) and isinstance(meta.decode_plan, DecodePlan)
-    assert meta.num_decode_tokens == 2 and meta.all_slots_stored
+    backend = engine.runner.backend
+    meta = backend.build_metadata(plan)
+    assert isinstance(meta, CpuAttentionMetadata) and meta.num_decode_tokens == 2 and meta.all_slots_stored
+    assert (meta.decode_plan is None) == backend.attention.native  # the native kernel reads the tables itself
+    backend.attention.native = False  # without the native kernels: the batched PyTorch decode and its plan
+    assert isinstance(backend.build_metadata(plan).decode_plan, DecodePlan)
     warm_up = engine.runner.backend.build_metadata(BatchPlan.dummy(3))  # slot -1: nothing stored
     assert warm_up.decode_plan is None and not warm_up.all_slots_stored
 
 
-def test_the_cpu_backend_generates_what_the_reference_kernels_do():
+@pytest.mark.parametrize("native", [True, False], ids=["native decode", "batched PyTorch decode"])
+def test_the_cpu_backend_generates_what_the_reference_kernels_do(native):
     prompts = [[5, 9, 200, 31, 7], list(range(40, 70)), [3] * 9]
-    fast = _greedy(_engine(), prompts)
+    engine = _engine()
+    if native and not engine.runner.backend.attention.native:
+        pytest.skip("the native kernels are not built on this machine")
+    engine.runner.backend.attention.native = native
+    fast = _greedy(engine, prompts)
     reference = _greedy(_engine(Backend("cpu")), prompts)
     assert fast == reference and all(len(t) == 10 for t in fast)
 

@@ -1,6 +1,6 @@
 // A few rows times a weight matrix, streaming the weight once (chapter 10: decode is a
-// matrix-vector product). Built and loaded by cpu_gemv.py; registered as the PyTorch
-// operator torch.ops.nanoengine.few_rows_linear.
+// matrix-vector product). Built with the other csrc/ sources by cpu_native.py; the
+// operator is torch.ops.nanoengine.few_rows_linear.
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n])   x (M, K), w (N, K) row-major, M small.
 //
@@ -24,27 +24,17 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include "avx2_vec.h"
+
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
-#include <cstring>
 
 namespace {
 
-// Eight values as fp32 lanes: float loads directly, bfloat16 is the top half of a float.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-
-inline __m256 load8(const c10::BFloat16* p) {
-  __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
-}
-
-inline float horizontal_sum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using nanoengine_cpu::horizontal_sum;
+using nanoengine_cpu::load8;
 
 // Up to four rows of x against one weight row, reading the weight row once.
 template <typename T, int ROWS>
@@ -125,7 +115,7 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const 
 
 }  // namespace
 
-TORCH_LIBRARY(nanoengine, m) {
+TORCH_LIBRARY_FRAGMENT(nanoengine, m) {
   m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
 }
 

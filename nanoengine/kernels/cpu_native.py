@@ -1,0 +1,163 @@
+"""The CPU backend's own kernels, in C++ (chapter 10: when the libraries are not enough).
+
+Two operations of a decode step are poorly served by the libraries PyTorch calls:
+
+* **A few rows times a weight** (``few_rows_linear``, ``csrc/few_rows_linear.cpp``). When
+  one to a few sequences decode, each linear layer multiplies a few rows of activations by
+  its whole weight matrix: two flops per weight read, so the step's speed is how fast the
+  weights stream from memory. MKL and oneDNN are tuned for many rows: measured on a 2-core
+  AMD EPYC (AVX2) that copies memory at ~18 GB/s, MKL's ``F.linear`` read SmolLM2's weights
+  at 7-9 GB/s for one row (slower with two threads than one) and oneDNN's packed GEMM at
+  6-13 GB/s; this kernel, splitting each weight's rows between the threads and streaming
+  them once, at 13-17 GB/s, and it stays ahead up to 8 rows (``MAX_ROWS``; the table and
+  the command: ``results/README.md``).
+* **Decode attention** (``paged_decode_attention``, ``csrc/paged_decode_attention.cpp``).
+  The batched PyTorch version (``cpu_attention``) gathers keys and pays a dozen tensor ops
+  per layer; this kernel walks each sequence's block table and reads every K/V row where it
+  lies in the cache, once per KV head.
+
+Both are C++ with AVX2 and FMA intrinsics, registered as PyTorch operators
+(``torch.ops.nanoengine.*``) and run on PyTorch's own thread pool. They are compiled the first
+time an engine needs them (about 20 s, said once on stderr) by PyTorch's extension builder,
+into ``~/.cache/nanoengine/kernels/`` under a name that carries the torch and Python versions
+and the instruction set, so another PyTorch never loads them; ``./course setup`` builds them
+ahead. They are compiled for AVX2 + FMA exactly (not ``-march=native``) and every sum's order
+is fixed by the source, not by the CPU, the thread count or the batch: every x86-64 machine
+with AVX2 computes the same bits, and a row gets the same bits alone or in a batch.
+
+Without a C++ compiler, ninja, or AVX2 + FMA, ``load`` says why in one warning and returns
+False; the CPU backend then uses the libraries and the batched PyTorch attention.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
+HEADERS = tuple(sorted(CSRC.glob("*.h")))
+# Compiled for exactly this instruction set (no -march=native): the same bits on any x86-64
+# CPU that has it.
+ISA = "avx2_fma"
+COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+# Row counts up to this take the few-rows kernel; from about 16 rows on, each weight is reused
+# enough for a GEMM library's blocking to catch up (SmolLM2's shapes, measured by
+# scripts/measure_native_kernels.py: results/README.md).
+MAX_ROWS = 8
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+class KernelBuildWarning(UserWarning):
+    """The native kernels could not be built or loaded; the libraries are used instead."""
+
+
+def build_name() -> str:
+    """The extension's name: what it is, for which PyTorch, Python and instruction set."""
+    torch_version = torch.__version__.split("+")[0].replace(".", "_")
+    return f"nanoengine_cpu_kernels_torch{torch_version}_py{sys.version_info.major}{sys.version_info.minor}_{ISA}"
+
+
+def build_directory() -> Path:
+    from nanoengine.default_model import cache_root
+
+    return cache_root() / "kernels" / build_name()
+
+
+def unavailable_reason() -> str | None:
+    """Why this machine cannot run the kernels, or None if it can (before trying to build them)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"they are written for x86-64 and this machine is {platform.machine()}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"they need AVX2 and FMA and PyTorch reports this CPU's capability as {capability}"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def load(verbose: bool = False) -> bool:
+    """Build (the first time) and load the operators; True when they are usable.
+
+    Called once per process; the answer is kept. A build that fails is reported in one
+    ``KernelBuildWarning`` naming why, and the caller falls back to the libraries.
+    """
+    reason = unavailable_reason()
+    if reason is None:
+        try:
+            _build_and_load(verbose)
+        except Exception as exc:  # no compiler, no ninja, a failed compile: the libraries still work
+            reason = f"building them failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]})"
+    if reason is not None:
+        warnings.warn(f"nanoengine's native CPU kernels are off: {reason}; the engine uses PyTorch's libraries "
+                      "(slower decoding)", KernelBuildWarning, stacklevel=2)
+        return False
+    return True
+
+
+def _build_and_load(verbose: bool) -> None:
+    from torch.utils.cpp_extension import load as load_extension
+
+    directory = build_directory()
+    built = (directory / f"{build_name()}.so").exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    # PyTorch's builder recompiles only when a source or a flag changed, and takes a lock in
+    # the directory so two processes never build at once.
+    # PyTorch's builder hashes the sources and flags, not the headers: the headers' hash goes in
+    # as a flag, so editing a header rebuilds too.
+    header_hash = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
+    flags = [*COMPILE_FLAGS, f"-DNANOENGINE_HEADERS_SHA={header_hash}"]
+    load_extension(build_name(), [str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                   build_directory=str(directory), is_python_module=False, verbose=verbose)
+    if not built:
+        print(f"nanoengine: compiled the native CPU kernels in {time.perf_counter() - start:.1f} s "
+              f"(once; kept in {directory})", file=sys.stderr)
+    _register_fakes()
+
+
+@functools.lru_cache(maxsize=None)
+def _register_fakes() -> None:
+    """Output shapes for torch.compile: the operators are opaque to Dynamo and Inductor."""
+
+    @torch.library.register_fake("nanoengine::few_rows_linear")
+    def _(x, weight, bias=None):
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("nanoengine::paged_decode_attention")
+    def _(query, k_cache, v_cache, block_tables, context_lens, scale):
+        return torch.empty_like(query)
+
+
+def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for x (..., in_features) with few rows, by the kernel.
+
+    ``load()`` must have returned True; weight (out_features, in_features) contiguous.
+    """
+    rows = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
+    out = torch.ops.nanoengine.few_rows_linear(rows, weight, bias)  # (M, N)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """``reference.paged_decode_attention``, by the kernel. ``load()`` must have returned True.
+
+    query (seqs, heads, head_dim); caches (blocks, block_size, kv_heads, head_dim);
+    block_tables (seqs, max_blocks) and context_lens (seqs,) of one integer dtype.
+    """
+    if context_lens.dtype != block_tables.dtype:
+        context_lens = context_lens.to(block_tables.dtype)
+    return torch.ops.nanoengine.paged_decode_attention(query.contiguous(), k_cache, v_cache,
+                                                       block_tables.contiguous(), context_lens.contiguous(), scale)
+
+
+if __name__ == "__main__":  # ./course setup builds them ahead: python -m nanoengine.kernels.cpu_native
+    if load():
+        print(f"native CPU kernels ready ({build_directory()})")

@@ -1,0 +1,169 @@
+// Decode attention that reads each K/V row where it lies in the paged cache (chapter 10).
+// Built with few_rows_linear.cpp by cpu_native.py; the operator is
+// torch.ops.nanoengine.paged_decode_attention. The definition it must agree with is
+// reference.paged_decode_attention.
+//
+// One query token per sequence. For each (sequence, KV head) -- one task for PyTorch's
+// threads -- the query heads that share that KV head (grouped-query attention) walk the
+// sequence's block table once: each key row is read once and dotted with every query of the
+// group, each value row is read once and added, weighted, into every query's output. Nothing
+// is gathered or padded: the batched PyTorch version (cpu_attention.py) copies each group's
+// keys into one tensor and pays a dozen tensor ops per layer, which is most of a one-sequence
+// decode step's attention time.
+//
+// Numerics: scores, softmax and the weighted sum are float32 whatever the cache dtype; the
+// order of every sum is fixed by this source (not by the CPU, the threads or the batch).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "avx2_vec.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using nanoengine_cpu::exp8;
+using nanoengine_cpu::horizontal_sum;
+using nanoengine_cpu::load8;
+
+// q (float32, D) . k (the cache's dtype, D)
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t D) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc);
+  float sum = horizontal_sum(acc);
+  for (; d < D; ++d) sum += q[d] * static_cast<float>(k[d]);
+  return sum;
+}
+
+// out (float32, D) += p * v (the cache's dtype, D)
+template <typename T>
+inline void axpy(float p, const T* v, float* out, int64_t D) {
+  const __m256 weight = _mm256_set1_ps(p);
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) _mm256_storeu_ps(out + d, _mm256_fmadd_ps(weight, load8(v + d), _mm256_loadu_ps(out + d)));
+  for (; d < D; ++d) out[d] += p * static_cast<float>(v[d]);
+}
+
+template <typename T, typename Index>
+void decode_kernel(const T* query, const T* k_cache, const T* v_cache, const Index* block_tables,
+                   const Index* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                   int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t row_stride = num_kv_heads * head_dim;  // between consecutive tokens of a block
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * head_dim), acc(group * head_dim), inv_sum(group), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+      const int64_t length = static_cast<int64_t>(context_lens[seq]);
+      const int64_t stride = (length + 7) / 8 * 8;  // a row of scores, padded to whole vectors
+      const Index* table = block_tables + seq * max_blocks;
+      const T* q_in = query + (seq * num_heads + kv_head * group) * head_dim;  // the group's heads are adjacent
+      for (int64_t i = 0; i < group * head_dim; ++i) q[i] = static_cast<float>(q_in[i]);
+      scores.assign(group * stride, 0.0f);  // scores[g * stride + t]
+      for (int64_t t = 0; t < length; ++t) {
+        const int64_t row = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+        const T* k = k_cache + row * row_stride + kv_head * head_dim;
+        for (int64_t g = 0; g < group; ++g) scores[g * stride + t] = dot(q.data() + g * head_dim, k, head_dim) * scale;
+      }
+      for (int64_t g = 0; g < group; ++g) {  // softmax: subtract the max, exponentiate, sum
+        float* s = scores.data() + g * stride;
+        const __m256 top = _mm256_set1_ps(*std::max_element(s, s + length));
+        for (int64_t t = 0; t < stride; t += 8) _mm256_storeu_ps(s + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), top)));
+        float sum = 0.0f;
+        for (int64_t t = 0; t < length; ++t) sum += s[t];  // the padding is left out
+        inv_sum[g] = 1.0f / sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t t = 0; t < length; ++t) {
+        const int64_t row = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+        const T* v = v_cache + row * row_stride + kv_head * head_dim;
+        for (int64_t g = 0; g < group; ++g) axpy(scores[g * stride + t] * inv_sum[g], v, acc.data() + g * head_dim, head_dim);
+      }
+      T* o = out + (seq * num_heads + kv_head * group) * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i) o[i] = static_cast<T>(acc[i]);
+    }
+  });
+}
+
+template <typename Index>
+void check_tables(const Index* block_tables, const Index* context_lens, int64_t num_seqs, int64_t max_blocks,
+                  int64_t block_size, int64_t num_blocks) {
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t length = static_cast<int64_t>(context_lens[seq]);
+    TORCH_CHECK(length >= 1 && length <= max_blocks * block_size, "paged_decode_attention: sequence ", seq,
+                " has context length ", length, "; allowed 1..", max_blocks * block_size, " (its block table's capacity)");
+    for (int64_t b = 0; b < (length + block_size - 1) / block_size; ++b) {
+      const int64_t block = static_cast<int64_t>(block_tables[seq * max_blocks + b]);
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: sequence ", seq, " block ", b, " is ",
+                  block, "; the cache has blocks 0..", num_blocks - 1);
+    }
+  }
+}
+
+template <typename T, typename Index>
+void dispatch_cache(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out, double scale) {
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
+  const int64_t num_seqs = query.size(0), max_blocks = block_tables.size(1);
+  check_tables(block_tables.data_ptr<Index>(), context_lens.data_ptr<Index>(), num_seqs, max_blocks, block_size,
+               num_blocks);
+  decode_kernel<T, Index>(query.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+                          block_tables.data_ptr<Index>(), context_lens.data_ptr<Index>(), out.data_ptr<T>(), num_seqs,
+                          query.size(1), k_cache.size(2), query.size(2), block_size, max_blocks,
+                          static_cast<float>(scale));
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  for (const at::Tensor* t : {&query, &k_cache, &v_cache, &block_tables, &context_lens}) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "paged_decode_attention: contiguous CPU tensors only");
+  }
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "paged_decode_attention: query (seqs, heads, head_dim) and caches (blocks, block_size, kv_heads, "
+              "head_dim) expected, got ", query.sizes(), ", ", k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0,
+              "paged_decode_attention: head_dim must match and heads must be a multiple of kv_heads, got query ",
+              query.sizes(), " and cache ", k_cache.sizes());
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "paged_decode_attention: query and caches must share a dtype");
+  TORCH_CHECK(block_tables.dim() == 2 && context_lens.dim() == 1 && block_tables.size(0) == query.size(0) &&
+                  context_lens.size(0) == query.size(0) && block_tables.scalar_type() == context_lens.scalar_type(),
+              "paged_decode_attention: block_tables (seqs, max_blocks) and context_lens (seqs,) of one integer dtype");
+  at::Tensor out = at::empty_like(query);
+  if (query.size(0) == 0) return out;
+  const bool wide = block_tables.scalar_type() == at::kLong;
+  TORCH_CHECK(wide || block_tables.scalar_type() == at::kInt, "paged_decode_attention: int32 or int64 tables");
+  if (query.scalar_type() == at::kFloat) {
+    if (wide) dispatch_cache<float, int64_t>(query, k_cache, v_cache, block_tables, context_lens, out, scale);
+    else dispatch_cache<float, int32_t>(query, k_cache, v_cache, block_tables, context_lens, out, scale);
+  } else if (query.scalar_type() == at::kBFloat16) {
+    if (wide) dispatch_cache<c10::BFloat16, int64_t>(query, k_cache, v_cache, block_tables, context_lens, out, scale);
+    else dispatch_cache<c10::BFloat16, int32_t>(query, k_cache, v_cache, block_tables, context_lens, out, scale);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only, got ", query.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(nanoengine, m) {
+  m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(nanoengine, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}

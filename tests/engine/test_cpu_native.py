@@ -1,0 +1,172 @@
+"""The native CPU kernels (kernels/cpu_native.py): right answers, fixed bits, routing, fallback."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoengine.backends.cpu import CpuAttention, CpuBackend, CpuLinearMethod
+from nanoengine.kernels import cpu_gemm, cpu_native, reference
+from nanoengine.layers.linear import ReplicatedLinear
+
+needs_kernel = pytest.mark.skipif(cpu_native.unavailable_reason() is not None or not cpu_native.load(),
+                                  reason="the native kernels cannot be built on this machine")
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("in_features", [576, 40, 17])  # 17 and 40: the scalar tail after the 16-wide steps
+def test_kernel_computes_what_f_linear_does(rows, in_features):
+    torch.manual_seed(rows)
+    x, weight, bias = torch.randn(rows, in_features), torch.randn(96, in_features), torch.randn(96)
+    torch.testing.assert_close(cpu_native.few_rows_linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cpu_native.few_rows_linear(x, weight, bias), F.linear(x, weight, bias),
+                               rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_bfloat16_is_summed_in_float32_and_rounded_once():
+    torch.manual_seed(0)
+    x, weight = torch.randn(3, 576, dtype=torch.bfloat16), torch.randn(200, 576, dtype=torch.bfloat16)
+    out = cpu_native.few_rows_linear(x, weight)
+    exact = F.linear(x.double(), weight.double())
+    assert out.dtype == torch.bfloat16
+    # One rounding to bfloat16 (8 bits of mantissa) of a float32 sum: within 2^-8 relative.
+    assert ((out.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-3).all()
+
+
+@needs_kernel
+def test_a_rows_bits_do_not_depend_on_its_batch_or_the_threads():
+    """The summation order is fixed by the source: alone or beside 7 others, on 1 or 2 threads."""
+    torch.manual_seed(0)
+    x, weight = torch.randn(8, 576), torch.randn(3072, 576)
+    together = cpu_native.few_rows_linear(x, weight)
+    for i in range(8):
+        assert torch.equal(cpu_native.few_rows_linear(x[i:i + 1], weight), together[i:i + 1])
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert torch.equal(cpu_native.few_rows_linear(x, weight), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
+def test_bad_inputs_are_refused_with_what_was_wrong():
+    weight = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.nanoengine.few_rows_linear(torch.randn(1, 8, dtype=torch.float64), weight, None)
+    with pytest.raises(RuntimeError, match=r"x \(M, K\) and weight \(N, K\)"):
+        torch.ops.nanoengine.few_rows_linear(torch.randn(1, 7), weight, None)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.nanoengine.few_rows_linear(torch.randn(1, 8), torch.randn(8, 4).t(), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        torch.ops.nanoengine.few_rows_linear(torch.randn(1, 8), weight, torch.randn(5))
+
+
+@needs_kernel
+def test_the_backend_sends_few_rows_to_the_kernel_and_more_to_the_library():
+    torch.manual_seed(0)
+    layer = ReplicatedLinear(48, 40)
+    torch.nn.init.normal_(layer.weight)
+    backend = CpuBackend("cpu")
+    backend.prepare_weights(torch.nn.ModuleList([layer]))
+    method = layer.linear_method
+    assert isinstance(method, CpuLinearMethod) and method.few_rows and backend.native_kernels
+    assert "few-rows kernel" in backend.describe()
+    few = torch.randn(cpu_native.MAX_ROWS, 48)
+    many = torch.randn(cpu_native.MAX_ROWS + 1, 48)
+    with torch.inference_mode():
+        assert torch.equal(layer(few), cpu_native.few_rows_linear(few, layer.weight))
+        assert torch.equal(layer(many), cpu_gemm.linear(many, layer.weight, None, method.packed))
+        assert torch.equal(layer(few[:1].reshape(1, 1, 48)), cpu_native.few_rows_linear(few[:1], layer.weight)[None])
+
+
+def test_without_the_kernel_one_warning_names_why_and_the_libraries_compute(monkeypatch):
+    monkeypatch.setattr(cpu_native, "unavailable_reason", lambda: "a test said so")
+    cpu_native.load.cache_clear()
+    try:
+        with pytest.warns(cpu_native.KernelBuildWarning, match="a test said so"):
+            assert cpu_native.load() is False
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the answer is kept: no second warning
+            assert cpu_native.load() is False
+            layer = ReplicatedLinear(48, 40)
+            torch.nn.init.normal_(layer.weight)
+            backend = CpuBackend("cpu")
+            backend.prepare_weights(torch.nn.ModuleList([layer]))
+        assert not backend.native_kernels and "few-rows" not in backend.describe()
+        backend.bind_kv_cache(16, 2, 4, 8, torch.float32)
+        assert not backend.attention.native and "batched decode" in backend.attention.name
+        x = torch.randn(1, 48)
+        expected = (cpu_gemm.linear(x, layer.weight, None, layer.linear_method.packed)
+                    if isinstance(layer.linear_method, CpuLinearMethod) else F.linear(x, layer.weight))
+        with torch.inference_mode():
+            assert torch.equal(layer(x), expected)
+    finally:
+        cpu_native.load.cache_clear()
+
+
+def test_the_build_is_named_for_its_torch_python_and_instruction_set():
+    name = cpu_native.build_name()
+    assert torch.__version__.split("+")[0].replace(".", "_") in name and name.endswith("_avx2_fma")
+    assert cpu_native.build_directory().name == name
+
+
+def _paged_case(dtype, lens, *, heads=9, kv_heads=3, head_dim=64, block_size=16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(1, max((n + block_size - 1) // block_size for n in lens))
+    num_blocks = max(64, len(lens) * max_blocks)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    tables = torch.randperm(num_blocks, generator=gen)[:len(lens) * max_blocks].view(len(lens), max_blocks).int()
+    query = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    return query, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [dict(), dict(heads=4, kv_heads=4, head_dim=20, block_size=4)],
+                         ids=["gqa, 64-wide heads", "mha, 20-wide heads"])
+def test_native_decode_attention_is_the_reference(dtype, shape):
+    lens = [1, 17, 64, 100, 33, 16]
+    query, k_cache, v_cache, tables, context_lens = _paged_case(dtype, lens, **shape)
+    out = cpu_native.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.125)
+    expected = reference.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.125)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out, expected, **tolerance)
+    for i in range(len(lens)):  # a sequence's bits do not depend on the others in its batch
+        alone = cpu_native.paged_decode_attention(query[i:i + 1], k_cache, v_cache, tables[i:i + 1],
+                                                  context_lens[i:i + 1], 0.125)
+        assert torch.equal(alone, out[i:i + 1])
+    wide = cpu_native.paged_decode_attention(query, k_cache, v_cache, tables.long(), context_lens.long(), 0.125)
+    assert torch.equal(wide, out)
+
+
+@needs_kernel
+def test_native_decode_attention_refuses_what_would_read_outside_the_cache():
+    query, k_cache, v_cache, tables, context_lens = _paged_case(torch.float32, [5, 20])
+    bad_block = tables.clone()
+    bad_block[1, 1] = 64  # the cache has blocks 0..63
+    with pytest.raises(RuntimeError, match="block 1 is 64; the cache has blocks 0..63"):
+        cpu_native.paged_decode_attention(query, k_cache, v_cache, bad_block, context_lens, 1.0)
+    with pytest.raises(RuntimeError, match="context length 33; allowed 1..32"):
+        cpu_native.paged_decode_attention(query, k_cache, v_cache, tables, torch.tensor([5, 33], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="context length 0"):
+        cpu_native.paged_decode_attention(query, k_cache, v_cache, tables, torch.tensor([0, 3], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_native.paged_decode_attention(query.double(), k_cache, v_cache, tables, context_lens, 1.0)
+
+
+@needs_kernel
+def test_the_backend_decodes_with_the_native_kernel_and_builds_no_plan():
+    backend = CpuBackend("cpu")
+    backend.bind_kv_cache(16, 3, 9, 64, torch.float32)
+    assert isinstance(backend.attention, CpuAttention) and backend.attention.native
+    assert "native paged decode" in backend.attention.name
+    backend.bind_kv_cache(16, 3, 9, 64, torch.float16)  # a dtype the kernels do not take: the PyTorch version
+    assert not backend.attention.native
