@@ -21,6 +21,9 @@ cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here:
   cache-row indices computed from the block tables (a ``DecodePlan``); the tables are the
   same in every layer, so ``build_metadata`` builds that plan once per step, as a field of
   the step's ``CpuAttentionMetadata``, and all 30 layers read it.
+* **Norms in one call.** With the native kernels, every ``RMSNorm`` calls
+  ``cpu_native.rms_norm`` / ``add_rms_norm`` (one pass per row, the residual add fused)
+  instead of five eager operators (``compile=True`` puts its compiled ones in their place).
 * **Store-KV without a check per layer.** Whether any token of the step has no slot (-1,
   a warm-up row) is decided once from the plan on the host (``all_slots_stored``); the
   layers then copy their keys and values with no host synchronisation.
@@ -46,6 +49,7 @@ from nanoengine.engine.host_memory import keep_freed_memory
 from nanoengine.kernels import cpu_attention, cpu_gemm, cpu_native, reference
 from nanoengine.kernels.cpu_attention import DecodePlan
 from nanoengine.layers.attention import AttentionImpl, AttentionMetadata
+from nanoengine.layers.layernorm import RMSNorm
 from nanoengine.layers.linear import GemmLayer
 
 # A chunk's logits stay under glibc's 32 MiB mmap threshold (``engine.host_memory``), so
@@ -140,7 +144,11 @@ class CpuBackend(Backend):
         self.attention.native = self.native_kernels and kv_dtype in cpu_native.DTYPES
 
     def prepare_weights(self, model: torch.nn.Module) -> None:
-        """Prepack every GEMM weight; route few-row products to the few-rows kernel."""
+        """Prepack every GEMM weight; route few-row products and the norms to the native kernels."""
+        if self.native_kernels:
+            for norm in model.modules():
+                if isinstance(norm, RMSNorm) and norm.weight.dtype in cpu_native.DTYPES and norm.weight.is_contiguous():
+                    norm.norm_fn, norm.add_norm_fn = cpu_native.rms_norm, cpu_native.add_rms_norm
         layers = [m for m in model.modules() if isinstance(m, GemmLayer)]
         num_packed = copy_bytes = 0
         for module in layers:

@@ -229,6 +229,7 @@ def compile_runner(runner, compiler: Compiler | None = None) -> CompileReport:
     start = time.perf_counter()
     targets = compilable_objects(runner)
     names = set()
+    before = [(obj, attr, vars(obj).get(attr)) for obj in targets for attr in type(obj).compilable]
     for obj in targets:
         for attr in type(obj).compilable:
             setattr(obj, attr, compiler.compiled(getattr(type(obj), attr)))
@@ -237,9 +238,11 @@ def compile_runner(runner, compiler: Compiler | None = None) -> CompileReport:
         runner.warm_up(num_tokens)
     seconds = time.perf_counter() - start
     if compiler.failure is not None:
-        for obj in targets:
-            for attr in type(obj).compilable:
-                delattr(obj, attr)  # the class attribute, the eager function, shows again
+        for obj, attr, previous in before:  # what ran before: a backend's own function, or the class's eager one
+            if previous is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, previous)
         return CompileReport(requested=True, compiled=False, seconds=seconds, ops=(),
                              fallback_reason=compiler.failure)
     return CompileReport(requested=True, compiled=True, seconds=seconds, ops=tuple(sorted(names)))

@@ -1,6 +1,6 @@
 """The CPU backend's own kernels, in C++ (chapter 10: when the libraries are not enough).
 
-Two operations of a decode step are poorly served by the libraries PyTorch calls:
+Three operations of a decode step are poorly served by the libraries PyTorch calls:
 
 * **A few rows times a weight** (``few_rows_linear``, ``csrc/few_rows_linear.cpp``). When
   one to a few sequences decode, each linear layer multiplies a few rows of activations by
@@ -15,6 +15,9 @@ Two operations of a decode step are poorly served by the libraries PyTorch calls
   The batched PyTorch version (``cpu_attention``) gathers keys and pays a dozen tensor ops
   per layer; this kernel walks each sequence's block table and reads every K/V row where it
   lies in the cache, once per KV head.
+* **RMSNorm with its residual add** (``rms_norm``, ``add_rms_norm``, ``csrc/rms_norm.cpp``):
+  one call and one pass per row where eager PyTorch makes five calls; for one decoding
+  sequence the calls, not the arithmetic, were the cost.
 
 Both are C++ with AVX2 and FMA intrinsics, registered as PyTorch operators
 (``torch.ops.nanoengine.*``) and run on PyTorch's own thread pool. They are compiled the first
@@ -134,6 +137,14 @@ def _register_fakes() -> None:
     def _(query, k_cache, v_cache, block_tables, context_lens, scale):
         return torch.empty_like(query)
 
+    @torch.library.register_fake("nanoengine::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("nanoengine::add_rms_norm")
+    def _(x, residual, weight, eps):
+        return torch.empty_like(x), torch.empty_like(x)
+
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x (..., in_features) with few rows, by the kernel.
@@ -156,6 +167,18 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         context_lens = context_lens.to(block_tables.dtype)
     return torch.ops.nanoengine.paged_decode_attention(query.contiguous(), k_cache, v_cache,
                                                        block_tables.contiguous(), context_lens.contiguous(), scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``layers.layernorm.rms_norm``, by the kernel: x (..., H), weight (H,) of x's dtype."""
+    return torch.ops.nanoengine.rms_norm(x.contiguous(), weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layers.layernorm.add_rms_norm``, by the kernel: (normalised x + residual, x + residual)."""
+    out, new_residual = torch.ops.nanoengine.add_rms_norm(x.contiguous(), residual.contiguous(), weight, eps)
+    return out, new_residual
 
 
 if __name__ == "__main__":  # ./course setup builds them ahead: python -m nanoengine.kernels.cpu_native

@@ -170,3 +170,42 @@ def test_the_backend_decodes_with_the_native_kernel_and_builds_no_plan():
     assert "native paged decode" in backend.attention.name
     backend.bind_kv_cache(16, 3, 9, 64, torch.float16)  # a dtype the kernels do not take: the PyTorch version
     assert not backend.attention.native
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 576), (5, 576), (3, 4, 20), (2, 7)], ids=str)
+def test_native_rms_norm_is_the_layers_definition(dtype, shape):
+    from nanoengine.layers.layernorm import add_rms_norm, rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    weight = torch.rand(shape[-1], generator=gen).to(dtype) + 0.5
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(cpu_native.rms_norm(x, weight, 1e-5), rms_norm(x, weight, 1e-5), **tolerance)
+    out, new_residual = cpu_native.add_rms_norm(x, residual, weight, 1e-5)
+    expected_out, expected_residual = add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(new_residual, expected_residual)  # one rounded add: the same bits
+    torch.testing.assert_close(out, expected_out, **tolerance)
+    assert torch.equal(cpu_native.rms_norm(x[:1], weight, 1e-5), cpu_native.rms_norm(x, weight, 1e-5)[:1])
+
+
+@needs_kernel
+def test_native_rms_norm_refuses_mismatched_inputs():
+    x = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match=r"x \(..., H\) and weight \(H,\)"):
+        cpu_native.rms_norm(x, torch.ones(7), 1e-5)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_native.rms_norm(x, torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(RuntimeError, match="residual must be"):
+        cpu_native.add_rms_norm(x, torch.randn(3, 8), torch.ones(8), 1e-5)
+
+
+@needs_kernel
+def test_the_backend_gives_every_norm_the_native_kernels():
+    from nanoengine.layers.layernorm import RMSNorm
+
+    model = torch.nn.ModuleList([RMSNorm(16), RMSNorm(16)])
+    CpuBackend("cpu").prepare_weights(model)
+    assert all(m.norm_fn is cpu_native.rms_norm and m.add_norm_fn is cpu_native.add_rms_norm for m in model)
+    assert RMSNorm.norm_fn is not cpu_native.rms_norm  # the class keeps the eager definition
