@@ -130,8 +130,9 @@ def _paged_case(dtype, lens, *, heads=9, kv_heads=3, head_dim=64, block_size=16,
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [dict(), dict(heads=4, kv_heads=4, head_dim=20, block_size=4)],
-                         ids=["gqa, 64-wide heads", "mha, 20-wide heads"])
+@pytest.mark.parametrize("shape", [dict(), dict(heads=4, kv_heads=2, head_dim=128, block_size=8),
+                                   dict(heads=4, kv_heads=4, head_dim=20, block_size=4)],
+                         ids=["gqa, 64-wide heads", "gqa, 128-wide heads", "mha, 20-wide heads (no register path)"])
 def test_native_decode_attention_is_the_reference(dtype, shape):
     lens = [1, 17, 64, 100, 33, 16]
     query, k_cache, v_cache, tables, context_lens = _paged_case(dtype, lens, **shape)

@@ -56,6 +56,67 @@ inline void axpy(float p, const T* v, float* out, int64_t D) {
   for (; d < D; ++d) out[d] += p * static_cast<float>(v[d]);
 }
 
+// Four key rows against one query (float32, NV * 8 values): four independent chains of FMAs
+// (one chain, as in dot(), waits on itself every step). Each result has dot()'s bits.
+template <typename T, int NV>
+inline void dot4(const float* q, const T* k0, const T* k1, const T* k2, const T* k3, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int v = 0; v < NV; ++v) {
+    const __m256 qv = _mm256_loadu_ps(q + 8 * v);
+    a0 = _mm256_fmadd_ps(qv, load8(k0 + 8 * v), a0);
+    a1 = _mm256_fmadd_ps(qv, load8(k1 + 8 * v), a1);
+    a2 = _mm256_fmadd_ps(qv, load8(k2 + 8 * v), a2);
+    a3 = _mm256_fmadd_ps(qv, load8(k3 + 8 * v), a3);
+  }
+  out[0] = horizontal_sum(a0);
+  out[1] = horizontal_sum(a1);
+  out[2] = horizontal_sum(a2);
+  out[3] = horizontal_sum(a3);
+}
+
+// The attention of one (sequence, KV head) task. NV > 0: head_dim is NV * 8 and the output
+// accumulators stay in registers; NV == 0: any head_dim, accumulators in memory. Both add
+// in the same order, so they give the same bits.
+template <typename T, int NV>
+void attend(const float* q, const T* k_cache, const T* v_cache, const std::vector<int64_t>& rows, int64_t group,
+            int64_t head_dim, float scale, std::vector<float>& scores, float* acc) {
+  const int64_t length = static_cast<int64_t>(rows.size());
+  const int64_t stride = (length + 7) / 8 * 8;  // a row of scores, padded to whole vectors
+  scores.assign(group * stride, 0.0f);          // scores[g * stride + t]
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q + g * head_dim;
+    float* s = scores.data() + g * stride;
+    int64_t t = 0;
+    if (NV > 0) {
+      for (; t + 4 <= length; t += 4) {
+        dot4<T, NV>(qg, k_cache + rows[t], k_cache + rows[t + 1], k_cache + rows[t + 2], k_cache + rows[t + 3], s + t);
+      }
+    }
+    for (; t < length; ++t) s[t] = dot(qg, k_cache + rows[t], head_dim);
+    for (t = 0; t < length; ++t) s[t] *= scale;
+    // softmax: subtract the max, exponentiate, sum (the padding is exponentiated, never summed)
+    const __m256 top = _mm256_set1_ps(*std::max_element(s, s + length));
+    for (t = 0; t < stride; t += 8) _mm256_storeu_ps(s + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), top)));
+    float sum = 0.0f;
+    for (t = 0; t < length; ++t) sum += s[t];
+    const float inv_sum = 1.0f / sum;
+    float* out = acc + g * head_dim;
+    if (NV > 0) {
+      __m256 a[NV > 0 ? NV : 1];
+      for (int v = 0; v < NV; ++v) a[v] = _mm256_setzero_ps();
+      for (t = 0; t < length; ++t) {
+        const __m256 weight = _mm256_set1_ps(s[t] * inv_sum);
+        const T* row = v_cache + rows[t];
+        for (int v = 0; v < NV; ++v) a[v] = _mm256_fmadd_ps(weight, load8(row + 8 * v), a[v]);
+      }
+      for (int v = 0; v < NV; ++v) _mm256_storeu_ps(out + 8 * v, a[v]);
+    } else {
+      std::fill(out, out + head_dim, 0.0f);
+      for (t = 0; t < length; ++t) axpy(s[t] * inv_sum, v_cache + rows[t], out, head_dim);
+    }
+  }
+}
+
 template <typename T, typename Index>
 void decode_kernel(const T* query, const T* k_cache, const T* v_cache, const Index* block_tables,
                    const Index* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -63,33 +124,24 @@ void decode_kernel(const T* query, const T* k_cache, const T* v_cache, const Ind
   const int64_t group = num_heads / num_kv_heads;
   const int64_t row_stride = num_kv_heads * head_dim;  // between consecutive tokens of a block
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_dim), acc(group * head_dim), inv_sum(group), scores;
+    std::vector<float> q(group * head_dim), acc(group * head_dim), scores;
+    std::vector<int64_t> rows;  // where token t's K/V row of this head starts in the cache
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t length = static_cast<int64_t>(context_lens[seq]);
-      const int64_t stride = (length + 7) / 8 * 8;  // a row of scores, padded to whole vectors
       const Index* table = block_tables + seq * max_blocks;
+      rows.resize(length);
+      for (int64_t t = 0; t < length; ++t) {
+        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+        rows[t] = slot * row_stride + kv_head * head_dim;
+      }
       const T* q_in = query + (seq * num_heads + kv_head * group) * head_dim;  // the group's heads are adjacent
       for (int64_t i = 0; i < group * head_dim; ++i) q[i] = static_cast<float>(q_in[i]);
-      scores.assign(group * stride, 0.0f);  // scores[g * stride + t]
-      for (int64_t t = 0; t < length; ++t) {
-        const int64_t row = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-        const T* k = k_cache + row * row_stride + kv_head * head_dim;
-        for (int64_t g = 0; g < group; ++g) scores[g * stride + t] = dot(q.data() + g * head_dim, k, head_dim) * scale;
-      }
-      for (int64_t g = 0; g < group; ++g) {  // softmax: subtract the max, exponentiate, sum
-        float* s = scores.data() + g * stride;
-        const __m256 top = _mm256_set1_ps(*std::max_element(s, s + length));
-        for (int64_t t = 0; t < stride; t += 8) _mm256_storeu_ps(s + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), top)));
-        float sum = 0.0f;
-        for (int64_t t = 0; t < length; ++t) sum += s[t];  // the padding is left out
-        inv_sum[g] = 1.0f / sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t t = 0; t < length; ++t) {
-        const int64_t row = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-        const T* v = v_cache + row * row_stride + kv_head * head_dim;
-        for (int64_t g = 0; g < group; ++g) axpy(scores[g * stride + t] * inv_sum[g], v, acc.data() + g * head_dim, head_dim);
+      switch (head_dim) {  // the common head sizes get register accumulators
+        case 64: attend<T, 8>(q.data(), k_cache, v_cache, rows, group, head_dim, scale, scores, acc.data()); break;
+        case 128: attend<T, 16>(q.data(), k_cache, v_cache, rows, group, head_dim, scale, scores, acc.data()); break;
+        case 32: attend<T, 4>(q.data(), k_cache, v_cache, rows, group, head_dim, scale, scores, acc.data()); break;
+        default: attend<T, 0>(q.data(), k_cache, v_cache, rows, group, head_dim, scale, scores, acc.data()); break;
       }
       T* o = out + (seq * num_heads + kv_head * group) * head_dim;
       for (int64_t i = 0; i < group * head_dim; ++i) o[i] = static_cast<T>(acc[i]);
