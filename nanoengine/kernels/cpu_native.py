@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import platform
 import sys
 import time
@@ -151,7 +152,7 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
     ``load()`` must have returned True; weight (out_features, in_features) contiguous.
     """
-    rows = x.reshape(-1, x.shape[-1]).contiguous()  # (M, K)
+    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous()  # (M, K); -1 is ambiguous when K == 0
     out = torch.ops.nanoengine.few_rows_linear(rows, weight, bias)  # (M, N)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 

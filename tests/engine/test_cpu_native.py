@@ -56,6 +56,13 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_the_threads():
 
 
 @needs_kernel
+def test_an_empty_inner_dimension_gives_the_bias_or_zeros():
+    x, weight, bias = torch.randn(3, 0), torch.randn(5, 0), torch.randn(5)
+    assert torch.equal(cpu_native.few_rows_linear(x, weight), F.linear(x, weight))
+    assert torch.equal(cpu_native.few_rows_linear(x, weight, bias), F.linear(x, weight, bias))
+
+
+@needs_kernel
 def test_bad_inputs_are_refused_with_what_was_wrong():
     weight = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="share a dtype"):
@@ -161,6 +168,8 @@ def test_native_decode_attention_refuses_what_would_read_outside_the_cache():
         cpu_native.paged_decode_attention(query, k_cache, v_cache, tables, torch.tensor([0, 3], dtype=torch.int32), 1.0)
     with pytest.raises(RuntimeError, match="share a dtype"):
         cpu_native.paged_decode_attention(query.double(), k_cache, v_cache, tables, context_lens, 1.0)
+    with pytest.raises(RuntimeError, match="kv_heads must be >= 1"):
+        cpu_native.paged_decode_attention(query, k_cache[:, :, :0], v_cache[:, :, :0], tables, context_lens, 1.0)
 
 
 @needs_kernel

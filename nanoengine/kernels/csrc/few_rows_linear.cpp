@@ -100,6 +100,7 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const 
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
+  if (K == 0) return has_bias ? y.copy_(bias->expand({M, N})) : y.zero_();  // an empty sum, plus the bias
   if (x.scalar_type() == at::kFloat) {
     few_rows_kernel<float>(x.data_ptr<float>(), weight.data_ptr<float>(),
                            has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N);

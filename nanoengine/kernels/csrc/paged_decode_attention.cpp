@@ -185,6 +185,9 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
               "paged_decode_attention: query (seqs, heads, head_dim) and caches (blocks, block_size, kv_heads, "
               "head_dim) expected, got ", query.sizes(), ", ", k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK(query.size(1) > 0 && query.size(2) > 0 && k_cache.size(1) > 0 && k_cache.size(2) > 0,
+              "paged_decode_attention: heads, head_dim, block_size and kv_heads must be >= 1, got query ",
+              query.sizes(), " and cache ", k_cache.sizes());
   TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0,
               "paged_decode_attention: head_dim must match and heads must be a multiple of kv_heads, got query ",
               query.sizes(), " and cache ", k_cache.sizes());
