@@ -336,7 +336,8 @@ def measure_gemm_peak(shapes: Sequence[tuple[int, int]], tokens: int = 1024, *, 
     import torch
     import torch.nn.functional as F
 
-    from nanoengine.kernels import cpu_gemm, cpu_native
+    from nanoengine.backends.cpu import CpuLinearMethod
+    from nanoengine.kernels import cpu_native
 
     if tokens < 1 or not shapes:
         raise ValueError(f"need tokens >= 1 and at least one shape, got tokens={tokens}, shapes={shapes!r}")
@@ -351,17 +352,12 @@ def measure_gemm_peak(shapes: Sequence[tuple[int, int]], tokens: int = 1024, *, 
         x = torch.randn(tokens, n_in, generator=gen).to(dev, dtype)  # (tokens, in)
         w = torch.randn(n_out, n_in, generator=gen).to(dev, dtype)  # (out, in)
         for path in paths:
-            few_rows = (path == "engine" and dev.type == "cpu" and tokens <= cpu_native.MAX_ROWS
-                        and dtype in cpu_native.DTYPES and cpu_native.load())
-            packed = cpu_gemm.pack_weight(w) if path == "engine" and not few_rows else None
-            if few_rows:
-                def run(x=x, w=w):
-                    return cpu_native.few_rows_linear(x, w)  # (tokens, out)
-                used = "few-rows kernel"
-            elif packed is not None:
-                def run(x=x, w=w, packed=packed):
-                    return cpu_gemm.linear(x, w, None, packed)  # (tokens, out)
-                used = "oneDNN packed"
+            native = dev.type == "cpu" and cpu_native.load()
+            method = CpuLinearMethod.for_weight(w, native) if path == "engine" else None
+            if method is not None and (method.packed is not None or method.takes_few_rows(x, w)):
+                def run(x=x, w=w, method=method):
+                    return method.product(x, w)  # (tokens, out)
+                used = "few-rows kernel" if method.takes_few_rows(x, w) else "oneDNN packed"
             else:
                 def run(x=x, w=w):
                     return F.linear(x, w)  # (tokens, out)

@@ -111,16 +111,30 @@ class CpuLinearMethod:
         self.packed = packed
         self.few_rows = few_rows
 
+    @classmethod
+    def for_weight(cls, weight: torch.Tensor, native_kernels: bool) -> "CpuLinearMethod":
+        """The method for one weight: packed where oneDNN can, the few-rows kernel where it takes it."""
+        few_rows = (native_kernels and weight.dtype in cpu_native.DTYPES and weight.device.type == "cpu"
+                    and weight.is_contiguous())
+        return cls(cpu_gemm.pack_weight(weight), few_rows)
+
     @property
     def name(self) -> str:
         many = "oneDNN prepacked" if self.packed is not None else "F.linear"
         return f"few-rows kernel up to {cpu_native.MAX_ROWS} rows, then {many}" if self.few_rows else many
 
-    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        weight = layer.weight
-        if self.few_rows and x.numel() <= cpu_native.MAX_ROWS * x.shape[-1] and x.dtype == weight.dtype:
+    def takes_few_rows(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether ``x`` goes to the few-rows kernel (else ``cpu_gemm.linear``)."""
+        return self.few_rows and x.numel() <= cpu_native.MAX_ROWS * x.shape[-1] and x.dtype == weight.dtype
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)``, the way this method computes it."""
+        if self.takes_few_rows(x, weight):
             return cpu_native.few_rows_linear(x, weight, bias)
         return cpu_gemm.linear(x, weight, bias, self.packed)
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.product(x, layer.weight, bias)
 
 
 class CpuBackend(Backend):
@@ -153,13 +167,11 @@ class CpuBackend(Backend):
         num_packed = copy_bytes = 0
         for module in layers:
             weight = module.weight
-            packed = cpu_gemm.pack_weight(weight)
-            few_rows = (self.native_kernels and weight.dtype in cpu_native.DTYPES and weight.device.type == "cpu"
-                        and weight.is_contiguous())
-            if packed is None and not few_rows:
+            method = CpuLinearMethod.for_weight(weight, self.native_kernels)
+            if method.packed is None and not method.few_rows:
                 continue  # the layer keeps plain F.linear
-            module.linear_method = CpuLinearMethod(packed, few_rows)
-            if packed is not None:
+            module.linear_method = method
+            if method.packed is not None:
                 num_packed += 1
                 # A tied LM head shares its weight with the embedding: each packed copy is its own.
                 copy_bytes += weight.numel() * weight.element_size()

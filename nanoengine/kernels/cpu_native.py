@@ -19,7 +19,7 @@ Three operations of a decode step are poorly served by the libraries PyTorch cal
   one call and one pass per row where eager PyTorch makes five calls; for one decoding
   sequence the calls, not the arithmetic, were the cost.
 
-Both are C++ with AVX2 and FMA intrinsics, registered as PyTorch operators
+All three are C++ with AVX2 and FMA intrinsics, registered as PyTorch operators
 (``torch.ops.nanoengine.*``) and run on PyTorch's own thread pool. They are compiled the first
 time an engine needs them (about 20 s, said once on stderr) by PyTorch's extension builder,
 into ``~/.cache/nanoengine/kernels/`` under a name that carries the torch and Python versions
@@ -51,7 +51,9 @@ HEADERS = tuple(sorted(CSRC.glob("*.h")))
 # Compiled for exactly this instruction set (no -march=native): the same bits on any x86-64
 # CPU that has it.
 ISA = "avx2_fma"
-COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp"]
+# -ffp-contract=off: the intrinsics' FMAs are written out; no scalar ``a * b + c`` is fused behind
+# our back, where another compiler version might decide otherwise.
+COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
 # Row counts up to this take the few-rows kernel; from about 16 rows on, each weight is reused
 # enough for a GEMM library's blocking to catch up (SmolLM2's shapes, measured by
 # scripts/measure_native_kernels.py: results/README.md).
