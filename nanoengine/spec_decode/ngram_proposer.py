@@ -1,0 +1,63 @@
+"""Prompt lookup: propose the tokens that followed the request's last n tokens earlier on.
+
+Text that copies, edits, quotes or continues a pattern repeats itself: a summary quotes its
+document, an edit repeats the code around the change. So the last few tokens of a request
+have often appeared before in its own prompt or output, and what followed them then is a
+good guess for what follows now. The guess costs no model at all.
+
+``propose_ngram`` follows vLLM's rule (``vllm/v1/spec_decode/ngram_proposer.py``): the
+*longest* suffix of length ``min_n..max_n`` that occurs earlier, at its *earliest*
+occurrence, and up to ``k`` tokens after it (fewer if the context ends sooner). vLLM finds it
+with a KMP-style scan compiled by numba; this version slides a window over the context with
+numpy, which is as easy to read and fast enough for the contexts of this course.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from nanoengine.spec_decode.config import SpeculativeConfig
+
+
+def propose_ngram(token_ids: Sequence[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """Up to ``k`` tokens that followed the longest earlier match of the context's suffix.
+
+    Tries n = max_n down to min_n: the last n tokens are searched for in the context before
+    its final token (a match must end before the suffix itself does, so something follows
+    it); the first n with a match wins, at its earliest position. [] when nothing matches.
+    """
+    if k < 1 or min_n < 1 or min_n > max_n:
+        raise ValueError(f"need k >= 1 and 1 <= min_n <= max_n, got k={k}, min_n={min_n}, max_n={max_n}")
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    total = len(tokens)
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        suffix = tokens[total - n:]
+        # windows[i] = tokens[i:i+n], for every start whose window ends before the last token
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:total - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[0]) + n  # the first token after the earliest match
+            return tokens[start:start + k].tolist()
+    return []
+
+
+class NgramProposer:
+    """The ngram proposer of one engine: its config, and a cap from the model's length."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+
+    def propose(self, token_ids: Sequence[int], max_tokens_left: int) -> list[int]:
+        """Drafts for one request: at most k, never past the model's length or the request's own end.
+
+        ``max_tokens_left``: tokens the request may still generate. A verify pass that accepts
+        every draft also yields one more token of its own, so at most ``max_tokens_left - 1``
+        drafts are useful.
+        """
+        room = min(self.config.num_speculative_tokens, self.max_model_len - len(token_ids) - 1, max_tokens_left - 1)
+        if room < 1:
+            return []
+        return propose_ngram(token_ids, room, self.config.prompt_lookup_max, self.config.prompt_lookup_min)
