@@ -176,12 +176,13 @@ class BlockManager:
                 return [], 0
             tokens = request.all_token_ids
             max_full_blocks = (len(tokens) - 1) // self.block_size
+            digests = self.token_digests(request, max_full_blocks)
             hits: list[int] = []
             parent: bytes | None = None
             parent_serial: int | None = None
             for i in range(max_full_blocks):
                 chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
-                block_hash = self.hash_fn(parent, chunk)
+                block_hash = digests[i]
                 block_id = self.cached_blocks.get(block_hash)
                 if block_id is None:
                     break
@@ -192,6 +193,19 @@ class BlockManager:
                 hits.append(block_id)
                 parent, parent_serial = block_hash, block.serial
             return hits, len(hits) * self.block_size
+
+    def token_digests(self, request: "Request", num_blocks: int) -> list[bytes]:
+        """The chained digests of ``request``'s first ``num_blocks`` full blocks of tokens.
+
+        Each is computed once per request and kept on it (``Request.token_block_digests``): a
+        waiting request asks ``get_computed_blocks`` again at every admission attempt, and a
+        preempted one again when it is readmitted, but its tokens, and so their digests, never
+        change. Returns the request's list itself (at least ``num_blocks`` long): read, do not edit.
+        """
+        digests, tokens, size = request.token_block_digests, request.all_token_ids, self.block_size
+        for i in range(len(digests), num_blocks):
+            digests.append(self.hash_fn(digests[i - 1] if i else None, tuple(tokens[i * size:(i + 1) * size])))
+        return digests
 
     def can_allocate(self, request: "Request", num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         """Whether ``allocate_slots`` would succeed, without changing anything."""
@@ -244,11 +258,12 @@ class BlockManager:
                 return
             hashes, serials = request.block_hashes, request.block_serials
             num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+            digests = self.token_digests(request, num_full)
             for i in range(len(hashes), num_full):
                 parent = hashes[i - 1] if i else None
                 parent_serial = serials[i - 1] if i else None
                 chunk = tuple(request.all_token_ids[i * self.block_size:(i + 1) * self.block_size])
-                block_hash = self.hash_fn(parent, chunk)
+                block_hash = digests[i]
                 hashes.append(block_hash)
                 block = self.blocks[request.block_ids[i]]
                 if block.block_hash is not None:  # cached already: stored earlier, or a prefix hit

@@ -69,6 +69,9 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []  # the block table: logical block i -> physical block
         self.block_hashes: list[bytes] = []  # chained digests of its full, computed blocks
+        # Chained digests of its full blocks of tokens, each computed once (the block manager's
+        # ``token_digests``): tokens never change, so preemption and retries keep them.
+        self.token_block_digests: list[bytes] = []
         self.block_serials: list[int | None] = []  # which cached content each of them is (prefix cache)
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self.num_preemptions = 0

@@ -139,3 +139,31 @@ def test_snapshot_shows_digests_parents_and_the_lru_order():
     place = {b.block_id: b.lru_position for b in order}
     # Freed tail first: the request's last block is handed out before its prefix.
     assert place[held[-1]] < place[held[1]] < place[held[0]]
+
+
+def test_a_requests_block_digests_are_computed_once_across_admission_attempts_and_preemption():
+    """Hashing is the prefix cache's main host cost: each full block is hashed once per request."""
+    from nanoengine.engine.block_manager import BlockManager, hash_block
+    from nanoengine.engine.request import Request
+    from nanoengine.sampling_params import SamplingParams
+
+    calls = []
+
+    def counting_hash(parent, tokens):
+        calls.append(tuple(tokens))
+        return hash_block(parent, tokens)
+
+    bm = BlockManager(num_blocks=4, block_size=4, hash_fn=counting_hash)
+    request = Request("r", list(range(17)), SamplingParams(max_tokens=2))
+    for _ in range(3):  # three admission attempts while the pool is too small for it
+        bm.get_computed_blocks(request)
+        assert not bm.can_allocate(request, 17)
+    assert len(calls) == 4  # its 4 full blocks, once
+    big = BlockManager(num_blocks=8, block_size=4, hash_fn=counting_hash)
+    assert big.allocate_slots(request, 17)
+    request.num_computed_tokens = 17  # its prefill ran
+    big.cache_full_blocks(request)
+    assert len(big.cached_blocks) == 4
+    big.free(request)  # preempted: its blocks go back, its digests stay
+    big.get_computed_blocks(request)
+    assert len(calls) == 4
