@@ -132,6 +132,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --vs-vllm: run vLLM eagerly (by default it compiles its model, as its CPU build does)")
     p.add_argument("--vllm-compare-prompts", type=int, default=8,
                    help="with --vs-vllm: greedy tokens of this many first prompts compared with the engine's")
+    p.add_argument("--speculative", action="store_true",
+                   help="speculative decoding (prompt lookup) against plain decoding, alternating rounds, on a "
+                        "copying and an open workload (nanobench/speculative.py)")
+    p.add_argument("--spec-tokens", type=int, default=4, help="with --speculative: k, drafts per step")
+    p.add_argument("--spec-lookup-max", type=int, default=4, help="with --speculative: longest n-gram looked up")
+    p.add_argument("--spec-lookup-min", type=int, default=2, help="with --speculative: shortest n-gram looked up")
+    p.add_argument("--spec-output-len", type=int, default=128,
+                   help="with --speculative: most tokens per request (EOS ends one sooner)")
     p.add_argument("--out", default=None, help="results JSON (default: results/bench-<device>-<date>.json; with "
                    "--vs-vllm results/bench-vllm-<device>-<date>-<dtype>.json)")
 
@@ -171,6 +179,12 @@ def check_arguments(args: argparse.Namespace) -> None:
     for count in args.overhead_requests:
         at_least("each of overhead_requests", count, 1)
     at_least("overhead_steps", args.overhead_steps, 1)
+    if getattr(args, "speculative", False):  # the engine's own checks, before anything loads
+        from nanoengine.spec_decode import SpeculativeConfig
+
+        at_least("spec_output_len", args.spec_output_len, 1)
+        SpeculativeConfig(num_speculative_tokens=args.spec_tokens, prompt_lookup_max=args.spec_lookup_max,
+                          prompt_lookup_min=args.spec_lookup_min)
     if getattr(args, "vs_vllm", False):
         check_vllm_arguments(args)
 
@@ -727,6 +741,10 @@ def run_from_args(args: argparse.Namespace) -> dict:
     from nanoengine.loader.weights import resolve_model_source
 
     check_arguments(args)
+    if args.speculative:
+        from nanobench.speculative import run_speculative
+
+        return run_speculative(args)
     if args.overhead:
         from nanobench.overhead import run_overhead
 

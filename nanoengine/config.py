@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from nanoengine.models.config import ModelConfig
+from nanoengine.spec_decode.config import SpeculativeConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -52,6 +53,9 @@ class EngineConfig:
         the sampler's filters); on failure the engine warns once and stays eager. Independent
         of enforce_eager, which is about CUDA graphs only (``engine.compilation``).
     seed: seeds the engine's generator for requests without a seed of their own.
+    speculative_config: None (no speculation) or vLLM's dict, e.g. ``{"method": "ngram",
+        "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``
+        (``nanoengine.spec_decode``, chapter 13); kept as a checked ``SpeculativeConfig``.
     """
 
     device: str = "auto"
@@ -69,6 +73,7 @@ class EngineConfig:
     enforce_eager: bool = False
     compile: bool = False
     seed: int = 0
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -107,6 +112,8 @@ class EngineConfig:
                              f"tensor_parallel_size > 1 (got {self.tensor_parallel_size})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) (torch.Generator's range), got {self.seed!r}")
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

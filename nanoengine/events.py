@@ -40,6 +40,24 @@ class RequestScheduled(Event):
 
 
 @dataclass(frozen=True)
+class DraftsVerified(Event):
+    """Speculative decoding: a request's drafted tokens were checked by one forward pass (chapter 13).
+
+    ``emitted`` are the tokens the pass produced: the first ``num_accepted`` drafts (the
+    model agreed with them), then one token of the model's own. A stop among them may
+    still end the request before all of them reach its output.
+    """
+
+    request_id: str
+    draft_token_ids: tuple[int, ...]
+    emitted: tuple[int, ...]
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.emitted) - 1
+
+
+@dataclass(frozen=True)
 class RequestPreempted(Event):
     """Evicted to make room; its blocks are freed and it will be recomputed."""
 

@@ -151,6 +151,12 @@ class LLM:
                 bar.close()
         return [results[i] for i in ids]
 
+    def get_metrics(self) -> list:
+        """The engine's counters and gauges now, as ``nanoengine.metrics`` records (vLLM's ``get_metrics``)."""
+        from nanoengine.metrics import engine_metrics
+
+        return engine_metrics(self.engine)
+
     def reset_prefix_cache(self) -> int:
         """Forget the prefix cache's free blocks (see ``LLMEngine.reset_prefix_cache``)."""
         return self.engine.reset_prefix_cache()

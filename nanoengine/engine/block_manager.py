@@ -339,6 +339,30 @@ class BlockManager:
             if freed and self.events.wants(BlocksFreed):
                 self.events.emit(BlocksFreed(self.step, request.request_id, tuple(freed)))
 
+    def release_slots_after(self, request: "Request", num_tokens: int) -> None:
+        """Free ``request``'s blocks past the first ``num_tokens`` tokens (speculative decoding).
+
+        A verify pass wrote the KV of drafted tokens into slots allocated for them; those
+        past the accepted run hold guesses. Blocks that hold nothing else go back to the
+        pool, last first as ``free`` does. They were allocated fresh for this request and
+        never filled with computed tokens, so none of them is shared or in the prefix cache.
+        """
+        with self.profiler.phase("block_manager"):
+            keep = self.blocks_needed(num_tokens)
+            surplus = request.block_ids[keep:]
+            if not surplus:
+                return
+            for block_id in reversed(surplus):
+                block = self.blocks[block_id]
+                if block.ref_count != 1 or block.block_hash is not None:
+                    raise InvariantError(f"block {block_id} of {request.request_id} past its tokens is shared "
+                                         f"or cached (ref_count {block.ref_count})")
+                block.ref_count = 0
+                self.free_queue[block_id] = None
+            del request.block_ids[keep:]
+            if self.events.wants(BlocksFreed):
+                self.events.emit(BlocksFreed(self.step, request.request_id, tuple(reversed(surplus))))
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash of a free block; returns how many were dropped."""
         with self.profiler.phase("block_manager"):

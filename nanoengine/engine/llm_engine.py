@@ -42,10 +42,12 @@ from nanoengine.engine.profiler import StepProfiler
 from nanoengine.engine.request import Request, RequestStatus
 from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
 from nanoengine.engine.snapshots import EngineSnapshot, MemoryReport, RequestSnapshot
-from nanoengine.events import BatchPrepared, EventBus, RequestQueued, StepFinished
+from nanoengine.events import BatchPrepared, DraftsVerified, EventBus, RequestQueued, StepFinished
 from nanoengine.models.config import ModelConfig
 from nanoengine.outputs import RequestOutput
 from nanoengine.sampling_params import SamplingParams
+from nanoengine.spec_decode.metrics import SpecDecodeStats
+from nanoengine.spec_decode.ngram_proposer import NgramProposer
 
 RunnerFactory = Callable[[int, int], SamplingRunner]  # (max_model_len, num_kv_blocks) -> runner
 
@@ -82,6 +84,10 @@ class LLMEngine:
         self.step_count = 0
         self._stepping = False  # inside step(): an abort must wait until the batch is done
         self._deferred_aborts: list[str] = []
+        # Speculative decoding (chapter 13): who proposes drafts, and how they fared.
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec, self.max_model_len) if spec is not None else None
+        self.spec_decode_stats = SpecDecodeStats(spec.num_speculative_tokens if spec is not None else 0)
 
     # ------------------------------------------------------------ creation
     @classmethod
@@ -302,10 +308,50 @@ class LLMEngine:
         produced = self.scheduler.update_from_output(sched, result.sampled)
         for sibling in self.parents.after_update(produced):  # n > 1: the prompt is computed
             self._queue(sibling)
-        stop_strings = self.output_processor.detokenize(produced, result.logprobs)
-        for request in produced:
-            self.scheduler.finish_if_stopped(request, stop_strings.get(request.request_id))
+        self._take_in(produced, result.logprobs, 0)
+        if sched.num_draft_tokens:  # speculative decoding: the rest of each accepted run
+            self._take_in_accepted_runs(sched, produced, result)
+        if self.proposer is not None:
+            self._propose(produced)
         return [self._forget(out) for out in self.output_processor.make_outputs(produced)]
+
+    def _take_in(self, requests: list[Request], logprobs: dict[str, list], index: int) -> None:
+        """Detokenize each request's newest token (its ``index``-th of this step), then decide its stop."""
+        stop_strings = self.output_processor.detokenize(
+            requests, {r.request_id: logprobs[r.request_id][index] for r in requests if r.request_id in logprobs})
+        for request in requests:
+            self.scheduler.finish_if_stopped(request, stop_strings.get(request.request_id))
+
+    def _take_in_accepted_runs(self, sched: SchedulerOutput, produced: list[Request], result) -> None:
+        """Speculating requests emitted up to k+1 tokens: take them one at a time, as plain
+        decoding would have, so a stop (EOS, a stop token or string, max_tokens) among them
+        ends the request there and nothing after it is emitted. Then the rejected drafts'
+        blocks go back, and the counts vLLM reports are kept (``SpecDecodeStats``)."""
+        now = time.perf_counter()
+        runs = [(r, result.sampled[r.request_id]) for r in produced if len(result.sampled[r.request_id]) > 1]
+        for index in range(1, max((len(tokens) for _, tokens in runs), default=0)):
+            batch = [r for r, tokens in runs if len(tokens) > index and not r.is_finished]
+            for request in batch:
+                self.scheduler.accept_token(request, result.sampled[request.request_id][index], now)
+            self._take_in(batch, result.logprobs, index)
+        self.scheduler.release_rejected_slots(sched)
+        announce = self.events.wants(DraftsVerified)
+        for s in sched.scheduled:
+            if s.num_draft_tokens:
+                emitted = result.sampled[s.request.request_id]
+                self.spec_decode_stats.observe(s.draft_token_ids, emitted)
+                if announce:
+                    self.events.emit(DraftsVerified(self.step_count, s.request.request_id, s.draft_token_ids,
+                                                    tuple(emitted)))
+
+    def _propose(self, produced: list[Request]) -> None:
+        """Guess the next tokens of every decoding request that produced one (prompt lookup)."""
+        for request in produced:
+            if request.is_finished or request.num_tokens_to_compute != 1:
+                request.spec_token_ids = []
+                continue
+            left = request.sampling_params.max_tokens - request.num_output_tokens
+            request.spec_token_ids = self.proposer.propose(request.all_token_ids, left)
 
     def decode(self, token_ids: list[int]) -> str:
         """Token ids to text, special tokens included (for showing single tokens)."""
@@ -339,7 +385,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------ observing
     def snapshot(self) -> EngineSnapshot:
-        bm = self.block_manager
+        bm, spec = self.block_manager, self.spec_decode_stats
         return EngineSnapshot(
             step=self.step_count,
             waiting=tuple(RequestSnapshot.of(r) for r in self.scheduler.waiting),
@@ -350,7 +396,9 @@ class LLMEngine:
             max_num_batched_tokens=self.config.max_num_batched_tokens, max_model_len=self.max_model_len,
             prefix_cache_queries=self.scheduler.prefix_queries, prefix_cache_hits=self.scheduler.prefix_hits,
             num_preemptions=self.scheduler.num_preemptions, num_evictions=bm.num_evictions,
-            scheduling_policy=self.config.scheduling_policy)
+            scheduling_policy=self.config.scheduling_policy, num_speculative_tokens=spec.num_spec_tokens,
+            spec_decode_num_drafts=spec.num_drafts, spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens)
 
     def memory_report(self) -> MemoryReport:
         """Bytes of weights (and their packed CPU copies) and of the KV cache, and the KV sizes."""

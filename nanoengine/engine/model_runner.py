@@ -8,14 +8,17 @@ The scheduler's decision becomes a ``BatchPlan`` (``plan_batch``: short lists, a
 block tables and slots gathered from the engine's persistent ``BlockTables``), then
 tensors on the model's device (``prepare_inputs``):
 
-* ``input_ids`` / ``positions``: the tokens to compute, decodes first then prefill chunks,
+* ``input_ids`` / ``positions``: the tokens to compute, decodes first then prefill chunks
+  (a decode that checks k drafted tokens is k+1 decode rows, chapter 13),
 * ``slot_mapping``: where each token's K/V goes (``block_table[pos // B] * B + pos % B``),
 * block tables and context lengths: where each sequence's earlier K/V already is,
 * ``logits_indices``: the rows whose logits are needed, one per sequence that reaches
-  its last token this step (a mid-prompt chunk samples nothing).
+  its last token this step (a mid-prompt chunk samples nothing), and one more per draft
+  of a speculating sequence.
 
 ``execute_model`` then reads as the step does: forward pass, logits for those rows only,
-sample. Everything that depends on the hardware (the attention kernels and the metadata
+sample (or, for a request with drafts, keep those the model agrees with:
+``sample_requests``). Everything that depends on the hardware (the attention kernels and the metadata
 they read, the GEMM weights' layout, a compiled or graphed forward, logits in chunks) is
 the runner's device backend, picked once when the runner is built
 (``nanoengine.backends``: ``CpuBackend`` holds every CPU trick).
@@ -23,7 +26,8 @@ the runner's device backend, picked once when the runner is built
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -39,6 +43,7 @@ from nanoengine.layers.attention import AttentionMetadata
 from nanoengine.layers.sampler import Sampler, SampleResult
 from nanoengine.models.config import ModelConfig
 from nanoengine.sampling_params import SamplingParams
+from nanoengine.spec_decode.rejection import accept_drafts, accept_greedy
 
 
 @dataclass
@@ -53,15 +58,19 @@ class BatchPlan:
     input_ids: list[int]
     positions: list[int]
     slot_mapping: torch.Tensor | list[int]  # (T,) int64
-    num_decode_tokens: int
-    decode_block_tables: torch.Tensor | list[list[int]]  # (decodes, blocks) int32, -1 past a table's end
-    decode_context_lens: list[int]
+    num_decode_tokens: int  # decode rows: one per decoding request, plus one per draft it checks
+    decode_block_tables: torch.Tensor | list[list[int]]  # (decode rows, blocks) int32, -1 past a table's end
+    decode_context_lens: list[int]  # per decode row: the tokens it attends to, itself included
     prefill_block_tables: torch.Tensor | list[list[int]]  # (prefills, blocks) int32
     prefill_cu_seqlens_q: list[int]
     prefill_context_lens: list[int]
     logits_indices: list[int]
     request_ids: list[str]  # the scheduled requests in model order (decodes, then prefills)
     query_start_loc: list[int]  # request i's tokens are rows query_start_loc[i]:query_start_loc[i+1]
+    num_decode_requests: int = 0  # the first this many of ``request_ids`` decode
+    # Per request that samples (``logits_indices`` order): the drafts it checks. Its
+    # logits rows are its last token's and one per draft. Empty: nobody speculates.
+    sampled_drafts: list[tuple[int, ...]] = field(default_factory=list)
 
     @classmethod
     def dummy(cls, num_tokens: int) -> "BatchPlan":
@@ -78,13 +87,19 @@ class BatchPlan:
 
     def rows(self) -> tuple[BatchRow, ...]:
         """Per request: its positions, slots and block table (for the ``BatchPrepared`` event)."""
-        tables = _as_lists(self.decode_block_tables) + _as_lists(self.prefill_block_tables)
+        decode_tables, prefill_tables = _as_lists(self.decode_block_tables), _as_lists(self.prefill_block_tables)
         slots = _as_lists(self.slot_mapping)
         sampling_rows = set(self.logits_indices)
         starts, ends = self.query_start_loc[:-1], self.query_start_loc[1:]
+        decoding = self.num_decode_requests
+
+        def table(i: int, first_row: int) -> tuple[int, ...]:  # a decode request's rows share its table
+            row = decode_tables[first_row] if i < decoding else prefill_tables[i - decoding]
+            return tuple(t for t in row if t >= 0)
+
         return tuple(
-            BatchRow(request_id, i >= self.num_decode_tokens, tuple(self.positions[a:b]),
-                     tuple(slots[a:b]), tuple(t for t in tables[i] if t >= 0), b - 1 in sampling_rows)
+            BatchRow(request_id, i >= decoding, tuple(self.positions[a:b]), tuple(slots[a:b]), table(i, a),
+                     b - 1 in sampling_rows)
             for i, (request_id, a, b) in enumerate(zip(self.request_ids, starts, ends)))
 
 
@@ -110,7 +125,11 @@ def plan_batch(out: SchedulerOutput, block_size: int,
     """Flatten the scheduled requests into one batch: decodes first, then prefill chunks.
 
     Returns the plan and the requests that sample this step, in the order of
-    ``logits_indices``.
+    ``logits_indices`` (a request checking k drafts owns k+1 consecutive entries there).
+    A decode with drafts is one decode row per token: row i attends to the cache up to
+    its own position (context length ``start + 1 + i``), which is exactly causal
+    attention over the drafts, and each row runs through the same kernels as a plain
+    decode, so the rows' logits are the ones plain decoding would compute.
     ``block_tables`` is the engine's persistent ``BlockTables``: only blocks gained since
     the last step are copied into it, and the slot of every token is computed from it with
     tensor arithmetic, ``table[row, pos // B] * B + pos % B``. Without one (tests, tools),
@@ -123,13 +142,18 @@ def plan_batch(out: SchedulerOutput, block_size: int,
         most = max((len(s.request.block_ids) for s in ordered), default=1)
         block_tables = BlockTables(max(most, 1), capacity=max(len(ordered), 1))
     rows = block_tables.rows([s.request for s in ordered])
-    input_ids, positions, logits_indices, sampled = [], [], [], []
+    input_ids, positions, logits_indices, sampled, drafts = [], [], [], [], []
     counts, cu_seqlens, query_start = [], [0], [0]
-    for scheduled in ordered:
+    decode_rows, decode_context_lens = [], []
+    for scheduled, row in zip(ordered, rows):
         request, span = scheduled.request, scheduled.positions
         if scheduled.num_tokens == 1:
             input_ids.append(request.all_token_ids[span.start])
             positions.append(span.start)
+        elif scheduled.draft_token_ids:  # its last token, then the guesses after it
+            input_ids.append(request.all_token_ids[span.start])
+            input_ids.extend(scheduled.draft_token_ids)
+            positions.extend(span)
         else:
             input_ids.extend(request.all_token_ids[span.start:span.stop])
             positions.extend(span)
@@ -137,9 +161,13 @@ def plan_batch(out: SchedulerOutput, block_size: int,
         query_start.append(len(input_ids))
         if scheduled.is_prefill:
             cu_seqlens.append(cu_seqlens[-1] + scheduled.num_tokens)
-        if scheduled.samples:  # the last known token: its logits give the next
-            logits_indices.append(len(input_ids) - 1)
+        else:
+            decode_rows.extend([row] * scheduled.num_tokens)
+            decode_context_lens.extend(range(span.start + 1, span.stop + 1))
+        if scheduled.samples:  # the last known token: its logits give the next; each draft's check it
+            logits_indices.extend(range(len(input_ids) - 1 - scheduled.num_draft_tokens, len(input_ids)))
             sampled.append(request)
+            drafts.append(scheduled.draft_token_ids)
     # Every token's slot from the persistent table: one gather, no per-token Python.
     pos = torch.tensor(positions, dtype=torch.long)
     token_rows = torch.tensor(rows, dtype=torch.long).repeat_interleave(torch.tensor(counts, dtype=torch.long)) \
@@ -151,27 +179,42 @@ def plan_batch(out: SchedulerOutput, block_size: int,
         return max((len(s.request.block_ids) for s in group), default=0)
 
     plan = BatchPlan(
-        input_ids=input_ids, positions=positions, slot_mapping=slots, num_decode_tokens=num_decodes,
-        decode_block_tables=block_tables.gather(rows[:num_decodes], width(decodes)),
-        decode_context_lens=[s.num_computed_tokens + 1 for s in decodes],
+        input_ids=input_ids, positions=positions, slot_mapping=slots, num_decode_tokens=len(decode_rows),
+        decode_block_tables=block_tables.gather(decode_rows, width(decodes)),
+        decode_context_lens=decode_context_lens,
         prefill_block_tables=block_tables.gather(rows[num_decodes:], width(prefills)),
         prefill_cu_seqlens_q=cu_seqlens,
         prefill_context_lens=[s.num_computed_tokens + s.num_tokens for s in prefills],
         logits_indices=logits_indices,
-        request_ids=[s.request.request_id for s in ordered], query_start_loc=query_start)
+        request_ids=[s.request.request_id for s in ordered], query_start_loc=query_start,
+        num_decode_requests=num_decodes, sampled_drafts=drafts if any(drafts) else [])
     return plan, sampled
 
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    sampled: dict[str, int]  # request id -> new token
-    logprobs: dict[str, tuple]  # request id -> (token logprob, top-N pairs)
+    """Each sampling request's new tokens: one, or, after checking k drafts, 1 to k+1."""
+
+    sampled: dict[str, list[int]]  # request id -> new tokens
+    logprobs: dict[str, list[tuple]]  # request id -> per new token (its logprob, top-N pairs)
 
     @classmethod
-    def of(cls, requests: list[Request], result: SampleResult) -> "ModelRunnerOutput":
+    def of(cls, requests: list[Request], tokens: list[list[int]], logprobs: list[list | None]) -> "ModelRunnerOutput":
         ids = [r.request_id for r in requests]
-        return cls(sampled=dict(zip(ids, result.token_ids)),
-                   logprobs={i: lp for i, lp in zip(ids, result.logprobs) if lp is not None})
+        return cls(sampled=dict(zip(ids, tokens)),
+                   logprobs={i: lp for i, lp in zip(ids, logprobs) if lp is not None})
+
+
+def request_chunks(row_counts: list[int], rows_per_chunk: int):
+    """Split requests owning ``row_counts`` consecutive logits rows into chunks of about
+    ``rows_per_chunk`` rows, never splitting a request. Yields (rows slice, requests slice)."""
+    first_row = first = 0
+    rows = 0
+    for i, count in enumerate(row_counts):
+        rows += count
+        if rows >= rows_per_chunk or i == len(row_counts) - 1:
+            yield slice(first_row, first_row + rows), slice(first, i + 1)
+            first_row, first, rows = first_row + rows, i + 1, 0
 
 
 class SamplingRunner:
@@ -218,13 +261,51 @@ class SamplingRunner:
             if profiler.enabled:
                 _wait_for(logits)
         with profiler.phase("sample"):
-            return ModelRunnerOutput.of(sampled, self.sample(logits, sampled))
+            return ModelRunnerOutput.of(sampled, *self.sample_requests(logits, sampled, plan.sampled_drafts))
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         if not requests:
             return SampleResult([], [])
         return self.sampler(logits, [r.sampling_params for r in requests], [r.generator for r in requests],
                             self.generator)
+
+    def sample_requests(self, logits: torch.Tensor, requests: list[Request], drafts: list[tuple[int, ...]]):
+        """Each request's new tokens from its logits rows. -> (tokens, logprobs) per request.
+
+        Without drafts a request owns one row and samples one token. A request that checked
+        k drafts owns k+1 rows and keeps the drafts the model agrees with, then one token of
+        the model's own (``spec_decode.rejection``): greedy keeps a draft while it is the
+        argmax; sampling accepts it with its probability under the request's filters and,
+        on a rejection, draws from that distribution without it, so the output has the
+        distribution plain sampling has.
+        """
+        if not any(drafts):
+            result = self.sample(logits, requests)
+            return ([[t] for t in result.token_ids],
+                    [None if lp is None else [lp] for lp in result.logprobs])
+        starts = list(itertools.accumulate((1 + len(d) for d in drafts), initial=0))
+        plain = [i for i, d in enumerate(drafts) if not d]
+        tokens: list = [None] * len(requests)
+        logprobs: list = [None] * len(requests)
+        if plain:
+            rows = torch.tensor([starts[i] for i in plain], device=logits.device)
+            result = self.sample(logits.index_select(0, rows), [requests[i] for i in plain])
+            for i, token, lp in zip(plain, result.token_ids, result.logprobs):
+                tokens[i], logprobs[i] = [token], None if lp is None else [lp]
+        for i, request_drafts in enumerate(drafts):
+            if not request_drafts:
+                continue
+            request, rows = requests[i], logits[starts[i]:starts[i + 1]].float()
+            params = request.sampling_params
+            if params.greedy:
+                emitted = accept_greedy(rows.max(dim=-1).indices.tolist(), request_drafts)
+            else:
+                probs = self.sampler.distribution(rows, [params] * rows.shape[0])
+                emitted = accept_drafts(probs, request_drafts, request.generator or self.generator)
+            tokens[i] = emitted
+            if params.logprobs is not None:
+                logprobs[i] = self.sampler.token_logprobs(rows[:len(emitted)], [params] * len(emitted), emitted)
+        return tokens, logprobs
 
 
 def _wait_for(tensor: torch.Tensor) -> None:
@@ -317,19 +398,19 @@ class ModelRunner(SamplingRunner):
             hidden = self.sampled_hidden(model_input)
         token_ids, logprobs = [], []
         config = self.model_config
+        drafts = plan.sampled_drafts or [()] * len(sampled)
         step = self.backend.logits_rows_per_chunk(hidden.shape[0], config.vocab_size, config.hidden_size)
-        for start in range(0, hidden.shape[0], step):
-            rows = slice(start, start + step)
+        for rows, requests in request_chunks([1 + len(d) for d in drafts], step):  # a request's rows stay together
             with profiler.phase("model"):
                 logits = self.logits(hidden[rows])
                 if profiler.enabled:
                     _wait_for(logits)
             with profiler.phase("sample"):
-                result = self.sample(logits, sampled[rows])
+                chunk_tokens, chunk_logprobs = self.sample_requests(logits, sampled[requests], drafts[requests])
             del logits  # freed before the next chunk is computed, so its memory is reused
-            token_ids += result.token_ids
-            logprobs += result.logprobs
-        return ModelRunnerOutput.of(sampled, SampleResult(token_ids, logprobs))
+            token_ids += chunk_tokens
+            logprobs += chunk_logprobs
+        return ModelRunnerOutput.of(sampled, token_ids, logprobs)
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int) -> None:

@@ -74,6 +74,9 @@ class Request:
         self.token_block_digests: list[bytes] = []
         self.block_serials: list[int | None] = []  # which cached content each of them is (prefix cache)
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        # Speculative decoding (chapter 13): tokens the proposer guessed after the last one,
+        # checked by the next step; never part of ``all_token_ids`` until accepted.
+        self.spec_token_ids: list[int] = []
         self.num_preemptions = 0
         self.stop_reason: str | int | None = None
         self.output_logprobs: list[tuple] = []

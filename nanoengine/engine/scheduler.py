@@ -27,6 +27,16 @@ chunk. The runner, the events and the step statistics all read that record.
 
 Whether a request has finished after a token (EOS, a stop token id, a stop string, its
 length) is decided in one function, ``check_stop``, with its precedence stated there.
+
+Speculative decoding (chapter 13): a decoding request that carries drafted tokens
+(``Request.spec_token_ids``, proposed after the previous step) is budgeted ``1 + k``
+tokens, its last token and the k drafts, and gets KV slots for all of them; the record
+keeps the drafts (``ScheduledRequest.draft_token_ids``). It is still a decode: every one
+of its rows attends over the cache up to its own position. A request whose drafts do not
+fit the budget gets fewer of them, and one whose drafts would need a block the pool lacks
+decodes plainly rather than preempt anybody. After the step, the drafts the model agreed
+with are taken in one at a time (``accept_token``), and the blocks that only rejected
+drafts used go back to the pool (``release_rejected_slots``).
 """
 
 from __future__ import annotations
@@ -53,14 +63,20 @@ class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens computed this step
     num_computed_tokens: int  # tokens already in the KV cache before this step
-    is_prefill: bool  # False: one new token over a cached context (the decode kernel)
+    is_prefill: bool  # False: one new token (and its drafts) over a cached context (the decode kernel)
     samples: bool  # reaches the request's last known token, so a new token is sampled
+    draft_token_ids: tuple[int, ...] = ()  # speculative tokens checked this step (counted in num_tokens)
 
     @classmethod
-    def make(cls, request: Request, num_tokens: int) -> "ScheduledRequest":
+    def make(cls, request: Request, num_tokens: int, draft_token_ids: tuple[int, ...] = ()) -> "ScheduledRequest":
         start = request.num_computed_tokens
-        return cls(request, num_tokens, start, is_prefill=not (num_tokens == 1 and start > 0),
-                   samples=start + num_tokens == request.num_tokens)
+        known = num_tokens - len(draft_token_ids)  # tokens of the request itself, without the guesses
+        return cls(request, num_tokens, start, is_prefill=not (known == 1 and start > 0),
+                   samples=start + known == request.num_tokens, draft_token_ids=draft_token_ids)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
 
     @property
     def positions(self) -> range:
@@ -91,8 +107,12 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
-    def add(self, request: Request, num_tokens: int) -> None:
-        self.scheduled.append(ScheduledRequest.make(request, num_tokens))
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(s.num_draft_tokens for s in self.scheduled)
+
+    def add(self, request: Request, num_tokens: int, draft_token_ids: tuple[int, ...] = ()) -> None:
+        self.scheduled.append(ScheduledRequest.make(request, num_tokens, draft_token_ids))
 
 
 class Scheduler:
@@ -165,6 +185,12 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = min(request.num_tokens_to_compute, budget)
+            drafts = self._fitting_drafts(request, budget)
+            if drafts:  # its slots are allocated
+                out.add(request, num_new + len(drafts), drafts)
+                budget -= num_new + len(drafts)
+                i += 1
+                continue
             while not self.block_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()  # the newest running request
                 self._preempt(victim, out)
@@ -175,6 +201,20 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         return budget
+
+    def _fitting_drafts(self, request: Request, budget: int) -> tuple[int, ...]:
+        """The drafts a decoding request checks this step, their slots allocated; () if none fit.
+
+        As many as the budget leaves room for next to the request's own token; none when
+        their slots would need blocks the pool does not have (a plain decode then, which
+        may preempt as usual: guesses never push a request out).
+        """
+        if not request.spec_token_ids or request.num_tokens_to_compute != 1:
+            return ()
+        drafts = tuple(request.spec_token_ids[:budget - 1])
+        if drafts and self.block_manager.allocate_slots(request, 1 + len(drafts)):
+            return drafts
+        return ()
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Move waiting requests to running while budget, slots and blocks allow."""
@@ -220,6 +260,7 @@ class Scheduler:
         num_blocks = len(request.block_ids)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -234,28 +275,57 @@ class Scheduler:
         return out
 
     # ------------------------------------------------------------- updating
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance progress, append sampled tokens.
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance progress, append each request's first new token.
 
-        ``sampled`` maps a request id to its new token; requests mid-prefill have none.
+        ``sampled`` maps a request id to its new tokens; requests mid-prefill have none. A
+        request that checked drafts may have more than one: the drafts the model agreed
+        with and the token after them. Only the first is taken here, and a drafting
+        request's progress counts its own token only; the engine takes the others one at
+        a time (``accept_token``) so that a stop among them ends the request there.
         Returns the requests that produced a token this step.
         Whether one of them is now finished is decided afterwards, once its text is known
         (``finish_if_stopped``, called by the engine after the detokenizer).
         """
         produced = []
         now = time.perf_counter()
-        block_size = self.block_manager.block_size
         for s in out.scheduled:
             request = s.request
-            request.num_computed_tokens += s.num_tokens
-            if request.num_computed_tokens >= (len(request.block_hashes) + 1) * block_size:  # a block filled up
-                self.block_manager.cache_full_blocks(request)
-            token = sampled.get(request.request_id)
-            if token is None:
+            request.num_computed_tokens += s.num_tokens - s.num_draft_tokens
+            self._cache_if_filled(request)
+            tokens = sampled.get(request.request_id)
+            if not tokens:
                 continue
-            request.append_output_token(token, now)
+            request.append_output_token(tokens[0], now)
             produced.append(request)
         return produced
+
+    def accept_token(self, request: Request, token: int, now: float | None = None) -> None:
+        """One more token of an accepted run: the draft before it was right.
+
+        That draft's KV, written by the verify pass, now holds the token the request really
+        has at its position, so it counts as computed.
+        """
+        request.num_computed_tokens += 1
+        self._cache_if_filled(request)
+        request.append_output_token(token, now)
+
+    def release_rejected_slots(self, out: SchedulerOutput) -> None:
+        """Give back the blocks that only this step's rejected drafts used.
+
+        Their slots were written by the verify pass but hold guesses the model did not
+        make: they lie at or after the request's first uncomputed position, so no later
+        step reads them (attention stops at each row's context length) and no block
+        holding them is hashed into the prefix cache; the next step overwrites the ones
+        in the blocks a request keeps.
+        """
+        for s in out.scheduled:
+            if s.num_draft_tokens and s.request.status == RequestStatus.RUNNING:
+                self.block_manager.release_slots_after(s.request, s.request.num_tokens)
+
+    def _cache_if_filled(self, request: Request) -> None:
+        if request.num_computed_tokens >= (len(request.block_hashes) + 1) * self.block_manager.block_size:
+            self.block_manager.cache_full_blocks(request)
 
     def finish_if_stopped(self, request: Request, stop_string: str | None = None) -> bool:
         """Finish ``request`` if its newest token ends it (see ``check_stop``); True if it did."""

@@ -28,12 +28,14 @@ class RequestSnapshot:
     num_cached_tokens: int
     num_preemptions: int
     parent_id: str = ""  # the user request it belongs to (equal to request_id unless n > 1)
+    spec_token_ids: tuple[int, ...] = ()  # drafts the next step will check (speculative decoding)
 
     @classmethod
     def of(cls, r: Request) -> "RequestSnapshot":
         return cls(r.request_id, r.status.value, r.num_prompt_tokens, r.num_output_tokens,
                    r.num_computed_tokens, r.num_tokens, r.sampling_params.max_tokens,
-                   tuple(r.block_ids), r.num_cached_tokens, r.num_preemptions, r.parent_id)
+                   tuple(r.block_ids), r.num_cached_tokens, r.num_preemptions, r.parent_id,
+                   tuple(r.spec_token_ids))
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,27 @@ class EngineSnapshot:
     num_preemptions: int
     num_evictions: int = 0  # cached digests forgotten: blocks handed out again, and reset_prefix_cache() drops
     scheduling_policy: str = "fcfs"
+    # Speculative decoding since the engine started (``spec_decode.SpecDecodeStats``); 0 without it.
+    num_speculative_tokens: int = 0
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float | None:
+        """Accepted / drafted tokens; None before any draft was checked."""
+        drafted = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / drafted if drafted else None
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float | None:
+        """Tokens per verify pass: 1 + accepted / drafts; None before any."""
+        drafts = self.spec_decode_num_drafts
+        return 1 + self.spec_decode_num_accepted_tokens / drafts if drafts else None
 
 
 @dataclass(frozen=True)

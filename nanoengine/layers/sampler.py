@@ -225,6 +225,28 @@ class Sampler:
             picked[idx] = torch.multinomial(probs.index_select(0, idx), 1, generator=default_generator)[:, 0]
         return picked
 
+    def distribution(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The whole distribution each row's token is drawn from. (R, V) -> (R, V), rows sum to 1.
+
+        What ``__call__`` draws from, written out over the vocabulary: the softmax of the
+        scaled logits for a row with only a temperature, ``probs_fn`` (``sampling_probs``,
+        the filters' definition) for a filtered one. Speculative decoding needs it whole: it
+        reads the probability of a drafted token and, on a rejection, draws from the rest.
+        Greedy rows are not allowed here (their "distribution" is the argmax).
+        """
+        if any(p.greedy for p in params):
+            raise ValueError("distribution() is for sampling rows; a greedy row's token is its argmax")
+        logits = logits.float()
+        filtered = [p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params]
+        columns = sampling_params_columns(logits, params)
+        if not any(filtered):
+            return torch.softmax(logits / columns[0].clamp(min=1e-6), dim=-1)
+        return self.probs_fn(logits, *columns)
+
+    def token_logprobs(self, logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int]):
+        """Per row, the logprob of ``token_ids[row]`` and the row's top-N (None where not asked for)."""
+        return self._logprobs(logits.float(), params, token_ids)
+
     @staticmethod
     def _logprobs(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int]):
         wanted = [p.logprobs for p in params]

@@ -101,7 +101,7 @@ def test_on_a_cpu_logits_come_in_chunks_and_every_row_is_sampled_as_one_chunk_wo
     result = runner.execute_model(plan, sampled, profiler)
     times = profiler.finish()
     assert calls == [64, 36]
-    assert [result.sampled[r.request_id] for r in sampled] == whole.argmax(dim=-1).tolist()
+    assert [result.sampled[r.request_id] for r in sampled] == [[t] for t in whole.argmax(dim=-1).tolist()]
     assert len(result.logprobs) == 100
     assert times["prepare_time"] > 0 and times["model_time"] > 0 and times["sample_time"] > 0
 
@@ -123,5 +123,5 @@ def test_the_backend_is_chosen_by_device_and_the_reference_one_runs_one_logits_c
     generic.logits = lambda rows: calls.append(rows.shape[0]) or head(rows)
     result = generic.execute_model(plan, sampled)
     assert calls == [3]  # forward, logits, sample: one LM-head call for the whole batch
-    assert [result.sampled[r.request_id] for r in requests] == generic.compute_logits(plan).argmax(-1).tolist()
+    assert [result.sampled[r.request_id] for r in requests] == [[t] for t in generic.compute_logits(plan).argmax(-1).tolist()]
 

@@ -101,3 +101,17 @@ def test_an_empty_server_renders_zeros():
     _, samples = parse(ServerMetrics("m").render(EngineStats(0, 0, 8, 8, 0, 0, 0, 0)))
     assert value(samples, "nanoengine:prefix_cache_hit_rate") == 0.0
     assert value(samples, "nanoengine:time_to_first_token_seconds_count") == 0
+
+
+def test_speculative_decoding_counters_appear_under_vllms_names_when_the_engine_speculates():
+    spec = {"num_spec_tokens": 3, "num_drafts": 10, "num_draft_tokens": 27, "num_accepted_tokens": 14,
+            "num_accepted_tokens_per_pos": [8, 4, 2]}
+    families, samples = parse(ServerMetrics("m").render(EngineStats(0, 0, 8, 8, 0, 0, 0, 0, spec_decode=spec)))
+    assert families["nanoengine:spec_decode_num_drafts_total"][0] == "counter"
+    assert value(samples, "nanoengine:spec_decode_num_drafts_total") == 10
+    assert value(samples, "nanoengine:spec_decode_num_draft_tokens_total") == 27
+    assert value(samples, "nanoengine:spec_decode_num_accepted_tokens_total") == 14
+    assert [value(samples, "nanoengine:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+            for i in range(3)] == [8, 4, 2]
+    families, _ = parse(ServerMetrics("m").render(STATS))  # an engine without speculation has none
+    assert not any("spec_decode" in name for name in families)

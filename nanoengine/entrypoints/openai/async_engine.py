@@ -89,6 +89,8 @@ class EngineStats:
     prefix_cache_hits: int  # of which found
     num_preemptions: int
     num_steps: int
+    spec_decode: dict | None = None  # ``SpecDecodeStats.as_dict()`` when the engine speculates
+
 
     @classmethod
     def of(cls, engine: LLMEngine) -> "EngineStats":
@@ -97,7 +99,8 @@ class EngineStats:
         return cls(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
                    num_kv_blocks=engine.runner.num_blocks, num_free_kv_blocks=blocks.num_free_blocks,
                    prefix_cache_queries=scheduler.prefix_queries, prefix_cache_hits=scheduler.prefix_hits,
-                   num_preemptions=scheduler.num_preemptions, num_steps=engine.step_count)
+                   num_preemptions=scheduler.num_preemptions, num_steps=engine.step_count,
+                   spec_decode=engine.spec_decode_stats.as_dict() if engine.proposer is not None else None)
 
     @property
     def num_used_kv_blocks(self) -> int:

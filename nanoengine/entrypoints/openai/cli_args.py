@@ -27,7 +27,7 @@ DEFAULT_BODY_TIMEOUT = 60.0  # seconds for a whole request body, once the header
 # Engine options the command passes on to LLMEngine.from_pretrained (EngineConfig's names).
 ENGINE_OPTIONS = ("device", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_num_seqs",
                   "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "scheduling_policy",
-                  "tensor_parallel_size", "seed")
+                  "tensor_parallel_size", "seed", "speculative_config")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,6 +63,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--scheduling-policy", default=None, help="fcfs, prefill_first or static")
     engine.add_argument("--tensor-parallel-size", type=int, default=None)
     engine.add_argument("--seed", type=int, default=None)
+    engine.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                        help='speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
+
+
+def _json_object(text: str) -> dict:
+    """``--speculative-config``'s value: a JSON object (checked by ``SpeculativeConfig``)."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"method\": \"ngram\", "
+                                         f"\"num_speculative_tokens\": 4}}', got {text!r}")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -160,4 +160,18 @@ class ServerMetrics:
                 *family("e2e_request_latency_seconds", "histogram", "Arrival to the last token.",
                         self.e2e.samples(labels)),
             ]
+        spec = stats.spec_decode
+        if spec is not None:  # vLLM's names: vllm:spec_decode_num_drafts and the rest
+            lines += [
+                *family("spec_decode_num_drafts_total", "counter", "Verify passes of a request with drafts.",
+                        [("", labels, spec["num_drafts"])]),
+                *family("spec_decode_num_draft_tokens_total", "counter", "Drafted tokens checked.",
+                        [("", labels, spec["num_draft_tokens"])]),
+                *family("spec_decode_num_accepted_tokens_total", "counter", "Drafted tokens accepted.",
+                        [("", labels, spec["num_accepted_tokens"])]),
+                *family("spec_decode_num_accepted_tokens_per_pos_total", "counter",
+                        "Drafted tokens accepted, by position in the draft.",
+                        [("", {**labels, "position": str(i)}, n)
+                         for i, n in enumerate(spec["num_accepted_tokens_per_pos"])]),
+            ]
         return "\n".join(lines) + "\n"

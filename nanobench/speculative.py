@@ -1,0 +1,144 @@
+"""Speculative decoding measured: the engine with and without prompt lookup (chapter 13).
+
+``python -m nanoengine bench --speculative`` runs two workloads on the default model, each
+as a single stream (one request at a time: the memory-bound case speculation is for) and
+as a batch of all its requests together:
+
+* **friendly**: tasks whose answer copies its prompt: repeat a paragraph, correct a few
+  words of it, continue a code listing with a renamed variable, quote a passage. Prompt
+  lookup finds long runs of the answer in the prompt.
+* **open**: open questions (a story, an explanation, a list of ideas): the answer
+  rarely repeats anything, so few drafts are found and fewer accepted.
+
+Each is run by two engines built in the same process, one plain and one with
+``speculative_config`` (``--spec-tokens`` k, lookup lengths ``--spec-lookup-min`` to
+``--spec-lookup-max``), in alternating rounds (``--repeats``), greedy, through the chat
+template, each request up to ``--spec-output-len`` tokens (EOS ends it, so both engines
+emit exactly the same tokens; the run checks they do). The results file records tok/s of
+every run, medians, the speedup, the acceptance rate and the mean acceptance length
+(tokens per verify pass), with the machine, the date and the command.
+
+The prose and code in the prompts were written for this benchmark.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import time
+from pathlib import Path
+
+from nanobench.benchmark import environment, load_average
+from nanobench.timing import measure_memory_bandwidth
+
+PARAGRAPH = (
+    "A paged key-value cache stores the keys and values of every token in fixed-size blocks. "
+    "A block table maps each sequence's logical blocks to physical ones, so a sequence grows one block "
+    "at a time and never needs a contiguous region. When a request finishes, its blocks return to a free "
+    "list, and blocks whose contents are identical across requests can be shared through a prefix cache."
+)
+CODE = '''def mean_and_spread(values):
+    total = 0.0
+    for value in values:
+        total += value
+    mean = total / len(values)
+    spread = 0.0
+    for value in values:
+        spread += (value - mean) ** 2
+    return mean, (spread / len(values)) ** 0.5
+'''
+FRIENDLY = (
+    f"Repeat the following paragraph exactly, word for word:\n\n{PARAGRAPH}",
+    f"Rewrite this paragraph, changing only 'tokens' to 'words' and keeping everything else the same:\n\n{PARAGRAPH}",
+    f"Rename the variable `total` to `running_sum` in this function and print the whole function:\n\n{CODE}",
+    f"Quote the second sentence of this paragraph, then the whole paragraph again:\n\n{PARAGRAPH}",
+)
+OPEN = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Give me five ideas for a weekend trip in the mountains.",
+    "Describe how bread rises, step by step.",
+)
+WORKLOADS = {"friendly": FRIENDLY, "open": OPEN}
+
+
+def run_speculative(args) -> dict:
+    """Both workloads, single stream and batched, plain against speculative, alternating rounds."""
+    from nanoengine import LLM, SamplingParams
+
+    spec_config = {"method": "ngram", "num_speculative_tokens": args.spec_tokens,
+                   "prompt_lookup_max": args.spec_lookup_max, "prompt_lookup_min": args.spec_lookup_min}
+    options = dict(device=args.device, dtype=args.dtype, model=args.model)
+    load_at_start = load_average()
+    plain = LLM(**options)
+    spec = LLM(**options, speculative_config=spec_config)
+    params = SamplingParams(temperature=0.0, max_tokens=args.spec_output_len)
+    bandwidth = measure_memory_bandwidth().bytes_per_s / 1e9
+    weight_bytes = plain.memory_report().weight_bytes
+    print(f"speculative decoding: ngram k={args.spec_tokens}, lookup {args.spec_lookup_min}-{args.spec_lookup_max}; "
+          f"greedy, up to {args.spec_output_len} tokens; {args.repeats} alternating rounds; "
+          f"memory bandwidth {bandwidth:.1f} GB/s")
+    rows = []
+    for workload, prompts in WORKLOADS.items():
+        conversations = [[{"role": "user", "content": p}] for p in prompts]
+        for mode in ("single stream", "batch"):
+            row = _race(plain, spec, conversations, params, mode, args.repeats)
+            row.update(workload=workload, mode=mode, num_prompts=len(prompts))
+            if mode == "single stream":  # weights read per step, as a share of the copy bandwidth
+                row["plain_weight_traffic_share"] = weight_bytes * row["plain_tok_s"] / (bandwidth * 1e9)
+            rows.append(row)
+            print(f"{workload:<9} {mode:<13} plain {row['plain_tok_s']:7.1f} tok/s  speculative "
+                  f"{row['spec_tok_s']:7.1f} tok/s  x{row['speedup']:.2f}  acceptance "
+                  f"{_fmt(row['acceptance_rate'])}  tokens/verify {_fmt(row['mean_acceptance_length'])}  "
+                  f"identical {row['identical']}")
+    results = {
+        "kind": "speculative decoding", "model": plain.engine.model_config.architecture,
+        "speculative_config": spec_config, "output_len": args.spec_output_len, "repeats": args.repeats,
+        "dtype": str(plain.engine.config.torch_dtype).removeprefix("torch."),
+        "memory_bandwidth_gbs": bandwidth, "weight_bytes": weight_bytes, "rows": rows,
+        "load_average": {"start": load_at_start, "end": load_average()}, "environment": environment(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": getattr(args, "command_line", None), "format": "results/README.md",
+    }
+    device = plain.engine.config.torch_device.type
+    path = Path(args.out) if args.out else \
+        Path("results") / f"bench-speculative-{device}-{datetime.date.today().isoformat()}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+    print(f"results written to {path}")
+    return results
+
+
+def _race(plain, spec, conversations, params, mode: str, repeats: int) -> dict:
+    """Alternate plain and speculative runs of one workload; medians, counters, and whether tokens agree."""
+    times = {"plain": [], "spec": []}
+    outputs = {}
+    stats = spec.engine.spec_decode_stats
+    before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+    tokens = None
+    for _ in range(repeats):
+        for name, llm in (("plain", plain), ("spec", spec)):
+            llm.reset_prefix_cache()
+            start = time.perf_counter()
+            if mode == "single stream":
+                outs = [llm.chat([c], params, use_tqdm=False)[0] for c in conversations]
+            else:
+                outs = llm.chat(conversations, params, use_tqdm=False)
+            times[name].append(time.perf_counter() - start)
+            outputs[name] = [o.outputs[0].token_ids for o in outs]
+            tokens = sum(len(t) for t in outputs[name])
+    drafts, drafted, accepted = (now - was for now, was in zip(
+        (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens), before))
+    plain_tok_s = tokens / statistics.median(times["plain"])
+    spec_tok_s = tokens / statistics.median(times["spec"])
+    return {"output_tokens": tokens, "plain_seconds": times["plain"], "spec_seconds": times["spec"],
+            "plain_tok_s": plain_tok_s, "spec_tok_s": spec_tok_s, "speedup": spec_tok_s / plain_tok_s,
+            "num_drafts": drafts, "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+            "identical": outputs["plain"] == outputs["spec"]}
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
