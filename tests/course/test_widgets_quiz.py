@@ -1,4 +1,4 @@
-"""Tests for widgets.quiz and the twelve chapter quiz files."""
+"""Tests for widgets.quiz and the thirteen chapter quiz files."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from widgets.quiz import (MIN_QUESTIONS, Question, Quiz, live_answer_positions, load_quiz, make_question,
                           quarter_shares, quiz_path, shuffle_options, shuffle_seed)
 
-CHAPTERS = range(1, 13)
+CHAPTERS = range(1, 14)
 
 
 @pytest.mark.parametrize("chapter", CHAPTERS)
