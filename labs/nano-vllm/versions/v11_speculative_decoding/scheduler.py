@@ -27,8 +27,9 @@ hashes the blocks accepted drafts filled. So the invariant below holds again aft
 step, whatever was rejected.
 
 Invariant: a sequence is in exactly one of ``waiting`` / ``running``, or is finished; a
-running sequence always holds ``ceil(num_tokens / block_size)`` blocks between steps and
-has ``num_computed_tokens == num_tokens - 1``.
+running sequence has ``num_computed_tokens == num_tokens - 1`` between steps, and holds
+blocks for its computed tokens and at most one more for its last token's slot: between
+``ceil(num_computed_tokens / block_size)`` and ``ceil(num_tokens / block_size)``.
 """
 
 from collections import deque
