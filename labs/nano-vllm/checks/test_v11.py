@@ -61,9 +61,9 @@ def _total_variation(p: list[float], q: list[float]) -> float:
 def test_sampled_acceptance_leaves_the_distribution_unchanged(lab) -> None:
     """accept_sampled emits every position's token with that row's probabilities, over 6000 passes.
 
-    Hint: draft x is judged against the row computed just before it: kept with probability
-    p(x); after a rejection the replacement must never be x itself (x already had its chance),
-    so it is drawn from the rest of p, renormalised; only when all drafts are kept does the
+    Hint: a draft is judged against the row computed just before it: kept with the probability
+    that row gives it; after a rejection the replacement must never be the draft itself (it already had its chance),
+    so it is drawn from the rest of that row, renormalised; only when all drafts are kept does the
     last row give a bonus.
     """
     accept = lab.load("rejection_sampler").rejection_sampler.accept_sampled
