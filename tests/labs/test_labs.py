@@ -2,7 +2,7 @@
 
 What is checked here:
 
-- every snapshot v00-v09 runs as a script (``python .../run.py``) and prints exactly its
+- every snapshot (v00-v09, v11) runs as a script (``python .../run.py``) and prints exactly its
   saved transcript, ``expected_output.txt``, which shows its new idea at work;
 - every version's *checks* (``labs/nano-vllm/checks/test_vNN.py``, the same checks the
   learner runs with ``./course lab-check vNN``) pass on the finished snapshot, and every
@@ -433,3 +433,9 @@ def test_mapping_is_pinned_and_covers_every_snapshot() -> None:
         assert f"`{original}` ::" in mapping and f"`{original}` ::" in code_map
     assert "nanovllm/engine/block_manager.py" in index and "BlockManager.hash_blocks" in index[
         "nanovllm/engine/block_manager.py"]
+
+
+def test_after_v09_comes_v11_and_the_report_is_named() -> None:
+    assert "./course lab-start v11" in lab_check._next_step("v09") and "v10_mapping" in lab_check._next_step("v09")
+    assert "last lab" in lab_check._next_step("v11") and "v10_mapping" in lab_check._next_step("v11")
+    assert lab_check._next_step("v04") == "Next: ./course lab-start v05"
