@@ -2,7 +2,7 @@
 
 What is checked here:
 
-- every snapshot v00-v09 runs as a script (``python .../run.py``) and prints exactly its
+- every snapshot (v00-v09, v11) runs as a script (``python .../run.py``) and prints exactly its
   saved transcript, ``expected_output.txt``, which shows its new idea at work;
 - every version's *checks* (``labs/nano-vllm/checks/test_vNN.py``, the same checks the
   learner runs with ``./course lab-check vNN``) pass on the finished snapshot, and every
@@ -70,6 +70,8 @@ TRACE_MARKERS = {  # the idea each transcript must show (the transcript itself i
     "v09": [r"TinyTransformer\(torch\.nn\.Module\)", r"top logits \[", r"KV written to slots",
             r"greedy outputs match a no-cache forward pass of the same model: True",
             r"same seed -> same output: True"],
+    "v11": [r"drafts \[[\d, ]+\] accepted [1-9]/\d", r"blocks freed \[\d+", r"tokens per verify: 1\.[1-9]",
+            r"greedy output equals v09's decode token for token: True", r"same seed -> same output: True"],
 }
 
 
@@ -167,7 +169,7 @@ def test_usage_errors_name_the_course_command(capsys) -> None:
         assert "./course" in err and "lab_check.py" not in err, err
     with pytest.raises(SystemExit):
         lab_check.main(["lab-check", "v99"])
-    assert "the labs are v01 ... v09" in capsys.readouterr().err
+    assert "the labs are v01 ... v09 and v11" in capsys.readouterr().err
 
 
 def test_hints_point_at_the_idea_not_at_the_code() -> None:
@@ -180,3 +182,260 @@ def test_hints_point_at_the_idea_not_at_the_code() -> None:
             assert hint, f"{version} {function.__name__} has no hint"
             prose = re.sub(r"`[^`]*`|\b[\w.]+\.(?:py|txt|md)\b", "", hint)  # commands and file names
             assert not code.findall(prose), f"{version} {function.__name__}: the hint quotes code {code.findall(prose)}"
+
+
+# -------------------------------------------------------------------------- mutations
+
+MUTATIONS = {  # name: (version, file, original text, mutated text, the check that must fail)
+    "v04-static-batching": (
+        "v04", "scheduler.py",
+        "while self.waiting and len(self.running) < self.max_num_seqs:",
+        "while self.waiting and (scheduled or not self.running) and len(self.running) < self.max_num_seqs:",
+        "test_a_freed_slot_is_refilled_while_others_still_decode"),
+    "v05-evict-the-oldest": (
+        "v05", "scheduler.py",
+        "victim = self.running.pop() if self.running else seq",
+        "victim = self.running.popleft() if self.running else seq",
+        "test_c_the_victim_is_the_newest_running_request"),
+    "v08-no-temperature": (
+        "v08", "sampler.py",
+        "scaled = logits / torch.where(greedy, 1.0, temperatures).unsqueeze(1)",
+        "scaled = logits",
+        "test_temperature_reshapes_the_distribution"),
+    "v07-unchained-hash": (
+        "v07", "block_manager.py",
+        'h.update(parent_hash.to_bytes(8, "little", signed=True))',
+        "pass",
+        "test_block_hashes_are_chained"),
+    # v11 (a) roll-back: each wrong answer must fail test_roll_back_keeps_only_accepted_tokens
+    "v11-rejected-blocks-kept": (
+        "v11", "block_manager.py",
+        "keep = -(-num_tokens // self.block_size)",
+        "keep = len(seq.block_table)",
+        "test_roll_back_keeps_only_accepted_tokens"),
+    "v11-computed-counted-after-append": (
+        "v11", "scheduler.py",
+        "        seq.num_computed_tokens = len(seq)\n        seq.append_token(token_id)",
+        "        seq.append_token(token_id)\n        seq.num_computed_tokens = len(seq)",
+        "test_roll_back_keeps_only_accepted_tokens"),
+    "v11-rejected-drafts-counted": (
+        "v11", "scheduler.py",
+        "        seq.num_computed_tokens = len(seq)\n        seq.append_token(token_id)",
+        "        seq.num_computed_tokens = len(seq) + len(seq.draft_token_ids)\n        seq.append_token(token_id)",
+        "test_roll_back_keeps_only_accepted_tokens"),
+    # v11 (b) acceptance: each biased rule must fail test_sampled_acceptance_leaves_the_distribution_unchanged
+    "v11-always-accept": (
+        "v11", "rejection_sampler.py",
+        "if float(torch.rand((), generator=generator)) < float(p[draft]):",
+        "if True:",
+        "test_sampled_acceptance_leaves_the_distribution_unchanged"),
+    "v11-resample-without-removing-the-draft": (
+        "v11", "rejection_sampler.py",
+        "residual[draft] = 0.0",
+        "pass",
+        "test_sampled_acceptance_leaves_the_distribution_unchanged"),
+    "v11-judged-against-the-wrong-row": (
+        "v11", "rejection_sampler.py",
+        "p = probs[i]  #",
+        "p = probs[i + 1]  #",
+        "test_sampled_acceptance_leaves_the_distribution_unchanged"),
+    # v11 (c) greedy output: each must fail test_greedy_output_equals_v09_token_for_token
+    "v11-greedy-emits-the-draft": (
+        "v11", "rejection_sampler.py",
+        "emitted.append(target)  # equal to the draft when it is kept",
+        "emitted.append(draft)",
+        "test_greedy_output_equals_v09_token_for_token"),
+    "v11-drafts-one-position-late": (
+        "v11", "model_runner.py",
+        "positions.extend(range(start, start + len(rows)))",
+        "positions.extend([start] + list(range(start + 2, start + len(rows) + 1)))",
+        "test_greedy_output_equals_v09_token_for_token"),
+    "v11-greedy-compares-the-next-row": (
+        "v11", "rejection_sampler.py",
+        "for draft, target in zip(draft_token_ids, target_token_ids):",
+        "for draft, target in zip(draft_token_ids, target_token_ids[1:]):",
+        "test_greedy_output_equals_v09_token_for_token"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_a_mutation_of_the_idea_fails_a_check(name: str, tmp_path: Path) -> None:
+    version, file_name, original, mutated, check = MUTATIONS[name]
+    copy = tmp_path / V[version]
+    shutil.copytree(VERSIONS / V[version], copy, ignore=shutil.ignore_patterns("__pycache__"))
+    source = (copy / file_name).read_text()
+    assert source.count(original) == 1, f"the mutation no longer applies to {file_name}"
+    (copy / file_name).write_text(source.replace(original, mutated))
+    function = getattr(H.load_check_module(version), check)
+    result = H.run_check(function, H.Lab(copy, version))
+    assert not result.passed, f"{name}: {check} still passes"
+
+
+# ------------------------------------------------------------------- snapshot layout
+
+@pytest.mark.parametrize("version", sorted(V))
+def test_every_snapshot_has_notes_with_run_diff_and_task(version: str) -> None:
+    notes = (VERSIONS / V[version] / "NOTES.md").read_text()
+    assert f"`python labs/nano-vllm/versions/{V[version]}/run.py`" in notes
+    if version == "v00":
+        assert "Nothing to diff against" in notes and "specification" in notes
+        assert "lab-check" not in notes  # v00 is read, not built: there is nothing to stub
+        return
+    previous = V[max(v for v in V if v < version)]  # v11 builds on v09 (v10 is a report)
+    command = f"diff -ru -x __pycache__ labs/nano-vllm/versions/{previous} labs/nano-vllm/versions/{V[version]}"
+    assert command in notes
+    task = notes.split("**Your task.**", 1)[1]
+    assert f"./course lab-start {version}" in task and f"./course lab-check {version}" in task
+    for stub in TASKS[version]:
+        assert f"`{stub.qualname}`" in task, f"{version} notes do not name the stub {stub.qualname}"
+    for part, title in PARTS.get(version, {}).items():
+        assert f"Part {part}" in task
+
+
+def test_unchanged_files_are_byte_identical_to_the_version_named_in_their_header() -> None:
+    """Snapshot convention: a module's docstring starts with the version that last changed it."""
+    checked = 0
+    for path in sorted(VERSIONS.glob("v*/*.py")):
+        match = re.match(r'"""(v\d\d) - ', path.read_text())
+        assert match, f"{path} must start with a docstring naming its version"
+        origin = V[match.group(1)]
+        assert match.group(1) <= path.parent.name[:3], f"{path} names a later version"
+        if origin != path.parent.name:
+            assert path.read_bytes() == (VERSIONS / origin / path.name).read_bytes(), path
+            checked += 1
+    assert checked >= 10
+
+
+def test_readme_documents_the_track_and_the_labs() -> None:
+    readme = (LAB / "README.md").read_text()
+    for folder in V.values():
+        assert folder in readme
+    assert "versions/v10_mapping/MAPPING.md" in readme and "versions/v10_mapping/CODE_MAP.md" in readme
+    for command in ("./course lab-start v01", "./course lab-check v01", "NANO_VLLM_LAB_DIR",
+                    "checks/make_starters.py"):
+        assert command in readme
+
+
+def test_v00_naive_loop_stops_on_eos_or_budget() -> None:
+    run = H.Lab(VERSIONS / V["v00"]).load("run").run
+    completion = run.generate([5, 9, 13, 2, 8], max_tokens=10)
+    assert completion == [40, 12, 37, 0]  # stops at EOS (0) before the budget
+    assert len(run.generate([7, 7, 1], max_tokens=10)) == 10
+    assert run.toy_next_token([5, 9, 13, 2, 8]) == 40
+
+
+def test_v09_does_not_import_nanoengine() -> None:
+    for path in (VERSIONS / V["v09"]).glob("*.py"):
+        assert "nanoengine" not in path.read_text(), path
+    before = {name for name in sys.modules if name.startswith("nanoengine")}
+    H.Lab(VERSIONS / V["v09"]).load("llm_engine", "run")
+    assert {name for name in sys.modules if name.startswith("nanoengine")} == before
+
+
+# ------------------------------------------------------------- v10: the mapping reports
+
+CITATION = re.compile(r"(?:(v\d\d) )?`([\w/.]+\.py)` :: ((?:`[\w.]+`(?:,\s+)?)+)")
+NANOENGINE_CITATION = re.compile(r"`(nanoengine/[\w/]+\.py)` \(((?:`[\w.]+`(?:,\s+)?)+)\)")
+
+
+def _names(cell: str) -> list[str]:
+    return re.findall(r"`([\w.]+)`", cell)
+
+
+def _defined_names(source: str) -> set[str]:
+    """Top-level functions, classes and assignments; 'Class.member' for methods,
+    class attributes and ``self.x = ...`` assignments."""
+    names: set[str] = set()
+
+    def targets(node: ast.AST) -> list[ast.expr]:
+        if isinstance(node, ast.Assign):
+            return node.targets
+        return [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.ClassDef):
+            names.add(node.name)
+            for item in ast.walk(node):
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item in node.body:
+                    names.add(f"{node.name}.{item.name}")
+                for target in targets(item):
+                    if isinstance(target, ast.Name) and item in node.body:
+                        names.add(f"{node.name}.{target.id}")
+                    elif (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                          and target.value.id == "self"):
+                        names.add(f"{node.name}.{target.attr}")
+        else:
+            names.update(t.id for t in targets(node) if isinstance(t, ast.Name))
+    return names
+
+
+def _resolves(name: str, defined: set[str]) -> bool:
+    """``A.b`` must be defined as such; a bare ``b`` is top-level or a member of some class."""
+    return name in defined or ("." not in name and any(d.endswith(f".{name}") for d in defined))
+
+
+def _nanovllm_index() -> tuple[str, dict[str, set[str]]]:
+    text = (MAPPING_DIR / "nanovllm_names.txt").read_text()
+    pin = re.search(r"^# pinned: (.+)$", text, re.M)
+    assert pin, "nanovllm_names.txt must start with '# pinned: <revision>'"
+    index = {}
+    for line in text.splitlines():
+        if line.strip() and not line.startswith("#"):
+            path, names = line.split(":", 1)
+            index[path.strip()] = set(names.split())
+    return pin.group(1).strip(), index
+
+
+def test_mapping_reports_cite_only_names_that_exist() -> None:
+    pin, index = _nanovllm_index()
+    checked = {"nano-vLLM": 0, "track": 0, "nanoengine": 0}
+    for report in ("MAPPING.md", "CODE_MAP.md"):
+        text = (MAPPING_DIR / report).read_text()
+        for version, path, cell in CITATION.findall(text):
+            names = _names(cell)
+            if path.startswith("nanovllm/"):
+                assert path in index, f"{report} cites {path}, which is not in nanovllm_names.txt"
+                missing = [n for n in names if not _resolves(n, index[path])]
+                assert not missing, f"{report}: {path} has no {missing} at {pin}"
+                checked["nano-vLLM"] += len(names)
+            else:
+                assert version, f"{report}: a track citation of {path} must name its version (vNN `file`)"
+                source = VERSIONS / V[version] / path
+                assert source.exists(), f"{report} cites {version} {path}, which does not exist"
+                defined = _defined_names(source.read_text())
+                missing = [n for n in names if not _resolves(n, defined)]
+                assert not missing, f"{report}: {version} {path} defines no {missing}"
+                checked["track"] += len(names)
+        for path, cell in NANOENGINE_CITATION.findall(text):
+            source = ROOT / path
+            assert source.exists(), f"{report} cites {path}, which does not exist"
+            defined = _defined_names(source.read_text())
+            missing = [n for n in _names(cell) if not _resolves(n, defined)]
+            assert not missing, f"{report}: {path} defines no {missing}"
+            checked["nanoengine"] += len(_names(cell))
+    assert checked["nano-vLLM"] >= 60 and checked["track"] >= 30 and checked["nanoengine"] >= 5, checked
+
+
+def test_mapping_is_pinned_and_covers_every_snapshot() -> None:
+    pin, index = _nanovllm_index()
+    mapping = (MAPPING_DIR / "MAPPING.md").read_text()
+    code_map = (MAPPING_DIR / "CODE_MAP.md").read_text()
+    assert pin in mapping and pin in code_map, "both reports must state the pinned nano-vLLM revision"
+    sections = re.split(r"^## ", mapping, flags=re.M)
+    for folder in V.values():
+        section = next((s for s in sections if s.startswith(folder)), None)
+        assert section is not None, f"MAPPING.md has no section for {folder}"
+        assert CITATION.search(section), f"the {folder} section cites no file :: name"
+    for original in ("nanovllm/engine/scheduler.py", "nanovllm/engine/block_manager.py",
+                     "nanovllm/engine/model_runner.py", "nanovllm/layers/attention.py"):
+        assert f"`{original}` ::" in mapping and f"`{original}` ::" in code_map
+    assert "nanovllm/engine/block_manager.py" in index and "BlockManager.hash_blocks" in index[
+        "nanovllm/engine/block_manager.py"]
+
+
+def test_after_v09_comes_v11_and_the_report_is_named() -> None:
+    assert "./course lab-start v11" in lab_check._next_step("v09") and "v10_mapping" in lab_check._next_step("v09")
+    assert "last lab" in lab_check._next_step("v11") and "v10_mapping" in lab_check._next_step("v11")
+    assert lab_check._next_step("v04") == "Next: ./course lab-start v05"

@@ -51,21 +51,26 @@ def _rel(path: Path) -> str:
 READING_REPORT = VERSIONS / "v10_mapping"
 
 
+def _lab_list() -> str:
+    """'v01 ... v09 and v11': the labs, with the gap where v10, the reading report, sits."""
+    return f"{LAB_VERSIONS[0]} ... {LAB_VERSIONS[-2]} and {LAB_VERSIONS[-1]}"
+
+
 def _lab_version(name: str) -> str:
     text = name.strip().lower().rstrip("/").split("/")[-1]
     if text in ("v10", "10") or text.startswith("v10_"):
         raise SystemExit(f"v10 is not a lab to build: it is the reading report that maps every snapshot onto "
                          f"the original nano-vLLM and onto nanoengine. Read {_rel(READING_REPORT / 'MAPPING.md')} "
                          f"and {_rel(READING_REPORT / 'CODE_MAP.md')}, starting from {_rel(READING_REPORT / 'NOTES.md')}. "
-                         f"Labs are {LAB_VERSIONS[0]}-{LAB_VERSIONS[-1]}.")
+                         f"The labs are {_lab_list()}.")
     try:
         version = version_of(name)
     except ValueError:
-        raise ValueError(f"unknown version {name!r}: the labs are {LAB_VERSIONS[0]} ... {LAB_VERSIONS[-1]} "
+        raise ValueError(f"unknown version {name!r}: the labs are {_lab_list()} "
                          "(v10 is the reading report)") from None
     if version not in LAB_VERSIONS:
         raise SystemExit(f"{version} has no lab: v00 is the specification every version must match; "
-                         f"labs are {LAB_VERSIONS[0]}-{LAB_VERSIONS[-1]}")
+                         f"the labs are {_lab_list()}")
     return version
 
 
@@ -147,13 +152,22 @@ def _print_result(result: CheckResult, version: str, results: list[CheckResult],
     out.flush()
 
 
+def _next_step(version: str) -> str:
+    """What to do after ``version`` passes: the next lab, and the reading report where it falls."""
+    following = [v for v in LAB_VERSIONS if v > version]
+    if not following:
+        return f"That was the last lab: read the reading report {_rel(READING_REPORT)} next, if you have not yet."
+    if version < "v10" < following[0]:
+        return (f"Next: ./course lab-start {following[0]} (it builds on this one), and the reading report "
+                f"{_rel(READING_REPORT)} maps everything so far onto nano-vLLM and nanoengine.")
+    return f"Next: ./course lab-start {following[0]}"
+
+
 def _print_summary(results: list[CheckResult], version: str, out) -> int:
     passed = sum(r.passed for r in results)
     print(f"{passed}/{len(results)} checks pass.", end=" ", file=out)
     if passed == len(results):
-        following = [v for v in LAB_VERSIONS if v > version]
-        print(f"{version} is done." + (f" Next: ./course lab-start {following[0]}" if following else
-                                       " That was the last lab: read versions/v10_mapping next."), file=out)
+        print(f"{version} is done. {_next_step(version)}", file=out)
         out.flush()
         return 0
     skipped = sum(r.skipped for r in results)
@@ -242,11 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="./course", description="Start or check a nano-vLLM lab.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{lab-start,lab-check}")
     p_start = sub.add_parser("lab-start", aliases=["start"], help="copy a starter to labs/nano-vllm/work/")
-    p_start.add_argument("version", help="v01 ... v09")
+    p_start.add_argument("version", help="v01 ... v09, v11")
     p_start.add_argument("--force", action="store_true", help="overwrite an existing working copy")
     p_start.set_defaults(run=start, parser=p_start)
     p_check = sub.add_parser("lab-check", aliases=["check"], help="run a version's checks on a copy")
-    p_check.add_argument("version", help="v01 ... v09")
+    p_check.add_argument("version", help="v01 ... v09, v11")
     where = p_check.add_mutually_exclusive_group()
     where.add_argument("--dir", help="the copy to check (default: labs/nano-vllm/work/vNN_*)")
     where.add_argument("--solution", action="store_true", help="check the finished snapshot")

@@ -179,6 +179,32 @@ TASKS: dict[str, tuple[Stub, ...]] = {
         Stub("model_runner.py", "ModelRunner.prepare_block_tables",
              "One int64 tensor (B, longest table), each row a block table padded with -1."),
     ),
+    "v11": (
+        Stub("ngram_proposer.py", "propose_ngram",
+             "For n from min(max_n, len - 1) down to min_n: take the last n tokens and find their "
+             "EARLIEST earlier occurrence (a window starting before len - n); return up to k tokens "
+             "that follow it. The first n with a match wins; [] if none (or k is 0)."),
+        Stub("rejection_sampler.py", "accept_greedy",
+             "Walk drafts and row argmaxes together: emit the argmax; stop after the first draft "
+             "that differs from it. If every draft matched, also emit the last argmax (the bonus)."),
+        Stub("rejection_sampler.py", "accept_sampled",
+             "For draft i, judged against row i: draw u ~ U(0, 1) from the generator; u < p(draft) "
+             "keeps it. Otherwise copy the row, zero the draft's entry, renormalise, draw one token "
+             "from that with torch.multinomial, emit it and stop. All kept: draw a bonus from the "
+             "last row."),
+        Stub("model_runner.py", "ModelRunner.prepare_decode",
+             "Per sequence: its uncomputed tokens (token_ids from num_computed_tokens: the last "
+             "token) followed by its draft_token_ids, at positions num_computed_tokens onward, each "
+             "with its slot; cu_seqlens_q grows by that many rows; context_lens is len(seq) + drafts; "
+             "logits_indices is every row (torch.arange over all rows)."),
+        Stub("scheduler.py", "Scheduler.accept_token",
+             "An emitted token means every token before it has valid KV: set num_computed_tokens "
+             "to the sequence's length before appending, then append the token."),
+        Stub("block_manager.py", "BlockManager.release_slots_after",
+             "Keep the first ceil(num_tokens / block_size) blocks of the table. Walk the rest in "
+             "REVERSE: each must have ref_count 1 and no hash; set ref_count 0, move it from "
+             "used_block_ids to the BACK of free_block_ids. Then cut the table to the kept blocks."),
+    ),
 }
 
 PARTS = {
