@@ -625,6 +625,12 @@ class SpecDecodeStepper(ControllerView, W.VBox):
         self.watcher = EngineWatcher(controller.engine, self.refresh)
         self.refresh()
 
+    def close(self) -> None:
+        if getattr(self, "controller", None) is None:  # the constructor refused its input: nothing listens
+            W.VBox.close(self)
+            return
+        super().close()
+
     def _prompt_value(self) -> str | list[int]:
         if self.controller.engine.tokenizer is None:
             return parse_token_ids(self.prompt.value)
