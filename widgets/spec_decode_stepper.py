@@ -482,10 +482,12 @@ def render_lookup(c: SpecDecodeStepperController, context: int = 6) -> str:
     if c.finished:
         return '<div class="ne-spec-lookup" style="font-size:12px;color:#888">finished: nothing more to draft</div>'
     if not drafts:
-        why = ("the prompt is still being computed" if not c.steps or c.steps[-1].is_prefill and not c.steps[-1].appended
+        prompt_left = not c.steps or (c.steps[-1].is_prefill and not c.steps[-1].appended)
+        why = ("the prompt is still being computed" if prompt_left
                else f"the context's last {c.spec_config.prompt_lookup_min}-{c.spec_config.prompt_lookup_max} "
                     f"tokens occur nowhere earlier (or no room is left): the next step decodes one token")
-        return f'<div class="ne-spec-lookup" style="font-size:12px;color:#555">no drafts for the next step: {why}</div>'
+        return (f'<div class="ne-spec-lookup" style="font-size:12px;color:#555">no drafts for the next step: '
+                f'{why}</div>')
     match = c.ngram_match()
     tokens = list(c._request.all_token_ids)
     chips = "".join(chip(engine, t, "proposed") for t in drafts)
@@ -509,7 +511,8 @@ def render_lookup(c: SpecDecodeStepperController, context: int = 6) -> str:
             f'<div>the context ends with these {match.n} tokens (yellow):'
             f'<div style="font:12px monospace;white-space:pre-wrap">{suffix}</div></div>'
             f'<div>found earlier at position {match.start} (in the {where}); the tokens that followed them '
-            f'(purple) are the drafts:<div style="font:12px monospace;white-space:pre-wrap">{earlier}</div></div></div>')
+            f'(purple) are the drafts:<div style="font:12px monospace;white-space:pre-wrap">{earlier}</div>'
+            f'</div></div>')
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
@@ -579,8 +582,9 @@ class SpecDecodeStepper(ControllerView, W.VBox):
                                      tooltip="a new request with the prompt and max tokens below")
         prompt_text = (controller.prompt if isinstance(controller.prompt, str)
                        else " ".join(str(t) for t in controller.prompt))
+        placeholder = "text" if controller.engine.tokenizer is not None else "token ids: 101 102 103"
         self.prompt = W.Text(value=prompt_text, description="prompt", layout=W.Layout(width="520px"),
-                             placeholder="text" if controller.engine.tokenizer is not None else "token ids: 101 102 103")
+                             placeholder=placeholder)
         # wide bounds: a value out of range reaches the controller, which says what is allowed
         self.max_tokens = W.BoundedIntText(value=controller.params.max_tokens, min=-10**7, max=10**7,
                                            description="max tokens", style={"description_width": "80px"},
@@ -618,9 +622,9 @@ class SpecDecodeStepper(ControllerView, W.VBox):
         super().__init__([
             self.shared_note, W.HBox([self.step_button, self.run_button, self.reset_button]),
             W.HBox([self.prompt, self.max_tokens]), self.status, self.message,
-            W.HTML("<b>The request so far</b>"), self.text, W.HTML("<b>Last step: draft → verify → accept/reject</b>"),
-            self.last_step, W.HTML("<b>Next step's drafts (prompt lookup)</b>"), self.lookup,
-            W.HTML("<b>Totals</b>"), self.totals])
+            W.HTML("<b>The request so far</b>"), self.text,
+            W.HTML("<b>Last step: draft → verify → accept/reject</b>"), self.last_step,
+            W.HTML("<b>Next step's drafts (prompt lookup)</b>"), self.lookup, W.HTML("<b>Totals</b>"), self.totals])
         self.add_class("ne-spec-decode-stepper")
         self.watcher = EngineWatcher(controller.engine, self.refresh)
         self.refresh()

@@ -115,7 +115,8 @@ def test_a_stop_inside_an_accepted_run_cuts_it() -> None:
     reference.run_to_end()
     output, start, candidates = reference.output_token_ids, 0, []
     for s in reference.steps:  # an accepted draft, not the run's first token, new to the output
-        candidates += [(token, start + i) for i, token in enumerate(s.emitted[:-1]) if i and token not in output[:start + i]]
+        candidates += [(token, start + i) for i, token in enumerate(s.emitted[:-1])
+                       if i and token not in output[:start + i]]
         start += len(s.appended)
     assert candidates, "no accepted run to cut on this model"
     stop, position = candidates[0]
@@ -271,3 +272,32 @@ def test_find_ngram_match_takes_the_longest_suffix_at_its_earliest_place() -> No
     assert (match.n, match.start, match.suffix_start, match.drafts) == (3, 0, 7, (9, 2))
     assert list(match.drafts) == propose_ngram(tokens, 2, 3, 2)
     assert find_ngram_match([1, 2, 3, 4], 2, 3, 2) is None
+
+
+def test_blocks_that_held_only_rejected_drafts_go_back() -> None:
+    # 2-token blocks: four drafts span new blocks, and a rejection early in the run frees some
+    view = SpecDecodeStepper(make_engine(block_size=2), PROMPT, max_tokens=MAX_TOKENS)
+    c = view.controller
+    released = None
+    while not c.finished:
+        view.step_button.click()
+        s = c.steps[-1]
+        if s.blocks_freed and s.finish_reason is None:
+            released = s
+            assert s.rejected is not None and set(s.blocks_freed) <= set(s.blocks_allocated)
+            assert "they held only rejected drafts" in view.last_step.value
+            assert len(block_ids(c)) == -(-(len(PROMPT) + len(c.output_token_ids)) // 2)  # no more than its tokens need
+    assert released is not None
+
+
+def test_sampling_parameters_reach_the_request() -> None:
+    # (On this tiny model even a low temperature leaves the greedy loop at once, so sampled
+    # runs draft almost nothing here; the rejection rule itself is tested with the engine.)
+    engine = make_engine()
+    c = SpecDecodeStepperController(engine, PROMPT, max_tokens=9, params=SamplingParams(temperature=0.3, seed=0,
+                                                                                       max_tokens=99))
+    assert engine.requests[c.request_id].sampling_params == SamplingParams(temperature=0.3, seed=0, max_tokens=9)
+    c.run_to_end()
+    assert c.num_output_tokens == 9 and c.stats.as_dict() == engine.spec_decode_stats.as_dict()
+    with pytest.raises(ValueError, match="params.n must be 1"):
+        SpecDecodeStepperController(make_engine(), PROMPT, params=SamplingParams(n=2))
