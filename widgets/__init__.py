@@ -13,7 +13,7 @@ ThroughputExplorer     ThroughputExplorerController        11 (benchmarks)
 SpecDecodeStepper      SpecDecodeStepperController         13 (speculative decoding)
 MemoryEstimator        MemoryEstimatorController           1, 3
 TokenEditor            token_pieces (widgets.tokens)       1
-Quiz                   QuizController                      all twelve
+Quiz                   QuizController                      all thirteen
 =====================  ==================================  ==========================
 
 The step-cost and throughput explorers are driven by their chapter's own measurements (a
