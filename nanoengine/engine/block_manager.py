@@ -359,7 +359,10 @@ class BlockManager:
                                          f"or cached (ref_count {block.ref_count})")
                 block.ref_count = 0
                 self.free_queue[block_id] = None
-            del request.block_ids[keep:]
+            # A new list, never an edit of the old one: ``BlockTables`` copies only what a list it
+            # has seen gained at its end, so blocks removed in place and others appended before
+            # the next step would leave its row naming the blocks given back.
+            request.block_ids = request.block_ids[:keep]
             if self.events.wants(BlocksFreed):
                 self.events.emit(BlocksFreed(self.step, request.request_id, tuple(reversed(surplus))))
 

@@ -82,6 +82,24 @@ class BlockTables:
             indices.append(row.index)
         return indices
 
+    def check_mirrors(self, requests: Sequence[Request]) -> None:
+        """Raise ``AssertionError`` where a row no longer mirrors the list it was copied from.
+
+        ``rows`` copies only what a list gained since last time, trusting that a list it has
+        seen only grows at its end. A block manager that removed or replaced blocks inside a
+        list it kept (instead of handing the request a new one) would leave the row pointing
+        at blocks the request no longer holds, and attention would read another's KV.
+        """
+        for request in requests:
+            row = self._rows.get(request.request_id)
+            if row is None or row.source is not request.block_ids:
+                continue  # not copied yet, or a new list: the next ``rows`` writes it afresh
+            seen = min(row.filled, len(request.block_ids))
+            if self.table[row.index, :seen].tolist() != request.block_ids[:seen]:
+                raise AssertionError(f"block table row of {request.request_id} holds "
+                                     f"{self.table[row.index, :seen].tolist()}, its blocks are "
+                                     f"{request.block_ids[:seen]}: a list was edited in place")
+
     def gather(self, rows: list[int], width: int) -> torch.Tensor:
         """The given rows' first ``width`` entries, as a new (len(rows), width) tensor."""
         index = torch.tensor(rows, dtype=torch.long)

@@ -414,6 +414,7 @@ class LLMEngine:
     def check_invariants(self) -> None:
         """Raise if block bookkeeping is inconsistent (tests call this after every step)."""
         self.block_manager.check_invariants(self.scheduler.running)
+        self.block_tables.check_mirrors(self.scheduler.running)
         for request in self.scheduler.waiting:
             if request.block_ids:
                 raise AssertionError(f"waiting request {request.request_id} holds blocks {request.block_ids}")

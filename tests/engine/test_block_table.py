@@ -83,3 +83,33 @@ def test_a_row_never_keeps_a_finished_request_alive():
     gc.collect()
     assert ref() is None
     assert tables.rows([running("next", [2])]) == [0]  # its row is free again
+
+
+def test_rejected_drafts_given_back_then_new_slots_reach_the_row():
+    """Speculative decoding frees the blocks only rejected drafts used; the next verify may take
+    new ones at the same places. The row must name the new blocks, not the ones given back."""
+    from nanoengine.engine.block_manager import BlockManager
+
+    manager, tables = BlockManager(num_blocks=16, block_size=4), BlockTables(max_blocks_per_seq=8, capacity=2)
+    request = Request("a", list(range(7)), SamplingParams())
+    request.status = RequestStatus.RUNNING
+    assert manager.allocate_slots(request, 7)
+    request.num_computed_tokens = 7
+    assert manager.allocate_slots(request, 5)  # one token and four drafts: positions 7-11, a third block
+    row = tables.rows([request])[0]
+    given_back = request.block_ids[2]
+    manager.release_slots_after(request, 8)  # all four drafts rejected
+    assert manager.allocate_slots(request, 5)  # the next verify needs a third block again: another one
+    assert request.block_ids[2] != given_back
+    tables.check_mirrors([request])
+    assert tables.rows([request]) == [row]
+    assert tables.table[row, :3].tolist() == request.block_ids
+
+
+def test_a_list_edited_in_place_is_caught_by_check_mirrors():
+    tables = BlockTables(max_blocks_per_seq=8, capacity=2)
+    a = running("a", [4, 6, 7])
+    tables.rows([a])
+    a.block_ids[1:] = [9, 3]  # what a block manager must never do
+    with pytest.raises(AssertionError, match="edited in place"):
+        tables.check_mirrors([a])
