@@ -88,7 +88,10 @@ class BlocksFreed(Event):
 
 @dataclass(frozen=True)
 class BlocksForked(Event):
-    """A parallel-sampling sibling now shares these blocks of ``parent_id`` (ref count + 1)."""
+    """A parallel-sampling sibling now shares these blocks of ``parent_id`` (ref count + 1).
+
+    Only with the prefix cache off; with it on, a sibling finds the blocks as a ``PrefixCacheHit``.
+    """
 
     request_id: str
     parent_id: str

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import ipywidgets as W
 
 from nanoengine import EngineSnapshot, LLMEngine, RequestOutput, SamplingParams
-from nanoengine.events import (BlockEvicted, BlocksAllocated, BlocksFreed, BlockStored, Event,
+from nanoengine.events import (BlockEvicted, BlocksAllocated, BlocksForked, BlocksFreed, BlockStored, Event,
                                PrefixCacheHit, RequestFinished, RequestPreempted, RequestQueued, RequestScheduled,
                                StepFinished)
 from widgets._common import (PALETTE, ControllerView, EngineWatcher, TokenSource, check_int, check_request_fits,
@@ -395,6 +395,8 @@ def _describe_block_event(event: Event) -> str | None:
     if isinstance(event, PrefixCacheHit):
         return (f"request {event.request_id} reuses cached blocks {list(event.block_ids)} "
                 f"({event.num_cached_tokens} tokens)")
+    if isinstance(event, BlocksForked):
+        return f"request {event.request_id} shares blocks {list(event.block_ids)} of {event.parent_id} (fork)"
     if isinstance(event, BlockStored):
         return f"block {event.block_id} is full: its hash enters the prefix cache"
     if isinstance(event, BlockEvicted):

@@ -19,12 +19,13 @@ collide: the block's stored token ids must equal the request's, and the block mu
 been computed after the very block matched just before it in the chain (each cached block
 records the *cache serial* of its parent, a number no other cached block ever gets).
 
-Parallel sampling (``SamplingParams(n=...)``) shares blocks without the hash table: once
-one completion has computed the prompt, ``offer_prefix`` promises each sibling its full
-prompt blocks, and when the scheduler admits the sibling, ``get_computed_blocks`` finds
-them and ``allocate_slots`` hands them over with ``fork`` (reference counts raised; see
-``fork`` for what happens to the partly filled last block). The sibling waits like any
-request and holds nothing until then, with the prefix cache on or off.
+Parallel sampling (``SamplingParams(n=...)``, chapter 8) needs nothing of its own here.
+The siblings of a completion find its prompt blocks in the prefix cache like any request
+with the same prompt; with the cache off, the scheduler hands them the blocks to share
+itself (``allocate_slots``'s ``forked_from``; ``parallel_sampling`` tells the story). This
+class never holds a request between calls, nor reads another request's progress. vLLM
+v1's ``KVCacheManager`` has no fork at all: its children share a prompt through the
+prefix cache only, and with caching off each computes the prompt itself.
 
 Freed blocks go to the back of an LRU free queue but keep their hash, so a later request
 can still hit them; a block is only forgotten when the queue hands it out again for new
@@ -134,9 +135,6 @@ class BlockManager:
         self.hash_fn: BlockHashFn = hash_fn or hash_block
         self._serials = itertools.count()
         self.num_evictions = 0
-        # Prompts promised to parallel-sampling siblings (``offer_prefix``):
-        # sibling id -> (the request that computed the prompt, how many of its blocks).
-        self.prefix_offers: dict[str, tuple["Request", int]] = {}
         # Every public action below runs in the profiler's "block_manager" phase, so a
         # step's report (``StepFinished.block_manager_time``) shows this class's share.
         self.profiler = profiler
@@ -158,20 +156,12 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def get_computed_blocks(self, request: "Request") -> tuple[list[int], int]:
-        """Leading full blocks of ``request`` already computed: offered to it, or in the prefix cache.
+        """Leading full blocks of ``request`` already in the prefix cache, verified.
 
         Returns (block ids, number of tokens they hold). At least the last token is
         always left to compute, since its logits are needed to sample the next one.
-        An offer (``offer_prefix``) whose source no longer holds the blocks (it was
-        preempted or has finished) is dropped, and the prefix cache is asked instead.
         """
         with self.profiler.phase("block_manager"):
-            offer = self.prefix_offers.get(request.request_id)
-            if offer is not None:
-                source, num_blocks = offer
-                if source.num_computed_tokens >= num_blocks * self.block_size and len(source.block_ids) >= num_blocks:
-                    return source.block_ids[:num_blocks], num_blocks * self.block_size
-                del self.prefix_offers[request.request_id]
             if not self.enable_prefix_caching:
                 return [], 0
             tokens = request.all_token_ids
@@ -214,28 +204,31 @@ class BlockManager:
 
     # ----------------------------------------------------------------- actions
     def allocate_slots(self, request: "Request", num_new_tokens: int,
-                       computed_blocks: list[int] = ()) -> bool:
+                       computed_blocks: list[int] = (), forked_from: str | None = None) -> bool:
         """Make room for ``num_new_tokens`` more tokens of ``request``.
 
-        ``computed_blocks`` (at admission) are what ``get_computed_blocks`` found: an
-        offered prompt, forked, or prefix-cache hits to share. Returns False, changing
-        nothing, when the pool cannot provide the blocks.
+        ``computed_blocks`` (at admission) are blocks that already hold the request's leading
+        tokens, shared rather than computed: each one's reference count goes up by one.
+        Usually they are the prefix-cache hits ``get_computed_blocks`` found (announced as a
+        ``PrefixCacheHit``); with ``forked_from``, the id of the request they come from, they
+        are a parallel-sampling sibling's prompt, handed over by the scheduler with the cache
+        off (a ``BlocksForked``). Either way the caller vouches that they hold those tokens.
+        Returns False, changing nothing, when the pool cannot provide the blocks.
         """
         with self.profiler.phase("block_manager"):
             if not self.can_allocate(request, num_new_tokens, computed_blocks):
                 return False
             num_new_blocks = self._num_new_blocks(request, num_new_tokens, computed_blocks)
-            offer = self.prefix_offers.pop(request.request_id, None) if computed_blocks else None
-            if offer is not None:
-                self.fork(offer[0], request, len(computed_blocks))
-                computed_blocks = ()
             for block_id in computed_blocks:
                 block = self.blocks[block_id]
                 if block.ref_count == 0:
                     del self.free_queue[block_id]
                 block.ref_count += 1
                 request.block_ids.append(block_id)
-            if computed_blocks and self.events.wants(PrefixCacheHit):
+            if computed_blocks and forked_from is not None:
+                if self.events.wants(BlocksForked):
+                    self.events.emit(BlocksForked(self.step, request.request_id, forked_from, tuple(computed_blocks)))
+            elif computed_blocks and self.events.wants(PrefixCacheHit):
                 self.events.emit(PrefixCacheHit(self.step, request.request_id,
                                                 len(computed_blocks) * self.block_size, tuple(computed_blocks)))
             new_ids = []
@@ -282,42 +275,6 @@ class BlockManager:
                     if self.events.wants(BlockStored):
                         self.events.emit(BlockStored(self.step, block.block_id, block_hash, parent))
 
-    def offer_prefix(self, source: "Request", target: "Request", num_blocks: int) -> None:
-        """Promise ``target`` ``source``'s first ``num_blocks`` blocks, for when it is admitted.
-
-        ``target`` (a waiting parallel-sampling sibling with the same prompt) takes them
-        through ``get_computed_blocks`` and ``allocate_slots``, which ``fork`` them, as
-        long as ``source`` still holds them then. Freeing ``target`` withdraws the offer.
-        """
-        if target.block_ids:
-            raise ValueError(f"offer target {target.request_id} already holds blocks {target.block_ids}")
-        self.prefix_offers[target.request_id] = (source, num_blocks)
-
-    def fork(self, parent: "Request", child: "Request", num_blocks: int) -> None:
-        """Share ``parent``'s first ``num_blocks`` blocks with ``child`` (parallel sampling).
-
-        The n completions of one prompt (``SamplingParams(n=...)``) compute the prompt once;
-        each sibling then holds the same physical blocks, whose reference counts go up by
-        one per sibling. Only *full* blocks are shared. The prompt's partly filled last block
-        is not: every sibling would write its own next token into it. vLLM v0 copied that
-        block on write (a device-side KV copy in every worker); here each sibling recomputes
-        the few tokens of that block instead (at most ``block_size - 1``; a whole block when
-        the prompt fills its last one, since the sibling needs that last token's logits for
-        its own first token), which needs no copy kernel and works unchanged under tensor
-        parallelism.
-        """
-        with self.profiler.phase("block_manager"):
-            if child.block_ids:
-                raise ValueError(f"fork target {child.request_id} already holds blocks {child.block_ids}")
-            shared = parent.block_ids[:num_blocks]
-            for block_id in shared:
-                self.blocks[block_id].ref_count += 1
-            child.block_ids = list(shared)
-            child.block_hashes = list(parent.block_hashes[:num_blocks])
-            child.block_serials = list(parent.block_serials[:num_blocks])
-            if shared and self.events.wants(BlocksForked):
-                self.events.emit(BlocksForked(self.step, child.request_id, parent.request_id, tuple(shared)))
-
     def free(self, request: "Request") -> None:
         """Drop ``request``'s hold on its blocks; blocks nobody holds become free.
 
@@ -332,7 +289,6 @@ class BlockManager:
                 if block.ref_count == 0:
                     self.free_queue[block_id] = None
                     freed.append(block_id)
-            self.prefix_offers.pop(request.request_id, None)  # an aborted sibling gives up its offer
             request.block_ids = []
             request.block_hashes = []
             request.block_serials = []

@@ -71,7 +71,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(tokenizer, model_config.vocab_size, self.max_model_len,
                                               config.max_num_seqs)
         self.output_processor = OutputProcessor(tokenizer, profiler=self.profiler)
-        self.parents = parallel_sampling.ParentRequests(self.block_manager)  # n > 1: siblings held back
+        # n > 1: siblings held back until the prompt is computed; they fork it when there is no prefix cache
+        self.parents = parallel_sampling.ParentRequests(config.block_size, fork=not config.enable_prefix_caching)
         # Block tables of the requests in flight, as one tensor updated in place (engine.block_table).
         self.block_tables = BlockTables(-(-self.max_model_len // config.block_size),
                                         capacity=config.max_num_seqs + 1)

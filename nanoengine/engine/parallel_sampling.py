@@ -2,8 +2,9 @@
 
 ``SamplingParams(n=4)`` asks for four completions. Computing the prompt four times would
 waste three prefills and three copies of its KV. A ``ParentRequest`` stands for the user
-request and does everything ``n > 1`` needs; the scheduler, the requests, the batch
-planner and the invariant checks only ever see ordinary requests:
+request and does almost everything ``n > 1`` needs; the block manager, the batch planner
+and the invariant checks only ever see ordinary requests, and the scheduler reads one
+mark, only with the prefix cache off (``Request.fork_source``, below):
 
 1. **fan out**: the parent makes ``n`` ordinary ``Request`` objects, its *children*, named
    ``"{i}_{id}"`` (vLLM's names; with ``n == 1`` the one child keeps the user's id). A
@@ -13,27 +14,53 @@ planner and the invariant checks only ever see ordinary requests:
 2. **prefill once**: child 0 is scheduled like any request and computes the prompt.
 3. **release** (``after_update``, called by the engine once per step, after the
    scheduler has appended the step's tokens): when child 0 has its first token, its
-   prompt's KV exists, so the parent queues the siblings. Each is promised child 0's
-   full prompt blocks (``BlockManager.offer_prefix``); when the scheduler admits it, the
-   block manager forks them to it (reference counts raised, ``BlockManager.fork``), and
-   the sibling computes only the prompt's last, partly filled block and samples its own
-   first token from its own logits. From then on the children are independent: each
-   is scheduled, preempted and finished on its own.
+   prompt's KV exists, so the parent queues the siblings. When the scheduler admits one,
+   it shares child 0's full prompt blocks (reference counts raised), computes only the
+   prompt's last, partly filled block and samples its own first token from its own
+   logits. From then on the children are independent: each is scheduled, preempted and
+   finished on its own.
 4. **gather**: the output processor reports the ``n`` children as one ``RequestOutput``
    (``gather_metrics`` covers the timings); the user request ends when its last child
    does. Aborting it finishes every child, released or not.
 
+How a sibling finds the prompt's blocks depends on the prefix cache:
+
+* **caching on** (the default): nothing special at all. Child 0 put its full prompt blocks
+  in the prefix cache as it computed them (``BlockManager.cache_full_blocks``), so the
+  sibling's ``get_computed_blocks`` finds them like any request with the same prompt
+  would (a ``PrefixCacheHit``).
+* **caching off**: an explicit fork. The parent marks each sibling with
+  ``Request.fork_source``, (child 0, number of its full prompt blocks), and the scheduler
+  at admission passes those blocks to ``BlockManager.allocate_slots``, which shares them
+  exactly as it shares cache hits (a ``BlocksForked``). The block manager itself never
+  learns who computed what.
+
+Only *full* blocks are shared. The prompt's partly filled last block is not: every
+sibling will write its own next token into it. vLLM v0 copied that block on write (a
+device-side KV copy in every worker); here each sibling recomputes the tokens of that
+block instead (at most ``block_size - 1``; a whole block when the prompt fills its last
+one, since the sibling needs that last token's logits for its own first token), which
+needs no copy kernel and works unchanged under tensor parallelism.
+
 Siblings enter the waiting queue like new requests, so ``max_num_seqs`` and the token
 budget hold without special rules; the price is that they start a step after child 0
 (with the ``static`` policy, in the next batch). If child 0 loses its blocks before a
-sibling is admitted (preempted, or finished at its first token), the offer lapses and
-the sibling finds the prompt in the prefix cache, or computes it.
+sibling is admitted (preempted, or finished at its first token), nothing stale is shared:
+with caching on the sibling takes whatever of the prompt is still cached, verified as
+every hit is, and computes the rest; with caching off the scheduler checks at each
+admission attempt that child 0 holds the blocks computed at that moment (a preempted
+child 0 may have computed them again since), and a sibling admitted while it does not
+computes its prompt itself.
 
 vLLM v1 has the same object in vllm/v1/engine/parallel_sampling.py: a ``ParentRequest``
 that makes the child requests and their seeds and gathers their outputs. It queues all
-children at once and lets its prefix cache share the prompt, which only works when
-caching is on and a child is scheduled after another one's prompt is in the cache;
-holding the siblings back until the prompt is computed makes "prefill once" certain.
+children at once and relies on the prefix cache alone. That works even for children
+admitted in the same step as child 0, because vLLM registers a block's digest when the
+block is *scheduled* (its ``allocate_slots``), and the one forward pass writes each
+layer's keys and values before attention reads them. This engine registers a digest only
+once the block is computed (after the step), so it holds the siblings back a step
+instead. With caching off vLLM computes the prompt once per child; here the siblings
+fork it, so "prefill once" holds either way.
 """
 
 from __future__ import annotations
@@ -41,7 +68,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.request import Request
 from nanoengine.outputs import RequestMetrics
 from nanoengine.sampling_params import SamplingParams
@@ -77,18 +103,19 @@ class ParentRequest:
         """Child 0: the one queued at once, which computes the prompt."""
         return self.children[0]
 
-    def release_siblings(self, block_manager: BlockManager) -> list[Request]:
-        """The held-back siblings, each promised the first child's full prompt blocks; none after this.
+    def release_siblings(self, block_size: int, fork: bool) -> list[Request]:
+        """The held-back siblings, to be queued now that child 0 has computed the prompt; none after this.
 
-        The last prompt token is always left for the sibling to compute (its logits give
-        the sibling's first token), so the promise covers ``(prompt - 1) // block_size``
-        blocks: the prompt's partly filled block, or its last full one, is recomputed.
+        With ``fork`` (the prefix cache is off) each is marked with the blocks it may share
+        (``Request.fork_source``): child 0's full prompt blocks, ``(prompt - 1) // block_size``
+        of them, since the last prompt token is always left for the sibling to compute (its
+        logits give the sibling's first token). With the cache on they need no mark.
         """
         siblings, self.held_back = self.held_back, []
-        num_blocks = (self.first.num_prompt_tokens - 1) // block_manager.block_size
-        for sibling in siblings:
-            if num_blocks:
-                block_manager.offer_prefix(self.first, sibling, num_blocks)
+        num_blocks = (self.first.num_prompt_tokens - 1) // block_size
+        if fork and num_blocks:
+            for sibling in siblings:
+                sibling.fork_source = (self.first, num_blocks)
         return siblings
 
 
@@ -97,10 +124,12 @@ class ParentRequests:
 
     The engine calls ``after_update`` once per step; it costs a dictionary lookup per
     request that produced a token, and nothing at all when no request has ``n > 1``.
+    ``fork``: mark released siblings for an explicit fork (the prefix cache is off).
     """
 
-    def __init__(self, block_manager: BlockManager) -> None:
-        self.block_manager = block_manager
+    def __init__(self, block_size: int, fork: bool) -> None:
+        self.block_size = block_size
+        self.fork = fork
         self.holding: dict[str, ParentRequest] = {}  # child 0's id -> its parent
 
     def add(self, parent: ParentRequest) -> None:
@@ -115,7 +144,7 @@ class ParentRequests:
         for request in produced:
             parent = self.holding.pop(request.request_id, None)
             if parent is not None:
-                ready.extend(parent.release_siblings(self.block_manager))
+                ready.extend(parent.release_siblings(self.block_size, self.fork))
         return ready
 
     def forget(self, first_child_id: str) -> None:

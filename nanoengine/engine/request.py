@@ -74,6 +74,11 @@ class Request:
         self.token_block_digests: list[bytes] = []
         self.block_serials: list[int | None] = []  # which cached content each of them is (prefix cache)
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        # Parallel sampling with the prefix cache off (chapter 8, ``parallel_sampling``): the
+        # completion that computed this sibling's prompt and how many of its full blocks the
+        # sibling may share when admitted, if that completion still holds them computed then
+        # (``Scheduler._computed_blocks``). None otherwise, and once the sibling is admitted or ends.
+        self.fork_source: tuple[Request, int] | None = None
         # Speculative decoding (chapter 13): tokens the proposer guessed after the last one,
         # checked by the next step; never part of ``all_token_ids`` until accepted.
         self.spec_token_ids: list[int] = []

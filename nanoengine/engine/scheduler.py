@@ -8,6 +8,10 @@ admitted in arrival order while budget, sequence slots and KV blocks last; a pro
 than the remaining budget is split into chunks (chunked prefill) and finished over later
 steps, so decodes never stall behind a long prompt.
 
+At admission a request skips the leading full blocks that are already computed: hits in
+the prefix cache, or, for a parallel-sampling sibling with the cache off, the prompt its
+first completion computed (``_computed_blocks``); the block manager shares them.
+
 When a running request needs a block and the pool is empty, the newest running request
 is *preempted*: its blocks are freed, its progress reset, and it goes back to the front of
 the waiting queue to be recomputed later (recompute preemption). A step that preempted
@@ -155,6 +159,7 @@ class Scheduler:
         request.status = status
         request.finished_time = time.perf_counter()
         self.static_batch.discard(request.request_id)
+        request.fork_source = None  # a sibling aborted while waiting: nothing to share any more
         self.block_manager.free(request)
         self.events.emit(RequestFinished(self.step, request.request_id, status.finish_reason,
                                          request.num_output_tokens))
@@ -224,14 +229,15 @@ class Scheduler:
                 break
             if self.policy == "static" and request.request_id not in self.static_batch:
                 break  # the current static batch must finish first
-            computed_blocks, num_cached = self.block_manager.get_computed_blocks(request)
+            computed_blocks, num_cached, forked_from = self._computed_blocks(request)
             num_new = request.num_tokens - num_cached
             if num_new > budget:
                 if not self.enable_chunked_prefill:
                     break
                 num_new = budget
-            if not self.block_manager.allocate_slots(request, num_new, computed_blocks):
+            if not self.block_manager.allocate_slots(request, num_new, computed_blocks, forked_from):
                 break
+            request.fork_source = None  # admitted: shared or computed, the mark has done its work
             self.waiting.popleft()
             if request.status == RequestStatus.WAITING:  # first admission, not a recompute
                 self.prefix_queries += request.num_prompt_tokens
@@ -243,6 +249,26 @@ class Scheduler:
             out.add(request, num_new)
             budget -= num_new
         return budget
+
+    def _computed_blocks(self, request: Request) -> tuple[list[int], int, str | None]:
+        """The leading full blocks ``request`` need not compute: (block ids, their tokens, forked from).
+
+        A parallel-sampling sibling with the prefix cache off carries ``fork_source``: the
+        completion that computed its prompt and how many of its full blocks to share. They are
+        taken, with that completion's id for the ``BlocksForked`` event, if it holds them
+        computed right now. It may not: preempted, it holds nothing (or, readmitted, blocks
+        not yet recomputed); finished, nothing. The sibling then computes its prompt like any
+        request, or, if it is not admitted this time, asks again at its next attempt. Everything
+        else asks the prefix cache. The scheduler, not the block manager, reads the other
+        request: the block manager keeps no request between calls.
+        """
+        if request.fork_source is not None:
+            source, num_blocks = request.fork_source
+            num_tokens = num_blocks * self.block_manager.block_size
+            if source.num_computed_tokens >= num_tokens and len(source.block_ids) >= num_blocks:
+                return source.block_ids[:num_blocks], num_tokens, source.request_id
+        computed_blocks, num_cached = self.block_manager.get_computed_blocks(request)
+        return computed_blocks, num_cached, None
 
     def _schedule_prefills_only(self, out: SchedulerOutput, budget: int) -> int:
         """``prefill_first``: continue chunked prefills and admit new requests, no decodes."""

@@ -6,7 +6,7 @@ import pytest
 
 from nanoengine.engine.block_manager import BlockManager, InvariantError, hash_block
 from nanoengine.engine.request import Request
-from nanoengine.events import BlockEvicted, BlockStored, EventBus
+from nanoengine.events import BlockEvicted, BlocksForked, BlockStored, EventBus, PrefixCacheHit
 from nanoengine.sampling_params import SamplingParams
 
 
@@ -167,3 +167,44 @@ def test_a_requests_block_digests_are_computed_once_across_admission_attempts_an
     big.free(request)  # preempted: its blocks go back, its digests stay
     big.get_computed_blocks(request)
     assert len(calls) == 4
+
+
+def test_blocks_handed_over_with_forked_from_are_shared_like_hits_and_announced_as_a_fork():
+    """Parallel sampling with the cache off: the scheduler passes another request's blocks; the block
+    manager shares them by reference count, as it shares prefix-cache hits, and says whose they were."""
+    events = EventBus()
+    events.keep_history()
+    bm = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False, events=events)
+    first = _req("0_x", list(range(10)))
+    assert _admit(bm, first) == 0
+    sibling = _req("1_x", list(range(10)))
+    assert bm.get_computed_blocks(sibling) == ([], 0)  # no cache: the block manager finds nothing itself
+    shared = first.block_ids[:2]
+    assert bm.allocate_slots(sibling, 2, shared, forked_from="0_x")
+    assert sibling.block_ids[:2] == shared and sibling.block_ids[2] not in first.block_ids
+    assert [bm.blocks[b].ref_count for b in first.block_ids] == [2, 2, 1]
+    assert [type(ev).__name__ for ev in events.history if getattr(ev, "request_id", None) == "1_x"] == \
+        ["BlocksForked", "BlocksAllocated"]
+    fork = next(ev for ev in events.history if isinstance(ev, BlocksForked))
+    assert (fork.parent_id, fork.block_ids) == ("0_x", tuple(shared))
+    assert not any(isinstance(ev, PrefixCacheHit) for ev in events.history)
+    bm.check_invariants([first, sibling])
+    bm.free(first)  # the sibling keeps the shared blocks
+    assert [bm.blocks[b].ref_count for b in shared] == [1, 1] and bm.num_free_blocks == 5
+    bm.free(sibling)
+    assert bm.num_free_blocks == 8
+    bm.check_invariants([])
+
+
+def test_the_same_blocks_without_forked_from_are_a_prefix_cache_hit():
+    events = EventBus()
+    events.keep_history()
+    bm = BlockManager(num_blocks=8, block_size=4, events=events)
+    first = _req("a", list(range(10)))
+    _admit(bm, first)
+    second = _req("b", list(range(10)))
+    assert _admit(bm, second) == 8
+    hits = [ev for ev in events.history if isinstance(ev, PrefixCacheHit)]
+    assert [(ev.request_id, ev.num_cached_tokens, ev.block_ids) for ev in hits] == \
+        [("b", 8, tuple(first.block_ids[:2]))]
+    assert not any(isinstance(ev, BlocksForked) for ev in events.history)

@@ -251,13 +251,13 @@ def check_pool_size(num_kv_blocks) -> CheckResult:
 # ------------------------------------------------------------------ exercise 4.3
 def sampling_savings(n: int, prompt_len: int = SAMPLING_PROMPT_LEN, block_size: int = 16) -> tuple[int, int]:
     """(block-table entries, distinct blocks) of the n completions of one prompt, just after
-    the siblings forked, read from a tiny engine's snapshot."""
+    the siblings were admitted, read from a tiny engine's snapshot."""
     engine = tiny_engine(num_kv_blocks=256, block_size=block_size, max_model_len=512)
     prompt = TokenSource(engine.model_config.vocab_size, seed=1).tokens(prompt_len)
     rid = engine.add_request(prompt, SamplingParams(n=n, temperature=1.0, seed=0, max_tokens=8, ignore_eos=True))
     with single_thread():
         engine.step()  # the prompt's prefill by the first completion, which samples its first token
-        engine.step()  # the siblings are admitted: they fork its full prompt blocks and compute the rest
+        engine.step()  # the siblings are admitted: they share its full prompt blocks and compute the rest
     tables = [r.block_ids for r in engine.snapshot().running if r.parent_id == rid]
     engine.abort(rid)
     return sum(len(t) for t in tables), len({b for t in tables for b in t})
