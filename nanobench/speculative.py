@@ -28,6 +28,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Sequence
 
 from nanobench.benchmark import environment, load_average
 from nanobench.timing import measure_memory_bandwidth
@@ -81,9 +82,8 @@ def run_speculative(args) -> dict:
           f"memory bandwidth {bandwidth:.1f} GB/s")
     rows = []
     for workload, prompts in WORKLOADS.items():
-        conversations = [[{"role": "user", "content": p}] for p in prompts]
-        for mode in ("single stream", "batch"):
-            row = _race(plain, spec, conversations, params, mode, args.repeats)
+        for mode, batch in (("single stream", 1), ("batch", len(prompts))):
+            row = race_speculative(plain, spec, prompts, params, batch=batch, repeats=args.repeats)
             row.update(workload=workload, mode=mode, num_prompts=len(prompts))
             if mode == "single stream":  # weights read per step, as a share of the copy bandwidth
                 row["plain_weight_traffic_share"] = weight_bytes * row["plain_tok_s"] / (bandwidth * 1e9)
@@ -110,21 +110,37 @@ def run_speculative(args) -> dict:
     return results
 
 
-def _race(plain, spec, conversations, params, mode: str, repeats: int) -> dict:
-    """Alternate plain and speculative runs of one workload; medians, counters, and whether tokens agree."""
+def race_speculative(plain, spec, prompts: Sequence[str], params, *, batch: int, repeats: int) -> dict:
+    """Plain against speculative decoding on the same prompts: the measurement of ``bench
+    --speculative`` and of chapter 13 (sections 6 and 7).
+
+    ``plain`` and ``spec`` are ``LLM``s of the same model, ``spec`` built with a
+    ``speculative_config``. Each prompt is one user message through the chat template, sent
+    ``batch`` at a time: 1 is a single stream (one request at a time, the memory-bound case
+    speculation is for), ``len(prompts)`` one batch of them all. The engines take turns,
+    ``repeats`` runs each, so a slow spell of the machine falls on both; every run starts
+    from an empty prefix cache, so no run reuses an earlier one's prompt blocks.
+
+    Returns a dict (a row of the results file, ``results/README.md``): ``plain_seconds`` and
+    ``spec_seconds`` of every run; ``output_tokens`` (of the last run), ``plain_tok_s`` and
+    ``spec_tok_s`` (those tokens over the median run) and ``speedup`` (their ratio);
+    ``num_drafts``, ``num_draft_tokens`` and ``num_accepted_tokens`` during these runs (from
+    ``spec``'s ``spec_decode_stats``), ``acceptance_rate`` and ``mean_acceptance_length``
+    (tokens per verify pass), None without a draft; and ``identical``: both engines emitted
+    the same tokens, as they must with greedy ``params``.
+    """
     times = {"plain": [], "spec": []}
     outputs = {}
     stats = spec.engine.spec_decode_stats
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
+    conversations = [[{"role": "user", "content": p}] for p in prompts]
     tokens = None
     for _ in range(repeats):
         for name, llm in (("plain", plain), ("spec", spec)):
             llm.reset_prefix_cache()
             start = time.perf_counter()
-            if mode == "single stream":
-                outs = [llm.chat([c], params, use_tqdm=False)[0] for c in conversations]
-            else:
-                outs = llm.chat(conversations, params, use_tqdm=False)
+            outs = [o for i in range(0, len(conversations), batch)
+                    for o in llm.chat(conversations[i:i + batch], params, use_tqdm=False)]
             times[name].append(time.perf_counter() - start)
             outputs[name] = [o.outputs[0].token_ids for o in outs]
             tokens = sum(len(t) for t in outputs[name])

@@ -1,16 +1,26 @@
-"""``LLM.get_metrics()``: the engine's counters as records, read in-process (chapters 12 and 13).
+"""The engine's counters, read in one place (chapters 12 and 13).
 
-vLLM's ``LLM.get_metrics()`` returns its Prometheus metrics as plain objects
-(``vllm/v1/metrics/reader.py``: ``Counter``, ``Gauge``, ``Vector``), so a script can read
-them without scraping a server. These are the same three kinds, under the names the
-server's ``/metrics`` page uses (``entrypoints/openai/metrics.py``), with that page's
-prefix: a ``Counter`` only goes up, a ``Gauge`` is a value now, a ``Vector`` is a
-counter per position (speculative decoding's acceptances by draft position).
+``EngineStats.of(engine)`` reads them: queues, KV blocks, prefix cache, preemptions,
+speculative decoding. Both ways of looking at an engine are built on it:
+
+* ``LLM.get_metrics()`` (``engine_metrics``): records read in-process. vLLM's
+  ``LLM.get_metrics()`` returns its Prometheus metrics as plain objects
+  (``vllm/v1/metrics/reader.py``: ``Counter``, ``Gauge``, ``Vector``), so a script can read
+  them without scraping a server. These are the same three kinds, under the names the
+  server's ``/metrics`` page uses, with that page's prefix: a ``Counter`` only goes up, a
+  ``Gauge`` is a value now, a ``Vector`` is a counter per position (speculative decoding's
+  acceptances by draft position).
+* the server's ``/metrics`` page (``entrypoints/openai/metrics.py``): the engine thread
+  publishes an ``EngineStats`` after every step, and each scrape renders the latest one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nanoengine.engine.llm_engine import LLMEngine
 
 PREFIX = "nanoengine:"
 
@@ -36,23 +46,56 @@ class Vector:
 Metric = Counter | Gauge | Vector
 
 
-def engine_metrics(engine) -> list[Metric]:
-    """The engine's metrics now: queues, KV blocks, prefix cache, preemptions, speculation."""
-    scheduler, blocks = engine.scheduler, engine.block_manager
-    used = blocks.num_used_blocks
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's counters at one moment, for ``LLM.get_metrics()``, ``/metrics`` and tests.
+
+    Read between two steps by the thread that steps the engine (the server's engine thread
+    publishes one after every step), so the numbers agree with one another; readers on
+    other threads only ever see a complete, frozen record.
+    """
+
+    num_running: int  # sequences (completions) in the running queue
+    num_waiting: int  # sequences waiting for admission (new or preempted)
+    num_kv_blocks: int
+    num_free_kv_blocks: int  # including free blocks that still hold a cached prefix
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache since start
+    prefix_cache_hits: int  # of which found
+    num_preemptions: int
+    num_steps: int
+    spec_decode: dict | None = None  # ``SpecDecodeStats.as_dict()`` when the engine speculates
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineStats:
+        """The counters ``snapshot()`` reports, without copying every block (cheap per step)."""
+        scheduler, blocks = engine.scheduler, engine.block_manager
+        return cls(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
+                   num_kv_blocks=engine.runner.num_blocks, num_free_kv_blocks=blocks.num_free_blocks,
+                   prefix_cache_queries=scheduler.prefix_queries, prefix_cache_hits=scheduler.prefix_hits,
+                   num_preemptions=scheduler.num_preemptions, num_steps=engine.step_count,
+                   spec_decode=engine.spec_decode_stats.as_dict() if engine.proposer is not None else None)
+
+    @property
+    def num_used_kv_blocks(self) -> int:
+        return self.num_kv_blocks - self.num_free_kv_blocks
+
+
+def engine_metrics(engine: LLMEngine) -> list[Metric]:
+    """The engine's metrics now, as records: queues, KV blocks, prefix cache, preemptions, speculation."""
+    stats = EngineStats.of(engine)
     metrics: list[Metric] = [
-        Gauge(PREFIX + "num_requests_running", len(scheduler.running)),
-        Gauge(PREFIX + "num_requests_waiting", len(scheduler.waiting)),
-        Gauge(PREFIX + "kv_cache_usage_perc", used / blocks.num_blocks),
-        Counter(PREFIX + "prefix_cache_queries", scheduler.prefix_queries),
-        Counter(PREFIX + "prefix_cache_hits", scheduler.prefix_hits),
-        Counter(PREFIX + "num_preemptions", scheduler.num_preemptions),
+        Gauge(PREFIX + "num_requests_running", stats.num_running),
+        Gauge(PREFIX + "num_requests_waiting", stats.num_waiting),
+        Gauge(PREFIX + "kv_cache_usage_perc", stats.num_used_kv_blocks / stats.num_kv_blocks),
+        Counter(PREFIX + "prefix_cache_queries", stats.prefix_cache_queries),
+        Counter(PREFIX + "prefix_cache_hits", stats.prefix_cache_hits),
+        Counter(PREFIX + "num_preemptions", stats.num_preemptions),
     ]
-    spec = engine.spec_decode_stats
-    if spec.num_spec_tokens:
-        metrics += [Counter(PREFIX + "spec_decode_num_drafts", spec.num_drafts),
-                    Counter(PREFIX + "spec_decode_num_draft_tokens", spec.num_draft_tokens),
-                    Counter(PREFIX + "spec_decode_num_accepted_tokens", spec.num_accepted_tokens),
+    spec = stats.spec_decode
+    if spec is not None:
+        metrics += [Counter(PREFIX + "spec_decode_num_drafts", spec["num_drafts"]),
+                    Counter(PREFIX + "spec_decode_num_draft_tokens", spec["num_draft_tokens"]),
+                    Counter(PREFIX + "spec_decode_num_accepted_tokens", spec["num_accepted_tokens"]),
                     Vector(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-                           tuple(spec.num_accepted_tokens_per_pos))]
+                           tuple(spec["num_accepted_tokens_per_pos"]))]
     return metrics

@@ -118,6 +118,15 @@ class SamplingParams:
         """True when the next token is simply the argmax."""
         return self.temperature == 0.0
 
+    @property
+    def has_filters(self) -> bool:
+        """True when top-k, top-p or min-p may cut tokens (their defaults cut none).
+
+        The sampler reads it to choose a path: a row with a temperature and no filter draws
+        from the softmax of its scaled logits, with nothing to sort or cut (chapter 8).
+        """
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
+
 
 def _as_tuple(name: str, value: object, expected: str) -> tuple:
     """A list-like field as a tuple (None means empty, as in vLLM); anything else is refused."""

@@ -137,7 +137,7 @@ class Sampler:
         """Draw one token per row of (R, V) logits, none of them greedy. -> (R,) token ids."""
         device = logits.device
         tokens = torch.empty(logits.shape[0], dtype=torch.long, device=device)
-        filtered = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0]
+        filtered = [i for i, p in enumerate(params) if p.has_filters]
         plain = sorted(set(range(len(params))) - set(filtered))  # temperature only: nothing to cut
         if plain:  # the softmax of the scaled logits is the whole distribution: no filter, no sort
             rows = torch.tensor(plain, device=device)
@@ -237,9 +237,8 @@ class Sampler:
         if any(p.greedy for p in params):
             raise ValueError("distribution() is for sampling rows; a greedy row's token is its argmax")
         logits = logits.float()
-        filtered = [p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params]
         columns = sampling_params_columns(logits, params)
-        if not any(filtered):
+        if not any(p.has_filters for p in params):
             return torch.softmax(logits / columns[0].clamp(min=1e-6), dim=-1)
         return self.probs_fn(logits, *columns)
 

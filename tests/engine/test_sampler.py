@@ -120,3 +120,8 @@ def test_temperature_alone_draws_from_the_scaled_softmax_without_filtering(monke
         counts[token] += 1
     expected = torch.softmax(logits[0] / 0.5, dim=-1)
     assert torch.allclose(counts / counts.sum(), expected, atol=0.03)
+
+
+def test_has_filters_is_true_only_when_a_filter_may_cut():
+    assert not SamplingParams().has_filters and not SamplingParams(top_k=0, temperature=0.7).has_filters
+    assert all(SamplingParams(**f).has_filters for f in ({"top_k": 5}, {"top_p": 0.9}, {"min_p": 0.05}))

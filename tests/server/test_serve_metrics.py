@@ -7,8 +7,9 @@ import re
 
 import pytest
 
-from nanoengine.entrypoints.openai.async_engine import EngineStats
+from nanoengine import SamplingParams
 from nanoengine.entrypoints.openai.metrics import TTFT_BUCKETS, Histogram, ServerMetrics
+from nanoengine.metrics import Counter, EngineStats, Gauge, Vector
 from nanoengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 STATS = EngineStats(num_running=3, num_waiting=2, num_kv_blocks=100, num_free_kv_blocks=75, prefix_cache_queries=40,
@@ -115,3 +116,35 @@ def test_speculative_decoding_counters_appear_under_vllms_names_when_the_engine_
             for i in range(3)] == [8, 4, 2]
     families, _ = parse(ServerMetrics("m").render(STATS))  # an engine without speculation has none
     assert not any("spec_decode" in name for name in families)
+
+
+def test_get_metrics_and_the_metrics_page_read_the_same_counters(build_tiny_llm):
+    """``LLM.get_metrics()`` and ``/metrics`` are both built on ``EngineStats``: mid-run, with
+    preemptions, prefix hits and drafts, every record has its sample on the page, same value."""
+    llm = build_tiny_llm({"num_kv_blocks": 20, "block_size": 4, "max_model_len": 64, "speculative_config": {
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}})
+    engine = llm.engine
+    for i in range(6):  # 20 blocks of 4 tokens: too few for all six, so some are preempted
+        phrase = [100 + 7 * i + j for j in range(5)]
+        engine.add_request([7, 8, 9, 10, 11, 12, 13, 14] + phrase * 4,
+                           SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+
+    def every_counter_moved(stats: EngineStats) -> bool:
+        return bool(stats.num_running and stats.num_preemptions and stats.prefix_cache_hits
+                    and stats.spec_decode["num_accepted_tokens"])
+
+    while not every_counter_moved(EngineStats.of(engine)):
+        assert engine.has_unfinished_requests(), "the run ended before every counter moved"
+        engine.step()
+    records = llm.get_metrics()
+    _, samples = parse(ServerMetrics("m").render(EngineStats.of(engine)))
+    for record in records:
+        if isinstance(record, Gauge):
+            assert value(samples, record.name) == record.value, record  # repr(float) round-trips
+        elif isinstance(record, Counter):
+            assert value(samples, record.name + "_total") == record.value, record
+        else:
+            assert isinstance(record, Vector)
+            assert [value(samples, record.name + "_total", position=str(i))
+                    for i in range(len(record.values))] == list(record.values)
+    assert len(records) == 10  # six for every engine, four for speculative decoding

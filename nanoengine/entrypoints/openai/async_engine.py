@@ -53,6 +53,7 @@ from typing import Any, Callable, Sequence
 
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.engine.output_router import OutputRouter
+from nanoengine.metrics import EngineStats
 from nanoengine.outputs import RequestOutput
 from nanoengine.sampling_params import SamplingParams
 
@@ -71,40 +72,6 @@ class QueueFullError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped (shut down, or a step failed); nothing more can be served."""
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """What the engine thread publishes after every iteration, for ``/metrics`` and tests.
-
-    Read from the engine between two steps (by its own thread), so the numbers agree with
-    one another; readers on other threads only ever see a complete, frozen record.
-    """
-
-    num_running: int  # sequences (completions) in the running queue
-    num_waiting: int  # sequences waiting for admission (new or preempted)
-    num_kv_blocks: int
-    num_free_kv_blocks: int  # including free blocks that still hold a cached prefix
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache since start
-    prefix_cache_hits: int  # of which found
-    num_preemptions: int
-    num_steps: int
-    spec_decode: dict | None = None  # ``SpecDecodeStats.as_dict()`` when the engine speculates
-
-
-    @classmethod
-    def of(cls, engine: LLMEngine) -> "EngineStats":
-        """The counters ``snapshot()`` reports, without copying every block (cheap per step)."""
-        scheduler, blocks = engine.scheduler, engine.block_manager
-        return cls(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-                   num_kv_blocks=engine.runner.num_blocks, num_free_kv_blocks=blocks.num_free_blocks,
-                   prefix_cache_queries=scheduler.prefix_queries, prefix_cache_hits=scheduler.prefix_hits,
-                   num_preemptions=scheduler.num_preemptions, num_steps=engine.step_count,
-                   spec_decode=engine.spec_decode_stats.as_dict() if engine.proposer is not None else None)
-
-    @property
-    def num_used_kv_blocks(self) -> int:
-        return self.num_kv_blocks - self.num_free_kv_blocks
 
 
 # Commands from the asyncio side to the engine thread. Each result travels back on a

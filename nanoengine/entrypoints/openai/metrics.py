@@ -27,10 +27,9 @@ from __future__ import annotations
 import bisect
 import threading
 
-from nanoengine.entrypoints.openai.async_engine import EngineStats
+from nanoengine.metrics import PREFIX, EngineStats
 from nanoengine.outputs import RequestOutput
 
-PREFIX = "nanoengine:"
 # vLLM's bucket bounds (seconds): fine below a second, coarse up to minutes.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
