@@ -18,6 +18,14 @@ emit exactly the same tokens; the run checks they do). The results file records 
 every run, medians, the speedup, the acceptance rate and the mean acceptance length
 (tokens per verify pass), with the machine, the date and the command.
 
+With ``--vs-vllm`` the single-stream rows race vLLM's CPU build too (``./course vllm-setup``):
+two vLLM processes, one plain and one with the same prompt-lookup ``speculative_config``
+(vLLM's own keys; its CPU runner verifies drafts with native kernels), take turns with the
+engine's two in every round (``race_vllm``). All four get the same token ids (the engine's
+chat template) and the same number of tokens per prompt, EOS ignored: the length the
+engine's plain greedy answer has, measured first. The batched rows are left out there (the
+plain run of ``--speculative`` has them).
+
 The prose and code in the prompts were written for this benchmark.
 """
 
@@ -80,6 +88,9 @@ def run_speculative(args) -> dict:
     print(f"speculative decoding: ngram k={args.spec_tokens}, lookup {args.spec_lookup_min}-{args.spec_lookup_max}; "
           f"greedy, up to {args.spec_output_len} tokens; {args.repeats} alternating rounds; "
           f"memory bandwidth {bandwidth:.1f} GB/s")
+    if getattr(args, "vs_vllm", False):
+        return _write(args, plain, spec_config, bandwidth, weight_bytes, load_at_start,
+                      race_vllm(args, plain, spec, spec_config))
     rows = []
     for workload, prompts in WORKLOADS.items():
         for mode, batch in (("single stream", 1), ("batch", len(prompts))):
@@ -92,6 +103,11 @@ def run_speculative(args) -> dict:
                   f"{row['spec_tok_s']:7.1f} tok/s  x{row['speedup']:.2f}  acceptance "
                   f"{_fmt(row['acceptance_rate'])}  tokens/verify {_fmt(row['mean_acceptance_length'])}  "
                   f"identical {row['identical']}")
+    return _write(args, plain, spec_config, bandwidth, weight_bytes, load_at_start, rows)
+
+
+def _write(args, plain, spec_config: dict, bandwidth: float, weight_bytes: int, load_at_start, rows: list) -> dict:
+    """The results file: the rows, with the machine, the date and the command."""
     results = {
         "kind": "speculative decoding", "model": plain.engine.model_config.architecture,
         "speculative_config": spec_config, "output_len": args.spec_output_len, "repeats": args.repeats,
@@ -102,8 +118,9 @@ def run_speculative(args) -> dict:
         "command": getattr(args, "command_line", None), "format": "results/README.md",
     }
     device = plain.engine.config.torch_device.type
+    name = "bench-speculative-vllm" if getattr(args, "vs_vllm", False) else "bench-speculative"
     path = Path(args.out) if args.out else \
-        Path("results") / f"bench-speculative-{device}-{datetime.date.today().isoformat()}.json"
+        Path("results") / f"{name}-{device}-{datetime.date.today().isoformat()}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=2))
     print(f"results written to {path}")
@@ -154,6 +171,94 @@ def race_speculative(plain, spec, prompts: Sequence[str], params, *, batch: int,
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
             "identical": outputs["plain"] == outputs["spec"]}
+
+
+def race_vllm(args, plain, spec, spec_config: dict) -> list[dict]:
+    """Single stream, both workloads: the engine plain and speculative against vLLM's CPU build
+    plain and speculative (the same ``spec_config``), taking turns in every round.
+
+    Each prompt goes through the engine's chat template to token ids; the engine's plain
+    greedy answer (EOS ends it) fixes how many tokens every system then generates for it,
+    EOS ignored, so all four produce the same count of tokens of the same answer. Returns one
+    row per workload: each system's seconds per round and tok/s over the median, the ratios
+    of the engine over vLLM, and whose greedy tokens agree.
+    """
+    from nanoengine import SamplingParams
+    from nanoengine.loader.weights import resolve_model_source
+    from nanobench.vllm_peer import DEFAULT_VENV, VllmPeer, VllmSettings, default_threads_bind, greedy_agreement
+
+    workloads = {}
+    for workload, texts in WORKLOADS.items():
+        ids = [plain.engine.tokenize_prompt(plain.apply_chat_template([{"role": "user", "content": t}]))[1]
+               for t in texts]
+        answers = plain.generate(ids, SamplingParams(temperature=0.0, max_tokens=args.spec_output_len),
+                                 use_tqdm=False)
+        workloads[workload] = (ids, [len(a.outputs[0].token_ids) for a in answers])
+    longest = max(len(p) + n for ids, lens in workloads.values() for p, n in zip(ids, lens))
+    config = plain.engine.config
+    peers = {}
+    try:
+        for name, speculative in (("vllm_plain", None), ("vllm_spec", spec_config)):
+            peers[name] = VllmPeer(VllmSettings(
+                model_dir=str(resolve_model_source(args.model)), dtype=str(config.torch_dtype).removeprefix("torch."),
+                max_model_len=longest + spec_config["num_speculative_tokens"] + 1,
+                max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+                seed=args.seed, threads_bind=args.vllm_threads_bind or default_threads_bind(),
+                kvcache_space_gib=args.vllm_kvcache_gib, enforce_eager=args.vllm_enforce_eager,
+                venv=str(args.vllm_venv or DEFAULT_VENV), speculative_config=speculative))
+            peers[name].start()
+        ready = {name: peer.wait_ready() for name, peer in peers.items()}  # loaded together: never timed
+        for name, info in ready.items():
+            print(f"{name}: vLLM {info['vllm_version']} loaded in {info['load_seconds']:.0f} s; log {peers[name].log_path}")
+        rows = []
+        for workload, (ids, lens) in workloads.items():
+            row = _race_four(plain, spec, peers, ids, lens, args.repeats)
+            row.update(workload=workload, mode="single stream", num_prompts=len(ids),
+                       vllm_version=ready["vllm_plain"]["vllm_version"],
+                       vllm_settings={name: peer.settings.described() for name, peer in peers.items()})
+            row["greedy_agreement"] = {name: greedy_agreement(row["tokens"]["engine_plain"], row["tokens"][name])
+                                       for name in ("engine_spec", "vllm_plain", "vllm_spec")}
+            del row["tokens"]  # the agreement says what they show
+            rows.append(row)
+            tok_s = row["tok_s"]
+            print(f"{workload:<9} single stream  engine {tok_s['engine_plain']:6.1f} -> {tok_s['engine_spec']:6.1f} "
+                  f"tok/s  vLLM {tok_s['vllm_plain']:6.1f} -> {tok_s['vllm_spec']:6.1f} tok/s  engine/vLLM "
+                  f"plain {row['engine_over_vllm_plain']:.2f}x, speculative {row['engine_over_vllm_spec']:.2f}x")
+        return rows
+    finally:
+        for peer in peers.values():
+            peer.close()
+
+
+def _race_four(plain, spec, peers: dict, ids: list[list[int]], lens: list[int], repeats: int) -> dict:
+    """``repeats`` rounds of four systems, one prompt at a time; EOS ignored, ``lens`` tokens each."""
+    from nanoengine import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
+    seconds = {name: [] for name in ("engine_plain", "engine_spec", "vllm_plain", "vllm_spec")}
+    tokens = {}
+    for _ in range(repeats):
+        for name, llm in (("engine_plain", plain), ("engine_spec", spec)):
+            llm.reset_prefix_cache()
+            start = time.perf_counter()
+            outs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(ids, params)]
+            seconds[name].append(time.perf_counter() - start)
+            tokens[name] = [list(o.outputs[0].token_ids) for o in outs]
+        for name, peer in peers.items():
+            runs = [peer.run([p], [n], keep_tokens=1) for p, n in zip(ids, lens)]
+            seconds[name].append(sum(r["seconds"] for r in runs))
+            tokens[name] = [r["tokens"][0] for r in runs]
+    total = sum(lens)
+    short = {name: [len(t) for t in toks] for name, toks in tokens.items() if [len(t) for t in toks] != lens}
+    if short:
+        raise RuntimeError(f"some system produced other token counts than {lens} (EOS ignored): {short}")
+    tok_s = {name: total / statistics.median(s) for name, s in seconds.items()}
+    return {"output_tokens": total, "seconds": seconds, "tok_s": tok_s, "tokens": tokens,
+            "speedup_engine": tok_s["engine_spec"] / tok_s["engine_plain"],
+            "speedup_vllm": tok_s["vllm_spec"] / tok_s["vllm_plain"],
+            "engine_over_vllm_plain": tok_s["engine_plain"] / tok_s["vllm_plain"],
+            "engine_over_vllm_spec": tok_s["engine_spec"] / tok_s["vllm_spec"],
+            "engine_spec_over_vllm_plain": tok_s["engine_spec"] / tok_s["vllm_plain"]}
 
 
 def _fmt(value) -> str:

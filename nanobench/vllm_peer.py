@@ -107,6 +107,8 @@ class VllmSettings:
     kvcache_space_gib: int = DEFAULT_KVCACHE_GIB
     enforce_eager: bool = False
     venv: str = str(DEFAULT_VENV)
+    # vLLM's own ``speculative_config`` (e.g. ``{"method": "ngram", ...}``); None: no speculation.
+    speculative_config: dict | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -121,7 +123,8 @@ class VllmSettings:
     def runner_config(self) -> dict:
         return {"model": self.model_dir, "dtype": self.dtype, "max_model_len": self.max_model_len,
                 "max_num_batched_tokens": self.max_num_batched_tokens, "max_num_seqs": self.max_num_seqs,
-                "seed": self.seed, "enforce_eager": self.enforce_eager}
+                "seed": self.seed, "enforce_eager": self.enforce_eager,
+                **({"speculative_config": self.speculative_config} if self.speculative_config else {})}
 
     def environment(self, base: dict | None = None) -> tuple[dict, dict]:
         """The runner's environment and the preloads it uses (``{name: path or None}``).
@@ -148,7 +151,8 @@ class VllmSettings:
         return {"dtype": self.dtype, "threads_bind": self.threads_bind, "kvcache_space_gib": self.kvcache_space_gib,
                 "preloads": preloads, "max_model_len": self.max_model_len,
                 "max_num_batched_tokens": self.max_num_batched_tokens, "max_num_seqs": self.max_num_seqs,
-                "enforce_eager": self.enforce_eager, "seed": self.seed, "venv": self.venv}
+                "enforce_eager": self.enforce_eager, "seed": self.seed, "venv": self.venv,
+                "speculative_config": self.speculative_config}
 
 
 class VllmPeer:

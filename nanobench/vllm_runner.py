@@ -15,7 +15,8 @@ The protocol, one JSON object per line:
 
 * start: ``python vllm_runner.py '<config JSON>'`` with ``model`` (a Hugging Face
   directory), ``dtype``, ``max_model_len``, ``max_num_batched_tokens``, ``max_num_seqs``,
-  ``seed`` and ``enforce_eager``. After loading and one short warm-up request it answers
+  ``seed`` and ``enforce_eager``, and optionally ``speculative_config`` (passed to ``vllm.LLM``
+  as it is: vLLM's speculative decoding, e.g. prompt lookup). After loading and one short warm-up request it answers
   ``{"event": "ready", "vllm_version": ..., "settings": ..., "environment": ...,
   "set_by_vllm": ...}`` (the variables as the runner was started, then those vLLM set itself).
 * ``{"command": "run", "prompts": [[ids], ...], "max_tokens": [n, ...], "keep_tokens": k}``:
@@ -81,7 +82,8 @@ def load(config: dict):
 
     llm = LLM(model=config["model"], tokenizer=config["model"], dtype=config["dtype"],
               max_model_len=config["max_model_len"], max_num_batched_tokens=config["max_num_batched_tokens"],
-              max_num_seqs=config["max_num_seqs"], seed=config["seed"], enforce_eager=config["enforce_eager"])
+              max_num_seqs=config["max_num_seqs"], seed=config["seed"], enforce_eager=config["enforce_eager"],
+              speculative_config=config.get("speculative_config"))
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8]}],
                  SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     return llm
@@ -90,6 +92,7 @@ def load(config: dict):
 def resolved_settings(llm, config: dict) -> dict:
     """What vLLM made of the config (its own resolved values where it exposes them)."""
     settings = {key: config[key] for key in REQUIRED_CONFIG}
+    settings["speculative_config"] = config.get("speculative_config")
     try:
         vllm_config = llm.llm_engine.vllm_config
         settings["resolved"] = {

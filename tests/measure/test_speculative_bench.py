@@ -34,3 +34,29 @@ def test_a_short_race_records_both_engines_and_agreeing_tokens(tiny_llama_tok_di
         assert row["speedup"] == pytest.approx(row["spec_tok_s"] / row["plain_tok_s"])
         assert row["num_accepted_tokens"] <= row["num_draft_tokens"]
     assert results["environment"]["nanoengine_revision"] and results["date"]
+
+
+def test_vs_vllm_races_four_systems_in_the_same_rounds(tiny_llama_tok_dir, tmp_path):
+    """vLLM's side is the protocol's stand-in (tests/measure/fake_vllm_runner.py), run twice:
+    once plain and once given the same speculative_config."""
+    from test_vllm_peer import fake_venv
+
+    out = tmp_path / "spec-vllm.json"
+    code = main(["bench", "--speculative", "--vs-vllm", "--vllm-venv", str(fake_venv(tmp_path)),
+                 "--vllm-threads-bind", "0", "--model", str(tiny_llama_tok_dir), "--repeats", "2",
+                 "--spec-output-len", "8", "--spec-tokens", "3", "--out", str(out)])
+    assert code == 0
+    results = json.loads(out.read_text())
+    assert [(r["workload"], r["mode"]) for r in results["rows"]] == [("friendly", "single stream"),
+                                                                    ("open", "single stream")]
+    for row in results["rows"]:
+        assert all(len(runs) == 2 for runs in row["seconds"].values())  # every system in every round
+        tok_s = row["tok_s"]
+        assert row["engine_over_vllm_spec"] == pytest.approx(tok_s["engine_spec"] / tok_s["vllm_spec"])
+        assert row["speedup_engine"] == pytest.approx(tok_s["engine_spec"] / tok_s["engine_plain"])
+        agreement = row["greedy_agreement"]
+        assert agreement["engine_spec"]["tokens_compared"] == agreement["engine_spec"]["tokens_agreeing"] \
+            == row["output_tokens"]  # speculation never changes the engine's greedy tokens
+        settings = row["vllm_settings"]
+        assert settings["vllm_plain"]["speculative_config"] is None
+        assert settings["vllm_spec"]["speculative_config"] == results["speculative_config"]
