@@ -196,7 +196,7 @@ def race_vllm(args, plain, spec, spec_config: dict) -> list[dict]:
         workloads[workload] = (ids, [len(a.outputs[0].token_ids) for a in answers])
     longest = max(len(p) + n for ids, lens in workloads.values() for p, n in zip(ids, lens))
     config = plain.engine.config
-    peers = {}
+    peers, ready = {}, {}
     try:
         for name, speculative in (("vllm_plain", None), ("vllm_spec", spec_config)):
             peers[name] = VllmPeer(VllmSettings(
@@ -207,7 +207,7 @@ def race_vllm(args, plain, spec, spec_config: dict) -> list[dict]:
                 kvcache_space_gib=args.vllm_kvcache_gib, enforce_eager=args.vllm_enforce_eager,
                 venv=str(args.vllm_venv or DEFAULT_VENV), speculative_config=speculative))
             peers[name].start()
-        ready = {name: peer.wait_ready() for name, peer in peers.items()}  # loaded together: never timed
+            ready[name] = peers[name].wait_ready()  # one after the other (side by side took longer); never timed
         for name, info in ready.items():
             print(f"{name}: vLLM {info['vllm_version']} loaded in {info['load_seconds']:.0f} s; log {peers[name].log_path}")
         rows = []
