@@ -138,6 +138,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-tokens", type=int, default=4, help="with --speculative: k, drafts per step")
     p.add_argument("--spec-lookup-max", type=int, default=4, help="with --speculative: longest n-gram looked up")
     p.add_argument("--spec-lookup-min", type=int, default=2, help="with --speculative: shortest n-gram looked up")
+    p.add_argument("--spec-tokens-per-batch-size", type=_json_schedule, default=None, metavar="JSON",
+                   help="with --speculative: k by batch size, vLLM's num_speculative_tokens_per_batch_size, "
+                        "e.g. '[[1, 1, 7], [2, 256, 0]]' (inclusive ranges of requests per step, and their k)")
     p.add_argument("--spec-output-len", type=int, default=128,
                    help="with --speculative: most tokens per request (EOS ends one sooner)")
     p.add_argument("--out", default=None, help="results JSON (default: results/bench-<device>-<date>.json; with "
@@ -184,9 +187,18 @@ def check_arguments(args: argparse.Namespace) -> None:
 
         at_least("spec_output_len", args.spec_output_len, 1)
         SpeculativeConfig(num_speculative_tokens=args.spec_tokens, prompt_lookup_max=args.spec_lookup_max,
-                          prompt_lookup_min=args.spec_lookup_min)
+                          prompt_lookup_min=args.spec_lookup_min,
+                          num_speculative_tokens_per_batch_size=args.spec_tokens_per_batch_size)
     if getattr(args, "vs_vllm", False):
         check_vllm_arguments(args)
+
+
+def _json_schedule(text: str) -> list:
+    """``--spec-tokens-per-batch-size``'s JSON (the config checks its entries)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc.msg}): {text!r}; e.g. '[[1, 1, 7], [2, 256, 0]]'") from exc
 
 
 def check_vllm_arguments(args: argparse.Namespace) -> None:

@@ -78,6 +78,8 @@ def run_speculative(args) -> dict:
 
     spec_config = {"method": "ngram", "num_speculative_tokens": args.spec_tokens,
                    "prompt_lookup_max": args.spec_lookup_max, "prompt_lookup_min": args.spec_lookup_min}
+    if getattr(args, "spec_tokens_per_batch_size", None) is not None:
+        spec_config["num_speculative_tokens_per_batch_size"] = args.spec_tokens_per_batch_size
     options = dict(device=args.device, dtype=args.dtype, model=args.model)
     load_at_start = load_average()
     plain = LLM(**options)
@@ -85,7 +87,10 @@ def run_speculative(args) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.spec_output_len)
     bandwidth = measure_memory_bandwidth().bytes_per_s / 1e9
     weight_bytes = plain.memory_report().weight_bytes
-    print(f"speculative decoding: ngram k={args.spec_tokens}, lookup {args.spec_lookup_min}-{args.spec_lookup_max}; "
+    schedule = spec_config.get("num_speculative_tokens_per_batch_size")
+    by_batch = f", k by batch size {schedule}" if schedule else ""
+    print(f"speculative decoding: ngram k={args.spec_tokens}, lookup {args.spec_lookup_min}-{args.spec_lookup_max}"
+          f"{by_batch}; "
           f"greedy, up to {args.spec_output_len} tokens; {args.repeats} alternating rounds; "
           f"memory bandwidth {bandwidth:.1f} GB/s")
     if getattr(args, "vs_vllm", False):

@@ -313,7 +313,7 @@ class LLMEngine:
         if sched.num_draft_tokens:  # speculative decoding: the rest of each accepted run
             self._take_in_accepted_runs(sched, produced, result)
         if self.proposer is not None:
-            self._propose(produced)
+            self._propose(produced, self.proposer.config.tokens_for_batch(len(sched.scheduled)))
         return [self._forget(out) for out in self.output_processor.make_outputs(produced)]
 
     def _take_in(self, requests: list[Request], logprobs: dict[str, list], index: int) -> None:
@@ -345,14 +345,18 @@ class LLMEngine:
                     self.events.emit(DraftsVerified(self.step_count, s.request.request_id, s.draft_token_ids,
                                                     tuple(emitted)))
 
-    def _propose(self, produced: list[Request]) -> None:
-        """Guess the next tokens of every decoding request that produced one (prompt lookup)."""
+    def _propose(self, produced: list[Request], k: int) -> None:
+        """Guess up to ``k`` next tokens of every decoding request that produced one (prompt lookup).
+
+        ``k`` is what the config's schedule gives this step's batch size (vLLM's dynamic
+        speculative decoding); 0 drafts nothing.
+        """
         for request in produced:
-            if request.is_finished or request.num_tokens_to_compute != 1:
+            if k == 0 or request.is_finished or request.num_tokens_to_compute != 1:
                 request.spec_token_ids = []
                 continue
             left = request.sampling_params.max_tokens - request.num_output_tokens
-            request.spec_token_ids = self.proposer.propose(request.all_token_ids, left)
+            request.spec_token_ids = self.proposer.propose(request.all_token_ids, left, k)
 
     def decode(self, token_ids: list[int]) -> str:
         """Token ids to text, special tokens included (for showing single tokens)."""

@@ -50,14 +50,16 @@ class NgramProposer:
         self.config = config
         self.max_model_len = max_model_len
 
-    def propose(self, token_ids: Sequence[int], max_tokens_left: int) -> list[int]:
+    def propose(self, token_ids: Sequence[int], max_tokens_left: int, k: int | None = None) -> list[int]:
         """Drafts for one request: at most k, never past the model's length or the request's own end.
 
         ``max_tokens_left``: tokens the request may still generate. A verify pass that accepts
         every draft also yields one more token of its own, so at most ``max_tokens_left - 1``
-        drafts are useful.
+        drafts are useful. ``k``: this step's k (``SpeculativeConfig.tokens_for_batch``);
+        None: ``num_speculative_tokens``.
         """
-        room = min(self.config.num_speculative_tokens, self.max_model_len - len(token_ids) - 1, max_tokens_left - 1)
+        k = self.config.num_speculative_tokens if k is None else k
+        room = min(k, self.max_model_len - len(token_ids) - 1, max_tokens_left - 1)
         if room < 1:
             return []
         return propose_ngram(token_ids, room, self.config.prompt_lookup_max, self.config.prompt_lookup_min)

@@ -33,6 +33,29 @@ def test_bad_configs_say_what_was_wrong(values, message):
 
 
 # ------------------------------------------------------------------ prompt lookup
+def test_a_batch_size_schedule_gives_each_size_its_k_as_vllm_does():
+    config = SpeculativeConfig.from_dict({"num_speculative_tokens": 6, "num_speculative_tokens_per_batch_size":
+                                          [[4, 8, 2], [1, 1, 9], [16, 32, 0]]})  # unsorted, a k above 6
+    assert config.num_speculative_tokens_per_batch_size == ((1, 1, 9), (4, 8, 2), (16, 32, 0))
+    # 1: its range's 9, capped at 6; 2-3 between ranges and 9-15: the range before's; past the last: the last's
+    assert [config.tokens_for_batch(b) for b in (1, 2, 3, 4, 8, 9, 15, 16, 32, 100)] == [6, 6, 6, 2, 2, 2, 2, 0, 0, 0]
+    assert SpeculativeConfig(num_speculative_tokens=3).tokens_for_batch(50) == 3
+
+
+@pytest.mark.parametrize("schedule, message", [
+    ([], "non-empty list"),
+    ([[1, 4]], "three integers"),
+    ([[1, 4, 2.5]], "three integers"),
+    ([[2, 4, 2]], "must start at batch size 1"),
+    ([[1, 4, 2], [4, 8, 1]], "overlap"),
+    ([[1, 4, -1]], "k >= 0"),
+    ([[3, 1, 2]], "1 <= first <= last"),
+])
+def test_bad_batch_size_schedules_are_refused(schedule, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig.from_dict({"num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": schedule})
+
+
 def test_prompt_lookup_takes_the_longest_suffix_at_its_earliest_match():
     assert propose_ngram([1, 2, 3, 4, 2, 3], k=4, max_n=3, min_n=2) == [4, 2, 3]  # vLLM's own example
     # [7, 8] occurs twice before the end: the earliest occurrence proposes what followed it
@@ -51,6 +74,7 @@ def test_the_proposer_never_drafts_past_the_request_or_the_model():
     assert proposer.propose(context, max_tokens_left=10) == [3, 4, 5, 6]
     assert proposer.propose(context, max_tokens_left=3) == [3, 4]  # a verify pass adds one more token
     assert proposer.propose(context, max_tokens_left=1) == []
+    assert proposer.propose(context, max_tokens_left=10, k=2) == [3, 4]  # this step's k, from a schedule
     assert NgramProposer(proposer.config, max_model_len=10).propose(context, max_tokens_left=10) == [3]
 
 

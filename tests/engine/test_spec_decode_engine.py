@@ -226,3 +226,21 @@ def test_delta_outputs_hand_out_every_accepted_token_once(tiny_llama_dir):
                                                                            ignore_eos=True)])
     assert tuple(pieces) == plain[0].outputs[0].token_ids
     assert rid not in engine.requests
+
+
+def test_a_batch_size_schedule_drafts_only_at_the_sizes_it_allows(tiny_llama_dir):
+    """k=4 for a step of one request, none for two or more (vLLM's dynamic speculative decoding)."""
+    prompts = _prompts(3, seed=11)
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)] * len(prompts)
+    plain = _run(_engine(tiny_llama_dir, False), prompts, params)
+    engine = LLMEngine.from_pretrained(tiny_llama_dir, max_model_len=256, num_kv_blocks=128, block_size=8,
+                                       speculative_config={**NGRAM, "num_speculative_tokens_per_batch_size":
+                                                           [[1, 1, 4], [2, 256, 0]]})
+    seen = []
+    together = _run(engine, prompts, params, seen)  # three at once: nothing drafted
+    assert not any(isinstance(e, DraftsVerified) for e in seen)
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in plain]
+    alone = [_run(engine, [p], [sp], seen)[0] for p, sp in zip(prompts, params)]  # one at a time: drafts
+    assert [o.outputs[0].token_ids for o in alone] == [o.outputs[0].token_ids for o in plain]
+    assert engine.spec_decode_stats.num_drafts > 0
+    assert all(len(e.draft_token_ids) <= 4 for e in seen if isinstance(e, DraftsVerified))

@@ -14,10 +14,17 @@ from nanoengine.__main__ import main
     (["--spec-tokens", "0"], "num_speculative_tokens"),
     (["--spec-lookup-min", "5", "--spec-lookup-max", "3"], "prompt_lookup_min"),
     (["--spec-output-len", "0"], "spec_output_len"),
+    (["--spec-tokens-per-batch-size", "[[2, 4, 1]]"], "must start at batch size 1"),
 ])
 def test_bad_speculative_arguments_are_refused(tmp_path, capsys, extra, message):
     code = main(["bench", "--speculative", "--model", str(tmp_path / "none"), *extra])
     assert code == 2 and message in capsys.readouterr().err
+
+
+def test_a_schedule_that_is_not_json_is_refused_by_the_parser(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--speculative", "--model", str(tmp_path / "none"), "--spec-tokens-per-batch-size", "[[1, 4, 1]"])
+    assert exit_.value.code == 2 and "not JSON" in capsys.readouterr().err
 
 
 def test_a_short_race_records_both_engines_and_agreeing_tokens(tiny_llama_tok_dir, tmp_path):
