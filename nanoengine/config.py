@@ -52,6 +52,11 @@ class EngineConfig:
     compile: torch.compile the small fused ops (RMSNorm + residual, rotary, SiLU-and-mul,
         the sampler's filters); on failure the engine warns once and stays eager. Independent
         of enforce_eager, which is about CUDA graphs only (``engine.compilation``).
+    compile_model: on a CPU, compile the model's forward whole, its GEMMs and attention as
+        opaque operators (``backends.cpu_graph``, as vLLM's CPU backend does); off by default
+        because on the CPUs measured it gained nothing a step and took tens of seconds to
+        load (``results/README.md``). Not with compile=True, enforce_eager=True or tensor
+        parallelism; on a CUDA GPU use compile=True with CUDA graphs.
     seed: seeds the engine's generator for requests without a seed of their own.
     speculative_config: None (no speculation) or vLLM's dict, e.g. ``{"method": "ngram",
         "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``
@@ -72,6 +77,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     compile: bool = False
+    compile_model: bool = False
     seed: int = 0
     speculative_config: SpeculativeConfig | dict | None = None
 
@@ -104,12 +110,22 @@ class EngineConfig:
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "compile"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "compile", "compile_model"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.compile and self.tensor_parallel_size > 1:
-            raise ValueError(f"compile=True runs in one process only; it is not supported with "
-                             f"tensor_parallel_size > 1 (got {self.tensor_parallel_size})")
+        for name in ("compile", "compile_model"):
+            if getattr(self, name) and self.tensor_parallel_size > 1:
+                raise ValueError(f"{name}=True runs in one process only; it is not supported with "
+                                 f"tensor_parallel_size > 1 (got {self.tensor_parallel_size})")
+        if self.compile_model:
+            clash = [name for name in ("compile", "enforce_eager") if getattr(self, name)]
+            if clash:
+                raise ValueError(f"compile_model=True compiles the whole model; it cannot be combined with "
+                                 f"{clash[0]}=True (compile=True compiles the small fused ops only, "
+                                 f"enforce_eager=True runs eagerly): choose one")
+            if self.torch_device.type != "cpu":
+                raise ValueError(f"compile_model=True is the CPU backend's; the device is "
+                                 f"{self.torch_device.type} (use compile=True there, with CUDA graphs)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) (torch.Generator's range), got {self.seed!r}")
         if self.speculative_config is not None:

@@ -125,16 +125,34 @@ class CpuLinearMethod:
 
     def takes_few_rows(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether ``x`` goes to the few-rows kernel (else ``cpu_gemm.linear``)."""
-        return self.few_rows and x.numel() <= cpu_native.MAX_ROWS * x.shape[-1] and x.dtype == weight.dtype
+        return takes_few_rows(x, weight, self.few_rows)
 
     def product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)``, the way this method computes it."""
-        if self.takes_few_rows(x, weight):
-            return cpu_native.few_rows_linear(x, weight, bias)
-        return cpu_gemm.linear(x, weight, bias, self.packed)
+        return cpu_product(x, weight, bias, self.packed, self.few_rows)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.product(x, layer.weight, bias)
+
+
+class GraphLinearMethod(CpuLinearMethod):
+    """``CpuLinearMethod`` called as one opaque operator, for the compiled model (``backends.cpu_graph``)."""
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.ops.nanoengine.cpu_linear(x, layer.weight, bias, self.packed, self.few_rows)
+
+
+def takes_few_rows(x: torch.Tensor, weight: torch.Tensor, few_rows: bool) -> bool:
+    """Whether a product of ``x`` by ``weight`` goes to the few-rows kernel: at most MAX_ROWS rows."""
+    return few_rows and x.numel() <= cpu_native.MAX_ROWS * x.shape[-1] and x.dtype == weight.dtype
+
+
+def cpu_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
+                few_rows: bool) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` on a CPU: few rows by the native kernel, more by oneDNN (packed)."""
+    if takes_few_rows(x, weight, few_rows):
+        return cpu_native.few_rows_linear(x, weight, bias)
+    return cpu_gemm.linear(x, weight, bias, packed)
 
 
 class CpuBackend(Backend):
@@ -142,10 +160,15 @@ class CpuBackend(Backend):
 
     name = "cpu"
 
-    def __init__(self, device: torch.device, compile: bool = False) -> None:
+    def __init__(self, device: torch.device, compile: bool = False, compile_model: bool = False) -> None:
         super().__init__(device, compile)
         self.native_kernels = cpu_native.load()  # built once per machine, loaded once per process
         self.attention = CpuAttention()
+        # Compile the model's forward whole (``backends.cpu_graph``, compile_model=True); the
+        # config refuses it together with compile=True (the small fused ops, chapter 10's lesson).
+        self.compile_model = compile_model
+        self.compiled_forward = None  # set by prepare_forward when compiling worked
+        self.layer_caches: list = []  # each attention layer's (k_cache, v_cache), for the compiled graph
         keep_freed_memory()
 
     def describe(self) -> str:
@@ -177,6 +200,29 @@ class CpuBackend(Backend):
                 copy_bytes += weight.numel() * weight.element_size()
         self.num_prepared_weights = num_packed
         self.weight_copy_bytes = copy_bytes
+
+    def prepare_forward(self, runner) -> None:
+        """Compile the model whole (the default), or the small fused ops with compile=True, or nothing."""
+        if self.compile_model:
+            from nanoengine.backends import cpu_graph
+
+            runner.compilation = cpu_graph.compile_model(runner, self)
+            return
+        super().prepare_forward(runner)
+
+    def forward_mode(self) -> str:
+        if self.compiled_forward is not None:
+            return "compiled (whole model)"
+        return super().forward_mode()
+
+    def forward(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        if self.compiled_forward is None:
+            return model(input_ids, positions, meta)
+        from nanoengine.backends.cpu_graph import step_metadata
+
+        with step_metadata(self.attention, meta, self.layer_caches):  # the graph's attention operators read them
+            return self.compiled_forward(input_ids, positions)
 
     def build_metadata(self, plan) -> CpuAttentionMetadata:
         fields = self._metadata_fields(plan)

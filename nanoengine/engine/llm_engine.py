@@ -437,9 +437,11 @@ class LLMEngine:
 def _local_runner(net: torch.nn.Module, config: EngineConfig, max_model_len: int, num_blocks: int) -> ModelRunner:
     """A runner with the model in this process, on the backend for its device (chosen here, once).
 
-    CUDA graphs unless enforce_eager (never on a CPU); compiled fused ops with compile=True.
+    CUDA graphs unless enforce_eager (never on a CPU); compiled fused ops with compile=True; on a CPU
+    the model compiled whole with compile_model=True.
     """
     backend = select_backend(config.torch_device, compile=config.compile, max_model_len=max_model_len,
-                             cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512))
+                             cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512),
+                             compile_model=config.compile_model)
     return ModelRunner(net, net.config, num_blocks, config.block_size, config.torch_device, config.torch_dtype,
                        config.seed, backend=backend)

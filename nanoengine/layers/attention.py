@@ -58,6 +58,19 @@ class AttentionImpl:
                 scale: float) -> torch.Tensor:
         raise NotImplementedError
 
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """One layer's step: store this step's K/V, then decode rows and prefill chunks. -> (T, heads, d)."""
+        self.store_kv(k, v, k_cache, v_cache, meta)
+        num_decode = meta.num_decode_tokens
+        if meta.num_prefills == 0:
+            return self.decode(q, k_cache, v_cache, meta, scale)
+        prefill = self.prefill(q[num_decode:], k_cache, v_cache, meta, scale)
+        if num_decode == 0:
+            return prefill
+        decode = self.decode(q[:num_decode], k_cache, v_cache, meta, scale)
+        return torch.cat((decode, prefill), dim=0)
+
 
 class Attention(nn.Module):
     """Scaled dot-product attention of already-projected q, k, v over the paged cache."""
@@ -75,14 +88,5 @@ class Attention(nn.Module):
         self.k_cache, self.v_cache, self.impl = k_cache, v_cache, impl
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q (T, heads, d), k/v (T, kv_heads, d) -> (T, heads, d)."""
-        impl = self.impl
-        impl.store_kv(k, v, self.k_cache, self.v_cache, meta)
-        num_decode = meta.num_decode_tokens
-        if meta.num_prefills == 0:
-            return impl.decode(q, self.k_cache, self.v_cache, meta, self.scale)
-        prefill = impl.prefill(q[num_decode:], self.k_cache, self.v_cache, meta, self.scale)
-        if num_decode == 0:
-            return prefill
-        decode = impl.decode(q[:num_decode], self.k_cache, self.v_cache, meta, self.scale)
-        return torch.cat((decode, prefill), dim=0)
+        """q (T, heads, d), k/v (T, kv_heads, d) -> (T, heads, d), by the backend's kernels."""
+        return self.impl.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)

@@ -1,0 +1,178 @@
+"""``compile_model=True`` (``backends.cpu_graph``): the CPU model compiled whole, one graph, eager's tokens.
+
+The tiny Llama compiles in seconds. The graph takes only token ids and positions (the
+step's metadata is read by the attention operator at run time) and the number of tokens
+is unbacked, so one graph serves every step: a decode token, a batch, a prefill chunk.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nanoengine import SamplingParams
+from nanoengine.backends import cpu_graph
+from nanoengine.config import EngineConfig
+from nanoengine.engine import compilation
+from nanoengine.engine.compilation import CompileFallbackWarning, compiler_problem
+
+pytestmark = [pytest.mark.usefixtures("one_thread")]
+
+CONFIG = dict(device="cpu", max_model_len=256, num_kv_blocks=1024, block_size=8, max_num_batched_tokens=64)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PROBLEM = compiler_problem(torch.device("cpu"))
+needs_compile = pytest.mark.skipif(PROBLEM is not None, reason=f"torch.compile cannot run here: {PROBLEM}")
+
+
+def prompts(n: int, seed: int = 0, lengths: tuple[int, int] = (3, 90)) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 5000) for _ in range(rng.randint(*lengths))] for _ in range(n)]
+
+
+def tokens(llm, batch, params=GREEDY) -> list[list[int]]:
+    return [list(o.token_ids) for o in llm.generate(batch, params)]
+
+
+def compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+# ------------------------------------------------------------------- config
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_compile_model_must_be_a_bool(value):
+    with pytest.raises(ValueError, match=rf"compile_model must be True or False, got {value!r}"):
+        EngineConfig(compile_model=value)
+
+
+@pytest.mark.parametrize("other", ["compile", "enforce_eager"])
+def test_compile_model_refuses_the_other_modes(other):
+    with pytest.raises(ValueError, match=rf"cannot be combined with {other}=True.*choose one"):
+        EngineConfig(device="cpu", compile_model=True, **{other: True})
+
+
+def test_compile_model_with_tensor_parallelism_is_refused():
+    with pytest.raises(ValueError, match=r"compile_model=True runs in one process only.*\(got 2\)"):
+        EngineConfig(device="cpu", compile_model=True, tensor_parallel_size=2)
+
+
+def test_eager_by_default(build_tiny_llm):
+    runner = build_tiny_llm(CONFIG).engine.runner
+    assert runner.backend.compiled_forward is None and "eager forward" in runner.backend.describe()
+
+
+# ------------------------------------------------------------------ compiled
+@pytest.mark.slow
+@needs_compile
+def test_one_graph_gives_eager_greedy_tokens_at_every_step_shape(build_tiny_llm):
+    eager = build_tiny_llm(CONFIG)
+    before = compiled_graphs()
+    compiled = build_tiny_llm({**CONFIG, "compile_model": True})
+    report = compiled.engine.runner.compilation
+    assert report.compiled and report.fallback_reason is None and report.seconds > 0, report
+    assert report.ops == ("LlamaForCausalLM.forward",)
+    assert "compiled (whole model) forward" in compiled.engine.runner.backend.describe()
+    assert compiled_graphs() == before + 1  # one graph for a 67-token and a 1-token warm-up step
+    # one request alone (1-token decode steps), a batch of decodes, prompts longer than a step's
+    # 64-token budget (chunked prefill beside decodes)
+    for batch in (prompts(1, seed=1), prompts(5, seed=2), prompts(6, seed=3, lengths=(70, 140))):
+        assert tokens(compiled, batch) == tokens(eager, batch)
+    assert compiled_graphs() == before + 1  # nothing compiled after the warm-up
+    compiled.engine.check_invariants()
+
+
+@pytest.mark.slow
+@needs_compile
+def test_seeded_sampling_and_logprobs_match_eager(build_tiny_llm):
+    eager = build_tiny_llm(CONFIG)
+    compiled = build_tiny_llm({**CONFIG, "compile_model": True})
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=6, seed=7, logprobs=2)
+    batch = prompts(3, seed=4)
+    got, expected = compiled.generate(batch, params), eager.generate(batch, params)
+    assert [list(o.token_ids) for o in got] == [list(o.token_ids) for o in expected]
+    for a, b in zip(got, expected):
+        assert len(a.logprobs) == len(b.logprobs) == 6
+        for step_a, step_b in zip(a.logprobs, b.logprobs):
+            assert [t.token_id for t in step_a] == [t.token_id for t in step_b]
+            assert all(abs(x.logprob - y.logprob) < 1e-4 for x, y in zip(step_a, step_b))
+
+
+@pytest.mark.slow
+@needs_compile
+def test_a_second_engine_of_the_same_model_reuses_the_graph(build_tiny_llm):
+    build_tiny_llm({**CONFIG, "compile_model": True})
+    before = compiled_graphs()
+    second = build_tiny_llm({**CONFIG, "compile_model": True})
+    assert second.engine.runner.compilation.compiled and compiled_graphs() == before
+    tokens(second, prompts(2, seed=5))
+
+
+# ------------------------------------------------------------------- failure
+def test_a_failing_compile_warns_once_and_runs_eagerly(build_tiny_llm, monkeypatch):
+    def broken_compile(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("simulated Inductor failure")
+        return run
+
+    monkeypatch.setattr(cpu_graph, "_WARNED", set())
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    eager = build_tiny_llm(CONFIG)
+    with pytest.warns(CompileFallbackWarning) as caught:
+        first = build_tiny_llm({**CONFIG, "compile_model": True})
+        second = build_tiny_llm({**CONFIG, "compile_model": True})
+    ours = [w for w in caught if issubclass(w.category, CompileFallbackWarning)]
+    assert len(ours) == 1 and "RuntimeError: simulated Inductor failure" in str(ours[0].message)
+    assert "runs eagerly" in str(ours[0].message)
+    batch = prompts(3, seed=6)
+    for llm in (first, second):
+        runner = llm.engine.runner
+        assert not runner.compilation.compiled and "simulated" in runner.compilation.fallback_reason
+        assert runner.backend.compiled_forward is None
+        # the layers have their eager kernels back
+        assert all(layer.impl is runner.backend.attention for layer in llm.engine.runner.model.attention_layers())
+        assert tokens(llm, batch) == tokens(eager, batch)
+
+
+def test_no_cpp_compiler_is_named_and_the_engine_runs_eagerly(build_tiny_llm, monkeypatch):
+    monkeypatch.setattr(cpu_graph, "_WARNED", set())
+    monkeypatch.setattr(compilation, "_cpp_compilers", lambda: ("no-such-c++",))
+    with pytest.warns(CompileFallbackWarning, match=r"needs a C\+\+ compiler.*'no-such-c\+\+'"):
+        llm = build_tiny_llm({**CONFIG, "compile_model": True})
+    report = llm.engine.runner.compilation
+    assert not report.compiled and report.seconds == 0.0 and "no-such-c++" in report.fallback_reason
+    tokens(llm, prompts(2))
+
+
+def test_the_attention_operator_refuses_to_run_outside_a_step():
+    q = torch.zeros(2, 4, 8)
+    with pytest.raises(RuntimeError, match="outside a step"):
+        torch.ops.nanoengine.cpu_attention(q, q[:, :2], q[:, :2], 0, 1.0)
+
+
+# ------------------------------------------------------------------- the disk cache
+def test_the_cache_folder_is_keyed_by_instruction_set_and_cpu(monkeypatch, tmp_path):
+    monkeypatch.setenv("NANOENGINE_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    wide = cpu_graph.cache_directory()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    narrow = cpu_graph.cache_directory()
+    monkeypatch.setattr(cpu_graph, "_cpu_identity", lambda: "model name : another CPU")
+    other_cpu = cpu_graph.cache_directory()
+    assert len({wide, narrow, other_cpu}) == 3
+    assert wide.parent == narrow.parent == tmp_path / "inductor"
+    assert "avx512" in wide.name and "avx2" in narrow.name and torch.__version__.split("+")[0] in wide.name
+
+
+def test_a_cache_folder_chosen_by_the_environment_is_kept(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert cpu_graph.use_machine_cache() == tmp_path / "mine"
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    monkeypatch.setenv("NANOENGINE_CACHE", str(tmp_path))
+    chosen = cpu_graph.use_machine_cache()
+    assert chosen.is_dir() and chosen.parent == tmp_path / "inductor"
+    import os
+
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(chosen)
