@@ -7,8 +7,6 @@ is unbacked, so one graph serves every step: a decode token, a batch, a prefill 
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -17,6 +15,8 @@ from nanoengine.backends import cpu_graph
 from nanoengine.config import EngineConfig
 from nanoengine.engine import compilation
 from nanoengine.engine.compilation import CompileFallbackWarning, compiler_problem
+import test_compile as compile_tests  # its helpers (tests/engine is on sys.path)
+from test_compile import compiled_graphs, tokens
 
 pytestmark = [pytest.mark.usefixtures("one_thread")]
 
@@ -27,18 +27,7 @@ needs_compile = pytest.mark.skipif(PROBLEM is not None, reason=f"torch.compile c
 
 
 def prompts(n: int, seed: int = 0, lengths: tuple[int, int] = (3, 90)) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 5000) for _ in range(rng.randint(*lengths))] for _ in range(n)]
-
-
-def tokens(llm, batch, params=GREEDY) -> list[list[int]]:
-    return [list(o.token_ids) for o in llm.generate(batch, params)]
-
-
-def compiled_graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
+    return compile_tests.prompts(n, seed, lengths)  # longer than a step's budget: chunked prefill too
 
 
 # ------------------------------------------------------------------- config
