@@ -276,22 +276,32 @@ class VllmPeer:
 
 
 def start_peer(args, model_dir: Path, prompts: list[list[int]], output_lens: list[int], dtype: str,
-               max_num_seqs: int) -> VllmPeer:
-    """``bench --vs-vllm``'s peer, started and loaded (the load is never timed).
+               max_num_seqs: int, *, max_num_batched_tokens: int | None = None, spare_tokens: int = 0,
+               speculative_config: dict | None = None, label: str = "vLLM") -> VllmPeer:
+    """A vLLM peer for the bench, started and loaded (the load is never timed): ``bench
+    --vs-vllm``'s, and ``bench --speculative --vs-vllm``'s two (``speculative.race_vllm``).
 
-    vLLM gets the engine's limits: its token budget per step, as many sequences at once, and
-    a context long enough for the longest request and for the single-stream check.
+    vLLM gets the engine's limits: its token budget per step (``max_num_batched_tokens``,
+    ``--max-num-batched-tokens`` when None), as many sequences at once, and a context long
+    enough for the longest request plus ``spare_tokens`` (a speculative step verifies k
+    drafts past a request's last token, so it needs k + 1) and for the single-stream check.
+    The rest comes from the command line: thread binding, KV cache space, the virtualenv,
+    and vLLM's own ``speculative_config`` (None: no speculation). The preloads found are
+    printed, with the command that installs a missing one.
     """
     single = getattr(args, "single_stream_tokens", 0)
+    longest = max(len(p) + n for p, n in zip(prompts, output_lens))
     settings = VllmSettings(
-        model_dir=str(model_dir), dtype=dtype,
-        max_model_len=max(max(len(p) + n for p, n in zip(prompts, output_lens)), 32 + single),
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_num_seqs, seed=args.seed,
+        model_dir=str(model_dir), dtype=dtype, max_model_len=max(longest + spare_tokens, 32 + single),
+        max_num_batched_tokens=args.max_num_batched_tokens if max_num_batched_tokens is None
+        else max_num_batched_tokens,
+        max_num_seqs=max_num_seqs, seed=args.seed,
         threads_bind=args.vllm_threads_bind or default_threads_bind(), kvcache_space_gib=args.vllm_kvcache_gib,
-        enforce_eager=args.vllm_enforce_eager, venv=str(args.vllm_venv or DEFAULT_VENV))
+        enforce_eager=args.vllm_enforce_eager, venv=str(args.vllm_venv or DEFAULT_VENV),
+        speculative_config=speculative_config)
     described = settings.described()
     missing = [name for name, path in described["preloads"].items() if path is None]
-    print(f"vLLM: threads bound to {settings.threads_bind}, KV cache {settings.kvcache_space_gib} GiB, preloads "
+    print(f"{label}: threads bound to {settings.threads_bind}, KV cache {settings.kvcache_space_gib} GiB, preloads "
           + ", ".join(f"{name} {'missing' if path is None else path}" for name, path in described["preloads"].items())
           + ("; run ./course vllm-setup to install what is missing" if missing else ""))
     peer = VllmPeer(settings)
@@ -301,8 +311,8 @@ def start_peer(args, model_dir: Path, prompts: list[list[int]], output_lens: lis
     except BaseException:
         peer.close()
         raise
-    print(f"vLLM {ready['vllm_version']} (torch {ready['torch_version']}) loaded in {ready['load_seconds']:.0f} s; "
-          f"its log: {peer.log_path}")
+    print(f"{label} loaded in {ready['load_seconds']:.0f} s (vLLM {ready['vllm_version']}, torch "
+          f"{ready['torch_version']}); its log: {peer.log_path}")
     return peer
 
 
