@@ -6,6 +6,7 @@ The same command as ``python -m nanoengine bench``, with the same options
     python -m nanobench                                   # default workload, writes results JSON
     python -m nanobench --num-requests 4 --output-len 8   # a quick look
     python -m nanobench --vs-vllm --dtype bfloat16        # with vLLM's CPU build (./course vllm-setup)
+    python -m nanobench --vs-vllm --profile --skip-hf     # and where each engine spends its step
 """
 
 from __future__ import annotations

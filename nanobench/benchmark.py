@@ -39,6 +39,9 @@ Options beyond the default offline race:
   its greedy tokens on the first prompts are compared with the engine's, and with
   ``--online-rates`` both servers are started and raced through the same client
   (``vllm_peer``, ``vllm_runner``, ``server_race``).
+* ``--profile``: the engine's steps under ``torch.profiler``, at batch 1 and at the
+  workload's batch, cut into GEMMs, attention, other ops, sampling and host work; with
+  ``--vs-vllm`` vLLM's steps too, in a runner of its own (``step_profile``). CPU only.
 * The roofline of the machine (GEMM peak and copy bandwidth, same dtype and device) is
   always recorded; ``--compile`` adds an A/B of the engine itself, eager against
   ``compile=True`` (``benchmark_compile``).
@@ -55,6 +58,7 @@ idle machine passive waiting made the default workload measurably slower
     python -m nanoengine bench --min-output-len 8 --online-rates 0.5 1 2 --batch-sizes 1 8 32
     python -m nanoengine bench --device cuda --dtype bfloat16    # on a GPU
     python -m nanoengine bench --vs-vllm --dtype bfloat16        # with vLLM's CPU build (./course vllm-setup)
+    python -m nanoengine bench --vs-vllm --profile --skip-hf     # and where each engine spends its step
 """
 
 from __future__ import annotations
@@ -143,6 +147,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "e.g. '[[1, 1, 7], [2, 256, 0]]' (inclusive ranges of requests per step, and their k)")
     p.add_argument("--spec-output-len", type=int, default=128,
                    help="with --speculative: most tokens per request (EOS ends one sooner)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile the engine's steps (and with --vs-vllm vLLM's, in a runner of its own) under "
+                        "torch.profiler, at batch 1 and at the workload's batch: ms per step and the shares of GEMMs, "
+                        "attention, other ops, sampling and host work (nanobench/step_profile.py); CPU only")
     p.add_argument("--out", default=None, help="results JSON (default: results/bench-<device>-<date>.json; with "
                    "--vs-vllm results/bench-vllm-<device>-<date>-<dtype>.json)")
 
@@ -189,8 +197,26 @@ def check_arguments(args: argparse.Namespace) -> None:
         SpeculativeConfig(num_speculative_tokens=args.spec_tokens, prompt_lookup_max=args.spec_lookup_max,
                           prompt_lookup_min=args.spec_lookup_min,
                           num_speculative_tokens_per_batch_size=args.spec_tokens_per_batch_size)
+    if getattr(args, "profile", False):
+        check_profile_arguments(args)
     if getattr(args, "vs_vllm", False):
         check_vllm_arguments(args)
+
+
+def check_profile_arguments(args: argparse.Namespace) -> None:
+    """``--profile``'s own checks, before anything loads: it profiles the bench's offline
+    workload, on a CPU (an operator's time is read on the host's clock, which a GPU's
+    asynchronous kernels do not keep)."""
+    others = [flag for flag, on in (("--speculative", getattr(args, "speculative", False)),
+                                    ("--overhead", args.overhead), ("--server", getattr(args, "server", None)))
+              if on]
+    if others:
+        raise ValueError(f"--profile profiles the bench's own workload (with --vs-vllm, vLLM's too): leave out "
+                         f"{', '.join(others)}")
+    if args.device not in ("auto", "cpu") or (args.device == "auto" and torch.cuda.is_available()):
+        raise ValueError(f"--profile reads operators' times on the CPU (torch.profiler, CPU activity), which a GPU's "
+                         f"asynchronous kernels do not keep: run it with --device cpu, got --device {args.device}"
+                         + (" (auto picks CUDA here)" if args.device == "auto" else ""))
 
 
 def _json_schedule(text: str) -> list:
@@ -886,6 +912,13 @@ def run_from_args(args: argparse.Namespace) -> dict:
 
         if peer is not None and args.online_rates:
             results["online_servers"] = race_vllm_server(peer, model_dir, prompts, output_lens, args)
+        if getattr(args, "profile", False):
+            from nanobench.step_profile import profile_bench
+
+            if peer is not None:
+                peer.close()  # the profile's vLLM runs in a runner of its own (its engine core in-process)
+            results["profile"] = profile_bench(args, model_dir, prompts, output_lens, dtype_name,
+                                               resolved.max_num_seqs, engine_kwargs)
 
         results.update({
             "workload": {"num_requests": args.num_requests, "prompt_len": [args.min_prompt, args.max_prompt],

@@ -200,6 +200,55 @@ def report(results_dir: Path) -> str:
     return "\n".join(describe(c) + "\n" + reading(c) for c in found)
 
 
+PROFILE_COMMAND = "python -m nanobench --vs-vllm --profile --skip-hf (./course vllm-setup first)"
+
+
+def newest_profile(results_dir: Path) -> tuple[str, dict] | None:
+    """The newest results file in ``results_dir`` with a ``profile`` section (``bench
+    --profile``), by the date it records: ``(file name, its data)``, or None."""
+    found = []
+    for path in sorted(Path(results_dir).glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is not a JSON results file ({exc})") from None
+        if isinstance(data, dict) and isinstance(data.get("profile"), dict):
+            found.append((str(data.get("date", "")), path.name, data))
+    if not found:
+        return None
+    _, name, data = max(found, key=lambda f: (f[0], f[1]))
+    return name, data
+
+
+def profile_table(results_dir: Path) -> str:
+    """Where each engine spends its step, as the newest ``bench --profile`` file measured it
+    (``nanobench/step_profile.py``): its provenance, then one row per engine and batch size,
+    ms per step (median) and each category's share of the step time with its median ms;
+    or, when no file has a profile, the command that measures one."""
+    from nanobench.step_profile import table
+
+    newest = newest_profile(results_dir)
+    if newest is None:
+        return f"no results file in {results_dir} has a profile yet: to measure one, run {PROFILE_COMMAND}"
+    name, data = newest
+    profile = data["profile"]
+    rows = profile.get("rows")
+    if not rows:
+        raise ValueError(f"{name}'s 'profile' section has no rows: it is incomplete (see results/README.md)")
+    vllm = profile.get("vllm")
+    lines = [f"{name}: {str(data.get('date', ''))[:16].replace('T', ' ')} UTC, {machine_of(data)}, "
+             f"engine revision {data.get('environment', {}).get('nanoengine_revision', 'unknown')}, "
+             f"{data.get('dtype', '?')}",
+             f"    command: {data.get('command', '')}",
+             f"    method: {profile.get('method', '?')}"]
+    if vllm:
+        lines.append(f"    vLLM {vllm.get('version')} with its engine core in the runner's process "
+                     f"({vllm.get('engine_core_client')}), threads bound to "
+                     f"{vllm.get('settings', {}).get('threads_bind', '?')}")
+    lines.append(table(rows))
+    return "\n".join(lines)
+
+
 def live_comparison(dtype: str = "float32", num_requests: int = 8, max_prompt: int = 64, output_len: int = 16,
                     repeats: int = 2, single_stream_tokens: int = 16, model: str | None = None,
                     vllm_venv: str | None = None, out: Path | None = None) -> PeerComparison:
@@ -228,5 +277,6 @@ def live_comparison(dtype: str = "float32", num_requests: int = 8, max_prompt: i
     return read_comparison(run_from_args(args), out.name)
 
 
-__all__ = ["COMPILATION_MODES", "HOW_TO_MEASURE", "PEER_GLOB", "PeerComparison", "describe", "live_comparison",
-           "machine_of", "newest_comparisons", "read_comparison", "read_file", "reading", "report"]
+__all__ = ["COMPILATION_MODES", "HOW_TO_MEASURE", "PEER_GLOB", "PROFILE_COMMAND", "PeerComparison", "describe",
+           "live_comparison", "machine_of", "newest_comparisons", "newest_profile", "profile_table",
+           "read_comparison", "read_file", "reading", "report"]

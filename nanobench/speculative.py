@@ -36,7 +36,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from nanobench.benchmark import environment, load_average
 from nanobench.timing import measure_memory_bandwidth
@@ -132,16 +132,21 @@ def _write(args, plain, spec_config: dict, bandwidth: float, weight_bytes: int, 
     return results
 
 
-def race_speculative(plain, spec, prompts: Sequence[str], params, *, batch: int, repeats: int) -> dict:
+def race_speculative(plain, spec, prompts: Sequence[str | list[int]], params, *, batch: int, repeats: int,
+                     each_round: Callable[[], None] | None = None, keep_tokens: bool = False) -> dict:
     """Plain against speculative decoding on the same prompts: the measurement of ``bench
     --speculative`` and of chapter 13 (sections 6 and 7).
 
     ``plain`` and ``spec`` are ``LLM``s of the same model, ``spec`` built with a
-    ``speculative_config``. Each prompt is one user message through the chat template, sent
-    ``batch`` at a time: 1 is a single stream (one request at a time, the memory-bound case
-    speculation is for), ``len(prompts)`` one batch of them all. The engines take turns,
-    ``repeats`` runs each, so a slow spell of the machine falls on both; every run starts
-    from an empty prefix cache, so no run reuses an earlier one's prompt blocks.
+    ``speculative_config``. A prompt that is text is one user message through the chat
+    template; one that is token ids goes in as it is (``race_vllm`` templates its prompts
+    once, so vLLM gets the same ids). ``params`` is one ``SamplingParams`` for all or one per
+    prompt. Prompts are sent ``batch`` at a time: 1 is a single stream (one request at a
+    time, the memory-bound case speculation is for), ``len(prompts)`` one batch of them all.
+    The engines take turns, ``repeats`` runs each, so a slow spell of the machine falls on
+    both; every run starts from an empty prefix cache, so no run reuses an earlier one's
+    prompt blocks. ``each_round``, when given, is called after both engines' turn in every
+    round: other systems take their turn there (``race_vllm``'s vLLM peers).
 
     Returns a dict (a row of the results file, ``results/README.md``): ``plain_seconds`` and
     ``spec_seconds`` of every run; ``output_tokens`` (of the last run), ``plain_tok_s`` and
@@ -149,33 +154,44 @@ def race_speculative(plain, spec, prompts: Sequence[str], params, *, batch: int,
     ``num_drafts``, ``num_draft_tokens`` and ``num_accepted_tokens`` during these runs (from
     ``spec``'s ``spec_decode_stats``), ``acceptance_rate`` and ``mean_acceptance_length``
     (tokens per verify pass), None without a draft; and ``identical``: both engines emitted
-    the same tokens, as they must with greedy ``params``.
+    the same tokens, as they must with greedy ``params``. With ``keep_tokens``, ``tokens``
+    has each engine's generated ids per prompt (of the last run): ``{"plain": [...],
+    "spec": [...]}``.
     """
     times = {"plain": [], "spec": []}
     outputs = {}
     stats = spec.engine.spec_decode_stats
     before = (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens)
-    conversations = [[{"role": "user", "content": p}] for p in prompts]
+    requests = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+    per_prompt = params if isinstance(params, (list, tuple)) else [params] * len(requests)
+    if len(per_prompt) != len(requests):
+        raise ValueError(f"need one SamplingParams for all prompts or one per prompt, got {len(per_prompt)} "
+                         f"for {len(requests)} prompts")
     tokens = None
     for _ in range(repeats):
         for name, llm in (("plain", plain), ("spec", spec)):
             llm.reset_prefix_cache()
             start = time.perf_counter()
-            outs = [o for i in range(0, len(conversations), batch)
-                    for o in llm.chat(conversations[i:i + batch], params, use_tqdm=False)]
+            outs = [o for i in range(0, len(requests), batch)
+                    for o in llm.generate(requests[i:i + batch], per_prompt[i:i + batch], use_tqdm=False)]
             times[name].append(time.perf_counter() - start)
-            outputs[name] = [o.outputs[0].token_ids for o in outs]
+            outputs[name] = [list(o.outputs[0].token_ids) for o in outs]
             tokens = sum(len(t) for t in outputs[name])
+        if each_round is not None:
+            each_round()
     drafts, drafted, accepted = (now - was for now, was in zip(
         (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens), before))
     plain_tok_s = tokens / statistics.median(times["plain"])
     spec_tok_s = tokens / statistics.median(times["spec"])
-    return {"output_tokens": tokens, "plain_seconds": times["plain"], "spec_seconds": times["spec"],
-            "plain_tok_s": plain_tok_s, "spec_tok_s": spec_tok_s, "speedup": spec_tok_s / plain_tok_s,
-            "num_drafts": drafts, "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
-            "acceptance_rate": accepted / drafted if drafted else None,
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
-            "identical": outputs["plain"] == outputs["spec"]}
+    row = {"output_tokens": tokens, "plain_seconds": times["plain"], "spec_seconds": times["spec"],
+           "plain_tok_s": plain_tok_s, "spec_tok_s": spec_tok_s, "speedup": spec_tok_s / plain_tok_s,
+           "num_drafts": drafts, "num_draft_tokens": drafted, "num_accepted_tokens": accepted,
+           "acceptance_rate": accepted / drafted if drafted else None,
+           "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+           "identical": outputs["plain"] == outputs["spec"]}
+    if keep_tokens:
+        row["tokens"] = outputs
+    return row
 
 
 def race_vllm(args, plain, spec, spec_config: dict) -> list[dict]:
@@ -190,7 +206,7 @@ def race_vllm(args, plain, spec, spec_config: dict) -> list[dict]:
     """
     from nanoengine import SamplingParams
     from nanoengine.loader.weights import resolve_model_source
-    from nanobench.vllm_peer import DEFAULT_VENV, VllmPeer, VllmSettings, default_threads_bind, greedy_agreement
+    from nanobench.vllm_peer import greedy_agreement, start_peer
 
     workloads = {}
     for workload, texts in WORKLOADS.items():
@@ -199,22 +215,20 @@ def race_vllm(args, plain, spec, spec_config: dict) -> list[dict]:
         answers = plain.generate(ids, SamplingParams(temperature=0.0, max_tokens=args.spec_output_len),
                                  use_tqdm=False)
         workloads[workload] = (ids, [len(a.outputs[0].token_ids) for a in answers])
-    longest = max(len(p) + n for ids, lens in workloads.values() for p, n in zip(ids, lens))
+    all_ids = [p for ids, _ in workloads.values() for p in ids]
+    all_lens = [n for _, lens in workloads.values() for n in lens]
     config = plain.engine.config
-    peers, ready = {}, {}
+    peers = {}
     try:
-        for name, speculative in (("vllm_plain", None), ("vllm_spec", spec_config)):
-            peers[name] = VllmPeer(VllmSettings(
-                model_dir=str(resolve_model_source(args.model)), dtype=str(config.torch_dtype).removeprefix("torch."),
-                max_model_len=longest + spec_config["num_speculative_tokens"] + 1,
-                max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-                seed=args.seed, threads_bind=args.vllm_threads_bind or default_threads_bind(),
-                kvcache_space_gib=args.vllm_kvcache_gib, enforce_eager=args.vllm_enforce_eager,
-                venv=str(args.vllm_venv or DEFAULT_VENV), speculative_config=speculative))
-            peers[name].start()
-            ready[name] = peers[name].wait_ready()  # one after the other (side by side took longer); never timed
-        for name, info in ready.items():
-            print(f"{name}: vLLM {info['vllm_version']} loaded in {info['load_seconds']:.0f} s; log {peers[name].log_path}")
+        for name, speculative, label in (("vllm_plain", None, "vLLM plain"),
+                                         ("vllm_spec", spec_config, "vLLM speculative")):
+            # One after the other (side by side took longer); loading is never timed.
+            peers[name] = start_peer(
+                args, resolve_model_source(args.model), all_ids, all_lens,
+                str(config.torch_dtype).removeprefix("torch."), config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                spare_tokens=spec_config["num_speculative_tokens"] + 1, speculative_config=speculative, label=label)
+        ready = {name: peer.wait_ready() for name, peer in peers.items()}
         rows = []
         for workload, (ids, lens) in workloads.items():
             row = _race_four(plain, spec, peers, ids, lens, args.repeats)
@@ -236,23 +250,26 @@ def race_vllm(args, plain, spec, spec_config: dict) -> list[dict]:
 
 
 def _race_four(plain, spec, peers: dict, ids: list[list[int]], lens: list[int], repeats: int) -> dict:
-    """``repeats`` rounds of four systems, one prompt at a time; EOS ignored, ``lens`` tokens each."""
+    """``repeats`` rounds of four systems, one prompt at a time; EOS ignored, ``lens`` tokens each.
+
+    The engine's two take their turn through ``race_speculative``, the vLLM peers theirs
+    right after, in the same round."""
     from nanoengine import SamplingParams
 
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
-    seconds = {name: [] for name in ("engine_plain", "engine_spec", "vllm_plain", "vllm_spec")}
+    seconds = {name: [] for name in peers}
     tokens = {}
-    for _ in range(repeats):
-        for name, llm in (("engine_plain", plain), ("engine_spec", spec)):
-            llm.reset_prefix_cache()
-            start = time.perf_counter()
-            outs = [llm.generate([p], [sp], use_tqdm=False)[0] for p, sp in zip(ids, params)]
-            seconds[name].append(time.perf_counter() - start)
-            tokens[name] = [list(o.outputs[0].token_ids) for o in outs]
+
+    def vllm_turn() -> None:
         for name, peer in peers.items():
             runs = [peer.run([p], [n], keep_tokens=1) for p, n in zip(ids, lens)]
             seconds[name].append(sum(r["seconds"] for r in runs))
             tokens[name] = [r["tokens"][0] for r in runs]
+
+    engines = race_speculative(plain, spec, ids, params, batch=1, repeats=repeats, each_round=vllm_turn,
+                               keep_tokens=True)
+    seconds = {"engine_plain": engines["plain_seconds"], "engine_spec": engines["spec_seconds"], **seconds}
+    tokens = {"engine_plain": engines["tokens"]["plain"], "engine_spec": engines["tokens"]["spec"], **tokens}
     total = sum(lens)
     short = {name: [len(t) for t in toks] for name, toks in tokens.items() if [len(t) for t in toks] != lens}
     if short:

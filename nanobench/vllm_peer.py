@@ -44,6 +44,15 @@ DTYPES = ("float32", "bfloat16")  # what vLLM's CPU backend runs and the engine 
 LOAD_TIMEOUT_S = 1200.0  # compiling on two busy cores can take minutes
 RUN_TIMEOUT_S = 1800.0
 LOG_TAIL_LINES = 30
+#: A profiling runner's environment (``VllmSettings(profile=True)``): vLLM's engine core in the
+#: runner's process, so a profiler there sees the model (by default it runs in a process of
+#: its own, ``vllm/v1/engine/core_client.py``); vLLM's ``record_function`` scopes on, among
+#: them ``gpu_model_runner: sample`` (``vllm/utils/torch_utils.py``); and each C++ kernel
+#: Inductor generates named to the profiler (``torch/_inductor/config.py``), where it would
+#: otherwise pass for host time. Inductor's configuration is part of vLLM's compile-cache
+#: key, so this runner compiles its model afresh.
+PROFILE_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CUSTOM_SCOPES_FOR_PROFILING": "1",
+                       "TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE": "1"}
 
 
 class VllmSetupError(FileNotFoundError):
@@ -109,6 +118,9 @@ class VllmSettings:
     venv: str = str(DEFAULT_VENV)
     # vLLM's own ``speculative_config`` (e.g. ``{"method": "ngram", ...}``); None: no speculation.
     speculative_config: dict | None = None
+    # A runner for ``bench --profile``: vLLM's model in the runner's own process, with its
+    # profiler scopes and Inductor's kernels named to the profiler (``PROFILE_ENVIRONMENT``).
+    profile: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -143,6 +155,8 @@ class VllmSettings:
                     "VLLM_CPU_KVCACHE_SPACE": str(self.kvcache_space_gib),
                     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                     "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+        if self.profile:
+            env.update(PROFILE_ENVIRONMENT)
         return env, preloads
 
     def described(self) -> dict:
@@ -152,7 +166,7 @@ class VllmSettings:
                 "preloads": preloads, "max_model_len": self.max_model_len,
                 "max_num_batched_tokens": self.max_num_batched_tokens, "max_num_seqs": self.max_num_seqs,
                 "enforce_eager": self.enforce_eager, "seed": self.seed, "venv": self.venv,
-                "speculative_config": self.speculative_config}
+                "speculative_config": self.speculative_config, "profile": self.profile}
 
 
 class VllmPeer:
@@ -234,23 +248,41 @@ class VllmPeer:
         and the generated ids of the first ``keep_tokens`` prompts in ``tokens``."""
         if len(prompts) != len(max_tokens):
             raise ValueError(f"need one max_tokens per prompt, got {len(prompts)} prompts and {len(max_tokens)}")
-        self.wait_ready()
-        command = {"command": "run", "prompts": prompts, "max_tokens": max_tokens, "keep_tokens": keep_tokens}
-        try:
-            self.process.stdin.write(json.dumps(command) + "\n")
-            self.process.stdin.flush()
-        except (BrokenPipeError, OSError) as exc:
-            raise self._error(f"could not send a run to the runner ({exc})") from exc
-        message = self._answer(self.run_timeout_s, "a timed run")
-        if message.get("event") != "result":
-            raise self._error(f"the runner sent {message!r} instead of a result")
-        return message
+        return self._ask({"command": "run", "prompts": prompts, "max_tokens": max_tokens,
+                          "keep_tokens": keep_tokens}, "result", "a timed run")
+
+    def profile(self, prompts: list[list[int]], max_tokens: list[int]) -> dict:
+        """vLLM's steps on these prompts under ``torch.profiler`` (``nanobench/step_profile.py``):
+        greedy, EOS ignored, all submitted together, after one warm-up run of the same. Needs a
+        runner started with ``VllmSettings(profile=True)``. The answer has
+        ``step_profile.PROFILE_FIELDS`` and ``engine_core_client`` (vLLM's class that ran the
+        engine core: ``InprocClient`` when it ran in the runner's process)."""
+        if len(prompts) != len(max_tokens):
+            raise ValueError(f"need one max_tokens per prompt, got {len(prompts)} prompts and {len(max_tokens)}")
+        if not self.settings.profile:
+            raise ValueError("this vLLM peer runs its model in an engine-core process of its own, out of a "
+                             "profiler's sight: profile with a peer built from VllmSettings(profile=True)")
+        return self._ask({"command": "profile", "prompts": prompts, "max_tokens": max_tokens}, "profile",
+                         "a profiled run")
 
     def decoder(self, prompt: list[int]):
         """``run(k)``: vLLM generates ``k`` greedy tokens for ``prompt`` (for ``decode_rates``)."""
         return lambda k: self.run([prompt], [k])
 
     # -------------------------------------------------------------- helpers
+    def _ask(self, command: dict, event: str, doing: str) -> dict:
+        """Send one command and wait for its answer, which must be ``event``."""
+        self.wait_ready()
+        try:
+            self.process.stdin.write(json.dumps(command) + "\n")
+            self.process.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            raise self._error(f"could not send {doing} to the runner ({exc})") from exc
+        message = self._answer(self.run_timeout_s, doing)
+        if message.get("event") != event:
+            raise self._error(f"the runner sent {message!r} instead of a {event} answer")
+        return message
+
     def _answer(self, timeout_s: float, doing: str) -> dict:
         try:
             line = self._lines.get(timeout=timeout_s)
@@ -276,22 +308,33 @@ class VllmPeer:
 
 
 def start_peer(args, model_dir: Path, prompts: list[list[int]], output_lens: list[int], dtype: str,
-               max_num_seqs: int) -> VllmPeer:
-    """``bench --vs-vllm``'s peer, started and loaded (the load is never timed).
+               max_num_seqs: int, *, max_num_batched_tokens: int | None = None, spare_tokens: int = 0,
+               speculative_config: dict | None = None, profile: bool = False, label: str = "vLLM") -> VllmPeer:
+    """A vLLM peer for the bench, started and loaded (the load is never timed): ``bench
+    --vs-vllm``'s, and ``bench --speculative --vs-vllm``'s two (``speculative.race_vllm``).
 
-    vLLM gets the engine's limits: its token budget per step, as many sequences at once, and
-    a context long enough for the longest request and for the single-stream check.
+    vLLM gets the engine's limits: its token budget per step (``max_num_batched_tokens``,
+    ``--max-num-batched-tokens`` when None), as many sequences at once, and a context long
+    enough for the longest request plus ``spare_tokens`` (a speculative step verifies k
+    drafts past a request's last token, so it needs k + 1) and for the single-stream check.
+    Thread binding, KV cache space and the virtualenv come from the command line; vLLM's own
+    ``speculative_config`` (None: no speculation) and ``profile`` (a runner for ``bench
+    --profile``, ``PROFILE_ENVIRONMENT``) from the caller. The preloads found are printed,
+    with the command that installs a missing one.
     """
     single = getattr(args, "single_stream_tokens", 0)
+    longest = max(len(p) + n for p, n in zip(prompts, output_lens))
     settings = VllmSettings(
-        model_dir=str(model_dir), dtype=dtype,
-        max_model_len=max(max(len(p) + n for p, n in zip(prompts, output_lens)), 32 + single),
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=max_num_seqs, seed=args.seed,
+        model_dir=str(model_dir), dtype=dtype, max_model_len=max(longest + spare_tokens, 32 + single),
+        max_num_batched_tokens=args.max_num_batched_tokens if max_num_batched_tokens is None
+        else max_num_batched_tokens,
+        max_num_seqs=max_num_seqs, seed=args.seed,
         threads_bind=args.vllm_threads_bind or default_threads_bind(), kvcache_space_gib=args.vllm_kvcache_gib,
-        enforce_eager=args.vllm_enforce_eager, venv=str(args.vllm_venv or DEFAULT_VENV))
+        enforce_eager=args.vllm_enforce_eager, venv=str(args.vllm_venv or DEFAULT_VENV),
+        speculative_config=speculative_config, profile=profile)
     described = settings.described()
     missing = [name for name, path in described["preloads"].items() if path is None]
-    print(f"vLLM: threads bound to {settings.threads_bind}, KV cache {settings.kvcache_space_gib} GiB, preloads "
+    print(f"{label}: threads bound to {settings.threads_bind}, KV cache {settings.kvcache_space_gib} GiB, preloads "
           + ", ".join(f"{name} {'missing' if path is None else path}" for name, path in described["preloads"].items())
           + ("; run ./course vllm-setup to install what is missing" if missing else ""))
     peer = VllmPeer(settings)
@@ -301,8 +344,8 @@ def start_peer(args, model_dir: Path, prompts: list[list[int]], output_lens: lis
     except BaseException:
         peer.close()
         raise
-    print(f"vLLM {ready['vllm_version']} (torch {ready['torch_version']}) loaded in {ready['load_seconds']:.0f} s; "
-          f"its log: {peer.log_path}")
+    print(f"{label} loaded in {ready['load_seconds']:.0f} s (vLLM {ready['vllm_version']}, torch "
+          f"{ready['torch_version']}); its log: {peer.log_path}")
     return peer
 
 
@@ -369,6 +412,6 @@ def describe_agreement(check: dict) -> str:
     return text
 
 
-__all__ = ["DEFAULT_VENV", "DTYPES", "RUNNER", "SETUP_COMMAND", "VllmPeer", "VllmRunnerError", "VllmSettings",
+__all__ = ["DEFAULT_VENV", "DTYPES", "PROFILE_ENVIRONMENT", "RUNNER", "SETUP_COMMAND", "VllmPeer", "VllmRunnerError", "VllmSettings",
            "VllmSetupError", "default_threads_bind", "describe_agreement", "find_preloads", "format_cpu_list",
            "greedy_agreement", "peer_results", "start_peer", "vllm_python"]

@@ -3,7 +3,8 @@ times workloads sent to it as JSON lines.
 
 This file is *executed* by ``.venv-vllm/bin/python`` (made by ``./course vllm-setup``), never
 imported by the course: that virtualenv has vLLM and its own torch but not nanoengine, so
-the script uses vLLM and the standard library only. ``nanobench/vllm_peer.py`` drives it.
+the script uses vLLM, the standard library and ``step_profile`` beside it (standard library
+at import; its profiling functions need only torch). ``nanobench/vllm_peer.py`` drives it.
 
 Why a process that stays up rather than one per run: loading vLLM's CPU build takes about
 a minute and a half on two cores (it compiles the model with torch's inductor), and the
@@ -24,6 +25,15 @@ The protocol, one JSON object per line:
   do) answered by ``{"event": "result", "seconds": ..., "output_tokens": ...,
   "output_tokens_per_s": ..., "tokens": [...]}`` with the generated ids of the first
   ``k`` prompts.
+* ``{"command": "profile", "prompts": [[ids], ...], "max_tokens": [n, ...]}``: the prompts
+  once to warm up, then once under ``torch.profiler`` with every engine step in a range,
+  answered by ``{"event": "profile", ...}`` with ``step_profile.summarize``'s figures
+  (steps, median ms per step, each category's share), ``output_tokens`` and
+  ``engine_core_client``. Only a runner whose engine core is in its own process can: one
+  started with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and ``VLLM_CUSTOM_SCOPES_FOR_PROFILING=1``
+  (``VllmSettings(profile=True)``); another answers an error saying so. vLLM's ``generate``
+  calls its ``LLMEngine.step()`` until no request is left, so the steps counted are those
+  calls that ran the model.
 * ``{"command": "quit"}``: exit 0 (so does the end of stdin).
 
 Anything wrong is answered by ``{"event": "error", "message": ...}``; a command that fails
@@ -44,7 +54,8 @@ import time
 REQUIRED_CONFIG = ("model", "dtype", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "seed",
                    "enforce_eager")
 #: The environment variables that shape vLLM's CPU run; each is reported with its value.
-REPORTED_ENV_PREFIXES = ("VLLM_", "OMP_", "KMP_", "LD_PRELOAD", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+REPORTED_ENV_PREFIXES = ("VLLM_", "OMP_", "KMP_", "LD_PRELOAD", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+                         "TORCHINDUCTOR_")
 
 
 def take_stdout_for_protocol():
@@ -110,18 +121,24 @@ def resolved_settings(llm, config: dict) -> dict:
     return settings
 
 
-def run_once(llm, command: dict) -> dict:
-    """One timed greedy run of the command's prompts; the generated ids of the first ``keep_tokens``."""
+def greedy_requests(command: dict) -> tuple[list, list]:
+    """The command's prompts as vLLM requests and their greedy parameters (EOS ignored)."""
     from vllm import SamplingParams
 
     prompts, max_tokens = command.get("prompts"), command.get("max_tokens")
-    keep = command.get("keep_tokens", 0)
+    name = command.get("command")
     if not isinstance(prompts, list) or not prompts or not all(isinstance(p, list) and p for p in prompts):
-        raise ValueError("run needs 'prompts': a non-empty list of non-empty token-id lists")
+        raise ValueError(f"{name} needs 'prompts': a non-empty list of non-empty token-id lists")
     if not isinstance(max_tokens, list) or len(max_tokens) != len(prompts):
-        raise ValueError(f"run needs 'max_tokens': one count per prompt ({len(prompts)}), got {max_tokens!r}")
+        raise ValueError(f"{name} needs 'max_tokens': one count per prompt ({len(prompts)}), got {max_tokens!r}")
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
-    requests = [{"prompt_token_ids": p} for p in prompts]
+    return [{"prompt_token_ids": p} for p in prompts], params
+
+
+def run_once(llm, command: dict) -> dict:
+    """One timed greedy run of the command's prompts; the generated ids of the first ``keep_tokens``."""
+    requests, params = greedy_requests(command)
+    keep = command.get("keep_tokens", 0)
     llm.reset_prefix_cache()  # a repeat must not find the previous run's prompts cached
     start = time.perf_counter()
     outputs = llm.generate(requests, params, use_tqdm=False)
@@ -130,6 +147,30 @@ def run_once(llm, command: dict) -> dict:
     produced = sum(len(t) for t in tokens)
     return {"event": "result", "seconds": seconds, "output_tokens": produced,
             "output_tokens_per_s": produced / seconds, "tokens": tokens[:keep]}
+
+
+def profile_once(llm, command: dict) -> dict:
+    """The command's prompts under ``torch.profiler``, after one warm-up run (``step_profile``)."""
+    import vllm.envs as envs
+    from step_profile import profile_steps, summarize  # beside this file: the script's directory
+
+    if envs.VLLM_ENABLE_V1_MULTIPROCESSING or not envs.VLLM_CUSTOM_SCOPES_FOR_PROFILING:
+        raise ValueError("profile needs vLLM's engine core in this process and its profiler scopes: start the "
+                         "runner with VLLM_ENABLE_V1_MULTIPROCESSING=0 and VLLM_CUSTOM_SCOPES_FOR_PROFILING=1 "
+                         "(VllmSettings(profile=True) does)")
+    requests, params = greedy_requests(command)
+    llm.generate(requests, params, use_tqdm=False)  # warm-up, not profiled
+    llm.reset_prefix_cache()  # the profiled run computes its prompts, as the timed runs do
+    steps, outputs = profile_steps(llm.llm_engine, lambda: llm.generate(requests, params, use_tqdm=False))
+    produced = sum(len(out.outputs[0].token_ids) for out in outputs)
+    if produced != sum(p.max_tokens for p in params):
+        raise RuntimeError(f"the profiled run produced {produced} tokens, not the "
+                           f"{sum(p.max_tokens for p in params)} requested (EOS is ignored)")
+    return {"event": "profile", **summarize(steps), "output_tokens": produced,
+            "engine_core_client": type(llm.llm_engine.engine_core).__name__}
+
+
+COMMANDS = {"run": run_once, "profile": profile_once}
 
 
 def main(argv: list[str]) -> int:
@@ -160,9 +201,9 @@ def main(argv: list[str]) -> int:
             command = json.loads(line)
             if command.get("command") == "quit":
                 break
-            if command.get("command") != "run":
-                raise ValueError(f"unknown command {command.get('command')!r} (allowed: run, quit)")
-            answer(channel, run_once(llm, command))
+            if command.get("command") not in COMMANDS:
+                raise ValueError(f"unknown command {command.get('command')!r} (allowed: {', '.join(COMMANDS)}, quit)")
+            answer(channel, COMMANDS[command["command"]](llm, command))
         except Exception as exc:
             answer(channel, {"event": "error", "message": f"{type(exc).__name__}: {exc}"})
     return 0

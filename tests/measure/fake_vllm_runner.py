@@ -23,6 +23,19 @@ def fake_tokens(prompt: list[int], n: int) -> list[int]:
     return [(sum(prompt) + 7 * j) % 500 for j in range(n)]
 
 
+def fake_profile(command: dict) -> dict:
+    """The ``profile`` answer: one step per token of the longest request, fixed shares; an
+    error, as the real runner gives, unless the driver put the engine core in this process."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        return {"event": "error", "message": "ValueError: profile needs VLLM_ENABLE_V1_MULTIPROCESSING=0"}
+    shares = {"gemm": 0.5, "attention": 0.1, "other_ops": 0.2, "sampling": 0.05, "host": 0.15}
+    step_ms = 2.0 * len(command["prompts"])
+    return {"event": "profile", "steps": max(command["max_tokens"]), "idle_steps": 0,
+            "step_ms": {"median": step_ms, "mean": step_ms},
+            "categories": {c: {"median_ms": share * step_ms, "share": share} for c, share in shares.items()},
+            "other_threads_ms": 0.0, "output_tokens": sum(command["max_tokens"]), "engine_core_client": "InprocClient"}
+
+
 def main(argv: list[str]) -> int:
     channel = sys.stdout
     mode = os.environ.get("FAKE_VLLM_MODE", "")
@@ -43,6 +56,10 @@ def main(argv: list[str]) -> int:
         command = json.loads(line)
         if command["command"] == "quit":
             return 0
+        if command["command"] == "profile":
+            channel.write(json.dumps(fake_profile(command)) + "\n")
+            channel.flush()
+            continue
         if command["command"] != "run":
             channel.write(json.dumps({"event": "error", "message": f"unknown command {command['command']!r}"}) + "\n")
             channel.flush()

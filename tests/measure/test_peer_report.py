@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from nanobench.peer_report import describe, live_comparison, newest_comparisons, read_file, reading, report
+from nanobench.peer_report import (describe, live_comparison, newest_comparisons, profile_table, read_file, reading,
+                                   report)
 
 
 def vllm_results(engine=120.0, vllm=150.0, static=60.0, dtype="float32", date="2026-12-02T15:30:00+00:00",
@@ -134,3 +135,29 @@ def test_the_live_comparison_runs_end_to_end_with_a_stand_in_vllm(tiny_llama_dir
     assert c.agreement["prompts_compared"] == 3 and set(c.transformers_tok_s) == {"hf_static"}
     assert c.single_stream["nanoengine"] == written["single_stream_decode"]["nanoengine_tok_s"]
     assert "engine / vLLM" in describe(c) and reading(c).startswith("reading (")
+
+
+def profile_row(system: str, batch: int, step_ms: float, shares: dict) -> dict:
+    """One ``profile.rows`` entry as ``bench --profile`` writes it (results/README.md)."""
+    return {"system": system, "batch": batch, "prompt_tokens": 40 * batch, "steps": 64, "idle_steps": 0,
+            "step_ms": {"median": step_ms, "mean": step_ms}, "other_threads_ms": 0.0, "output_tokens": 64 * batch,
+            "categories": {c: {"median_ms": share * step_ms, "share": share} for c, share in shares.items()}}
+
+
+def test_profile_table_reads_the_newest_file_with_a_profile(tmp_path):
+    assert "no results file" in profile_table(tmp_path) and "--profile" in profile_table(tmp_path)
+    shares = {"gemm": 0.61, "attention": 0.07, "other_ops": 0.18, "sampling": 0.02, "host": 0.12}
+    older = vllm_results(date="2026-12-01T10:00:00+00:00", profile={"method": "m", "rows": [
+        profile_row("nanoengine", 1, 99.0, shares)]})
+    newer = vllm_results(date="2026-12-05T10:00:00+00:00", profile={
+        "method": "m", "vllm": {"version": "0.32.0", "engine_core_client": "InprocClient",
+                                "settings": {"threads_bind": "0-1"}},
+        "rows": [profile_row("nanoengine", 1, 30.0, shares), profile_row("vllm", 32, 47.25, shares)]})
+    (tmp_path / "bench-vllm-a.json").write_text(json.dumps(newer))
+    (tmp_path / "bench-vllm-b.json").write_text(json.dumps(older))  # later name, older date
+    (tmp_path / "bench-cpu-c.json").write_text(json.dumps(vllm_results(date="2026-12-09T10:00:00+00:00")))  # no profile
+    text = profile_table(tmp_path)
+    assert text.startswith("bench-vllm-a.json: 2026-12-05 10:00 UTC") and "InprocClient" in text
+    rows = [line.split() for line in text.splitlines() if line.startswith(("nanoengine ", "vllm "))]
+    assert [r[:4] for r in rows] == [["nanoengine", "1", "64", "30.00"], ["vllm", "32", "64", "47.25"]]
+    assert rows[0][4:6] == ["61%", "18.30ms"]  # the GEMMs' share and median ms per step
