@@ -542,37 +542,64 @@ def cb_config_for(prompts: list[list[int]], output_lens: list[int], max_batch_to
 
 
 def single_stream_decode(model_dir: Path, hf_model, prompt: list[int], n: int, repeats: int = 5,
-                         peers: dict | None = None, **engine_kwargs) -> dict:
+                         peers: dict | None = None, bandwidth_gbs: float | None = None, **engine_kwargs) -> dict:
     """Decode speed of one request alone, the engine against transformers (``decode_rates``).
 
-    ``peers``: other engines' ``run(k)`` (vLLM's, ``VllmPeer.decoder``), timed in the same
-    alternation; each adds ``<name>_tok_s`` and ``ratio_over_<name>`` (the engine's over it).
+    ``hf_model``: transformers' model, or None (``--skip-hf``: ``hf_tok_s`` and ``ratio``
+    are None). ``peers``: other engines' ``run(k)`` (vLLM's, ``VllmPeer.decoder``), timed in
+    the same alternation; each adds ``<name>_tok_s`` and ``ratio_over_<name>`` (the
+    engine's over it). ``bandwidth_gbs``: the machine's copy bandwidth; then
+    ``weight_traffic_share`` says how much of it the engine's decode uses to read its
+    weights (every weight once per token: the single stream's roofline, chapter 6).
     """
     from nanoengine import LLM
 
     llm = LLM(model_dir, enable_prefix_caching=False, **engine_kwargs)
-    device = hf_model.device
+    systems = {"nanoengine": engine_decoder(llm, prompt)}
+    if hf_model is not None:
+        device = hf_model.device
 
-    @torch.inference_mode()
-    def hf(k: int) -> None:
-        hf_model.generate(torch.tensor([prompt], device=device), max_new_tokens=k, min_new_tokens=k,
-                          do_sample=False)
-        if device.type == "cuda":  # generate returns before the GPU is done
-            torch.cuda.synchronize(device)
+        @torch.inference_mode()
+        def hf(k: int) -> None:
+            hf_model.generate(torch.tensor([prompt], device=device), max_new_tokens=k, min_new_tokens=k,
+                              do_sample=False)
+            if device.type == "cuda":  # generate returns before the GPU is done
+                torch.cuda.synchronize(device)
 
+        systems["hf"] = hf
     peers = peers or {}
-    rates = decode_rates({"nanoengine": engine_decoder(llm, prompt), "hf": hf, **peers}, n, repeats)
+    rates = decode_rates({**systems, **peers}, n, repeats)
+    weight_bytes = llm.memory_report().weight_bytes
     llm.shutdown()
 
     def over(name: str) -> float | None:
-        return rates["nanoengine"] / rates[name] if rates["nanoengine"] and rates[name] else None
+        return rates["nanoengine"] / rates[name] if rates["nanoengine"] and rates.get(name) else None
 
-    result = {"nanoengine_tok_s": rates["nanoengine"], "hf_tok_s": rates["hf"],
+    result = {"nanoengine_tok_s": rates["nanoengine"], "hf_tok_s": rates.get("hf"),
               "ratio": over("hf"), "tokens": n, "prompt_tokens": len(prompt),
-              "repeats": repeats, "method": "(n - 1) / (median time to n tokens - median time to 1 token)"}
+              "repeats": repeats, "method": "(n - 1) / (median time to n tokens - median time to 1 token)",
+              "weight_bytes": weight_bytes}
+    if bandwidth_gbs and rates["nanoengine"]:
+        result.update(memory_bandwidth_gbs=bandwidth_gbs,
+                      weight_traffic_share=weight_bytes * rates["nanoengine"] / (bandwidth_gbs * 1e9))
     for name in peers:
         result.update({f"{name}_tok_s": rates[name], f"ratio_over_{name}": over(name)})
     return result
+
+
+def describe_single_stream(single: dict, peers: dict) -> str:
+    """The bench's line for ``single_stream_decode``'s result."""
+    if single["nanoengine_tok_s"] is None:
+        return "single stream decode: too fast to time against this machine's noise; use more --single-stream-tokens"
+    others = [("transformers", single["hf_tok_s"], single["ratio"])] if single["hf_tok_s"] is not None else []
+    others += [(name, single[name + "_tok_s"], single["ratio_over_" + name]) for name in peers]
+    text = f"single stream decode (medians of {single['repeats']}): nanoengine {single['nanoengine_tok_s']:.1f} tok/s"
+    text += "".join(f", {name} {rate:.1f} tok/s ({ratio:.2f}x)" for name, rate, ratio in others
+                    if rate is not None and ratio is not None)
+    if "weight_traffic_share" in single:
+        text += (f"; the engine reads its weights at {single['weight_traffic_share']:.0%} of the "
+                 f"{single['memory_bandwidth_gbs']:.1f} GB/s copy bandwidth")
+    return text
 
 
 def engine_decoder(llm, prompt: list[int]):
@@ -895,20 +922,13 @@ def run_from_args(args: argparse.Namespace) -> dict:
 
             results["compile"] = compare_compile(model_dir, prompts, args.output_len, args.compile_repeats,
                                                  args.single_stream_tokens, **engine_kwargs)
-        if hf is not None and args.single_stream_tokens:
+        if args.single_stream_tokens and (hf is not None or peer is not None):
             peers = {"vllm": peer.decoder(prompts[0][:32])} if peer is not None else {}
             single = single_stream_decode(model_dir, hf, prompts[0][:32], args.single_stream_tokens,
-                                          peers=peers, device=args.device, dtype=args.dtype)
+                                          peers=peers, bandwidth_gbs=roof["memory_bandwidth_gbs"],
+                                          device=args.device, dtype=args.dtype)
             results["single_stream_decode"] = single
-            if single["ratio"] is None:
-                print("single stream decode: too fast to time against this machine's noise; use more "
-                      "--single-stream-tokens")
-            else:
-                print(f"single stream decode (medians of {single['repeats']}): nanoengine "
-                      f"{single['nanoengine_tok_s']:.1f} tok/s, transformers {single['hf_tok_s']:.1f} tok/s "
-                      f"({single['ratio']:.2f}x)" + "".join(
-                          f", {name} {single[name + '_tok_s']:.1f} tok/s" for name in peers
-                          if single[name + "_tok_s"] is not None))
+            print(describe_single_stream(single, peers))
 
         if peer is not None and args.online_rates:
             results["online_servers"] = race_vllm_server(peer, model_dir, prompts, output_lens, args)

@@ -93,7 +93,9 @@ def read_comparison(data: dict, file: str) -> PeerComparison:
     single_stream = None
     if single and single.get("nanoengine_tok_s"):
         single_stream = {"nanoengine": single["nanoengine_tok_s"], "vllm": single["vllm_tok_s"],
-                         "transformers": single.get("hf_tok_s"), "tokens": single.get("tokens")}
+                         "transformers": single.get("hf_tok_s"), "tokens": single.get("tokens"),
+                         "weight_traffic_share": single.get("weight_traffic_share"),
+                         "memory_bandwidth_gbs": single.get("memory_bandwidth_gbs")}
     settings = dict(vllm.get("settings", {}))
     resolved = settings.get("runner", {}).get("resolved", {})
     settings.update({key: resolved[key] for key in ("block_size", "enable_chunked_prefill", "enable_prefix_caching")
@@ -164,7 +166,10 @@ def describe(c: PeerComparison) -> str:
                      + "".join(f", {name} " + ("too fast to time" if tok_s is None else f"{tok_s:.1f}")
                                for name, tok_s in others.items()) + " tok/s"
                      + "".join(f"; engine / {name} {_times(single['nanoengine'] / tok_s)}"
-                               for name, tok_s in others.items() if tok_s))
+                               for name, tok_s in others.items() if tok_s)
+                     + ("" if single.get("weight_traffic_share") is None else
+                        f"; the engine reads its weights at {single['weight_traffic_share']:.0%} of the "
+                        f"{single['memory_bandwidth_gbs']:.1f} GB/s copy bandwidth"))
     else:
         lines.append("    single stream: not measured in this file")
     a = c.agreement

@@ -31,7 +31,7 @@ def vllm_results(engine=120.0, vllm=150.0, static=60.0, dtype="float32", date="2
         "date": date, "command": f"python -m nanoengine bench --vs-vllm --dtype {dtype}", **extra}
     if single:
         data["single_stream_decode"] = {"nanoengine_tok_s": single[0], "vllm_tok_s": single[1], "hf_tok_s": single[2],
-                                        "tokens": 32}
+                                        "tokens": 32, "weight_traffic_share": 0.55, "memory_bandwidth_gbs": 28.0}
     return data
 
 
@@ -64,6 +64,7 @@ def test_the_reading_follows_the_numbers_either_way(tmp_path):
     assert "batched, the engine faster, 1.50x" in reading(faster) and "single stream" not in reading(faster)
     assert "greedy tokens differ" in reading(faster) and "earliest at position 12" in describe(faster)
     assert "single stream: not measured" in describe(faster)
+    assert "reads its weights at 55% of the 28.0 GB/s copy bandwidth" in describe(slower)
     untimed = read_file(write(tmp_path / "c.json", vllm_results(single=(30.0, None, 20.0))))
     assert "single stream" not in reading(untimed)  # vLLM's decode was too fast to time: no ratio
     assert "nanoengine 30.0, vLLM too fast to time, transformers 20.0 tok/s; engine / transformers 1.50x" in \

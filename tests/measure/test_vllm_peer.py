@@ -170,6 +170,25 @@ def test_bench_vs_vllm_alternates_and_writes_a_vllm_section(tiny_llama_dir, tmp_
     assert "hf_static" in results["systems"]  # transformers still ran in the same rounds
 
 
+@pytest.mark.slow  # the engine and the roofline on a tiny model
+def test_bench_vs_vllm_without_transformers_still_races_the_single_stream(tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "bench-vllm.json"
+    code = main(["bench", "--vs-vllm", "--vllm-venv", str(fake_venv(tmp_path)), "--vllm-threads-bind", "0",
+                 "--model", str(tiny_llama_dir), "--num-requests", "3", "--min-prompt", "4", "--max-prompt", "8",
+                 "--output-len", "4", "--skip-hf", "--single-stream-tokens", "3", "--repeats", "1",
+                 "--vllm-compare-prompts", "2", "--out", str(out)])
+    assert code == 0
+    results = json.loads(out.read_text())
+    single = results["single_stream_decode"]
+    assert single["hf_tok_s"] is None and single["ratio"] is None  # transformers was not loaded
+    assert "vllm_tok_s" in single and single["tokens"] == 3
+    assert single["weight_bytes"] > 0 and single["memory_bandwidth_gbs"] == results["roofline"]["memory_bandwidth_gbs"]
+    if single["nanoengine_tok_s"] is not None:
+        assert single["weight_traffic_share"] == pytest.approx(
+            single["weight_bytes"] * single["nanoengine_tok_s"] / (single["memory_bandwidth_gbs"] * 1e9))
+        assert "copy bandwidth" in capsys.readouterr().out
+
+
 @pytest.mark.slow  # loads vLLM's CPU build (about a minute and a half: it compiles)
 @pytest.mark.skipif(not (DEFAULT_VENV / "bin" / "python").exists(), reason="no .venv-vllm (./course vllm-setup)")
 def test_real_vllm_runner_agrees_with_the_engine_in_float32():
