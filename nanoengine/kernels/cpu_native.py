@@ -19,7 +19,12 @@ Three operations of a decode step are poorly served by the libraries PyTorch cal
   one call and one pass per row where eager PyTorch makes five calls; for one decoding
   sequence the calls, not the arithmetic, were the cost.
 
-All three are C++ with AVX2 and FMA intrinsics, registered as PyTorch operators
+A fourth file, ``csrc/decode_layer.cpp``, adds no arithmetic of its own but the rotary
+embedding: it runs a whole Llama decoder layer's decode step, calling these operators (and
+oneDNN's, and ATen's silu) from C++, so that Python makes one call per layer instead of
+~25 (``backends.cpu_fused``).
+
+All of them are C++ with AVX2 and FMA intrinsics, registered as PyTorch operators
 (``torch.ops.nanoengine.*``) and run on PyTorch's own thread pool. They are compiled the first
 time an engine needs them (about 20 s, said once on stderr) by PyTorch's extension builder,
 into ``~/.cache/nanoengine/kernels/`` under a name that carries the torch and Python versions

@@ -50,7 +50,8 @@ def test_compile_model_with_tensor_parallelism_is_refused():
 
 def test_eager_by_default(build_tiny_llm):
     runner = build_tiny_llm(CONFIG).engine.runner
-    assert runner.backend.compiled_forward is None and "eager forward" in runner.backend.describe()
+    assert runner.backend.compiled_forward is None and "eager" in runner.backend.describe()
+    assert "compiled" not in runner.backend.describe()
 
 
 # ------------------------------------------------------------------ compiled

@@ -1,0 +1,105 @@
+"""A decode step's decoder layers, one call each (the CPU backend; chapter 10).
+
+Measured on SmolLM2-135M decoding one sequence on a 2-core CPU: a step took ~25 ms, of
+which ~19 ms were the GEMMs reading the weights and ~6 ms the rest, and the rest was
+almost all calls from Python: 30 layers of about 25 operators each (module calls, views,
+two norms, seven operators of rotary embedding, store-KV, attention, four GEMMs, the
+activation), a few microseconds apiece. GPU engines hide this behind CUDA graphs; vLLM's
+CPU backend compiles the model with ``torch.compile``. This engine's whole-model compile
+(``compile_model=True``, ``backends.cpu_graph``) measured no faster, because its graph still
+calls each GEMM and attention through Python.
+
+So on a step of decodes only, each ``LlamaDecoderLayer`` runs as one C++ operator,
+``nanoengine::llama_decode_layer`` (``kernels/csrc/decode_layer.cpp``), which calls the same
+operators the eager layer calls, in the same order, from C++: the native norms, the few-rows
+kernel or oneDNN's packed GEMM (the same rule as ``CpuLinearMethod``), store-KV, the paged
+decode kernel, ATen's silu and mul, and the rotary embedding written out with eager's
+arithmetic. The hidden states are the eager layer's, bit for bit (tests/engine/
+test_cpu_fused.py), so greedy tokens and logprobs do not change. Python still walks the
+30 layers: the model's own ``forward`` runs as written and calls each layer, whose
+``forward`` the backend replaced with a ``FusedDecodeLayer`` that decides per step.
+
+Steps with prefill chunks (or a verify step of speculative decoding, which is a prefill of
+several tokens), a token without a cache slot (a warm-up row), and models this does not
+cover (tensor parallelism, Qwen3's per-head norms, a bias on o_proj, a dtype the kernels do
+not take) run the layer's Python ``forward``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoengine.kernels import cpu_native
+from nanoengine.layers.attention import AttentionMetadata
+
+
+class FusedDecodeLayer:
+    """A ``LlamaDecoderLayer``'s forward: one native call on decode steps, the layer's own otherwise.
+
+    Installed as the layer instance's ``forward`` by ``install``; ``eager`` is the class's
+    ``forward`` bound to the layer (what runs on any other step).
+    """
+
+    def __init__(self, layer: torch.nn.Module, linear_args) -> None:
+        attn = layer.self_attn
+        self.layer = layer
+        self.eager = type(layer).forward.__get__(layer)
+        self.rotary = attn.rotary_emb
+        self.attention = attn.attn
+        self.eps = layer.input_layernorm.eps
+        # The layer's constant arguments, gathered once: norms, weights and their packed copies.
+        (qkv, qkv_packed), (o, o_packed), (gate_up, gate_up_packed), (down, down_packed) = linear_args
+        self.weights = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, self.eps,
+                        qkv, qkv_packed, attn.qkv_proj.bias, o, o_packed, gate_up, gate_up_packed, down, down_packed,
+                        cpu_native.MAX_ROWS)  # rows up to this take the few-rows kernel, as in CpuLinearMethod
+        self.shape = (attn.num_heads, attn.num_kv_heads, self.attention.scale)
+
+    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                 meta: AttentionMetadata, rotary_rows=None):
+        if not getattr(meta, "fused_decode", False):  # decided once per step by the backend's build_metadata
+            return self.eager(positions, hidden, residual, meta, rotary_rows)
+        cos, sin = rotary_rows or self.rotary.rows(positions)
+        return torch.ops.nanoengine.llama_decode_layer(
+            hidden, residual, *self.weights, cos, sin, self.attention.k_cache,
+            self.attention.v_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens, *self.shape)
+
+
+def unfit_reason(model: torch.nn.Module, backend) -> str | None:
+    """Why this model's layers cannot run fused on this backend, or None when they can."""
+    from nanoengine.backends.cpu import CpuLinearMethod
+    from nanoengine.models.llama import LlamaDecoderLayer
+
+    if not backend.native_kernels or not backend.attention.native:
+        return "the native kernels are not loaded (or the KV cache's dtype is not one they take)"
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not layers or not all(type(layer) is LlamaDecoderLayer for layer in layers):
+        return "the model's layers are not plain LlamaDecoderLayers"
+    first = layers[0]
+    if first.self_attn.o_proj.tp.size != 1:
+        return "tensor parallelism (each layer's output is all-reduced between ranks)"
+    if hasattr(first.self_attn, "q_norm"):
+        return "per-head query and key norms (Qwen3)"
+    if first.self_attn.o_proj.bias is not None:
+        return "a bias on o_proj"
+    for layer in layers:
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if not all(norm.norm_fn is cpu_native.rms_norm and norm.add_norm_fn is cpu_native.add_rms_norm
+                   for norm in norms):
+            return "a norm without the native kernel (its dtype)"
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if not all(isinstance(m.linear_method, CpuLinearMethod) and m.linear_method.few_rows for m in linears):
+            return "a linear layer without the few-rows kernel"
+    return None
+
+
+def install(model: torch.nn.Module) -> int:
+    """Give each decoder layer a ``FusedDecodeLayer`` as its forward; returns how many.
+
+    ``unfit_reason`` must have returned None.
+    """
+    layers = model.model.layers
+    for layer in layers:
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        layer.forward = FusedDecodeLayer(layer, [(m.weight, m.linear_method.packed) for m in linears])
+    return len(layers)
+

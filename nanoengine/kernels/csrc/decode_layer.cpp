@@ -1,0 +1,229 @@
+// A Llama decoder layer's decode step in one call from Python (chapter 10: where a step's
+// time goes when it is not in the GEMMs).
+// Built with the other csrc/ sources by cpu_native.py; the operator is
+// torch.ops.nanoengine.llama_decode_layer, used by backends/cpu_fused.py. The definition it
+// must agree with, bit for bit, is models/llama.py's LlamaDecoderLayer.forward on a step of
+// decodes only, as the CPU backend runs it eagerly.
+//
+// Why: decoding one sequence, SmolLM2's 30 layers make about 25 operator calls each from
+// Python: module calls, views, the norms, seven for the rotary embedding, store-KV, attention,
+// four GEMMs, the activation. Each costs a few microseconds of interpreter and argument
+// parsing, ~6 ms a token in all, against ~19 ms of GEMMs that read the weights. Here the same
+// sequence of operators runs from C++: the GEMMs, norms and attention are the same registered
+// operators the eager path calls (through the dispatcher, so the profiler still sees each one
+// by name), the activation is ATen's own silu and mul, and the rotary embedding is a loop
+// computing eager's products and sum in eager's order. So the bits are eager's.
+//
+// What it does not take: prefill chunks (their attention is the reference prefill in Python),
+// steps with a token that has no cache slot, tensor parallelism, Qwen3's per-head norms, a
+// bias on o_proj. backends/cpu_fused.py checks those before it routes a step here.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include "avx2_vec.h"
+
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+namespace {
+
+using nanoengine_cpu::load8;
+using OptionalTensor = std::optional<at::Tensor>;
+
+// ---------------------------------------------------------------- the operators it calls
+c10::OperatorHandle operator_named(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias) {
+  static auto op = operator_named("nanoengine::few_rows_linear")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&)>();
+  return op.call(x, weight, bias);
+}
+
+// oneDNN's product with a weight reordered ahead (kernels/cpu_gemm.py's packed_linear).
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const OptionalTensor& bias) {
+  static auto op = operator_named("mkldnn::_linear_pointwise")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptionalTensor&, c10::string_view,
+                                         c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  static auto op = operator_named("nanoengine::rms_norm").typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+  return op.call(x, weight, eps);
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  static auto op = operator_named("nanoengine::add_rms_norm")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                 const at::Tensor&, double)>();
+  return op.call(x, residual, weight, eps);
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  static auto op = operator_named("nanoengine::paged_decode_attention")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, double)>();
+  return op.call(query, k_cache, v_cache, block_tables, context_lens, scale);
+}
+
+// backends/cpu.py's cpu_product for a 2-D x: up to few_rows_max rows by the few-rows kernel,
+// more by oneDNN with the packed weight, or F.linear where there is none.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& packed,
+                  const OptionalTensor& bias, int64_t few_rows_max) {
+  if (x.size(0) <= few_rows_max) return few_rows_linear(x.contiguous(), weight, bias);
+  if (packed.has_value() && packed->defined()) return packed_linear(x.contiguous(), *packed, bias);
+  return at::linear(x, weight, bias);
+}
+
+// ---------------------------------------------------------------- the rotary embedding
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+inline void store8(c10::BFloat16* p, __m256 v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<c10::BFloat16>(lanes[i]);  // round to nearest even, as .to() does
+}
+
+// One head: out_i = x_i cos_i + x_(i +- d/2) sin_i (sin is signed, [-sin | sin]), each product
+// rounded and then the sum, in float32: layers/rotary.py's rotate_half, operation by operation.
+template <typename T>
+inline void rotate_head(const T* x, const float* cos, const float* sin, T* out, int64_t d) {
+  const int64_t half = d / 2;
+  if (half % 8 == 0) {
+    for (int64_t i = 0; i < half; i += 8) {
+      const __m256 lo = load8(x + i), hi = load8(x + half + i);
+      store8(out + i, _mm256_add_ps(_mm256_mul_ps(lo, _mm256_loadu_ps(cos + i)),
+                                    _mm256_mul_ps(hi, _mm256_loadu_ps(sin + i))));
+      store8(out + half + i, _mm256_add_ps(_mm256_mul_ps(hi, _mm256_loadu_ps(cos + half + i)),
+                                           _mm256_mul_ps(lo, _mm256_loadu_ps(sin + half + i))));
+    }
+    return;
+  }
+  for (int64_t i = 0; i < d; ++i) {
+    const float a = static_cast<float>(x[i]) * cos[i];
+    const float b = static_cast<float>(x[i < half ? i + half : i - half]) * sin[i];
+    out[i] = static_cast<T>(a + b);
+  }
+}
+
+// x (T, heads, d) with each token's heads contiguous; cos, sin (T, 1, d) float32 -> a rotated copy.
+template <typename T>
+void rotate_into(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out) {
+  const int64_t tokens = x.size(0), heads = x.size(1), d = x.size(2), token_stride = x.stride(0);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  // A (token, head) pair is a task; one decoding sequence's 20 heads are too few to split.
+  at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t t = w / heads, h = w % heads;
+      rotate_head(xp + t * token_stride + h * d, cp + t * d, sp + t * d, op + w * d, d);
+    }
+  });
+}
+
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  if (x.scalar_type() == at::kFloat) rotate_into<float>(x, cos, sin, out);
+  else rotate_into<c10::BFloat16>(x, cos, sin, out);
+  return out;
+}
+
+// ---------------------------------------------------------------- the layer
+void check(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
+           const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+           int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.device().is_cpu(), "llama_decode_layer: hidden (tokens, hidden) on the CPU "
+              "expected, got ", hidden.sizes());
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16,
+              "llama_decode_layer: float32 or bfloat16 activations only, got ", hidden.scalar_type());
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == num_kv_heads &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && num_heads % num_kv_heads == 0,
+              "llama_decode_layer: contiguous caches (blocks, block_size, ", num_kv_heads, ", head_dim) expected, got ",
+              k_cache.sizes());
+  const int64_t tokens = hidden.size(0), d = k_cache.size(3);
+  TORCH_CHECK(d % 2 == 0, "llama_decode_layer: head_dim must be even, got ", d);
+  for (const at::Tensor* table : {&cos, &sin}) {
+    TORCH_CHECK(table->scalar_type() == at::kFloat && table->is_contiguous() && table->dim() == 3 &&
+                    table->size(0) == tokens && table->size(1) == 1 && table->size(2) == d,
+                "llama_decode_layer: cos and sin rows must be contiguous float32 (", tokens, ", 1, ", d, "), got ",
+                table->sizes(), " ", table->scalar_type());
+  }
+  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens && slot_mapping.scalar_type() == at::kLong,
+              "llama_decode_layer: slot_mapping (tokens,) int64 expected, got ", slot_mapping.sizes());
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == tokens,
+              "llama_decode_layer: one block-table row per token (every token a decode) expected, got ",
+              block_tables.sizes(), " for ", tokens, " tokens");
+}
+
+// hidden (T, H): this layer's input; residual: the residual stream (None before the first layer).
+// Returns (the layer's output, the residual stream), as LlamaDecoderLayer.forward does.
+std::tuple<at::Tensor, at::Tensor> llama_decode_layer(
+    const at::Tensor& hidden, const OptionalTensor& residual, const at::Tensor& input_norm,
+    const at::Tensor& post_norm, double eps, const at::Tensor& qkv_weight, const OptionalTensor& qkv_packed,
+    const OptionalTensor& qkv_bias, const at::Tensor& o_weight, const OptionalTensor& o_packed,
+    const at::Tensor& gate_up_weight, const OptionalTensor& gate_up_packed, const at::Tensor& down_weight,
+    const OptionalTensor& down_packed, int64_t few_rows_max, const at::Tensor& cos, const at::Tensor& sin,
+    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double scale) {
+  check(hidden, cos, sin, k_cache, v_cache, slot_mapping, block_tables, num_heads, num_kv_heads);
+  const int64_t tokens = hidden.size(0), d = k_cache.size(3);
+  const int64_t q_size = num_heads * d, kv_size = num_kv_heads * d;
+
+  // input_layernorm, the residual add fused (the first layer has no residual yet)
+  at::Tensor x, stream;
+  if (residual.has_value() && residual->defined()) {
+    std::tie(x, stream) = add_rms_norm(hidden, *residual, input_norm, eps);
+  } else {
+    x = rms_norm(hidden, input_norm, eps);
+    stream = hidden;
+  }
+
+  // self_attn: qkv_proj, rotary on the query and key heads together, store-KV, decode, o_proj
+  const at::Tensor qkv = linear(x, qkv_weight, qkv_packed, qkv_bias, few_rows_max);  // (T, q | k | v)
+  const at::Tensor qk = rotate(qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, d}), cos, sin);
+  const at::Tensor q = qk.narrow(1, 0, num_heads), k = qk.narrow(1, num_heads, num_kv_heads);
+  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, d});
+  const int64_t slots = k_cache.size(0) * k_cache.size(1);
+  k_cache.view({slots, num_kv_heads, d}).index_copy_(0, slot_mapping, k);
+  v_cache.view({slots, num_kv_heads, d}).index_copy_(0, slot_mapping, v);
+  const at::Tensor attended =
+      paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables, context_lens, scale);  // (T, heads, d)
+  const at::Tensor o = linear(attended.reshape({tokens, q_size}), o_weight, o_packed, std::nullopt, few_rows_max);
+
+  // post_attention_layernorm with the residual add, then the MLP: down(silu(gate) * up)
+  std::tie(x, stream) = add_rms_norm(o, stream, post_norm, eps);
+  const at::Tensor gate_up = linear(x, gate_up_weight, gate_up_packed, std::nullopt, few_rows_max);
+  const int64_t inter = gate_up.size(1) / 2;
+  const at::Tensor act = at::mul(at::silu(gate_up.narrow(1, 0, inter)), gate_up.narrow(1, inter, inter));
+  return {linear(act, down_weight, down_packed, std::nullopt, few_rows_max), stream};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(nanoengine, m) {
+  m.def("llama_decode_layer(Tensor hidden, Tensor? residual, Tensor input_norm, Tensor post_norm, float eps, "
+        "Tensor qkv_weight, Tensor? qkv_packed, Tensor? qkv_bias, Tensor o_weight, Tensor? o_packed, "
+        "Tensor gate_up_weight, Tensor? gate_up_packed, Tensor down_weight, Tensor? down_packed, int few_rows_max, "
+        "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, "
+        "Tensor context_lens, int num_heads, int num_kv_heads, float scale) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(nanoengine, CPU, m) {
+  m.impl("llama_decode_layer", &llama_decode_layer);
+}
+
+// oneDNN's packed weights are tensors of their own kind (MkldnnCPU): a call passing them
+// dispatches on that key, so the same function is registered for it.
+TORCH_LIBRARY_IMPL(nanoengine, MkldnnCPU, m) {
+  m.impl("llama_decode_layer", &llama_decode_layer);
+}
