@@ -176,8 +176,9 @@ class CpuBackend(Backend):
         self.compile_model = compile_model
         self.compiled_forward = None  # set by prepare_forward when compiling worked
         self.layer_caches: list = []  # each attention layer's (k_cache, v_cache), for the compiled graph
-        self.fused_layers = 0  # decoder layers that run fused on decode steps (``backends.cpu_fused``)
-        self.unfused_reason: str | None = None  # why they do not, when they do not
+        self.fused_layers = 0  # decoder layers that can run fused on decode steps (``backends.cpu_fused``)
+        self.unfused_reason: str | None = None  # why they cannot, when they cannot
+        self.fuse_decode = True  # False: every step runs the layers' Python forward (chapter 10 compares)
         keep_freed_memory()
 
     def describe(self) -> str:
@@ -228,7 +229,7 @@ class CpuBackend(Backend):
     def forward_mode(self) -> str:
         if self.compiled_forward is not None:
             return "compiled (whole model)"
-        if self.fused_layers:
+        if self.fused_layers and self.fuse_decode:
             return "eager (decode steps: one native call per decoder layer)"
         return super().forward_mode()
 
@@ -250,7 +251,7 @@ class CpuBackend(Backend):
                                            torch.empty(0, dtype=self.kv_dtype).element_size())
         slots = plan.slot_mapping
         all_stored = bool((slots >= 0).all()) if isinstance(slots, torch.Tensor) else min(slots, default=0) >= 0
-        fused = (self.fused_layers > 0 and all_stored and plan.num_decode_tokens > 0
+        fused = (self.fuse_decode and self.fused_layers > 0 and all_stored and plan.num_decode_tokens > 0
                  and fields["prefill_context_lens"].shape[0] == 0)
         return CpuAttentionMetadata(**fields, decode_plan=decode_plan, all_slots_stored=all_stored, fused_decode=fused)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -25,22 +27,22 @@ def outputs(llm, batch, params) -> list:
     return [(list(o.outputs[0].token_ids), repr(o.outputs[0].logprobs)) for o in llm.generate(batch, params)]
 
 
+@contextlib.contextmanager
 def unfused(backend: CpuBackend):
     """Run the next steps with the layers' Python forward (the eager path), on the same engine."""
-    class Off:
-        def __enter__(self):
-            self.saved, backend.fused_layers = backend.fused_layers, 0
-
-        def __exit__(self, *exc):
-            backend.fused_layers = self.saved
-
-    return Off()
+    backend.fuse_decode = False
+    try:
+        yield
+    finally:
+        backend.fuse_decode = True
 
 
 def test_every_layer_is_fused_by_default(build_tiny_llm):
     backend = build_tiny_llm(CONFIG).engine.runner.backend
     assert backend.fused_layers == 2 and backend.unfused_reason is None  # the tiny Llama has 2 layers
     assert "one native call per decoder layer" in backend.describe()
+    with unfused(backend):
+        assert "native call" not in backend.describe()
 
 
 @pytest.mark.parametrize("num_requests", [1, 3, 12])  # 12: more rows than the few-rows kernel takes (oneDNN)
@@ -73,10 +75,16 @@ def test_only_steps_of_decodes_with_slots_are_fused(build_tiny_llm):
     seen = []
     build = backend.build_metadata
     backend.build_metadata = lambda plan: seen.append(build(plan)) or seen[-1]
-    engine.add_request(list(range(3, 40)), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert [m.fused_decode for m in seen] == [False, True, True]  # the prefill, then two decode steps
+    def run() -> list[bool]:
+        seen.clear()
+        engine.add_request(list(range(3, 40)), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        return [m.fused_decode for m in seen]
+
+    assert run() == [False, True, True]  # the prefill, then two decode steps
+    with unfused(backend):
+        assert run() == [False, False, False]  # what the bit-for-bit comparisons run as "eager"
     assert not build(BatchPlan.dummy(2)).fused_decode  # a warm-up step: its tokens have no slot
 
 
