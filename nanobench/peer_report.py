@@ -93,6 +93,8 @@ def read_comparison(data: dict, file: str) -> PeerComparison:
     single_stream = None
     if single and single.get("nanoengine_tok_s"):
         single_stream = {"nanoengine": single["nanoengine_tok_s"], "vllm": single["vllm_tok_s"],
+                         # transformers decoded alone only where it was loaded (no --skip-hf)
+                         "transformers_ran": bool(transformers) or single.get("hf_tok_s") is not None,
                          "transformers": single.get("hf_tok_s"), "tokens": single.get("tokens"),
                          "weight_traffic_share": single.get("weight_traffic_share"),
                          "memory_bandwidth_gbs": single.get("memory_bandwidth_gbs")}
@@ -129,14 +131,18 @@ def read_file(path: Path) -> PeerComparison:
 
 
 def newest_comparisons(results_dir: Path) -> list[PeerComparison]:
-    """The newest ``bench-vllm-*.json`` of each dtype in ``results_dir`` (float32 first); [] if none."""
-    newest: dict[str, PeerComparison] = {}
+    """The newest ``bench-vllm-*.json`` of each dtype and workload in ``results_dir`` (float32
+    first, then the newest workload first); [] if none. A file on the mid-size shape does not
+    hide the newest one on the bench workload: they answer different questions."""
+    newest: dict[tuple[str, str], PeerComparison] = {}
     for path in sorted(Path(results_dir).glob(PEER_GLOB)):
         comparison = read_file(path)
-        held = newest.get(comparison.dtype)
+        key = (comparison.dtype, comparison.workload)
+        held = newest.get(key)
         if held is None or (comparison.date, comparison.file) > (held.date, held.file):
-            newest[comparison.dtype] = comparison
-    return sorted(newest.values(), key=lambda c: (c.dtype != "float32", c.dtype))
+            newest[key] = comparison
+    by_date = sorted(newest.values(), key=lambda c: (c.date, c.file), reverse=True)
+    return sorted(by_date, key=lambda c: (c.dtype != "float32", c.dtype))  # stable: newest first within a dtype
 
 
 def _times(ratio: float) -> str:
@@ -160,7 +166,8 @@ def describe(c: PeerComparison) -> str:
                        for name, r in c.ratios_over_transformers.items())]
     single = c.single_stream
     if single:
-        others = {name: single[key] for name, key in (("vLLM", "vllm"), ("transformers", "transformers"))}
+        others = {name: single[key] for name, key in (("vLLM", "vllm"), ("transformers", "transformers"))
+                  if key != "transformers" or single.get("transformers_ran", True)}
         lines.append(f"    single stream ({single['tokens']} tokens decoded alone): "
                      f"nanoengine {single['nanoengine']:.1f}"
                      + "".join(f", {name} " + ("too fast to time" if tok_s is None else f"{tok_s:.1f}")
@@ -197,7 +204,7 @@ def reading(c: PeerComparison) -> str:
 
 
 def report(results_dir: Path) -> str:
-    """The newest comparison of each dtype in ``results_dir``, or what to run when there is none."""
+    """The newest comparison of each dtype and workload in ``results_dir``, or what to run when there is none."""
     found = newest_comparisons(results_dir)
     if not found:
         return (f"no engine-against-vLLM results in {results_dir} yet (no {PEER_GLOB}): to measure one, run "

@@ -84,6 +84,17 @@ def collect(results_dir: Path) -> list[ResultRow]:
     return sorted((r for r in rows if r is not None), key=lambda r: (r.date, r.file))
 
 
+def collect_races(results_dir: Path) -> list[PeerComparison]:
+    """Every race against vLLM in ``results_dir``, oldest first: the files with a ``vllm``
+    section, transformers in the same rounds or not (``--skip-hf``)."""
+    races = []
+    for path in sorted(results_dir.glob("*.json")):
+        data = json.loads(path.read_text())
+        if "vllm" in data:
+            races.append(read_comparison(data, path.name))
+    return sorted(races, key=lambda c: (c.date, c.file))
+
+
 def render_table(rows: list[ResultRow]) -> str:
     lines = ["| results file | date | machine | setting | engine tok/s | engine / transformers static | "
              "engine / transformers generate_batch | engine / vLLM | command |",
@@ -99,36 +110,38 @@ def render_table(rows: list[ResultRow]) -> str:
     return "\n".join(lines)
 
 
-def render_vllm_table(rows: list[ResultRow]) -> str:
-    """The races against vLLM in full: both throughputs, the batched and single-stream
-    ratios, and how far the two engines' greedy tokens agreed ("" when no file has one)."""
-    races = [r.vllm for r in rows if r.vllm is not None]
+def render_vllm_table(races: list[PeerComparison]) -> str:
+    """The races against vLLM in full: the workload, both throughputs, the batched and
+    single-stream ratios, and how far the two engines' greedy tokens agreed ("" when none)."""
     if not races:
         return ""
-    lines = ["| results file | dtype | engine tok/s | vLLM tok/s | engine / vLLM | single stream engine / vLLM | "
-             "greedy tokens identical | command |",
-             "|---|---|---:|---:|---:|---:|---|---|"]
+    lines = ["| results file | dtype | workload | engine tok/s | vLLM tok/s | engine / vLLM | "
+             "single stream engine / vLLM | greedy tokens identical | command |",
+             "|---|---|---|---:|---:|---:|---:|---|---|"]
     for c in races:
         single = (f"{c.single_stream['nanoengine'] / c.single_stream['vllm']:.2f}x "
                   f"({c.single_stream['nanoengine']:.1f} / {c.single_stream['vllm']:.1f} tok/s)"
                   if c.single_stream and c.single_stream["vllm"] else "-")
         a = c.agreement
-        lines.append(f"| [`{c.file}`](results/{c.file}) | {c.dtype} | {c.engine_tok_s:,.1f} | {c.vllm_tok_s:,.1f} | "
+        lines.append(f"| [`{c.file}`](results/{c.file}) | {c.dtype} | {c.workload.split(', greedy')[0]} | "
+                     f"{c.engine_tok_s:,.1f} | {c.vllm_tok_s:,.1f} | "
                      f"{c.ratio_over_vllm:.2f}x | {single} | {a['identical_prompts']}/{a['prompts_compared']} prompts, "
                      f"{a['tokens_agreeing']}/{a['tokens_compared']} tokens | `{c.command}` |")
     return "\n".join(lines)
 
 
-def render_section(rows: list[ResultRow]) -> str:
-    vllm_table = render_vllm_table(rows)
+def render_section(rows: list[ResultRow], races: list[PeerComparison] | None = None) -> str:
+    """The README's section: the transformers races (``rows``) and every vLLM race (``races``;
+    by default those of ``rows``, the files that raced transformers too)."""
+    vllm_table = render_vllm_table([r.vllm for r in rows if r.vllm is not None] if races is None else races)
     against_vllm = [
         "",
         "Against vLLM's CPU build (`python -m nanoengine bench --vs-vllm`, `./course vllm-setup`): vLLM",
-        "ran in the same alternating rounds as the engine and transformers, on the same requests, in",
-        "the same dtype; the \"engine / vLLM\" column above names its version and settings (compiled",
-        "or eager, the cores its threads were bound to, the libraries preloaded as its CPU guide",
-        "asks), and the files compare both engines' greedy tokens. A ratio below 1 means vLLM was",
-        "faster.",
+        "ran in the same alternating rounds as the engine (and transformers, where the \"engine / vLLM\"",
+        "column above has the file), on the same requests, in the same dtype; each file names vLLM's",
+        "version and settings (compiled or eager, the cores its threads were bound to, the libraries",
+        "preloaded as its CPU guide asks), and the files compare both engines' greedy tokens. A ratio",
+        "below 1 means vLLM was faster.",
         "",
         vllm_table,
     ] if vllm_table else []
@@ -210,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print(f"no engine-vs-transformers results in {results_dir}", file=sys.stderr)
         return 1
-    new = update_readme(readme, render_section(rows))
+    new = update_readme(readme, render_section(rows, collect_races(results_dir)))
     if args.check:
         if new != readme.read_text():
             print("README.md's Results section is out of date: run python -m nanobench.results_report",

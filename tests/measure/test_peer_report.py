@@ -65,6 +65,10 @@ def test_the_reading_follows_the_numbers_either_way(tmp_path):
     assert "greedy tokens differ" in reading(faster) and "earliest at position 12" in describe(faster)
     assert "single stream: not measured" in describe(faster)
     assert "reads its weights at 55% of the 28.0 GB/s copy bandwidth" in describe(slower)
+    engine_only = vllm_results(single=(30.0, 20.0, None))
+    engine_only["systems"] = {"nanoengine": engine_only["systems"]["nanoengine"]}  # --skip-hf
+    alone = describe(read_file(write(tmp_path / "d.json", engine_only)))
+    assert "nanoengine 30.0, vLLM 20.0 tok/s" in alone and "transformers" not in alone
     untimed = read_file(write(tmp_path / "c.json", vllm_results(single=(30.0, None, 20.0))))
     assert "single stream" not in reading(untimed)  # vLLM's decode was too fast to time: no ratio
     assert "nanoengine 30.0, vLLM too fast to time, transformers 20.0 tok/s; engine / transformers 1.50x" in \
@@ -80,6 +84,15 @@ def test_the_newest_file_of_each_dtype_is_read_float32_first(tmp_path):
     assert [(c.dtype, c.engine_tok_s) for c in found] == [("float32", 90.0), ("bfloat16", 120.0)]
     text = report(tmp_path)
     assert text.index("float32.json") < text.index("bfloat16.json") and "2026-12-01" not in text
+
+
+def test_another_workload_does_not_hide_the_newest_on_the_bench_workload(tmp_path):
+    write(tmp_path / "bench-vllm-cpu-2026-12-02-float32.json", vllm_results(engine=90.0, date="2026-12-02T10:00:00"))
+    mid = vllm_results(engine=150.0, date="2026-12-03T10:00:00")
+    mid["workload"] = {"num_requests": 64, "prompt_len": [100, 512], "output_len": 512, "output_len_range": [100, 512]}
+    write(tmp_path / "bench-vllm-cpu-2026-12-03-float32-midsize.json", mid)
+    found = newest_comparisons(tmp_path)
+    assert [(c.engine_tok_s, c.workload.split(",")[0]) for c in found] == [(150.0, "64 requests"), (90.0, "32 requests")]
 
 
 def test_no_results_is_a_message_saying_what_to_run(tmp_path):

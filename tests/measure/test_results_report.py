@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from nanobench import results_report
-from nanobench.results_report import BEGIN, END, collect, main, render_section
+from nanobench.results_report import BEGIN, END, collect, collect_races, main, render_section
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_peer_report import vllm_results  # noqa: E402  (a results dict as bench --vs-vllm writes it)
@@ -94,10 +94,11 @@ def test_a_vllm_race_gets_its_ratio_column_and_a_row_in_the_vllm_table(tmp_path)
     assert "| engine / vLLM |" in section and "| 2.00x | - | - |" in section
     assert "| 2.00x | - | 0.80x (vLLM 0.32.0, float32, compiled, threads bound to 0-1, tcmalloc preloaded) |" in section
     # The second table: both throughputs, both ratios, the greedy agreement, the command.
-    assert ("| [`bench-vllm-cpu-b.json`](results/bench-vllm-cpu-b.json) | float32 | 120.0 | 150.0 | 0.80x | "
+    assert ("| [`bench-vllm-cpu-b.json`](results/bench-vllm-cpu-b.json) | float32 | "
+            "32 requests, prompts 32-256 tokens, 64 output tokens each | 120.0 | 150.0 | 0.80x | "
             "0.75x (30.0 / 40.0 tok/s) | 8/8 prompts, 512/512 tokens | "
             "`python -m nanoengine bench --vs-vllm --dtype float32` |") in section
-    assert "A ratio below 1 means vLLM was" in section
+    assert "A ratio\nbelow 1 means vLLM was faster." in section
     assert results_report.plot_series(rows)["engine / vLLM (CPU build)"] == [0.0, pytest.approx(0.8)]  # by date
 
 
@@ -107,3 +108,14 @@ def test_without_a_vllm_race_there_is_no_vllm_table_or_series(tmp_path):
     assert "Against vLLM" not in render_section(rows) and "| 2.00x | - | - |" in render_section(rows)
     assert list(results_report.plot_series(rows)) == ["engine / transformers static batching",
                                                       "engine / transformers generate_batch"]
+
+
+def test_a_vllm_race_without_transformers_is_in_the_vllm_table_only(tmp_path):
+    _bench_file(tmp_path / "bench-cpu-a.json", engine=100.0, static=50.0)
+    alone = vllm_results(engine=130.0, vllm=100.0, date="2026-12-05T10:00:00")
+    alone["systems"] = {"nanoengine": alone["systems"]["nanoengine"]}  # bench --vs-vllm --skip-hf
+    (tmp_path / "bench-vllm-cpu-c.json").write_text(json.dumps(alone))
+    rows, races = collect(tmp_path), collect_races(tmp_path)
+    assert [r.file for r in rows] == ["bench-cpu-a.json"] and [c.file for c in races] == ["bench-vllm-cpu-c.json"]
+    section = render_section(rows, races)
+    assert "| [`bench-vllm-cpu-c.json`](results/bench-vllm-cpu-c.json) | float32 |" in section and "| 1.30x |" in section
