@@ -597,8 +597,9 @@ def describe_single_stream(single: dict, peers: dict) -> str:
     text += "".join(f", {name} {rate:.1f} tok/s ({ratio:.2f}x)" for name, rate, ratio in others
                     if rate is not None and ratio is not None)
     if "weight_traffic_share" in single:
-        text += (f"; the engine reads its weights at {single['weight_traffic_share']:.0%} of the "
-                 f"{single['memory_bandwidth_gbs']:.1f} GB/s copy bandwidth")
+        from nanobench.peer_report import weight_traffic_text
+
+        text += "; " + weight_traffic_text(single["weight_traffic_share"], single["memory_bandwidth_gbs"])
     return text
 
 

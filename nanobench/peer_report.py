@@ -145,6 +145,11 @@ def newest_comparisons(results_dir: Path) -> list[PeerComparison]:
     return sorted(by_date, key=lambda c: (c.dtype != "float32", c.dtype))  # stable: newest first within a dtype
 
 
+def weight_traffic_text(share: float, bandwidth_gbs: float) -> str:
+    """How much of the copy bandwidth a single stream's weight reads use, in words (the bench and the report)."""
+    return f"the engine reads its weights at {share:.0%} of the {bandwidth_gbs:.1f} GB/s copy bandwidth"
+
+
 def _times(ratio: float) -> str:
     return f"{ratio:.2f}x"
 
@@ -175,8 +180,7 @@ def describe(c: PeerComparison) -> str:
                      + "".join(f"; engine / {name} {_times(single['nanoengine'] / tok_s)}"
                                for name, tok_s in others.items() if tok_s)
                      + ("" if single.get("weight_traffic_share") is None else
-                        f"; the engine reads its weights at {single['weight_traffic_share']:.0%} of the "
-                        f"{single['memory_bandwidth_gbs']:.1f} GB/s copy bandwidth"))
+                        "; " + weight_traffic_text(single["weight_traffic_share"], single["memory_bandwidth_gbs"])))
     else:
         lines.append("    single stream: not measured in this file")
     a = c.agreement

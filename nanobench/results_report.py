@@ -130,10 +130,10 @@ def render_vllm_table(races: list[PeerComparison]) -> str:
     return "\n".join(lines)
 
 
-def render_section(rows: list[ResultRow], races: list[PeerComparison] | None = None) -> str:
-    """The README's section: the transformers races (``rows``) and every vLLM race (``races``;
-    by default those of ``rows``, the files that raced transformers too)."""
-    vllm_table = render_vllm_table([r.vllm for r in rows if r.vllm is not None] if races is None else races)
+def render_section(rows: list[ResultRow], races: list[PeerComparison]) -> str:
+    """The README's section: the transformers races (``rows``, ``collect``) and every vLLM
+    race (``races``, ``collect_races``)."""
+    vllm_table = render_vllm_table(races)
     against_vllm = [
         "",
         "Against vLLM's CPU build (`python -m nanoengine bench --vs-vllm`, `./course vllm-setup`): vLLM",

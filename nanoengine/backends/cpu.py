@@ -28,7 +28,7 @@ cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here:
   beside its ~19 ms of GEMMs calling ~25 operators a layer from Python. On a step of decodes
   only, each Llama layer runs as one C++ operator that makes the same operator calls, in the
   same order, from C++ (``backends.cpu_fused``, ``kernels/csrc/decode_layer.cpp``): eager's bits,
-  a quarter less time per token. Prefill steps run the layers' Python ``forward``.
+  about 30% less time per token (results/README.md). Prefill steps run the layers' Python ``forward``.
 * **Store-KV without a check per layer.** Whether any token of the step has no slot (-1,
   a warm-up row) is decided once from the plan on the host (``all_slots_stored``); the
   layers then copy their keys and values with no host synchronisation.

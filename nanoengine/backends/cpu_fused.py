@@ -40,17 +40,15 @@ class FusedDecodeLayer:
     ``forward`` bound to the layer (what runs on any other step).
     """
 
-    def __init__(self, layer: torch.nn.Module, linear_args) -> None:
+    def __init__(self, layer: torch.nn.Module) -> None:
         attn = layer.self_attn
-        self.layer = layer
         self.eager = type(layer).forward.__get__(layer)
         self.rotary = attn.rotary_emb
         self.attention = attn.attn
-        self.eps = layer.input_layernorm.eps
-        # The layer's constant arguments, gathered once: norms, weights and their packed copies.
-        (qkv, qkv_packed), (o, o_packed), (gate_up, gate_up_packed), (down, down_packed) = linear_args
-        self.weights = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, self.eps,
-                        qkv, qkv_packed, attn.qkv_proj.bias, o, o_packed, gate_up, gate_up_packed, down, down_packed,
+        # The layer's constant arguments, gathered once: norms, each GEMM's weight and packed copy.
+        qkv, o, gate_up, down = ((m.weight, m.linear_method.packed) for m in linear_layers(layer))
+        self.weights = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
+                        *qkv, attn.qkv_proj.bias, *o, *gate_up, *down,
                         cpu_native.MAX_ROWS)  # rows up to this take the few-rows kernel, as in CpuLinearMethod
         self.shape = (attn.num_heads, attn.num_kv_heads, self.attention.scale)
 
@@ -86,8 +84,8 @@ def unfit_reason(model: torch.nn.Module, backend) -> str | None:
         if not all(norm.norm_fn is cpu_native.rms_norm and norm.add_norm_fn is cpu_native.add_rms_norm
                    for norm in norms):
             return "a norm without the native kernel (its dtype)"
-        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        if not all(isinstance(m.linear_method, CpuLinearMethod) and m.linear_method.few_rows for m in linears):
+        if not all(isinstance(m.linear_method, CpuLinearMethod) and m.linear_method.few_rows
+                   for m in linear_layers(layer)):
             return "a linear layer without the few-rows kernel"
     return None
 
@@ -99,7 +97,10 @@ def install(model: torch.nn.Module) -> int:
     """
     layers = model.model.layers
     for layer in layers:
-        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        layer.forward = FusedDecodeLayer(layer, [(m.weight, m.linear_method.packed) for m in linears])
+        layer.forward = FusedDecodeLayer(layer)
     return len(layers)
 
+
+def linear_layers(layer: torch.nn.Module) -> tuple:
+    """A decoder layer's four GEMM layers, in the order the operator takes them."""
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj

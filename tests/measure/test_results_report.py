@@ -47,7 +47,7 @@ def test_rows_come_from_races_only_with_ratios_from_the_same_run(tmp_path):
     assert cpu.setup_counted and not gpu_row.setup_counted  # an old-style file: no setup_seconds recorded
     assert "2-8 output tokens" in cpu.setting and "M;" in cpu.setting  # the package suffix is dropped
     assert gpu_row.ratios == {"hf_static": 10.0} and gpu_row.machine == "Test GPU"
-    section = render_section(rows)
+    section = render_section(rows, collect_races(tmp_path))
     assert section.startswith(BEGIN) and section.endswith(END)
     assert "| 2.00x | 4.00x (setup counted, too high) |" in section and "| 10.00x | - |" in section
     assert "`python -m nanoengine bench --num-requests 4`" in section
@@ -80,7 +80,7 @@ def test_a_file_that_timed_the_setup_apart_is_not_flagged(tmp_path):
     data["systems"]["hf_generate_batch"]["setup_seconds"] = {"median": 0.2}
     (tmp_path / "bench-new.json").write_text(json.dumps(data))
     (row,) = collect(tmp_path)
-    assert not row.setup_counted and "| 2.50x |" in render_section([row])
+    assert not row.setup_counted and "| 2.50x |" in render_section([row], collect_races(tmp_path))
 
 
 def test_a_vllm_race_gets_its_ratio_column_and_a_row_in_the_vllm_table(tmp_path):
@@ -89,7 +89,7 @@ def test_a_vllm_race_gets_its_ratio_column_and_a_row_in_the_vllm_table(tmp_path)
     rows = collect(tmp_path)
     plain, raced = sorted(rows, key=lambda r: r.file)
     assert plain.vllm is None and raced.vllm.ratio_over_vllm == pytest.approx(0.8)
-    section = render_section(rows)
+    section = render_section(rows, collect_races(tmp_path))
     # The main table: a "-" for the file without vLLM, the ratio and vLLM's settings in brief for the other.
     assert "| engine / vLLM |" in section and "| 2.00x | - | - |" in section
     assert "| 2.00x | - | 0.80x (vLLM 0.32.0, float32, compiled, threads bound to 0-1, tcmalloc preloaded) |" in section
@@ -105,7 +105,8 @@ def test_a_vllm_race_gets_its_ratio_column_and_a_row_in_the_vllm_table(tmp_path)
 def test_without_a_vllm_race_there_is_no_vllm_table_or_series(tmp_path):
     _bench_file(tmp_path / "bench-cpu-a.json", engine=100.0, static=50.0)
     rows = collect(tmp_path)
-    assert "Against vLLM" not in render_section(rows) and "| 2.00x | - | - |" in render_section(rows)
+    section = render_section(rows, collect_races(tmp_path))
+    assert "Against vLLM" not in section and "| 2.00x | - | - |" in section
     assert list(results_report.plot_series(rows)) == ["engine / transformers static batching",
                                                       "engine / transformers generate_batch"]
 
