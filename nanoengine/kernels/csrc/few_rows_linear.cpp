@@ -30,15 +30,17 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
 using nanoengine_cpu::horizontal_sum;
 using nanoengine_cpu::load8;
 
-// Up to four rows of x against one weight row, reading the weight row once.
+// Up to four rows of x (float32) against one weight row, reading the weight row once.
 template <typename T, int ROWS>
-inline void dot_rows(const T* x, int64_t x_stride, const T* w, int64_t K, float* out) {
+inline void dot_rows(const float* x, int64_t x_stride, const T* w, int64_t K, float* out) {
   __m256 acc0[ROWS], acc1[ROWS];
   for (int r = 0; r < ROWS; ++r) {
     acc0[r] = _mm256_setzero_ps();
@@ -54,13 +56,32 @@ inline void dot_rows(const T* x, int64_t x_stride, const T* w, int64_t K, float*
   }
   for (int r = 0; r < ROWS; ++r) {
     float sum = horizontal_sum(_mm256_add_ps(acc0[r], acc1[r]));
-    for (int64_t t = k; t < K; ++t) sum += static_cast<float>(w[t]) * static_cast<float>(x[r * x_stride + t]);
+    for (int64_t t = k; t < K; ++t) sum += static_cast<float>(w[t]) * x[r * x_stride + t];
     out[r] = sum;
   }
 }
 
+// x as float32: bfloat16 rows are widened once per call (exactly: every bfloat16 is a float32),
+// not once per weight row, which left a bfloat16 product converting twice the values it
+// needs to and measured compute-bound (half the copy bandwidth on an AMX Xeon). The sums see
+// the same values in the same order, so the bits are unchanged.
 template <typename T>
-void few_rows_kernel(const T* x, const T* w, const T* bias, T* y, int64_t M, int64_t K, int64_t N) {
+std::vector<float> rows_as_float(const T* x, int64_t count) {
+  std::vector<float> wide(count);
+  for (int64_t i = 0; i < count; ++i) wide[i] = static_cast<float>(x[i]);
+  return wide;
+}
+
+template <typename T>
+void few_rows_kernel(const T* x_in, const T* w, const T* bias, T* y, int64_t M, int64_t K, int64_t N) {
+  std::vector<float> wide;
+  const float* x;
+  if constexpr (std::is_same_v<T, float>) {
+    x = x_in;
+  } else {
+    wide = rows_as_float(x_in, M * K);
+    x = wide.data();
+  }
   // Each task takes a run of weight rows: at least ~32 KiB of weights, so a thread's share of
   // a small matrix is still worth waking it for.
   const int64_t grain = std::max<int64_t>(1, (32 * 1024) / (K * static_cast<int64_t>(sizeof(T))));
@@ -71,7 +92,7 @@ void few_rows_kernel(const T* x, const T* w, const T* bias, T* y, int64_t M, int
       const float b = bias ? static_cast<float>(bias[n]) : 0.0f;
       for (int64_t m = 0; m < M; m += 4) {
         const int64_t rows = std::min<int64_t>(4, M - m);
-        const T* x_rows = x + m * K;
+        const float* x_rows = x + m * K;
         switch (rows) {
           case 4: dot_rows<T, 4>(x_rows, K, w_row, K, out); break;
           case 3: dot_rows<T, 3>(x_rows, K, w_row, K, out); break;
