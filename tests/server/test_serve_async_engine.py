@@ -5,6 +5,7 @@ A tiny random model (mechanics only), token-id prompts, no HTTP."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import threading
 import time
@@ -12,7 +13,8 @@ import time
 import pytest
 
 from nanoengine import LLMEngine, SamplingParams
-from nanoengine.entrypoints.openai.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from nanoengine.entrypoints.openai.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError,
+                                                      build_on_a_passing_thread)
 from nanoengine.loader.weights import random_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny model: see conftest
@@ -262,3 +264,41 @@ def test_the_router_holds_nothing_after_finished_aborted_refused_and_parallel_re
         return await held()
 
     assert run(scenario, engine) == 0
+
+
+def test_build_on_a_passing_thread_returns_what_the_thread_built_and_lets_it_end():
+    seen = {}
+
+    def build():
+        seen["thread"] = threading.current_thread()
+        return ["built"]
+
+    assert build_on_a_passing_thread(build) == ["built"]
+    assert seen["thread"] is not threading.current_thread() and not seen["thread"].is_alive()
+
+
+def test_build_on_a_passing_thread_raises_the_builders_error_here():
+    def build():
+        raise FileNotFoundError("no such model: /nowhere")
+
+    with pytest.raises(FileNotFoundError, match="/nowhere"):
+        build_on_a_passing_thread(build)
+
+
+def test_serve_loads_the_model_on_a_thread_that_ends(monkeypatch, tiny_llama_tok_dir):
+    from nanoengine.entrypoints.openai import api_server
+    from nanoengine.entrypoints.openai.cli_args import add_arguments
+
+    loaded_on = []
+
+    def from_pretrained(*args, **kwargs):
+        loaded_on.append(threading.current_thread())
+        raise RuntimeError("stop here: the test only asks where the model loads")
+
+    monkeypatch.setattr(api_server.LLMEngine, "from_pretrained", from_pretrained)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(tiny_llama_tok_dir), "--port", "0"])
+    with pytest.raises(RuntimeError, match="stop here"):
+        api_server.serve_from_args(args)
+    assert loaded_on and loaded_on[0] is not threading.main_thread() and not loaded_on[0].is_alive()

@@ -62,7 +62,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanoengine.engine.llm_engine import LLMEngine
-from nanoengine.entrypoints.openai.async_engine import AsyncLLMEngine, EngineDeadError
+from nanoengine.entrypoints.openai.async_engine import AsyncLLMEngine, EngineDeadError, build_on_a_passing_thread
 from nanoengine.entrypoints.openai.cli_args import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_HOST,
                                                     DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, engine_kwargs)
 from nanoengine.entrypoints.openai.metrics import ServerMetrics
@@ -401,7 +401,9 @@ def serve_from_args(args) -> None:
     engine = None
     try:
         print(f"loading {name} from {source}", flush=True)
-        engine = LLMEngine.from_pretrained(source, **engine_kwargs(args))
+        kwargs = engine_kwargs(args)
+        # loaded on a thread that ends, so that the engine thread's OpenMP team is the only one (async_engine)
+        engine = build_on_a_passing_thread(lambda: LLMEngine.from_pretrained(source, **kwargs))
         app = build_app(engine, name, api_key=args.api_key, max_queue=args.max_queue,
                         max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
                         header_timeout=args.header_timeout)

@@ -36,6 +36,20 @@ read-only: that thread encodes, this one decodes (Hugging Face's fast tokenizers
 neither changes the tokenizer's truncation or padding state). Text prompts given here
 directly are still tokenized on the engine thread.
 
+One OpenMP team in the process. PyTorch's CPU kernels split their work over a team of
+OpenMP threads, and GNU OpenMP (the one PyTorch's wheels ship) gives every thread that
+starts parallel work a team of its own, kept until that thread ends. A model loaded on the
+main thread leaves the main thread's team behind when the engine thread starts stepping
+with another: more OpenMP threads than cores, and GNU OpenMP then stops spinning at its
+barriers and puts threads to sleep at every one instead, some hundreds of times a step.
+Measured on 2 cores (bench workload, fp32): 233 tok/s stepped on the thread that loaded
+the model, 197 on another thread, and 234 on another thread once the loading thread had
+ended. So ``python -m nanoengine serve`` loads the model on a thread that ends
+(``build_on_a_passing_thread``), and the engine thread's team is the only one. A server
+started in a notebook (``serve_in_background``) steps a model the notebook's own thread
+loaded and keeps using, so it pays this (chapter 12 measures it); vLLM runs its engine
+core in a process of its own.
+
 Because commands are applied only between steps, a request arriving mid-step waits for
 that step to end: its TTFT (measured from its arrival) includes that wait, as it would in
 vLLM, whose engine core runs in its own process for the same reason.
@@ -49,7 +63,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.engine.output_router import OutputRouter
@@ -59,11 +73,36 @@ from nanoengine.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanoengine.serve")
 
+T = TypeVar("T")
+
 Prompt = str | list[int]
 # SamplingParams, or a function of the prompt's token count that returns them (the server
 # fits max_tokens to the context window, which needs the count; tokenizing is the engine
 # thread's job, so the function runs there).
 ParamsFor = SamplingParams | Callable[[int], SamplingParams]
+
+
+def build_on_a_passing_thread(build: Callable[[], T]) -> T:
+    """``build()`` on a thread that ends when it returns: its result, or its exception raised here.
+
+    Load a model this way when another thread will step it: the OpenMP team that loading
+    starts ends with the loading thread, so the stepping thread's team is the process's
+    only one (the module's docstring says why that matters).
+    """
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = build()
+        except BaseException as exc:  # handed to the caller, who sees it as if build() ran here
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="nanoengine-load")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 class QueueFullError(RuntimeError):
