@@ -107,6 +107,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", default=None, metavar="URL",
                    help="with --online-rates: send those arrivals to this OpenAI-compatible server (its root or "
                    "/v1 URL) through a streaming client instead, and measure only that (nanobench/online_client.py)")
+    p.add_argument("--server-saturation", action="store_true",
+                   help="also start the engine's server in a process of its own and send it the whole workload "
+                        "at once, alternating with the same arrivals in this process: the server's throughput at "
+                        "saturation over the in-process one, --repeats rounds (nanobench/server_race.py)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[], metavar="B",
                    help="also run the engine with at most B sequences per step, for each B")
     p.add_argument("--single-stream-tokens", type=int, default=32,
@@ -183,6 +187,9 @@ def check_arguments(args: argparse.Namespace) -> None:
         api_root(server)  # ValueError unless it is an http(s) URL
         if not args.online_rates:
             raise ValueError("server needs --online-rates: the server is measured with Poisson arrivals at those rates")
+        if getattr(args, "server_saturation", False):
+            raise ValueError("server_saturation starts the engine's own server; it cannot be combined with --server "
+                             "(a server someone else started): choose one")
     for size in args.batch_sizes:
         at_least("each of batch_sizes", size, 1)
     if not (math.isfinite(args.tie_tolerance) and args.tie_tolerance >= 0):
@@ -914,6 +921,12 @@ def run_from_args(args: argparse.Namespace) -> dict:
 
         if args.online_rates:
             results["online"] = run_online(llm, prompts, output_lens, args.online_rates, args.seed)
+        if getattr(args, "server_saturation", False):
+            from nanobench.server_race import describe_saturation, server_saturation
+
+            results["server_saturation"] = server_saturation(llm, model_dir, prompts, output_lens, args.repeats,
+                                                             args.seed)
+            print(describe_saturation(results["server_saturation"]))
         llm.shutdown()
         if args.batch_sizes:
             results["batch_sweep"] = run_batch_sweep(model_dir, prompts, output_lens, args.batch_sizes, args.repeats,

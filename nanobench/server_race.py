@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -165,3 +166,56 @@ def latency_table(results: dict) -> list[dict]:
                           "itl_p50_ms": itl.get("p50"), "itl_p90_ms": itl.get("p90"),
                           "output_tokens_per_s": row["output_tokens_per_s"], "failed": row["failed"]})
     return sorted(table, key=lambda r: (r["rate_requests_per_s"], r["server"]))
+
+
+# The whole workload at once: Poisson arrivals at this rate land within tens of milliseconds,
+# so both paths run at their capacity (chapter 12's burst).
+SATURATION_RATE = 1000.0
+
+
+def server_saturation(llm, model_dir: Path, prompts: list[list[int]], output_lens: list[int], rounds: int,
+                      seed: int, server: ServerProcess | None = None) -> dict:
+    """The engine's server at saturation against the same engine in this process (``--server-saturation``).
+
+    ``llm``: the engine already built here. The server (``engine_server`` with ``llm``'s
+    settings, unless ``server`` is given) runs in a process of its own, as a deployment runs
+    it; the project's client sends it the whole workload at once (``SATURATION_RATE``), and
+    ``run_online`` serves the same arrivals in this process. The rounds alternate (server,
+    then in-process), so a slow spell of the machine hits both. The client runs in this
+    process and shares the machine's cores with the server: what it costs is in the
+    server's figure, as it is for any client on the same machine.
+    """
+    from nanobench.benchmark import run_online
+    from nanobench.online_client import run_server_online
+
+    if server is None:
+        engine = llm.engine
+        server = engine_server(model_dir, str(engine.config.torch_dtype).removeprefix("torch."),
+                               engine.config.max_num_batched_tokens, engine.config.max_num_seqs,
+                               engine.max_model_len, seed)
+    rows = []
+    server.start()
+    try:
+        healthy = server.wait_healthy()
+        print(f"engine server healthy at {server.url} after {healthy:.0f} s (log {server.log_path})")
+        for _ in range(rounds):
+            through = run_server_online(server.url, prompts, output_lens, [SATURATION_RATE], seed,
+                                        model=SERVED_MODEL_NAME)[0]
+            local = run_online(llm, prompts, output_lens, [SATURATION_RATE], seed)[0]
+            rows.append({"server_tok_s": through["output_tokens_per_s"], "in_process_tok_s": local["output_tokens_per_s"],
+                         "server_failed": through["failed"], "server": through, "in_process": local})
+    finally:
+        server.stop()
+    server_tok_s = statistics.median(r["server_tok_s"] for r in rows)
+    in_process_tok_s = statistics.median(r["in_process_tok_s"] for r in rows)
+    return {"rate_requests_per_s": SATURATION_RATE, "rounds": rows, "server_tok_s": server_tok_s,
+            "in_process_tok_s": in_process_tok_s, "ratio": server_tok_s / in_process_tok_s,
+            "server_command": server.command, "seconds_to_healthy": healthy,
+            "client": "openai.AsyncOpenAI, streaming /v1/completions (nanobench/online_client.py), in the bench's process"}
+
+
+def describe_saturation(result: dict) -> str:
+    """One line: the server's and the in-process throughput at saturation, and their ratio."""
+    return (f"server at saturation (its own process, the whole workload at once, median of {len(result['rounds'])}): "
+            f"{result['server_tok_s']:.1f} tok/s through the server, {result['in_process_tok_s']:.1f} in-process "
+            f"= {result['ratio']:.0%}")

@@ -246,3 +246,32 @@ def test_race_servers_alternates_rates_and_reports_latency_percentiles(tiny_llam
     assert [(r["rate_requests_per_s"], r["server"]) for r in table] == [
         (4.0, "nanoengine"), (4.0, "second"), (8.0, "nanoengine"), (8.0, "second")]
     assert all(r["failed"] == 0 and r["ttft_p50_ms"] > 0 and r["itl_p90_ms"] >= r["itl_p50_ms"] for r in table)
+
+
+@pytest.mark.slow  # starts a server
+def test_server_saturation_alternates_the_server_and_the_same_engine_in_process(tiny_llama_tok_dir):
+    from nanobench.server_race import SATURATION_RATE, server_saturation
+    from nanoengine import LLM
+
+    llm = LLM(tiny_llama_tok_dir, device="cpu", max_model_len=64, max_num_seqs=8, max_num_batched_tokens=256)
+    prompts, lens = [[5, 6, 7, 8], [9, 10, 11], [12, 13]], [4, 3, 5]
+    try:
+        result = server_saturation(llm, tiny_llama_tok_dir, prompts, lens, rounds=2, seed=0)
+    finally:
+        llm.shutdown()
+    rounds = result["rounds"]
+    assert len(rounds) == 2 and all(r["server_failed"] == 0 for r in rounds)
+    # the server got the same settings as the engine here, and every token asked for came back
+    command = result["server_command"]
+    assert command[command.index("--max-num-seqs") + 1] == "8" and command[command.index("--max-model-len") + 1] == "64"
+    assert all(r["server"]["output_tokens_received"] == sum(lens) for r in rounds)
+    assert all(r["server"]["rate_requests_per_s"] == r["in_process"]["rate_requests_per_s"] == SATURATION_RATE
+               for r in rounds)
+    assert result["ratio"] == pytest.approx(result["server_tok_s"] / result["in_process_tok_s"])
+    assert result["server_tok_s"] == pytest.approx(sum(r["server_tok_s"] for r in rounds) / 2)  # two rounds' median
+    assert result["in_process_tok_s"] == pytest.approx(sum(r["in_process_tok_s"] for r in rounds) / 2)
+
+
+def test_server_saturation_and_a_server_url_are_refused_together(capsys):
+    code = main(["bench", "--server", "http://127.0.0.1:1", "--online-rates", "1", "--server-saturation"])
+    assert code == 2 and "cannot be combined with --server" in capsys.readouterr().err
