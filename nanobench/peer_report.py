@@ -219,21 +219,26 @@ def report(results_dir: Path) -> str:
 PROFILE_COMMAND = "python -m nanobench --vs-vllm --profile --skip-hf (./course vllm-setup first)"
 
 
-def newest_profile(results_dir: Path) -> tuple[str, dict] | None:
-    """The newest results file in ``results_dir`` with a ``profile`` section (``bench
-    --profile``), by the date it records: ``(file name, its data)``, or None."""
+def newest_with(results_dir: Path, section: str) -> tuple[str, dict] | None:
+    """The newest results file in ``results_dir`` with a ``section`` (a dict, e.g. ``profile``),
+    by the date it records: ``(file name, its data)``, or None."""
     found = []
     for path in sorted(Path(results_dir).glob("*.json")):
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} is not a JSON results file ({exc})") from None
-        if isinstance(data, dict) and isinstance(data.get("profile"), dict):
+        if isinstance(data, dict) and isinstance(data.get(section), dict):
             found.append((str(data.get("date", "")), path.name, data))
     if not found:
         return None
     _, name, data = max(found, key=lambda f: (f[0], f[1]))
     return name, data
+
+
+def newest_profile(results_dir: Path) -> tuple[str, dict] | None:
+    """The newest results file in ``results_dir`` with a ``profile`` section (``bench --profile``)."""
+    return newest_with(results_dir, "profile")
 
 
 def profile_table(results_dir: Path) -> str:

@@ -219,3 +219,24 @@ def describe_saturation(result: dict) -> str:
     return (f"server at saturation (its own process, the whole workload at once, median of {len(result['rounds'])}): "
             f"{result['server_tok_s']:.1f} tok/s through the server, {result['in_process_tok_s']:.1f} in-process "
             f"= {result['ratio']:.0%}")
+
+
+SATURATION_COMMAND = "python -m nanobench --skip-hf --single-stream-tokens 0 --server-saturation"
+
+
+def saturation_report(results_dir: Path) -> str:
+    """The newest ``bench --server-saturation`` figures in ``results_dir``, with the machine,
+    date and command that produced them (chapter 12), or how to measure them if none has."""
+    from nanobench.peer_report import machine_of, newest_with
+
+    found = newest_with(results_dir, "server_saturation")
+    if found is None:
+        return f"no results file in {results_dir} measures the server at saturation yet: run {SATURATION_COMMAND}"
+    name, data = found
+    result = data["server_saturation"]
+    rounds = ", ".join(f"{r['server_tok_s']:.0f} / {r['in_process_tok_s']:.0f}" for r in result["rounds"])
+    return (f"{name}: {str(data.get('date', ''))[:16].replace('T', ' ')} UTC, {machine_of(data)}, "
+            f"{data.get('dtype', '?')}, engine revision {data.get('environment', {}).get('nanoengine_revision', '?')}\n"
+            f"    command: {data.get('command', '?')}\n"
+            f"    {describe_saturation(result)}\n"
+            f"    each round, through the server / in-process: {rounds} tok/s")

@@ -275,3 +275,25 @@ def test_server_saturation_alternates_the_server_and_the_same_engine_in_process(
 def test_server_saturation_and_a_server_url_are_refused_together(capsys):
     code = main(["bench", "--server", "http://127.0.0.1:1", "--online-rates", "1", "--server-saturation"])
     assert code == 2 and "cannot be combined with --server" in capsys.readouterr().err
+
+
+def test_saturation_report_reads_the_newest_measure_with_its_provenance(tmp_path):
+    from nanobench.server_race import saturation_report
+
+    assert "no results file" in saturation_report(tmp_path) and "--server-saturation" in saturation_report(tmp_path)
+
+    def write(name: str, date: str, server: float, local: float) -> None:
+        rounds = [{"server_tok_s": server, "in_process_tok_s": local}]
+        (tmp_path / name).write_text(json.dumps({
+            "date": date, "dtype": "float32", "command": f"bench for {name}",
+            "environment": {"cpu_model": "Some Xeon", "cpu_count": 2, "nanoengine_revision": "abc1234"},
+            "server_saturation": {"rounds": rounds, "server_tok_s": server, "in_process_tok_s": local,
+                                  "ratio": server / local}}))
+
+    write("bench-cpu-old.json", "2026-12-01T10:00:00+00:00", 50.0, 100.0)
+    write("bench-cpu-new.json", "2026-12-04T10:00:00+00:00", 188.0, 200.0)
+    (tmp_path / "bench-cpu-other.json").write_text(json.dumps({"date": "2026-12-05T00:00:00+00:00"}))
+    text = saturation_report(tmp_path)
+    assert text.startswith("bench-cpu-new.json: 2026-12-04 10:00 UTC, Some Xeon, 2 cores, float32")
+    assert "bench for bench-cpu-new.json" in text and "abc1234" in text
+    assert "188.0 tok/s through the server, 200.0 in-process = 94%" in text and "188 / 200 tok/s" in text
