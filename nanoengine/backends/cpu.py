@@ -21,9 +21,11 @@ cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here:
   cache-row indices computed from the block tables (a ``DecodePlan``); the tables are the
   same in every layer, so ``build_metadata`` builds that plan once per step, as a field of
   the step's ``CpuAttentionMetadata``, and all 30 layers read it.
-* **Norms in one call.** With the native kernels, every ``RMSNorm`` calls
+* **Norms and rotary embeddings in one call.** With the native kernels, every ``RMSNorm`` calls
   ``cpu_native.rms_norm`` / ``add_rms_norm`` (one pass per row, the residual add fused)
-  instead of five eager operators (``compile=True`` puts its compiled ones in their place).
+  instead of five eager operators, and the rotary embedding ``cpu_native.rotate_half``
+  (one pass over a step's queries and keys, eager's bits, instead of six passes: most of
+  its time is prefill rows); ``compile=True`` puts its compiled ones in their place.
 * **A decoder layer in one call on decode steps.** Decoding one sequence, a step spent ~6 ms
   beside its ~19 ms of GEMMs calling ~25 operators a layer from Python. On a step of decodes
   only, each Llama layer runs as one C++ operator that makes the same operator calls, in the
@@ -57,6 +59,7 @@ from nanoengine.kernels.cpu_attention import DecodePlan
 from nanoengine.layers.attention import AttentionImpl, AttentionMetadata
 from nanoengine.layers.layernorm import RMSNorm
 from nanoengine.layers.linear import GemmLayer
+from nanoengine.layers.rotary import RotaryEmbedding
 
 # A chunk's logits stay under glibc's 32 MiB mmap threshold (``engine.host_memory``), so
 # they come from the reused heap.
@@ -193,9 +196,11 @@ class CpuBackend(Backend):
     def prepare_weights(self, model: torch.nn.Module) -> None:
         """Prepack every GEMM weight; route few-row products and the norms to the native kernels."""
         if self.native_kernels:
-            for norm in model.modules():
-                if isinstance(norm, RMSNorm) and norm.weight.dtype in cpu_native.DTYPES and norm.weight.is_contiguous():
-                    norm.norm_fn, norm.add_norm_fn = cpu_native.rms_norm, cpu_native.add_rms_norm
+            for module in model.modules():
+                if isinstance(module, RMSNorm) and module.weight.dtype in cpu_native.DTYPES and module.weight.is_contiguous():
+                    module.norm_fn, module.add_norm_fn = cpu_native.rms_norm, cpu_native.add_rms_norm
+                if isinstance(module, RotaryEmbedding):
+                    module.rotate_fn = cpu_native.rotate_half  # eager's bits in one pass (other dtypes: eager)
         layers = [m for m in model.modules() if isinstance(m, GemmLayer)]
         num_packed = copy_bytes = 0
         for module in layers:

@@ -145,6 +145,10 @@ def _register_fakes() -> None:
     def _(query, k_cache, v_cache, block_tables, context_lens, scale):
         return torch.empty_like(query)
 
+    @torch.library.register_fake("nanoengine::rotate_half")
+    def _(x, cos, sin):
+        return x.new_empty(x.shape)
+
     @torch.library.register_fake("nanoengine::rms_norm")
     def _(x, weight, eps):
         return torch.empty_like(x)
@@ -187,6 +191,17 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """``layers.layernorm.add_rms_norm``, by the kernel: (normalised x + residual, x + residual)."""
     out, new_residual = torch.ops.nanoengine.add_rms_norm(x.contiguous(), residual.contiguous(), weight, eps)
     return out, new_residual
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``layers.rotary.rotate_half``, by the kernel, bit for bit: x (T, heads, d) float32 or
+    bfloat16, each token's heads contiguous; cos, signed sin (T, 1, d) float32. Other inputs
+    (float16, a layout the kernel does not walk) take the eager function."""
+    if x.dtype not in DTYPES or x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        from nanoengine.layers.rotary import rotate_half as eager
+
+        return eager(x, cos, sin)
+    return torch.ops.nanoengine.rotate_half(x, cos.contiguous(), sin.contiguous())
 
 
 if __name__ == "__main__":  # ./course setup builds them ahead: python -m nanoengine.kernels.cpu_native

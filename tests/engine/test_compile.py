@@ -62,7 +62,7 @@ def test_compile_with_tensor_parallelism_is_refused():
 def test_eager_by_default(build_tiny_llm):
     runner = build_tiny_llm(CONFIG).engine.runner
     assert not runner.compilation.requested and runner.compilation.seconds == 0.0
-    native = (cpu_native.rms_norm, cpu_native.add_rms_norm)  # the CPU backend's own norms, not compiled code
+    native = (cpu_native.rms_norm, cpu_native.add_rms_norm, cpu_native.rotate_half)  # the CPU backend's own kernels, not compiled code
     assert all(vars(obj)[attr] in native for obj in compilable_objects(runner)
                for attr in set(type(obj).compilable) & set(vars(obj)))
 
@@ -139,8 +139,9 @@ def test_a_failing_compiler_warns_once_and_runs_eagerly(build_tiny_llm, monkeypa
     for llm in (compiled, second):
         report = llm.engine.runner.compilation
         assert report.requested and not report.compiled and "simulated" in report.fallback_reason
-        # what ran before is back: the class's eager functions or the CPU backend's native norms
-        assert all(vars(obj)[attr] in (cpu_native.rms_norm, cpu_native.add_rms_norm)
+        # what ran before is back: the class's eager functions or the CPU backend's native kernels
+        native = (cpu_native.rms_norm, cpu_native.add_rms_norm, cpu_native.rotate_half)
+        assert all(vars(obj)[attr] in native
                    for obj in compilable_objects(llm.engine.runner) for attr in set(type(obj).compilable) & set(vars(obj)))
 
 

@@ -219,3 +219,39 @@ def test_the_backend_gives_every_norm_the_native_kernels():
     CpuBackend("cpu").prepare_weights(model)
     assert all(m.norm_fn is cpu_native.rms_norm and m.add_norm_fn is cpu_native.add_rms_norm for m in model)
     assert RMSNorm.norm_fn is not cpu_native.rms_norm  # the class keeps the eager definition
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 48, 6])
+def test_rotate_half_has_eagers_bits_on_a_strided_view_of_the_step(dtype, head_dim):
+    from nanoengine.layers.rotary import RotaryEmbedding, rotate_half
+
+    gen = torch.Generator().manual_seed(head_dim)
+    rope = RotaryEmbedding(head_dim, 512, 10000.0)
+    tokens, heads = 37, 12
+    qkv = torch.randn(tokens, (heads + 3) * head_dim, generator=gen).to(dtype)  # [q | k] then v, as a layer has it
+    qk = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    rows = rope.rows(torch.randint(0, 512, (tokens,), generator=gen))
+    assert torch.equal(cpu_native.rotate_half(qk, *rows), rotate_half(qk, *rows))
+
+
+@needs_kernel
+def test_rotate_half_leaves_what_it_cannot_walk_to_eager_and_refuses_bad_tables():
+    from nanoengine.layers.rotary import RotaryEmbedding, rotate_half
+
+    rope = RotaryEmbedding(8, 16, 10000.0)
+    rows = rope.rows(torch.arange(4))
+    half = torch.randn(4, 2, 8).half()  # float16: the eager function
+    assert torch.equal(cpu_native.rotate_half(half, *rows), rotate_half(half, *rows))
+    with pytest.raises(RuntimeError, match=r"cos and sin \(tokens, 1, head_dim\)"):
+        cpu_native.rotate_half(torch.randn(4, 2, 8), rows[0][:3], rows[1][:3])
+
+
+@needs_kernel
+def test_the_backend_gives_the_rotary_embedding_the_native_kernel():
+    from nanoengine.layers.rotary import RotaryEmbedding
+
+    model = torch.nn.ModuleList([RotaryEmbedding(16, 32, 10000.0)])
+    CpuBackend("cpu").prepare_weights(model)
+    assert model[0].rotate_fn is cpu_native.rotate_half and RotaryEmbedding.rotate_fn is not cpu_native.rotate_half

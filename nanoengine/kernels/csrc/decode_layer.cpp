@@ -138,6 +138,24 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   return out;
 }
 
+// The operator nanoengine::rotate_half: layers/rotary.py's rotate_half for any step (prefill
+// rows too), one pass over the heads instead of eager's upcast, two products, a concatenation,
+// a sum and a downcast, each a pass of its own over the step's queries and keys.
+at::Tensor rotate_half_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "rotate_half: x (tokens, heads, head_dim) on the CPU with each token's heads contiguous expected, got "
+              "sizes ", x.sizes(), " strides ", x.strides());
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "rotate_half: float32 or bfloat16 x only, got ", x.scalar_type());
+  TORCH_CHECK(x.size(2) % 2 == 0, "rotate_half: head_dim must be even, got ", x.size(2));
+  for (const at::Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == x.size(0) &&
+                    t->size(1) == 1 && t->size(2) == x.size(2),
+                "rotate_half: cos and sin (tokens, 1, head_dim) contiguous float32 expected, got ", t->sizes());
+  }
+  return rotate(x, cos, sin);
+}
+
 // ---------------------------------------------------------------- the layer
 void check(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
            const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
@@ -211,6 +229,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layer(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(nanoengine, m) {
+  m.def("rotate_half(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("llama_decode_layer(Tensor hidden, Tensor? residual, Tensor input_norm, Tensor post_norm, float eps, "
         "Tensor qkv_weight, Tensor? qkv_packed, Tensor? qkv_bias, Tensor o_weight, Tensor? o_packed, "
         "Tensor gate_up_weight, Tensor? gate_up_packed, Tensor down_weight, Tensor? down_packed, int few_rows_max, "
@@ -219,6 +238,7 @@ TORCH_LIBRARY_FRAGMENT(nanoengine, m) {
 }
 
 TORCH_LIBRARY_IMPL(nanoengine, CPU, m) {
+  m.impl("rotate_half", &rotate_half_op);
   m.impl("llama_decode_layer", &llama_decode_layer);
 }
 
