@@ -42,9 +42,9 @@ starts parallel work a team of its own, kept until that thread ends. A model loa
 main thread leaves the main thread's team behind when the engine thread starts stepping
 with another: more OpenMP threads than cores, and GNU OpenMP then stops spinning at its
 barriers and puts threads to sleep at every one instead, some hundreds of times a step.
-Measured on 2 cores (bench workload, fp32): 233 tok/s stepped on the thread that loaded
-the model, 197 on another thread, and 234 on another thread once the loading thread had
-ended. So ``python -m nanoengine serve`` loads the model on a thread that ends
+On a 2-core Xeon the bench workload ran about 15% slower stepped on another thread than on
+the one that loaded the model, and as fast once the loading thread had ended
+(``results/README.md``). So ``python -m nanoengine serve`` loads the model on a thread that ends
 (``build_on_a_passing_thread``), and the engine thread's team is the only one. A server
 started in a notebook (``serve_in_background``) steps a model the notebook's own thread
 loaded and keeps using, so it pays this (chapter 12 measures it); vLLM runs its engine
