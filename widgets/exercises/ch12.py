@@ -282,7 +282,8 @@ def read_median_gap(median_gap_ms: float, hops_ms: float) -> str:
     """Section 6: the median gap against the HTTP + engine-thread hops measured in section 3."""
     if median_gap_ms > 2 * hops_ms:
         said = (f"{median_gap_ms / hops_ms:.0f}x the measured HTTP + engine-thread hops: most of it is something "
-                "else, which this chapter does not measure")
+                "else; in this notebook, the client's work on the same cores and the engine thread's second OpenMP "
+                "team (section 3), which a server in a process of its own does not have (the next cell)")
     elif median_gap_ms >= -2 * hops_ms:
         said = "within twice the measured HTTP + engine-thread hops: those hops account for it"
     else:
