@@ -101,10 +101,11 @@ class ServerProcess:
 
 
 def engine_server(model_dir: Path, dtype: str, max_num_batched_tokens: int, max_num_seqs: int,
-                  max_model_len: int, seed: int) -> ServerProcess:
+                  max_model_len: int, seed: int, device: str = "cpu") -> ServerProcess:
+    """``python -m nanoengine serve`` with these settings on ``device`` (the vLLM race: the CPU)."""
     port = free_port()
     command = [sys.executable, "-m", "nanoengine", "serve", "--model", str(model_dir), "--host", "127.0.0.1",
-               "--port", str(port), "--served-model-name", SERVED_MODEL_NAME, "--device", "cpu", "--dtype", dtype,
+               "--port", str(port), "--served-model-name", SERVED_MODEL_NAME, "--device", device, "--dtype", dtype,
                "--max-num-batched-tokens", str(max_num_batched_tokens), "--max-num-seqs", str(max_num_seqs),
                "--max-model-len", str(max_model_len), "--seed", str(seed), "--log-level", "warning"]
     return ServerProcess("nanoengine", command, dict(os.environ), port)
@@ -174,12 +175,11 @@ SATURATION_RATE = 1000.0
 
 
 def server_saturation(llm, model_dir: Path, prompts: list[list[int]], output_lens: list[int], rounds: int,
-                      seed: int, server: ServerProcess | None = None) -> dict:
+                      seed: int) -> dict:
     """The engine's server at saturation against the same engine in this process (``--server-saturation``).
 
     ``llm``: the engine already built here. The server (``engine_server`` with ``llm``'s
-    settings, unless ``server`` is given) runs in a process of its own, as a deployment runs
-    it; the project's client sends it the whole workload at once (``SATURATION_RATE``), and
+    device and settings) runs in a process of its own, as a deployment runs it; the project's client sends it the whole workload at once (``SATURATION_RATE``), and
     ``run_online`` serves the same arrivals in this process. The rounds alternate (server,
     then in-process), so a slow spell of the machine hits both. The client runs in this
     process and shares the machine's cores with the server: what it costs is in the
@@ -188,11 +188,10 @@ def server_saturation(llm, model_dir: Path, prompts: list[list[int]], output_len
     from nanobench.benchmark import run_online
     from nanobench.online_client import run_server_online
 
-    if server is None:
-        engine = llm.engine
-        server = engine_server(model_dir, str(engine.config.torch_dtype).removeprefix("torch."),
-                               engine.config.max_num_batched_tokens, engine.config.max_num_seqs,
-                               engine.max_model_len, seed)
+    engine = llm.engine
+    server = engine_server(model_dir, str(engine.config.torch_dtype).removeprefix("torch."),
+                           engine.config.max_num_batched_tokens, engine.config.max_num_seqs, engine.max_model_len,
+                           seed, device=engine.config.torch_device.type)
     rows = []
     server.start()
     try:

@@ -194,10 +194,12 @@ class CpuBackend(Backend):
         self.attention.native = self.native_kernels and kv_dtype in cpu_native.DTYPES
 
     def prepare_weights(self, model: torch.nn.Module) -> None:
-        """Prepack every GEMM weight; route few-row products and the norms to the native kernels."""
+        """Prepack every GEMM weight; route few-row products, the norms and the rotary embedding to
+        the native kernels."""
         if self.native_kernels:
             for module in model.modules():
-                if isinstance(module, RMSNorm) and module.weight.dtype in cpu_native.DTYPES and module.weight.is_contiguous():
+                if (isinstance(module, RMSNorm) and module.weight.dtype in cpu_native.DTYPES
+                        and module.weight.is_contiguous()):
                     module.norm_fn, module.add_norm_fn = cpu_native.rms_norm, cpu_native.add_rms_norm
                 if isinstance(module, RotaryEmbedding):
                     module.rotate_fn = cpu_native.rotate_half  # eager's bits in one pass (other dtypes: eager)

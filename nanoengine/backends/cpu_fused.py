@@ -3,8 +3,8 @@
 Measured on SmolLM2-135M decoding one sequence on a 2-core CPU: a step took ~25 ms, of
 which ~19 ms were the GEMMs reading the weights and ~6 ms the rest, and the rest was
 almost all calls from Python: 30 layers of about 25 operators each (module calls, views,
-two norms, seven operators of rotary embedding, store-KV, attention, four GEMMs, the
-activation), a few microseconds apiece. GPU engines hide this behind CUDA graphs; vLLM's
+two norms, seven operators of rotary embedding (one native call since), store-KV, attention,
+four GEMMs, the activation), a few microseconds apiece. GPU engines hide this behind CUDA graphs; vLLM's
 CPU backend compiles the model with ``torch.compile``. This engine's whole-model compile
 (``compile_model=True``, ``backends.cpu_graph``) measured no faster, because its graph still
 calls each GEMM and attention through Python.

@@ -264,6 +264,7 @@ def test_server_saturation_alternates_the_server_and_the_same_engine_in_process(
     # the server got the same settings as the engine here, and every token asked for came back
     command = result["server_command"]
     assert command[command.index("--max-num-seqs") + 1] == "8" and command[command.index("--max-model-len") + 1] == "64"
+    assert command[command.index("--device") + 1] == "cpu"
     assert all(r["server"]["output_tokens_received"] == sum(lens) for r in rounds)
     assert all(r["server"]["rate_requests_per_s"] == r["in_process"]["rate_requests_per_s"] == SATURATION_RATE
                for r in rounds)
@@ -297,3 +298,11 @@ def test_saturation_report_reads_the_newest_measure_with_its_provenance(tmp_path
     assert text.startswith("bench-cpu-new.json: 2026-12-04 10:00 UTC, Some Xeon, 2 cores, float32")
     assert "bench for bench-cpu-new.json" in text and "abc1234" in text
     assert "188.0 tok/s through the server, 200.0 in-process = 94%" in text and "188 / 200 tok/s" in text
+
+
+def test_engine_server_serves_on_the_device_it_is_given(tiny_llama_tok_dir):
+    from nanobench.server_race import engine_server
+
+    for device in ("cpu", "cuda"):
+        command = engine_server(tiny_llama_tok_dir, "bfloat16", 256, 8, 64, 0, device=device).command
+        assert command[command.index("--device") + 1] == device  # not started: only the command is read
