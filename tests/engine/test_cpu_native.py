@@ -182,6 +182,16 @@ def test_the_backend_decodes_with_the_native_kernel_and_builds_no_plan():
     assert not backend.attention.native
 
 
+def test_the_backend_prefills_bfloat16_in_bfloat16_only_where_the_cpu_has_the_instructions():
+    backend = CpuBackend("cpu")
+    backend.bind_kv_cache(16, 3, 9, 64, torch.float32)
+    assert backend.attention.prefill_dtype is None  # the reference's definition
+    backend.bind_kv_cache(16, 3, 9, 64, torch.bfloat16)
+    has_instructions = cpu_gemm.packing_available(torch.bfloat16)
+    assert backend.attention.prefill_dtype == (torch.bfloat16 if has_instructions else None)
+    assert ("prefill in bfloat16" in backend.attention.name) == has_instructions
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 576), (5, 576), (3, 4, 20), (2, 7)], ids=str)
@@ -255,3 +265,21 @@ def test_the_backend_gives_the_rotary_embedding_the_native_kernel():
     model = torch.nn.ModuleList([RotaryEmbedding(16, 32, 10000.0)])
     CpuBackend("cpu").prepare_weights(model)
     assert model[0].rotate_fn is cpu_native.rotate_half and RotaryEmbedding.rotate_fn is not cpu_native.rotate_half
+
+
+@needs_kernel
+def test_native_kernels_round_to_bfloat16_as_pytorch_does_one_value():
+    """The vectorised rounding (csrc/avx2_vec.h) against c10::BFloat16's rule, lane by lane and in the tail:
+    nearest with ties to even, overflow to infinity, NaN to 0x7FC0."""
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(-2**15, 2**15, (64, 203), generator=gen, dtype=torch.int16)  # every bfloat16, NaN and inf too
+    x = bits.view(torch.bfloat16)
+    # residuals a few binades away: their float32 sums keep bits that rounding must drop, ties included
+    residual = (x.float() * torch.rand(64, 203, generator=gen).mul(2.0**-9)).to(torch.bfloat16)
+    _, new_residual = cpu_native.add_rms_norm(x, residual, torch.ones(203, dtype=torch.bfloat16), 1e-5)
+    total = (x.float() + residual.float()).view(torch.int32).long() & 0xFFFFFFFF
+    expected = (total + 0x7FFF + ((total >> 16) & 1)) >> 16
+    expected = torch.where((x.float() + residual.float()).isnan(), 0x7FC0, expected)
+    assert torch.equal(new_residual.view(torch.int16).long() & 0xFFFF, expected)
+    ties = ((total & 0xFFFF) == 0x8000).sum()
+    assert ties > 10  # the exact halfway cases were exercised

@@ -15,6 +15,30 @@ inline __m256 load8(const c10::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
 }
 
+// Eight float32 lanes rounded to bfloat16 as c10::BFloat16(float) rounds one value: to nearest,
+// ties to even (add 0x7FFF plus the kept part's lowest bit, drop the low 16 bits), NaN to 0x7FC0.
+// Each lane's 16 bits come back in the low half of its 32-bit lane.
+inline __m256i bf16_bits8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lowest_kept = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lowest_kept, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256 is_nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(rounded), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0)), is_nan));
+}
+
+// A value rounded to T and widened back: what static_cast<float>(static_cast<T>(v)) gives.
+inline __m256 round_to(__m256 v, const float*) { return v; }
+inline __m256 round_to(__m256 v, const c10::BFloat16*) { return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16)); }
+
+// Eight float32 lanes stored as T (bfloat16: rounded as c10::BFloat16(float) rounds).
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+
+inline void store8(c10::BFloat16* p, __m256 v) {
+  const __m256i bits = bf16_bits8(v);  // each fits 16 bits, so the unsigned saturating pack is exact
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
 // The eight lanes added in a fixed order: ((0+4)+(2+6)) + ((1+5)+(3+7)).
 inline float horizontal_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -33,6 +33,7 @@
 namespace {
 
 using nanoengine_cpu::load8;
+using nanoengine_cpu::store8;
 using OptionalTensor = std::optional<at::Tensor>;
 
 // ---------------------------------------------------------------- the operators it calls
@@ -85,14 +86,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptionalT
 }
 
 // ---------------------------------------------------------------- the rotary embedding
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-
-inline void store8(c10::BFloat16* p, __m256 v) {
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, v);
-  for (int i = 0; i < 8; ++i) p[i] = static_cast<c10::BFloat16>(lanes[i]);  // round to nearest even, as .to() does
-}
-
 // One head: out_i = x_i cos_i + x_(i +- d/2) sin_i (sin is signed, [-sin | sin]), each product
 // rounded and then the sum, in float32: layers/rotary.py's rotate_half, operation by operation.
 template <typename T>
