@@ -14,7 +14,8 @@ Three operations of a decode step are poorly served by the libraries PyTorch cal
 * **Decode attention** (``paged_decode_attention``, ``csrc/paged_decode_attention.cpp``).
   The batched PyTorch version (``cpu_attention``) gathers keys and pays a dozen tensor ops
   per layer; this kernel walks each sequence's block table and reads every K/V row where it
-  lies in the cache, once per KV head.
+  lies in the cache, once per KV head. On CPUs with AVX-512 it runs sixteen lanes wide with
+  the AVX2 path's bits (functions compiled for AVX-512 alone, chosen at run time).
 * **RMSNorm with its residual add** (``rms_norm``, ``add_rms_norm``, ``csrc/rms_norm.cpp``):
   one call and one pass per row where eager PyTorch makes five calls; for one decoding
   sequence the calls, not the arithmetic, were the cost.
@@ -31,7 +32,9 @@ into ``~/.cache/nanoengine/kernels/`` under a name that carries the torch and Py
 and the instruction set, so another PyTorch never loads them; ``./course setup`` builds them
 ahead. They are compiled for AVX2 + FMA exactly (not ``-march=native``) and every sum's order
 is fixed by the source, not by the CPU, the thread count or the batch: every x86-64 machine
-with AVX2 computes the same bits, and a row gets the same bits alone or in a batch.
+with AVX2 computes the same bits, and a row gets the same bits alone or in a batch. (Decode
+attention's AVX-512 functions are the one exception to "AVX2 exactly", and they compute the
+AVX2 functions' bits.)
 
 Without a C++ compiler, ninja, or AVX2 + FMA, ``load`` says why in one warning and returns
 False; the CPU backend then uses the libraries and the batched PyTorch attention.
@@ -142,7 +145,7 @@ def _register_fakes() -> None:
         return x.new_empty(x.shape[0], weight.shape[0])
 
     @torch.library.register_fake("nanoengine::paged_decode_attention")
-    def _(query, k_cache, v_cache, block_tables, context_lens, scale):
+    def _(query, k_cache, v_cache, block_tables, context_lens, scale, avx512=True):
         return torch.empty_like(query)
 
     @torch.library.register_fake("nanoengine::rotate_half")
@@ -169,16 +172,20 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           avx512: bool = True) -> torch.Tensor:
     """``reference.paged_decode_attention``, by the kernel. ``load()`` must have returned True.
 
     query (seqs, heads, head_dim); caches (blocks, block_size, kv_heads, head_dim);
     block_tables (seqs, max_blocks) and context_lens (seqs,) of one integer dtype.
+    ``avx512``: on a CPU with AVX-512, head sizes 32, 64 and 128 run sixteen lanes wide, with
+    the bits of the AVX2 path (False runs that path: how the tests compare them).
     """
     if context_lens.dtype != block_tables.dtype:
         context_lens = context_lens.to(block_tables.dtype)
     return torch.ops.nanoengine.paged_decode_attention(query.contiguous(), k_cache, v_cache,
-                                                       block_tables.contiguous(), context_lens.contiguous(), scale)
+                                                       block_tables.contiguous(), context_lens.contiguous(), scale,
+                                                       avx512)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -155,6 +155,28 @@ def test_native_decode_attention_is_the_reference(dtype, shape):
     assert torch.equal(wide, out)
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@needs_kernel
+@pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= _cpu_flags(),
+                    reason="this CPU has no AVX-512: only the AVX2 path runs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_native_decode_attention_has_the_same_bits_sixteen_lanes_wide(dtype, head_dim):
+    lens = list(range(1, 42)) + [64, 100, 255]  # every remainder of the 8- and 4-key steps
+    query, k_cache, v_cache, tables, context_lens = _paged_case(dtype, lens, head_dim=head_dim, seed=head_dim)
+    for q in (query, query * 40):  # ordinary scores, and scores whose softmax underflows to 0
+        wide = cpu_native.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, 0.125)
+        avx2 = cpu_native.paged_decode_attention(q, k_cache, v_cache, tables, context_lens, 0.125, avx512=False)
+        assert torch.equal(wide, avx2)
+
+
 @needs_kernel
 def test_native_decode_attention_refuses_what_would_read_outside_the_cache():
     query, k_cache, v_cache, tables, context_lens = _paged_case(torch.float32, [5, 20])

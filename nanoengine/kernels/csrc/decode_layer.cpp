@@ -72,8 +72,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   static auto op = operator_named("nanoengine::paged_decode_attention")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, double)>();
-  return op.call(query, k_cache, v_cache, block_tables, context_lens, scale);
+                                         const at::Tensor&, double, bool)>();
+  return op.call(query, k_cache, v_cache, block_tables, context_lens, scale, /*avx512=*/true);
 }
 
 // backends/cpu.py's cpu_product for a 2-D x: up to few_rows_max rows by the few-rows kernel,
