@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import threading
 import time
 
@@ -302,3 +303,22 @@ def test_serve_loads_the_model_on_a_thread_that_ends(monkeypatch, tiny_llama_tok
     with pytest.raises(RuntimeError, match="stop here"):
         api_server.serve_from_args(args)
     assert loaded_on and loaded_on[0] is not threading.main_thread() and not loaded_on[0].is_alive()
+
+
+def test_serve_hands_the_gil_over_every_millisecond(monkeypatch, tiny_llama_tok_dir):
+    from types import SimpleNamespace
+
+    from nanoengine.entrypoints.openai import api_server
+    from nanoengine.entrypoints.openai.cli_args import add_arguments
+
+    seen = []
+    engine = SimpleNamespace(max_model_len=8, runner=SimpleNamespace(num_blocks=1),
+                             shutdown=lambda: seen.append("shutdown"))
+    monkeypatch.setattr(api_server.LLMEngine, "from_pretrained", lambda *a, **k: engine)
+    monkeypatch.setattr(api_server, "build_app", lambda *a, **k: None)
+    monkeypatch.setattr(sys, "setswitchinterval", lambda seconds: seen.append(("set", seconds)))
+    monkeypatch.setattr(api_server, "run_server", lambda *a, **k: seen.append("served"))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    api_server.serve_from_args(parser.parse_args(["--model", str(tiny_llama_tok_dir), "--port", "0"]))
+    assert seen == [("set", 0.001), "served", "shutdown"] and api_server.GIL_SWITCH_INTERVAL_S == 0.001
