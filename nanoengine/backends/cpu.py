@@ -37,10 +37,13 @@ cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here:
 * **Reused host memory.** PyTorch's CUDA caching allocator keeps freed blocks for the next
   step; on a CPU glibc hands large blocks back to the kernel and faults them in again.
   ``engine.host_memory.keep_freed_memory`` changes two malloc settings so they stay.
-* **Prefill attention in bfloat16 where the CPU has it.** The reference prefill widens a bfloat16
-  cache's keys and values to float32 before PyTorch's SDPA. On a CPU with bfloat16 instructions
+* **Prefill attention a sequence per thread, in bfloat16 where the CPU has it.** The reference
+  prefill calls PyTorch's SDPA once per sequence from Python, and SDPA splits each short
+  sequence over the threads. ``cpu_native.paged_prefill_attention`` makes the same calls from
+  C++, each thread taking the step's next sequence whole (the same bits). The reference widens
+  a bfloat16 cache's keys and values to float32 first; on a CPU with bfloat16 instructions
   (AVX512-BF16, AMX) SDPA takes them as they are, multiplying in bfloat16 with float32
-  accumulators; a prefill step's attention took a third of the time (results/README.md).
+  accumulators, 2-3x faster per call (results/README.md).
 * **Logits in chunks.** A step's logits are (rows, vocab) float32: 256 rows of a
   49,152-token vocabulary are 50 MB, more than glibc's largest heap block (32 MiB), so they
   would be mapped fresh every step, faulted in by the LM head and unmapped when freed
@@ -80,10 +83,12 @@ class CpuAttentionMetadata(AttentionMetadata):
 
 
 class CpuAttention(AttentionImpl):
-    """Store-KV by row copy; decode by the native kernel (or the batched PyTorch version); reference prefill.
+    """Store-KV by row copy; decode by the native kernel (or the batched PyTorch version); prefill
+    by the reference's calls (from C++ with the native kernels).
 
-    ``native``: decode runs ``cpu_native.paged_decode_attention`` (set by the backend when
-    the native kernels are loaded and the cache's dtype is one they take).
+    ``native``: decode runs ``cpu_native.paged_decode_attention`` and prefill
+    ``cpu_native.paged_prefill_attention`` (set by the backend when the native kernels are
+    loaded and the cache's dtype is one they take).
     """
 
     def __init__(self, native: bool = False) -> None:
@@ -94,7 +99,7 @@ class CpuAttention(AttentionImpl):
 
     @property
     def name(self) -> str:
-        prefill = "reference prefill" + (f" in {str(self.prefill_dtype).removeprefix('torch.')}"
+        prefill = ("native" if self.native else "reference") + " prefill" + (f" in {str(self.prefill_dtype).removeprefix('torch.')}"
                                          if self.prefill_dtype is not None else "")
         return f"cpu ({'native paged' if self.native else 'batched'} decode, {prefill})"
 
@@ -114,6 +119,10 @@ class CpuAttention(AttentionImpl):
                                                     meta.decode_context_lens, scale, meta.decode_plan)
 
     def prefill(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.native:  # the reference's calls, the sequences shared out between the threads
+            return cpu_native.paged_prefill_attention(query, k_cache, v_cache, meta.prefill_block_tables,
+                                                      meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale,
+                                                      self.prefill_dtype)
         return reference.paged_prefill_attention(query, k_cache, v_cache, meta.prefill_block_tables,
                                                  meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale,
                                                  compute_dtype=self.prefill_dtype)

@@ -16,6 +16,9 @@ Three operations of a decode step are poorly served by the libraries PyTorch cal
   per layer; this kernel walks each sequence's block table and reads every K/V row where it
   lies in the cache, once per KV head. On CPUs with AVX-512 it runs sixteen lanes wide with
   the AVX2 path's bits (functions compiled for AVX-512 alone, chosen at run time).
+* **Prefill attention for a whole step** (``paged_prefill_attention``,
+  ``csrc/paged_prefill_attention.cpp``): the reference's PyTorch calls made from C++, each
+  thread taking the step's next sequence whole instead of the threads splitting every short one.
 * **RMSNorm with its residual add** (``rms_norm``, ``add_rms_norm``, ``csrc/rms_norm.cpp``):
   one call and one pass per row where eager PyTorch makes five calls; for one decoding
   sequence the calls, not the arithmetic, were the cost.
@@ -148,6 +151,10 @@ def _register_fakes() -> None:
     def _(query, k_cache, v_cache, block_tables, context_lens, scale, avx512=True):
         return torch.empty_like(query)
 
+    @torch.library.register_fake("nanoengine::paged_prefill_attention")
+    def _(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, widen):
+        return torch.empty_like(query)
+
     @torch.library.register_fake("nanoengine::rotate_half")
     def _(x, cos, sin):
         return x.new_empty(x.shape)
@@ -186,6 +193,19 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return torch.ops.nanoengine.paged_decode_attention(query.contiguous(), k_cache, v_cache,
                                                        block_tables.contiguous(), context_lens.contiguous(), scale,
                                                        avx512)
+
+
+def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                            scale: float, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``reference.paged_prefill_attention``, bit for bit, with the step's sequences shared out
+    between the threads (``csrc/paged_prefill_attention.cpp``). ``compute_dtype`` as there:
+    None widens 16-bit caches to float32; the cache's own dtype keeps them."""
+    widen = query.dtype != torch.float32 and compute_dtype in (None, torch.float32)
+    if compute_dtype not in (None, torch.float32, query.dtype):
+        raise ValueError(f"compute_dtype must be None, float32 or the query's {query.dtype}, got {compute_dtype}")
+    return torch.ops.nanoengine.paged_prefill_attention(query.contiguous(), k_cache, v_cache, block_tables,
+                                                        cu_seqlens_q, context_lens, scale, widen)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

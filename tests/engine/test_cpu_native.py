@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import pytest
@@ -305,3 +306,37 @@ def test_native_kernels_round_to_bfloat16_as_pytorch_does_one_value():
     assert torch.equal(new_residual.view(torch.int16).long() & 0xFFFF, expected)
     ties = ((total & 0xFFFF) == 0x8000).sum()
     assert ties > 10  # the exact halfway cases were exercised
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_prefill_attention_has_the_references_bits(dtype):
+    # fresh prompts, chunks after a cached prefix, an empty chunk, one token: every branch of the reference
+    lens, q_lens = [40, 17, 64, 100, 33, 5, 1], [40, 17, 20, 0, 33, 3, 1]
+    query, k_cache, v_cache, tables, context_lens = _paged_case(dtype, lens, block_size=16, seed=3)
+    cu = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
+    chunk = torch.randn(sum(q_lens), 9, 64).to(dtype)
+    for compute in (None, dtype):
+        out = cpu_native.paged_prefill_attention(chunk, k_cache, v_cache, tables, cu, context_lens, 0.125, compute)
+        expected = reference.paged_prefill_attention(chunk, k_cache, v_cache, tables, cu, context_lens, 0.125,
+                                                     compute_dtype=compute)
+        assert torch.equal(out, expected)
+    with torch.inference_mode():  # the engine's mode: the worker threads run in it too
+        out = cpu_native.paged_prefill_attention(chunk, k_cache, v_cache, tables, cu, context_lens, 0.125)
+    assert torch.equal(out, reference.paged_prefill_attention(chunk, k_cache, v_cache, tables, cu, context_lens, 0.125))
+
+
+@needs_kernel
+def test_native_prefill_attention_refuses_what_would_read_outside_the_cache():
+    query, k_cache, v_cache, tables, context_lens = _paged_case(torch.float32, [5, 9])
+    chunk, cu = torch.randn(14, 9, 64), torch.tensor([0, 5, 14])
+    with pytest.raises(RuntimeError, match="context length 40; allowed"):
+        cpu_native.paged_prefill_attention(chunk, k_cache, v_cache, tables, cu, torch.tensor([5, 40]), 1.0)
+    with pytest.raises(RuntimeError, match="has 9 query tokens and context length 3"):
+        cpu_native.paged_prefill_attention(chunk, k_cache, v_cache, tables, cu, torch.tensor([5, 3]), 1.0)
+    with pytest.raises(RuntimeError, match="block 0 is 99"):
+        cpu_native.paged_prefill_attention(chunk, k_cache, v_cache, torch.full_like(tables, 99), cu, context_lens, 1.0)
+    with pytest.raises(RuntimeError, match="must run from 0 to the query's 14 tokens"):
+        cpu_native.paged_prefill_attention(chunk, k_cache, v_cache, tables, torch.tensor([0, 5, 13]), context_lens, 1.0)
+    with pytest.raises(ValueError, match="compute_dtype must be"):
+        cpu_native.paged_prefill_attention(chunk, k_cache, v_cache, tables, cu, context_lens, 1.0, torch.float16)

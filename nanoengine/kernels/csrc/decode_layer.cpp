@@ -14,7 +14,7 @@
 // by name), the activation is ATen's own silu and mul, and the rotary embedding is a loop
 // computing eager's products and sum in eager's order. So the bits are eager's.
 //
-// What it does not take: prefill chunks (their attention is the reference prefill in Python),
+// What it does not take: prefill chunks (their layers run the Python forward),
 // steps with a token that has no cache slot, tensor parallelism, Qwen3's per-head norms, a
 // bias on o_proj. backends/cpu_fused.py checks those before it routes a step here.
 

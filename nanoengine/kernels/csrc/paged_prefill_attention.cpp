@@ -1,0 +1,125 @@
+// Prefill attention over the paged cache for a whole step in one call (chapter 10).
+// Built with the other csrc/ sources by cpu_native.py; the operator is
+// torch.ops.nanoengine.paged_prefill_attention. The definition it must agree with, bit for
+// bit, is reference.paged_prefill_attention: this file makes the same PyTorch calls.
+//
+// The reference walks the step's sequences in Python: per sequence and layer it gathers the
+// keys and values through the block table, builds views and a mask, and calls PyTorch's SDPA,
+// which splits one short sequence's work over the threads. On a 2-core CPU a 32-prompt
+// prefill spent a quarter of its attention time outside SDPA, and SDPA on two threads took
+// 1.15x the time of half its one-thread time. Here the sequences are shared out instead: each
+// thread takes the next sequence not yet done (longest first, so that the last ones are short),
+// gathers its K/V rows with memcpy and runs SDPA on it alone (PyTorch runs an operator called
+// inside a parallel region on the calling thread). SDPA computes a sequence the same way on
+// one thread as on several, so the bits are the reference's.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <optional>
+#include <vector>
+
+namespace {
+
+// One sequence's first `length` cached vectors in token order: (length, kv_heads, head_dim),
+// what reference.gather_kv returns.
+at::Tensor gather_rows(const at::Tensor& cache, const int64_t* table, int64_t length) {
+  const int64_t block_size = cache.size(1), row = cache.size(2) * cache.size(3);
+  const int64_t bytes_per_row = row * static_cast<int64_t>(cache.element_size());
+  at::Tensor out = at::empty({length, cache.size(2), cache.size(3)}, cache.options());
+  const char* src = static_cast<const char*>(cache.data_ptr());
+  char* dst = static_cast<char*>(out.data_ptr());
+  for (int64_t t = 0; t < length;) {  // a block's tokens are adjacent: one copy per block
+    const int64_t offset = t % block_size, n = std::min(block_size - offset, length - t);
+    const int64_t slot = table[t / block_size] * block_size + offset;
+    std::memcpy(dst + t * bytes_per_row, src + slot * bytes_per_row, n * bytes_per_row);
+    t += n;
+  }
+  return out;
+}
+
+at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                                   const at::Tensor& context_lens, double scale, bool widen) {
+  for (const at::Tensor* t : {&query, &k_cache, &v_cache}) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "paged_prefill_attention: contiguous CPU tensors only");
+  }
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  query.size(2) == k_cache.size(3) && k_cache.size(2) > 0 && query.size(1) % k_cache.size(2) == 0,
+              "paged_prefill_attention: query (tokens, heads, head_dim) and caches (blocks, block_size, kv_heads, "
+              "head_dim) with heads a multiple of kv_heads expected, got ", query.sizes(), " and ", k_cache.sizes());
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "paged_prefill_attention: query and caches must share a dtype");
+  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  const at::Tensor starts = cu_seqlens_q.to(at::kLong).contiguous(), lengths = context_lens.to(at::kLong).contiguous();
+  const int64_t num_seqs = lengths.size(0), max_blocks = tables.dim() == 2 ? tables.size(1) : 0;
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_seqs && starts.dim() == 1 && starts.size(0) == num_seqs + 1,
+              "paged_prefill_attention: block_tables (seqs, max_blocks), cu_seqlens_q (seqs + 1,) and context_lens "
+              "(seqs,) expected, got ", block_tables.sizes(), ", ", cu_seqlens_q.sizes(), " and ", context_lens.sizes());
+  const int64_t* table = tables.data_ptr<int64_t>();
+  const int64_t* start = starts.data_ptr<int64_t>();
+  const int64_t* length = lengths.data_ptr<int64_t>();
+  const int64_t block_size = k_cache.size(1), num_blocks = k_cache.size(0);
+  TORCH_CHECK(start[0] == 0 && start[num_seqs] == query.size(0), "paged_prefill_attention: cu_seqlens_q must run from 0 "
+              "to the query's ", query.size(0), " tokens");
+  for (int64_t s = 0; s < num_seqs; ++s) {  // everything checked before any thread reads the cache
+    const int64_t q_len = start[s + 1] - start[s];
+    TORCH_CHECK(q_len >= 0 && q_len <= length[s] && length[s] <= max_blocks * block_size,
+                "paged_prefill_attention: sequence ", s, " has ", q_len, " query tokens and context length ", length[s],
+                "; allowed 0 <= query tokens <= context length <= ", max_blocks * block_size);
+    for (int64_t b = 0; b < (length[s] + block_size - 1) / block_size; ++b) {
+      const int64_t block = table[s * max_blocks + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_prefill_attention: sequence ", s, " block ", b, " is ", block,
+                  "; the cache has blocks 0..", num_blocks - 1);
+    }
+  }
+  const bool gqa = query.size(1) != k_cache.size(2);
+  const at::ScalarType compute = widen ? at::kFloat : query.scalar_type();
+  at::Tensor out = at::empty_like(query);
+  // the costliest sequences first (SDPA's work grows with query tokens x context), taken one at a time
+  std::vector<int64_t> order(num_seqs);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return (start[a + 1] - start[a]) * length[a] > (start[b + 1] - start[b]) * length[b];
+  });
+  std::atomic<int64_t> next{0};
+  const at::ThreadLocalState caller;  // inference mode and the rest: the workers' PyTorch calls run as the caller's
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    at::ThreadLocalStateGuard as_the_caller(caller);
+    for (int64_t i = next++; i < num_seqs; i = next++) {
+      const int64_t s = order[i], q_start = start[s], q_len = start[s + 1] - q_start, context = length[s];
+      if (q_len == 0) continue;
+      const at::Tensor keys = gather_rows(k_cache, table + s * max_blocks, context);
+      const at::Tensor values = gather_rows(v_cache, table + s * max_blocks, context);
+      const at::Tensor q = query.narrow(0, q_start, q_len).to(compute).transpose(0, 1).unsqueeze(0);
+      const at::Tensor k = keys.to(compute).transpose(0, 1).unsqueeze(0);
+      const at::Tensor v = values.to(compute).transpose(0, 1).unsqueeze(0);
+      std::optional<at::Tensor> mask;
+      if (q_len != context) {  // cached tokens before the chunk: query i sees keys up to its own position
+        const at::Tensor q_pos = at::arange(context - q_len, context, lengths.options());
+        mask = at::arange(context, lengths.options()).unsqueeze(0) <= q_pos.unsqueeze(1);
+      }
+      const at::Tensor attended = at::scaled_dot_product_attention(q, k, v, mask, 0.0, !mask.has_value(), scale, gqa);
+      out.narrow(0, q_start, q_len).copy_(attended.select(0, 0).transpose(0, 1));
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(nanoengine, m) {
+  m.def("paged_prefill_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor cu_seqlens_q, Tensor context_lens, float scale, bool widen) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(nanoengine, CPU, m) {
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
+}
