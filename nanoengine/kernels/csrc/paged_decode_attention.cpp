@@ -165,8 +165,8 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const std::vecto
 //   across lanes in horizontal_sum's order, four keys per register at every step.
 // * Softmax: exp16 is exp8's operations on sixteen lanes.
 // * Values: each output lane's chain of FMAs over the tokens, sixteen output lanes per register.
-// So the bits do not depend on which path ran (tests compare both), only the time: about half
-// the instructions, which is what a decode step's attention is bound by.
+// So the bits do not depend on which path ran (tests compare both), only the time: fewer
+// instructions, and each K/V row loaded and widened once for all the heads that share it.
 // Compiled for AVX-512 by a target pragma on these functions alone (the rest of the library
 // stays AVX2) and called only when the CPU reports AVX-512F, BW and DQ.
 #pragma GCC push_options
