@@ -99,8 +99,9 @@ class CpuAttention(AttentionImpl):
 
     @property
     def name(self) -> str:
-        prefill = ("native" if self.native else "reference") + " prefill" + (f" in {str(self.prefill_dtype).removeprefix('torch.')}"
-                                         if self.prefill_dtype is not None else "")
+        prefill = f"{'native' if self.native else 'reference'} prefill"
+        if self.prefill_dtype is not None:
+            prefill += f" in {str(self.prefill_dtype).removeprefix('torch.')}"
         return f"cpu ({'native paged' if self.native else 'batched'} decode, {prefill})"
 
     def store_kv(self, key, value, k_cache, v_cache, meta: CpuAttentionMetadata) -> None:

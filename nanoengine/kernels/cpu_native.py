@@ -1,6 +1,6 @@
 """The CPU backend's own kernels, in C++ (chapter 10: when the libraries are not enough).
 
-Three operations of a decode step are poorly served by the libraries PyTorch calls:
+Four operations are poorly served by the libraries PyTorch calls, three of them a decode step's:
 
 * **A few rows times a weight** (``few_rows_linear``, ``csrc/few_rows_linear.cpp``). When
   one to a few sequences decode, each linear layer multiplies a few rows of activations by
@@ -23,15 +23,15 @@ Three operations of a decode step are poorly served by the libraries PyTorch cal
   one call and one pass per row where eager PyTorch makes five calls; for one decoding
   sequence the calls, not the arithmetic, were the cost.
 
-A fourth file, ``csrc/decode_layer.cpp``, adds no arithmetic of its own but the rotary
+One more file, ``csrc/decode_layer.cpp``, adds no arithmetic of its own but the rotary
 embedding: it runs a whole Llama decoder layer's decode step, calling these operators (and
 oneDNN's, and ATen's silu) from C++, so that Python makes one call per layer instead of
 ~25 (``backends.cpu_fused``).
 
-All of them are C++ with AVX2 and FMA intrinsics, registered as PyTorch operators
-(``torch.ops.nanoengine.*``) and run on PyTorch's own thread pool. They are compiled the first
-time an engine needs them (about 20 s, said once on stderr) by PyTorch's extension builder,
-into ``~/.cache/nanoengine/kernels/`` under a name that carries the torch and Python versions
+The kernels are C++ with AVX2 and FMA intrinsics (prefill attention calls PyTorch's own
+operators), registered as PyTorch operators (``torch.ops.nanoengine.*``) and run on PyTorch's
+own thread pool. They are compiled the first time an engine needs them (about 20 s, said once
+on stderr) by PyTorch's extension builder, into ``~/.cache/nanoengine/kernels/`` under a name that carries the torch and Python versions
 and the instruction set, so another PyTorch never loads them; ``./course setup`` builds them
 ahead. They are compiled for AVX2 + FMA exactly (not ``-march=native``) and every sum's order
 is fixed by the source, not by the CPU, the thread count or the batch: every x86-64 machine
@@ -201,9 +201,9 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     """``reference.paged_prefill_attention``, bit for bit, with the step's sequences shared out
     between the threads (``csrc/paged_prefill_attention.cpp``). ``compute_dtype`` as there:
     None widens 16-bit caches to float32; the cache's own dtype keeps them."""
-    widen = query.dtype != torch.float32 and compute_dtype in (None, torch.float32)
     if compute_dtype not in (None, torch.float32, query.dtype):
         raise ValueError(f"compute_dtype must be None, float32 or the query's {query.dtype}, got {compute_dtype}")
+    widen = query.dtype != torch.float32 and compute_dtype in (None, torch.float32)
     return torch.ops.nanoengine.paged_prefill_attention(query.contiguous(), k_cache, v_cache, block_tables,
                                                         cu_seqlens_q, context_lens, scale, widen)
 
