@@ -295,7 +295,7 @@ def test_native_kernels_round_to_bfloat16_as_pytorch_does_one_value():
     """The vectorised rounding (csrc/avx2_vec.h) against c10::BFloat16's rule, lane by lane and in the tail:
     nearest with ties to even, overflow to infinity, NaN to 0x7FC0."""
     gen = torch.Generator().manual_seed(0)
-    bits = torch.randint(-2**15, 2**15, (64, 203), generator=gen, dtype=torch.int16)  # every bfloat16, NaN and inf too
+    bits = torch.randint(-2**15, 2**15, (64, 203), generator=gen, dtype=torch.int16)  # random bfloat16 bit patterns, NaNs and infinities among them
     x = bits.view(torch.bfloat16)
     # residuals a few binades away: their float32 sums keep bits that rounding must drop, ties included
     residual = (x.float() * torch.rand(64, 203, generator=gen).mul(2.0**-9)).to(torch.bfloat16)
