@@ -15,7 +15,7 @@
 // order of every sum is fixed by this source (not by the CPU, the threads or the batch).
 //
 // Two paths with one result: attend() in AVX2 runs everywhere; attend_wide() runs on CPUs with
-// AVX-512 and computes the same bits with half the instructions, reading each K and V row once
+// AVX-512 and computes the same bits with fewer instructions, reading each K and V row once
 // for all the query heads that share it (bf16 batch-32 decode attention 1.23x, fp32 1.1x,
 // results/README.md). tests/engine/test_cpu_native.py compares the two bit for bit.
 
@@ -108,6 +108,18 @@ inline float max_of(const float* x, int64_t n) {
   return top;
 }
 
+// One head's scores (length of them, in a row padded to stride) scaled and exponentiated after
+// subtracting their maximum, in place; returns 1 / their sum, what each weight is multiplied by
+// (the padding is exponentiated, never summed).
+inline float softmax_numerators(float* s, int64_t length, int64_t stride, float scale) {
+  for (int64_t t = 0; t < length; ++t) s[t] *= scale;
+  const __m256 top = _mm256_set1_ps(max_of(s, length));
+  for (int64_t t = 0; t < stride; t += 8) _mm256_storeu_ps(s + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), top)));
+  float sum = 0.0f;
+  for (int64_t t = 0; t < length; ++t) sum += s[t];
+  return 1.0f / sum;
+}
+
 // The attention of one (sequence, KV head) task. NV > 0: head_dim is NV * 8 and the output
 // accumulators stay in registers; NV == 0: any head_dim, accumulators in memory. Both add
 // in the same order, so they give the same bits.
@@ -133,13 +145,7 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const std::vecto
       }
     }
     for (; t < length; ++t) s[t] = dot(qg, k_cache + rows[t], head_dim);
-    for (t = 0; t < length; ++t) s[t] *= scale;
-    // softmax: subtract the max, exponentiate, sum (the padding is exponentiated, never summed)
-    const __m256 top = _mm256_set1_ps(max_of(s, length));
-    for (t = 0; t < stride; t += 8) _mm256_storeu_ps(s + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), top)));
-    float sum = 0.0f;
-    for (t = 0; t < length; ++t) sum += s[t];
-    const float inv_sum = 1.0f / sum;
+    const float inv_sum = softmax_numerators(s, length, stride, scale);
     float* out = acc + g * head_dim;
     if (NV > 0) {
       __m256 a[NV > 0 ? NV : 1];
@@ -163,7 +169,7 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const std::vecto
 // * Scores: one 512-bit accumulator holds two keys, eight lanes each, so each half is dot()'s
 //   chain for its key (the query is repeated in both halves); eight keys' chains are then added
 //   across lanes in horizontal_sum's order, four keys per register at every step.
-// * Softmax: exp16 is exp8's operations on sixteen lanes.
+// * Softmax: attend()'s own (softmax_numerators), eight lanes wide: a small share of the task.
 // * Values: each output lane's chain of FMAs over the tokens, sixteen output lanes per register.
 // So the bits do not depend on which path ran (tests compare both), only the time: fewer
 // instructions, and each K/V row loaded and widened once for all the heads that share it.
@@ -258,24 +264,6 @@ inline void scores_wide(const float* q, const T* k_cache, const T* v_cache, cons
   }
 }
 
-// exp8 on sixteen lanes: the same operations, so the same value in every lane.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(exponent));
-}
-
 // out[h] = sum over t of weight[h][t] * value row t, for G heads at once: attend()'s chain for each
 // head and lane (a fused multiply-add per token, in token order), sixteen lanes per register.
 template <typename T, int NV, int G>
@@ -319,18 +307,10 @@ void attend_wide(const float* q, const T* k_cache, const T* v_cache, const std::
       g += 1;
     }
   }
-  for (int64_t g = 0; g < group; ++g) {  // softmax, head by head
+  for (int64_t g = 0; g < group; ++g) {  // softmax, head by head, as attend() computes it
     float* s = scores.data() + g * stride;
-    int64_t t = 0;
-    for (t = 0; t < length; ++t) s[t] *= scale;
-    const float top = max_of(s, length);
-    t = 0;
-    for (; t + 16 <= stride; t += 16) _mm512_storeu_ps(s + t, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(top))));
-    for (; t < stride; t += 8) _mm256_storeu_ps(s + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(top))));
-    float sum = 0.0f;
-    for (t = 0; t < length; ++t) sum += s[t];
-    const float inv_sum = 1.0f / sum;
-    for (t = 0; t < length; ++t) s[t] *= inv_sum;  // the weight attend() computes for each value row
+    const float inv_sum = softmax_numerators(s, length, stride, scale);
+    for (int64_t t = 0; t < length; ++t) s[t] *= inv_sum;  // the weight attend() computes for each value row
   }
   // Values: each row read and widened once for the whole group, G heads' chains side by side
   // (one head's chain of FMAs waits on itself at every token; several do not wait on each other).
