@@ -299,26 +299,31 @@ def test_serve_loads_the_model_on_a_thread_that_ends(monkeypatch, tiny_llama_tok
     monkeypatch.setattr(api_server.LLMEngine, "from_pretrained", from_pretrained)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--model", str(tiny_llama_tok_dir), "--port", "0"])
+    args = parser.parse_args(["--model", str(tiny_llama_tok_dir), "--port", "0", "--engine-thread"])
     with pytest.raises(RuntimeError, match="stop here"):
         api_server.serve_from_args(args)
     assert loaded_on and loaded_on[0] is not threading.main_thread() and not loaded_on[0].is_alive()
 
 
-def test_serve_hands_the_gil_over_every_millisecond(monkeypatch, tiny_llama_tok_dir):
+@pytest.mark.parametrize("engine_thread", [True, False])
+def test_serve_hands_the_gil_over_every_millisecond_when_the_engine_shares_the_process(
+        monkeypatch, tiny_llama_tok_dir, engine_thread):
     from types import SimpleNamespace
 
     from nanoengine.entrypoints.openai import api_server
     from nanoengine.entrypoints.openai.cli_args import add_arguments
 
     seen = []
-    engine = SimpleNamespace(max_model_len=8, runner=SimpleNamespace(num_blocks=1),
-                             shutdown=lambda: seen.append("shutdown"))
+    engine = SimpleNamespace(max_model_len=8, num_blocks=1, shutdown=lambda: seen.append("shutdown"))
     monkeypatch.setattr(api_server.LLMEngine, "from_pretrained", lambda *a, **k: engine)
-    monkeypatch.setattr(api_server, "build_app", lambda *a, **k: None)
+    monkeypatch.setattr(api_server, "EngineCoreClient", lambda build: build())  # no process: the test's engine
+    monkeypatch.setattr(api_server, "build_app",
+                        lambda engine, *a, **k: SimpleNamespace(state=SimpleNamespace(engine=engine)))
     monkeypatch.setattr(sys, "setswitchinterval", lambda seconds: seen.append(("set", seconds)))
     monkeypatch.setattr(api_server, "run_server", lambda *a, **k: seen.append("served"))
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    api_server.serve_from_args(parser.parse_args(["--model", str(tiny_llama_tok_dir), "--port", "0"]))
-    assert seen == [("set", 0.001), "served", "shutdown"] and api_server.GIL_SWITCH_INTERVAL_S == 0.001
+    api_server.serve_from_args(parser.parse_args(["--model", str(tiny_llama_tok_dir), "--port", "0"]
+                                                 + ["--engine-thread"] * engine_thread))
+    assert seen == [("set", 0.001)] * engine_thread + ["served", "shutdown"]
+    assert api_server.GIL_SWITCH_INTERVAL_S == 0.001

@@ -83,6 +83,7 @@ def test_python_m_nanoengine_serve_answers_until_ctrl_c(tiny_llama_tok_dir):
                 break
         url = line.split(" at ", 1)[1].split(" ", 1)[0]
         assert url.startswith("http://127.0.0.1:") and url.endswith("/v1"), line
+        assert "the engine in a process of its own" in line, line  # the default, as in vLLM (engine_core)
         with openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60) as client:
             assert [m.id for m in client.models.list().data] == ["tiny"]
             got = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})

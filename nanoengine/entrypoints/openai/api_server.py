@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -63,7 +64,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanoengine.engine.llm_engine import LLMEngine
-from nanoengine.entrypoints.openai.async_engine import AsyncLLMEngine, EngineDeadError, build_on_a_passing_thread
+from nanoengine.entrypoints.openai.async_engine import (AsyncLLMEngine, EngineDeadError, build_on_a_passing_thread,
+                                                        checked_max_waiting)
+from nanoengine.entrypoints.openai.engine_core import EngineCoreClient
 from nanoengine.entrypoints.openai.cli_args import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_HOST,
                                                     DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, engine_kwargs)
 from nanoengine.entrypoints.openai.metrics import ServerMetrics
@@ -73,14 +76,16 @@ from nanoengine.entrypoints.openai.serving import ClientGone, OpenAIServing
 
 logger = logging.getLogger("nanoengine.serve")
 
-def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = None,
+def build_app(engine: LLMEngine | EngineCoreClient, served_model_name: str, api_key: str | None = None,
               max_queue: int | None = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               body_timeout: float = DEFAULT_BODY_TIMEOUT, header_timeout: float = DEFAULT_HEADER_TIMEOUT) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_name``.
 
     The engine thread starts when the app starts (uvicorn's lifespan) and stops when it
     stops; in between, only that thread touches ``engine``. ``app.state.engine`` is the
-    ``AsyncLLMEngine`` (``app.state.engine.call(fn)`` runs ``fn(engine)`` safely).
+    ``AsyncLLMEngine`` (``app.state.engine.call(fn)`` runs ``fn(engine)`` safely). Given an
+    ``EngineCoreClient`` (``serve``: the engine in a process of its own), the app drives it
+    instead and stops its process when it stops.
     ``header_timeout`` is kept in ``app.state`` for the uvicorn server that runs the app.
     """
     if not isinstance(served_model_name, str) or not served_model_name:
@@ -93,8 +98,12 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
     metrics = ServerMetrics(served_model_name)
-    async_engine = AsyncLLMEngine(engine, max_waiting=max_queue, on_finished=metrics.observe_finished)
-    fingerprint = system_fingerprint(engine, served_model_name)
+    if isinstance(engine, EngineCoreClient):  # serve: the engine core already runs in its own process
+        async_engine = engine
+        async_engine.max_waiting, async_engine.on_finished = checked_max_waiting(max_queue), metrics.observe_finished
+    else:
+        async_engine = AsyncLLMEngine(engine, max_waiting=max_queue, on_finished=metrics.observe_finished)
+    fingerprint = system_fingerprint(async_engine, served_model_name)
     serving = OpenAIServing(async_engine, served_model_name, metrics, max_body_bytes=max_body_bytes,
                             body_timeout=body_timeout, system_fingerprint=fingerprint)
 
@@ -163,7 +172,7 @@ def build_app(engine: LLMEngine, served_model_name: str, api_key: str | None = N
     @app.post("/reset_prefix_cache", responses=_errors(503))
     async def reset_prefix_cache() -> dict:  # benchmarks: a run must not be served from the previous one
         try:
-            dropped = await asyncio.wrap_future(async_engine.call(lambda engine: engine.reset_prefix_cache()))
+            dropped = await asyncio.wrap_future(async_engine.call(_reset_prefix_cache))
         except EngineDeadError as exc:
             raise ProtocolError(str(exc), status=503, type="server_error", code="engine_unavailable") from None
         return {"dropped_blocks": dropped}
@@ -185,6 +194,11 @@ _ERROR_MEANINGS = {400: "a bad request: the message names the field and what is 
                    413: "the request body is larger than --max-body-bytes",
                    429: "more than --max-queue requests wait for the engine; retry later (Retry-After)",
                    503: "the engine has stopped"}
+
+
+def _reset_prefix_cache(engine: LLMEngine) -> int:
+    """``engine.reset_prefix_cache()``, by a name the engine-core process can import."""
+    return engine.reset_prefix_cache()
 
 
 def _errors(*statuses: int) -> dict:
@@ -215,10 +229,10 @@ def _openapi(app: FastAPI) -> dict:
     return schema
 
 
-def system_fingerprint(engine: LLMEngine, served_model_name: str) -> str:
+def system_fingerprint(engine: "AsyncLLMEngine | EngineCoreClient", served_model_name: str) -> str:
     """OpenAI's ``system_fingerprint``: names the configuration that produced a response
     (the model, the engine's settings), so that a client can tell when it changed."""
-    config = f"{served_model_name}|{engine.config!r}|{engine.max_model_len}|{engine.runner.num_blocks}"
+    config = f"{served_model_name}|{engine.config!r}|{engine.max_model_len}|{engine.num_blocks}"
     return "fp_" + hashlib.sha256(config.encode()).hexdigest()[:10]
 
 
@@ -395,7 +409,8 @@ def serve_in_background(engine: LLMEngine, served_model_name: str, host: str = D
 # can wait most of a switch interval for the loop to get the GIL. With 1 ms, alternating with
 # 5 ms over 3 rounds on the 2-core Xeon (results/README.md): inter-token p50 at 2 requests/s
 # 49-57 against 54-60 ms, TTFT p50 258-271 against 236-285 ms (2 req/s) and 325-401 against
-# 357-430 ms (4 req/s), throughput 1-2% higher. Only ``serve`` sets it: the process is the server's.
+# 357-430 ms (4 req/s), throughput 1-2% higher. Only ``serve --engine-thread`` sets it: the process
+# is the server's, and without that flag the engine steps in a process of its own (engine_core).
 GIL_SWITCH_INTERVAL_S = 0.001
 
 
@@ -412,19 +427,25 @@ def serve_from_args(args) -> None:
     engine = None
     try:
         print(f"loading {name} from {source}", flush=True)
-        kwargs = engine_kwargs(args)
-        # loaded on a thread that ends, so that the engine thread's OpenMP team is the only one (async_engine)
-        engine = build_on_a_passing_thread(lambda: LLMEngine.from_pretrained(source, **kwargs))
+        build = functools.partial(LLMEngine.from_pretrained, source, **engine_kwargs(args))
+        if args.engine_thread:
+            # loaded on a thread that ends, so that the engine thread's OpenMP team is the only one (async_engine)
+            engine = build_on_a_passing_thread(build)
+        else:
+            engine = EngineCoreClient(build)  # loaded and stepped by the main thread of a process of its own
         app = build_app(engine, name, api_key=args.api_key, max_queue=args.max_queue,
                         max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
                         header_timeout=args.header_timeout)
+        facts = app.state.engine
         host, port = sock.getsockname()[:2]
-        print(f"serving {name!r} at http://{host}:{port}/v1 (max_model_len {engine.max_model_len}, "
-              f"{engine.runner.num_blocks} KV blocks); Ctrl-C stops", flush=True)
+        print(f"serving {name!r} at http://{host}:{port}/v1 (max_model_len {facts.max_model_len}, "
+              f"{facts.num_blocks} KV blocks, the engine "
+              f"{'on a thread' if args.engine_thread else 'in a process of its own'}); Ctrl-C stops", flush=True)
         if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
             print(f"warning: listening on {args.host} without --api-key: anyone who can reach this machine can "
                   f"use the model", flush=True)
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        if args.engine_thread:
+            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         run_server(app, sock, args.log_level)
     finally:
         sock.close()

@@ -47,8 +47,9 @@ the one that loaded the model, and as fast once the loading thread had ended
 (``results/README.md``). So ``python -m nanoengine serve`` loads the model on a thread that ends
 (``build_on_a_passing_thread``), and the engine thread's team is the only one. A server
 started in a notebook (``serve_in_background``) steps a model the notebook's own thread
-loaded and keeps using, so it pays this (chapter 12 measures it); vLLM runs its engine
-core in a process of its own.
+loaded and keeps using, so it pays this (chapter 12 measures it). ``serve`` itself runs the
+engine core in a process of its own (``engine_core``, as vLLM v1 does) unless told
+``--engine-thread``; this module is then what the notebooks and tests serve with.
 
 Because commands are applied only between steps, a request arriving mid-step waits for
 that step to end: its TTFT (measured from its arrival) includes that wait, as it would in
@@ -111,6 +112,44 @@ class QueueFullError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped (shut down, or a step failed); nothing more can be served."""
+
+
+def checked_max_waiting(max_waiting: int | None) -> int | None:
+    """``max_waiting`` if it is None or an integer >= 1; else a ValueError that says so."""
+    if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)
+                                    or max_waiting < 1):
+        raise ValueError(f"max_waiting must be None or an integer >= 1, got {max_waiting!r}")
+    return max_waiting
+
+
+def add_all_or_none(engine: LLMEngine, requests: Sequence[tuple[str, Prompt, ParamsFor]], arrival_time: float,
+                    max_waiting: int | None) -> None:
+    """Add one engine request per (id, prompt, params), or none of them (the error says why).
+
+    Called by whoever steps the engine, between two steps. ``max_waiting`` (None: no limit)
+    refuses an add that would leave more sequences waiting for admission (``QueueFullError``);
+    a bad prompt or params raise the engine's own ``ValueError``, and the requests this call
+    already added are aborted first: nothing was computed for them yet.
+    """
+    waiting = len(engine.scheduler.waiting)
+    if max_waiting is not None and len(requests) > max_waiting:
+        raise ValueError(f"this request has {len(requests)} prompts, but at most {max_waiting} "
+                         f"may wait for the engine at once: send fewer per request")
+    if max_waiting is not None and waiting + len(requests) > max_waiting:
+        raise QueueFullError(f"{waiting} requests are already waiting for the engine (the server's limit is "
+                             f"{max_waiting}); retry later")
+    added: list[str] = []
+    try:
+        for request_id, prompt, params in requests:
+            _, token_ids = engine.tokenize_prompt(prompt)  # ValueError: empty, too long, bad ids
+            if callable(params):
+                params = params(len(token_ids))
+            engine.add_request(token_ids, params, request_id, arrival_time=arrival_time)
+            added.append(request_id)
+    except BaseException:
+        for request_id in added:
+            engine.abort(request_id)
+        raise
 
 
 # Commands from the asyncio side to the engine thread. Each result travels back on a
@@ -179,11 +218,8 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
                  on_finished: Callable[[RequestOutput], None] | None = None) -> None:
-        if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)
-                                        or max_waiting < 1):
-            raise ValueError(f"max_waiting must be None or an integer >= 1, got {max_waiting!r}")
         self.engine = engine
-        self.max_waiting = max_waiting
+        self.max_waiting = checked_max_waiting(max_waiting)
         self.on_finished = on_finished
         self._cond = threading.Condition()
         self._commands: list[_Add | _Abort | _Call] = []  # guarded by _cond
@@ -222,6 +258,27 @@ class AsyncLLMEngine:
     def stats(self) -> EngineStats:
         """The latest ``EngineStats`` (published after every step; no waiting)."""
         return self._stats
+
+    # What the server reads once, before serving: these never change while the engine runs.
+    @property
+    def config(self):
+        return self.engine.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def num_blocks(self) -> int:
+        return self.engine.runner.num_blocks
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def input_processor(self):
+        return self.engine.input_processor
 
     # ----------------------------------------------------- the asyncio side
     async def add_requests(self, requests: Sequence[tuple[str, Prompt, ParamsFor]],
@@ -313,28 +370,10 @@ class AsyncLLMEngine:
             command.done.set_result(result)
 
     def _add(self, command: _Add) -> None:
-        engine = self.engine
-        waiting = len(engine.scheduler.waiting)
-        if self.max_waiting is not None and len(command.requests) > self.max_waiting:
-            raise ValueError(f"this request has {len(command.requests)} prompts, but at most {self.max_waiting} "
-                             f"may wait for the engine at once: send fewer per request")
-        if self.max_waiting is not None and waiting + len(command.requests) > self.max_waiting:
-            raise QueueFullError(f"{waiting} requests are already waiting for the engine (the server's limit is "
-                                 f"{self.max_waiting}); retry later")
-        added: list[str] = []
-        try:
-            for request_id, prompt, params in command.requests:
-                _, token_ids = engine.tokenize_prompt(prompt)  # ValueError: empty, too long, bad ids
-                if callable(params):
-                    params = params(len(token_ids))
-                engine.add_request(token_ids, params, request_id, arrival_time=command.arrival_time)
-                self.router.watch(request_id, sink=_StreamSink(self, command.queue))
-                added.append(request_id)
-        except BaseException:
-            for request_id in added:  # all or nothing: nothing was computed for them yet
-                engine.abort(request_id)
-                self.router.release(request_id)
-            raise
+        add_all_or_none(self.engine, command.requests, command.arrival_time, self.max_waiting)
+        sink = _StreamSink(self, command.queue)
+        for request_id, _, _ in command.requests:
+            self.router.watch(request_id, sink=sink)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Report final outputs to ``on_finished``, then route every output to its stream."""

@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT,
                    help=f"seconds a request's body may take to arrive, else 408 (default {DEFAULT_BODY_TIMEOUT:g})")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--engine-thread", action="store_true",
+                   help="step the engine on a thread of the server's process instead of a process of its own "
+                   "(the default, as in vLLM: the engine's Python work then never waits for the server's)")
     engine = p.add_argument_group("engine options (EngineConfig)")
     engine.add_argument("--device", default="auto", help="auto, cpu or cuda")
     engine.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")

@@ -87,12 +87,12 @@ class OpenAIServing:
         self.body_timeout = body_timeout
         self.system_fingerprint = system_fingerprint
         # Read once, before the engine thread starts: these never change while serving.
-        self.max_model_len = engine.engine.max_model_len
-        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.tokenizer = engine.tokenizer
         # The engine's own input processor holds the rules every entry shares (how text is
         # tokenized, the chat template, what parameters this engine can serve); it reads no
         # engine state, so the tokenizer thread may call it while the engine thread steps.
-        self.input_processor = engine.engine.input_processor
+        self.input_processor = engine.input_processor
         self._max_token_bytes: int | None | bool = False  # False: not computed yet (the tokenizer thread does)
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoengine-tokenizer")
 

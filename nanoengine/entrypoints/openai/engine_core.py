@@ -1,0 +1,400 @@
+"""The engine core in a process of its own: what ``python -m nanoengine serve`` runs (chapter 12).
+
+``AsyncLLMEngine`` steps the engine on a thread of the server's process. That thread and
+the HTTP server's event loop then share one interpreter lock: while the event loop parses
+a request or writes a streamed chunk, the engine's Python work between two steps
+(scheduling, preparing inputs, sampling, detokenizing) waits for it, and the step gets
+longer for every request in flight. On a 2-core CPU the engine's OpenMP team computes on
+both cores during a step's kernels, and the core that the step's Python work leaves idle
+is exactly where the server's own work could run without slowing anything, if it did not
+need the same lock.
+
+So, as vLLM v1 does (its ``EngineCoreProc`` behind an ``AsyncLLM`` client), ``serve``
+splits them:
+
+* **the engine-core process** (``run_engine_core``) builds the engine on its main thread,
+  which is then the only thread that steps it and the only one with an OpenMP team. It
+  loops: read the commands that arrived on its pipe (add, abort, call, stop), apply them
+  between two steps, run one ``step()``, and send the step's outputs back in one message
+  with the replies to the commands and the engine's counters. With nothing to do it sleeps
+  on the pipe.
+* **the client** (``EngineCoreClient``, in the server's process) has ``AsyncLLMEngine``'s
+  interface, so the server cannot tell them apart. Its event loop reads the pipe when the
+  operating system says it is readable (``loop.add_reader``: no thread, no polling) and
+  puts each output on its HTTP request's queue; ``add_requests`` waits for the core's
+  reply, so a refused request (a bad prompt, a full queue) is an error before its
+  response starts, exactly as with the thread.
+
+The price is a copy: every step's ``RequestOutput`` objects are pickled and read back,
+tens of microseconds a step for a batch of 32. Arrival times need no translation:
+``time.perf_counter`` reads the same monotonic clock in every process of the machine.
+A function given to ``call`` runs in the core's process, so it must be importable there
+(a module-level function, not a lambda); its result comes back pickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import multiprocessing
+import pickle
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Callable, Sequence
+
+from nanoengine.config import EngineConfig
+from nanoengine.engine.input_processor import InputProcessor
+from nanoengine.engine.llm_engine import LLMEngine
+from nanoengine.entrypoints.openai.async_engine import (EngineDeadError, ParamsFor, Prompt, RequestStream,
+                                                        add_all_or_none, checked_max_waiting)
+from nanoengine.metrics import EngineStats
+from nanoengine.outputs import RequestOutput
+
+logger = logging.getLogger("nanoengine.serve")
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the server reads from the engine once, before serving (the core sends it when ready)."""
+
+    config: EngineConfig
+    max_model_len: int
+    num_blocks: int
+    input_processor: InputProcessor  # with the tokenizer: the server tokenizes and checks prompts itself
+    stats: EngineStats
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineFacts:
+        return cls(engine.config, engine.max_model_len, engine.runner.num_blocks, engine.input_processor,
+                   EngineStats.of(engine))
+
+
+# ----------------------------------------------------------------- the core's process
+def run_engine_core(conn: Connection, build: Callable[[], LLMEngine]) -> None:
+    """The engine-core process: build the engine, then serve the commands on ``conn`` until "stop".
+
+    Messages in: ``("add", ticket, requests, arrival_time)``, ``("abort", request_ids)``,
+    ``("call", ticket, fn)``, ``("max_waiting", n)``, ``("stop",)``. Messages out: ``("ready",
+    EngineFacts)`` or ``("failed", error)`` once; then ``("step", replies, outputs, stats)`` after
+    every round of commands and step, where ``replies`` are ``(ticket, result, error)``; and
+    ``("stopped", error, final_outputs)`` last, with the requests it had to abort.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle; it sends "stop"
+    try:
+        engine = build()
+    except BaseException as exc:
+        conn.send(("failed", _portable(exc)))
+        return
+    conn.send(("ready", EngineFacts.of(engine)))
+    error: BaseException | None = None
+    max_waiting: int | None = None
+    try:
+        while True:
+            if not engine.has_unfinished_requests():
+                conn.poll(None)  # idle: sleep until a command arrives
+            replies: list[tuple[int, Any, BaseException | None]] = []
+            outputs: list[RequestOutput] = []
+            stop = False
+            while not stop and conn.poll():
+                message = conn.recv()
+                kind = message[0]
+                if kind == "stop":
+                    stop = True
+                elif kind == "abort":
+                    outputs.extend(engine.abort(request_id) for request_id in message[1]
+                                   if engine.has_request(request_id))
+                elif kind == "max_waiting":
+                    max_waiting = message[1]
+                else:  # "add" or "call": the caller's errors are replies, not the engine's failure
+                    ticket = message[1]
+                    try:
+                        result = (add_all_or_none(engine, message[2], message[3], max_waiting) if kind == "add"
+                                  else message[2](engine))
+                    except Exception as exc:
+                        replies.append((ticket, None, _portable(exc)))
+                    else:
+                        replies.append((ticket, result, None))
+            if not stop and engine.has_unfinished_requests():
+                outputs.extend(engine.step())
+            if replies or outputs or not stop:
+                _send_step(conn, replies, outputs, EngineStats.of(engine))
+            if stop:
+                break
+    except (EOFError, OSError):  # the server's end of the pipe closed: nobody to serve
+        return
+    except Exception as exc:  # a bug or a device error: the server fails every request in flight
+        logger.exception("the engine failed; every request in flight gets an error")
+        error = exc
+    finals: list[RequestOutput] = []
+    for request_id in list(engine.output_processor.states):  # the user request ids still unfinished
+        try:
+            finals.append(engine.abort(request_id))
+        except Exception:  # after a failed step the bookkeeping may be broken; keep going
+            logger.exception("could not abort request %s", request_id)
+    try:
+        conn.send(("stopped", None if error is None else _portable(error), finals))
+    except (OSError, pickle.PicklingError):
+        pass
+    engine.shutdown()
+
+
+def _send_step(conn: Connection, replies: list, outputs: list[RequestOutput], stats: EngineStats) -> None:
+    try:
+        conn.send(("step", replies, outputs, stats))
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:  # a call returned something unpicklable
+        replies = [(ticket, None, _portable(exc)) for ticket, _, _ in replies]
+        conn.send(("step", replies, outputs, stats))
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling, else a RuntimeError that names it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+# ----------------------------------------------------------------- the server's side
+class EngineCoreClient:
+    """An engine stepped by a process of its own, driven from asyncio; ``AsyncLLMEngine``'s interface.
+
+    ``build`` is called in the new process to make the engine, so it must be picklable: a
+    module-level function or ``functools.partial(LLMEngine.from_pretrained, path, **options)``.
+    The constructor waits until the engine is built (``startup_timeout`` seconds) and raises
+    the core's error if building failed. ``max_waiting`` and ``on_finished`` as in
+    ``AsyncLLMEngine`` (``on_finished`` runs on the event loop here).
+    """
+
+    def __init__(self, build: Callable[[], LLMEngine], max_waiting: int | None = None,
+                 on_finished: Callable[[RequestOutput], None] | None = None,
+                 startup_timeout: float = 600.0) -> None:
+        self.max_waiting = checked_max_waiting(max_waiting)
+        self.on_finished = on_finished
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked OpenMP or locks
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(target=run_engine_core, args=(child_conn, build),
+                                        name="nanoengine-engine-core")
+        self._process.start()
+        child_conn.close()  # the child holds its own copy; ours would keep the pipe open after it exits
+        self._send_lock = threading.Lock()  # call() may come from any thread
+        self._pending: dict[int, concurrent.futures.Future] = {}  # ticket -> waiting add or call
+        self._pending_lock = threading.Lock()
+        self._tickets = itertools.count()
+        self._streams: dict[str, asyncio.Queue] = {}  # request id -> its HTTP request's queue (loop only)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopped = False
+        self.error: BaseException | None = None
+        facts = self._wait_until_ready(startup_timeout)
+        self.config, self.max_model_len, self.num_blocks = facts.config, facts.max_model_len, facts.num_blocks
+        self.input_processor = facts.input_processor
+        self.tokenizer = facts.input_processor.tokenizer
+        self._stats = facts.stats
+
+    def _wait_until_ready(self, timeout: float) -> EngineFacts:
+        deadline = time.monotonic() + timeout
+        while not self._conn.poll(0.5):
+            if not self._process.is_alive():
+                raise RuntimeError(f"the engine-core process exited while building the engine "
+                                   f"(exit code {self._process.exitcode})")
+            if time.monotonic() > deadline:
+                self._process.kill()
+                raise TimeoutError(f"the engine-core process did not build the engine within {timeout} s")
+        kind, payload = self._conn.recv()
+        if kind == "failed":
+            self._process.join(10)
+            raise payload
+        return payload
+
+    # ----------------------------------------------------------- lifecycle
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start reading the core's outputs on ``loop`` (default: the running one)."""
+        if self._loop is not None:
+            raise RuntimeError("this EngineCoreClient was already started; build a new one")
+        self._loop = loop or asyncio.get_running_loop()
+        self._send(("max_waiting", self.max_waiting))
+        self._loop.add_reader(self._conn.fileno(), self._read)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the core: unfinished requests are aborted and their streams end with
+        ``EngineDeadError``; the process exits. Safe to call twice."""
+        if not self._stopped:
+            try:
+                self._send(("stop",))
+            except OSError:
+                pass
+            deadline = time.monotonic() + timeout
+            while not self._stopped and self._conn_poll(max(0.0, deadline - time.monotonic())):
+                self._read()  # the last outputs and "stopped"
+        self._process.join(max(1.0, timeout))
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
+        self._close("the engine is shutting down")
+
+    def _conn_poll(self, timeout: float) -> bool:
+        try:
+            return self._conn.poll(timeout)
+        except (OSError, ValueError):  # closed
+            return False
+
+    @property
+    def is_running(self) -> bool:
+        return self._loop is not None and not self._stopped and self._process.is_alive()
+
+    @property
+    def stats(self) -> EngineStats:
+        """The latest ``EngineStats`` the core sent (after every step; no waiting)."""
+        return self._stats
+
+    # ----------------------------------------------------- the asyncio side
+    async def add_requests(self, requests: Sequence[tuple[str, Prompt, ParamsFor]],
+                           arrival_time: float | None = None) -> RequestStream:
+        """As ``AsyncLLMEngine.add_requests``; ``params`` must be picklable (not a lambda)."""
+        requests = list(requests)
+        queue: asyncio.Queue = asyncio.Queue()
+        for request_id, _, _ in requests:  # watched before the core can answer: no output is missed
+            self._streams[request_id] = queue
+        try:
+            await asyncio.wrap_future(self._request(
+                "add", requests, time.perf_counter() if arrival_time is None else arrival_time))
+        except asyncio.CancelledError:  # the caller went away while waiting: undo the add if it happened
+            self.abort([request_id for request_id, _, _ in requests])
+            raise
+        except BaseException:
+            for request_id, _, _ in requests:
+                self._streams.pop(request_id, None)
+            raise
+        return RequestStream(self, [request_id for request_id, _, _ in requests], queue)
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort these requests between two steps (unknown or finished ids are ignored)."""
+        if not self._stopped:
+            try:
+                self._send(("abort", list(request_ids)))
+            except OSError:
+                pass
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` in the core's process between two steps; its (pickled) result
+        arrives on the returned Future. ``fn`` must be importable there: a module-level function."""
+        try:
+            pickle.dumps(fn)
+        except Exception as exc:
+            raise TypeError(f"the engine runs in another process, so call() needs a function it can import "
+                            f"there (a module-level function, not a lambda or a closure): {exc}") from None
+        return self._request("call", fn)
+
+    def _request(self, kind: str, *args) -> concurrent.futures.Future:
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        with self._pending_lock:
+            if self._stopped or self._loop is None:
+                done.set_exception(EngineDeadError(self._why_dead()))
+                return done
+            ticket = next(self._tickets)
+            self._pending[ticket] = done
+        try:
+            self._send((kind, ticket, *args))
+        except Exception as exc:  # unpicklable params, or the pipe closed
+            with self._pending_lock:
+                self._pending.pop(ticket, None)
+            done.set_exception(exc if not isinstance(exc, OSError) else EngineDeadError(self._why_dead()))
+        return done
+
+    def _send(self, message: tuple) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def _why_dead(self) -> str:
+        if self._loop is None and not self._stopped:
+            return "the engine core has not been started"
+        if self.error is not None:
+            return f"the engine failed and stopped: {self.error!r}"
+        return "the engine is shutting down"
+
+    # ------------------------------------------- messages from the core (event loop)
+    def _read(self) -> None:
+        """Handle every message waiting on the pipe (the event loop calls this when it is readable)."""
+        try:
+            while not self._stopped and self._conn.poll():
+                message = self._conn.recv()
+                if message[0] == "step":
+                    self._on_step(*message[1:])
+                else:  # "stopped"
+                    self._on_stopped(*message[1:])
+        except (EOFError, OSError):  # the process died without saying so
+            code = self._process.exitcode
+            self.error = self.error or RuntimeError(f"the engine-core process exited unexpectedly"
+                                                    f"{'' if code is None else f' (exit code {code})'}")
+            self._close(self._why_dead())
+
+    def _on_step(self, replies: list, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        self._stats = stats
+        for ticket, result, error in replies:
+            with self._pending_lock:
+                done = self._pending.pop(ticket, None)
+            if done is not None and done.set_running_or_notify_cancel():
+                if error is None:
+                    done.set_result(result)
+                else:
+                    done.set_exception(error)
+        for out in outputs:
+            if out.finished:
+                self._finished(out)
+                queue = self._streams.pop(out.request_id, None)
+            else:
+                queue = self._streams.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    def _on_stopped(self, error: BaseException | None, finals: list[RequestOutput]) -> None:
+        if error is not None:
+            self.error = error
+        for out in finals:
+            self._finished(out)
+        self._close(self._why_dead())
+
+    def _finished(self, out: RequestOutput) -> None:
+        if self.on_finished is not None:
+            try:
+                self.on_finished(out)
+            except Exception:  # an observer's bug must not stop serving
+                logger.exception("on_finished failed for request %s", out.request_id)
+
+    def _close(self, why: str) -> None:
+        """Nothing more will come: fail what waits, end every open stream with the error."""
+        first = not self._stopped
+        self._stopped = True
+        if first and self._loop is not None:
+            try:
+                self._loop.remove_reader(self._conn.fileno())
+            except (ValueError, OSError, RuntimeError):  # closed pipe or closed loop
+                pass
+        error = EngineDeadError(why)
+        with self._pending_lock:
+            pending, self._pending = self._pending, {}
+        for done in pending.values():
+            if done.set_running_or_notify_cancel():
+                done.set_exception(error)
+        streams, self._streams = self._streams, {}
+        for queue in {id(q): q for q in streams.values()}.values():  # once per stream: it ends at the first error
+            self._put(queue, error)
+
+    def _put(self, queue: asyncio.Queue, item) -> None:
+        """Put on a queue from any thread (shutdown may run off the loop)."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            queue.put_nowait(item)
+        else:
+            try:
+                self._loop.call_soon_threadsafe(queue.put_nowait, item)
+            except (RuntimeError, AttributeError):  # the loop is closed or never started
+                pass
