@@ -102,8 +102,19 @@ def test_refused_requests_add_nothing_and_later_ones_still_run(tiny_llama_dir, e
         with pytest.raises(ValueError, match="at most 2"):
             await core.add_requests([(f"r{i}", [1, 2], GREEDY) for i in range(3)])
         assert core._streams == {}  # the refused requests' queues are gone
+        with pytest.raises(ValueError, match="unique"):
+            await core.add_requests([("twice", [1, 2], GREEDY), ("twice", [3, 4], GREEDY)])
+        cancelled = asyncio.ensure_future(core.add_requests([("gone", [1, 2], LONG)]))
+        await asyncio.sleep(0)  # sent to the core; the caller goes away before the reply
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        assert "gone" not in core._streams
         stream = await core.add_requests([("a", [5, 6, 7], GREEDY)])
-        return [out async for out in stream][-1].token_ids
+        tokens = [out async for out in stream][-1].token_ids
+        while core.stats.num_running or core.stats.num_waiting:  # the cancelled add was aborted in the core
+            await asyncio.sleep(0.05)
+        return tokens
 
     assert run(scenario, client) == expected["a"]
 

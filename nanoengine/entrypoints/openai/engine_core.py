@@ -257,20 +257,24 @@ class EngineCoreClient:
                            arrival_time: float | None = None) -> RequestStream:
         """As ``AsyncLLMEngine.add_requests``; ``params`` must be picklable (not a lambda)."""
         requests = list(requests)
+        request_ids = [request_id for request_id, _, _ in requests]
+        taken = [request_id for request_id in request_ids if request_id in self._streams]
+        if taken or len(set(request_ids)) < len(request_ids):
+            raise ValueError(f"request ids must be unique among the requests in flight: {taken or request_ids} "
+                             f"given twice")
         queue: asyncio.Queue = asyncio.Queue()
-        for request_id, _, _ in requests:  # watched before the core can answer: no output is missed
+        for request_id in request_ids:  # watched before the core can answer: no output is missed
             self._streams[request_id] = queue
         try:
             await asyncio.wrap_future(self._request(
                 "add", requests, time.perf_counter() if arrival_time is None else arrival_time))
-        except asyncio.CancelledError:  # the caller went away while waiting: undo the add if it happened
-            self.abort([request_id for request_id, _, _ in requests])
-            raise
-        except BaseException:
-            for request_id, _, _ in requests:
+        except BaseException as exc:
+            for request_id in request_ids:  # nobody will read them; a late output is dropped
                 self._streams.pop(request_id, None)
+            if isinstance(exc, asyncio.CancelledError):  # the caller went away: undo the add if it happened
+                self.abort(request_ids)
             raise
-        return RequestStream(self, [request_id for request_id, _, _ in requests], queue)
+        return RequestStream(self, request_ids, queue)
 
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort these requests between two steps (unknown or finished ids are ignored)."""
