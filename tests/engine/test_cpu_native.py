@@ -310,9 +310,24 @@ def test_native_kernels_round_to_bfloat16_as_pytorch_does_one_value():
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_prefill_attention_has_the_references_bits(dtype):
-    # fresh prompts, chunks after a cached prefix, an empty chunk, one token: every branch of the reference
-    lens, q_lens = [40, 17, 64, 100, 33, 5, 1], [40, 17, 20, 0, 33, 3, 1]
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("lens, q_lens", [
+    # fresh prompts, chunks after a cached prefix, an empty chunk, one token: every branch of the reference;
+    # on two threads, shared out a sequence per thread
+    ([40, 17, 64, 100, 33, 5, 1], [40, 17, 20, 0, 33, 3, 1]),
+    # one prompt outweighs the rest: one after another, SDPA splitting each over the threads
+    ([90, 30], [90, 12]),
+])
+def test_native_prefill_attention_has_the_references_bits(dtype, threads, lens, q_lens):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_native_prefill_attention(dtype, lens, q_lens)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _check_native_prefill_attention(dtype, lens, q_lens):
     query, k_cache, v_cache, tables, context_lens = _paged_case(dtype, lens, block_size=16, seed=3)
     cu = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
     chunk = torch.randn(sum(q_lens), 9, 64).to(dtype)
