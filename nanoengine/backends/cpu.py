@@ -40,7 +40,8 @@ cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here:
 * **Prefill attention a sequence per thread, in bfloat16 where the CPU has it.** The reference
   prefill calls PyTorch's SDPA once per sequence from Python, and SDPA splits each short
   sequence over the threads. ``cpu_native.paged_prefill_attention`` makes the same calls from
-  C++, each thread taking the step's next sequence whole (the same bits). The reference widens
+  C++, each thread taking the step's next sequence whole (the same bits), unless one prompt
+  outweighs a thread's share (a lone one), which SDPA then splits over the threads. The reference widens
   a bfloat16 cache's keys and values to float32 first; on a CPU with bfloat16 instructions
   (AVX512-BF16, AMX) SDPA takes them as they are, multiplying in bfloat16 with float32
   accumulators, 2-3x faster per call (results/README.md).

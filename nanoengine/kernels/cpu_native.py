@@ -18,7 +18,8 @@ Four operations are poorly served by the libraries PyTorch calls, three of them 
   the AVX2 path's bits (functions compiled for AVX-512 alone, chosen at run time).
 * **Prefill attention for a whole step** (``paged_prefill_attention``,
   ``csrc/paged_prefill_attention.cpp``): the reference's PyTorch calls made from C++, each
-  thread taking the step's next sequence whole instead of the threads splitting every short one.
+  thread taking the step's next sequence whole instead of the threads splitting every short one;
+  a prompt too long to share out that way (a lone one) is split over the threads by SDPA itself.
 * **RMSNorm with its residual add** (``rms_norm``, ``add_rms_norm``, ``csrc/rms_norm.cpp``):
   one call and one pass per row where eager PyTorch makes five calls; for one decoding
   sequence the calls, not the arithmetic, were the cost.
