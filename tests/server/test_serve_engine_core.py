@@ -16,7 +16,7 @@ import pytest
 
 from nanoengine import LLMEngine, SamplingParams
 from nanoengine.entrypoints.openai.async_engine import EngineDeadError, QueueFullError
-from nanoengine.entrypoints.openai.engine_core import EngineCoreClient
+from nanoengine.entrypoints.openai.engine_core import ENGINE_CORE_SPINCOUNT, EngineCoreClient
 
 pytestmark = pytest.mark.slow  # each test spawns the core's process (python and torch load in ~2 s)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -45,6 +45,10 @@ def failing_on_step(path) -> LLMEngine:
 
 def num_free_blocks(engine: LLMEngine) -> int:
     return engine.block_manager.num_free_blocks
+
+
+def openmp_settings(engine: LLMEngine) -> tuple:
+    return os.environ.get("GOMP_SPINCOUNT"), os.environ.get("OMP_WAIT_POLICY")
 
 
 def run(coroutine_fn, client: EngineCoreClient):
@@ -134,11 +138,15 @@ def test_the_queue_limit_refuses_what_would_wait_beyond_it(tiny_llama_dir):
     run(scenario, client)
 
 
-def test_abort_frees_the_blocks_and_call_runs_a_function_in_the_core(tiny_llama_dir):
+def test_abort_frees_the_blocks_and_call_runs_a_function_in_the_core(tiny_llama_dir, monkeypatch):
+    for name in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"):  # scripts/test.sh sets a policy: a user's choice, kept
+        monkeypatch.delenv(name, raising=False)
     client = EngineCoreClient(build(tiny_llama_dir))
 
     async def scenario(core: EngineCoreClient):
         free_before = await asyncio.wrap_future(core.call(num_free_blocks))
+        # the core's OpenMP threads sleep sooner than an engine's alone (engine_core's docstring)
+        assert await asyncio.wrap_future(core.call(openmp_settings)) == (str(ENGINE_CORE_SPINCOUNT), None)
         stream = await core.add_requests([("long", list(range(1, 40)), LONG)])
         await stream.__anext__()
         assert await asyncio.wrap_future(core.call(num_free_blocks)) < free_before
@@ -153,7 +161,7 @@ def test_abort_frees_the_blocks_and_call_runs_a_function_in_the_core(tiny_llama_
         return free_before, await asyncio.wrap_future(core.call(num_free_blocks))
 
     free_before, free_after = run(scenario, client)
-    assert free_after == free_before
+    assert free_after == free_before and "GOMP_SPINCOUNT" not in os.environ
 
 
 def test_shutdown_ends_the_streams_in_flight_with_an_error(tiny_llama_dir):
@@ -203,6 +211,18 @@ def test_a_killed_core_is_noticed_and_every_stream_ends(tiny_llama_dir):
         assert not core.is_running
 
     run(scenario, client)
+
+
+def test_the_core_keeps_the_openmp_settings_a_user_chose(tiny_llama_dir, monkeypatch):
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    client = EngineCoreClient(build(tiny_llama_dir))
+
+    async def scenario(core: EngineCoreClient):
+        return await asyncio.wrap_future(core.call(openmp_settings))
+
+    assert run(scenario, client) == (None, "PASSIVE")
+    assert "GOMP_SPINCOUNT" not in os.environ  # set only for the core's start, never here
 
 
 def test_a_core_that_cannot_build_its_engine_raises_the_reason_here(tmp_path):
