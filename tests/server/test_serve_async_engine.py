@@ -306,7 +306,7 @@ def test_serve_loads_the_model_on_a_thread_that_ends(monkeypatch, tiny_llama_tok
 
 
 @pytest.mark.parametrize("engine_thread", [True, False])
-def test_serve_hands_the_gil_over_every_millisecond_when_the_engine_shares_the_process(
+def test_serve_sets_the_gil_interval_with_an_engine_thread_and_a_lower_priority_with_an_engine_core(
         monkeypatch, tiny_llama_tok_dir, engine_thread):
     from types import SimpleNamespace
 
@@ -320,10 +320,13 @@ def test_serve_hands_the_gil_over_every_millisecond_when_the_engine_shares_the_p
     monkeypatch.setattr(api_server, "build_app",
                         lambda engine, *a, **k: SimpleNamespace(state=SimpleNamespace(engine=engine)))
     monkeypatch.setattr(sys, "setswitchinterval", lambda seconds: seen.append(("set", seconds)))
+    monkeypatch.setattr(api_server.os, "nice", lambda increment: seen.append(("nice", increment)))
     monkeypatch.setattr(api_server, "run_server", lambda *a, **k: seen.append("served"))
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     api_server.serve_from_args(parser.parse_args(["--model", str(tiny_llama_tok_dir), "--port", "0"]
                                                  + ["--engine-thread"] * engine_thread))
-    assert seen == [("set", 0.001)] * engine_thread + ["served", "shutdown"]
-    assert api_server.GIL_SWITCH_INTERVAL_S == 0.001
+    # the GIL's interval when the engine shares the process; a lower priority when it has its own
+    expected = [("set", 0.001)] if engine_thread else [("nice", api_server.FRONT_END_NICENESS)]
+    assert seen == expected + ["served", "shutdown"]
+    assert api_server.GIL_SWITCH_INTERVAL_S == 0.001 and api_server.FRONT_END_NICENESS == 5
