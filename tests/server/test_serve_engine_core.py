@@ -11,6 +11,8 @@ import asyncio
 import functools
 import os
 import signal
+import sys
+import types
 
 import pytest
 
@@ -153,6 +155,11 @@ def test_abort_frees_the_blocks_and_call_runs_a_function_in_the_core(tiny_llama_
         stream.abort()
         with pytest.raises(TypeError, match="module-level function"):
             core.call(lambda engine: engine.step_count)
+        only_here = types.ModuleType("only_in_the_server_process")  # pickles here, cannot be imported there
+        exec("def peek(engine):\n    return engine.step_count", only_here.__dict__)
+        monkeypatch.setitem(sys.modules, only_here.__name__, only_here)
+        with pytest.raises(ModuleNotFoundError, match="only_in_the_server_process"):
+            await asyncio.wrap_future(core.call(only_here.peek))
         while True:  # the aborted final output is routed like any other, then nothing stays behind
             out = await asyncio.wait_for(stream._queue.get(), 30)
             if out.finished:

@@ -67,9 +67,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.entrypoints.openai.async_engine import (AsyncLLMEngine, EngineDeadError, build_on_a_passing_thread,
                                                         checked_max_waiting)
-from nanoengine.entrypoints.openai.engine_core import EngineCoreClient
 from nanoengine.entrypoints.openai.cli_args import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_HOST,
                                                     DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, engine_kwargs)
+from nanoengine.entrypoints.openai.engine_core import EngineCoreClient
 from nanoengine.entrypoints.openai.metrics import ServerMetrics
 from nanoengine.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
                                                     ProtocolError, error_body)

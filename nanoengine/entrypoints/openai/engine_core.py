@@ -98,7 +98,7 @@ def run_engine_core(conn: Connection, build: Callable[[], LLMEngine]) -> None:
     """The engine-core process: build the engine, then serve the commands on ``conn`` until "stop".
 
     Messages in: ``("add", ticket, requests, arrival_time)``, ``("abort", request_ids)``,
-    ``("call", ticket, fn)``, ``("max_waiting", n)``, ``("stop",)``. Messages out: ``("ready",
+    ``("call", ticket, pickled fn)``, ``("max_waiting", n)``, ``("stop",)``. Messages out: ``("ready",
     EngineFacts)`` or ``("failed", error)`` once; then ``("step", replies, outputs, stats)`` after
     every round of commands and step, where ``replies`` are ``(ticket, result, error)``; and
     ``("stopped", error, final_outputs)`` last, with the requests it had to abort.
@@ -131,9 +131,9 @@ def run_engine_core(conn: Connection, build: Callable[[], LLMEngine]) -> None:
                     max_waiting = message[1]
                 else:  # "add" or "call": the caller's errors are replies, not the engine's failure
                     ticket = message[1]
-                    try:
+                    try:  # a call's function arrives pickled: one its process cannot import fails only the call
                         result = (add_all_or_none(engine, message[2], message[3], max_waiting) if kind == "add"
-                                  else message[2](engine))
+                                  else pickle.loads(message[2])(engine))
                     except Exception as exc:
                         replies.append((ticket, None, _portable(exc)))
                     else:
@@ -168,7 +168,8 @@ def _environment_for_core():
 
     A spawned process inherits ``os.environ`` as it is when the process starts, and GNU
     OpenMP reads its settings when it loads (the core imports torch after it starts), so
-    the variable is set only around ``Process.start`` and this process never sees it change.
+    the variable is set only around ``Process.start``; this process's OpenMP, loaded long
+    before, keeps its own.
     """
     chosen = "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ
     if not chosen:
@@ -326,11 +327,11 @@ class EngineCoreClient:
         """Run ``fn(engine)`` in the core's process between two steps; its (pickled) result
         arrives on the returned Future. ``fn`` must be importable there: a module-level function."""
         try:
-            pickle.dumps(fn)
+            payload = pickle.dumps(fn)
         except Exception as exc:
             raise TypeError(f"the engine runs in another process, so call() needs a function it can import "
                             f"there (a module-level function, not a lambda or a closure): {exc}") from None
-        return self._request("call", fn)
+        return self._request("call", payload)
 
     def _request(self, kind: str, *args) -> concurrent.futures.Future:
         done: concurrent.futures.Future = concurrent.futures.Future()
