@@ -38,8 +38,9 @@ spinning long enough to catch the next operator of a step, not through the step'
 vLLM's CPU backend sets Intel OpenMP's ``KMP_BLOCKTIME`` to 1 ms for the same reason.
 
 The price is a copy: every step's ``RequestOutput`` objects are pickled and read back,
-tens of microseconds a step for a batch of 32. Arrival times need no translation:
-``time.perf_counter`` reads the same monotonic clock in every process of the machine.
+about 0.2 ms a step for a batch of 32 (10 KB, both sides, on the 2-core Xeon). Arrival
+times need no translation: ``time.perf_counter`` reads the same monotonic clock in every
+process of the machine.
 A function given to ``call`` runs in the core's process, so it must be importable there
 (a module-level function, not a lambda); its result comes back pickled.
 """
