@@ -35,7 +35,8 @@ work and the clients' wait for it and later take a core from the team in the mid
 parallel operator, where its partner can only wait. So the core's process starts with
 ``GOMP_SPINCOUNT`` at ``ENGINE_CORE_SPINCOUNT`` (unless you set it, or ``OMP_WAIT_POLICY``):
 spinning long enough to catch the next operator of a step, not through the step's Python.
-vLLM's CPU backend sets Intel OpenMP's ``KMP_BLOCKTIME`` to 1 ms for the same reason.
+vLLM's CPU workers bound the wait too: with Intel OpenMP they set ``KMP_BLOCKTIME`` to 5 ms
+(``vllm/utils/ompmultiprocessing.py`` in vLLM 0.32), where Intel's default is 200 ms.
 
 The price is a copy: every step's ``RequestOutput`` objects are pickled and read back,
 about 0.2 ms a step for a batch of 32 (10 KB, both sides, on the 2-core Xeon). Arrival
@@ -73,8 +74,8 @@ from nanoengine.outputs import RequestOutput
 logger = logging.getLogger("nanoengine.serve")
 
 # GNU OpenMP's spin count for the engine core's threads (the module's docstring says why). Measured
-# alternating two servers on a 2-core Xeon (results/README.md): at 10,000 inter-token p50 fell from
-# 50-51 to 46 ms and TTFT p50 from 232-242 to 215-228 ms at 2 requests/s.
+# alternating two servers on a 2-core Xeon, 3 rounds (results/README.md): at 10,000 inter-token p50
+# at 2 requests/s 49 against 51 ms and TTFT p50 234 against 238 ms (medians), a small gain; 1,000 was worse.
 ENGINE_CORE_SPINCOUNT = 10_000
 
 
