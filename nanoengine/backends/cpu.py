@@ -26,11 +26,11 @@ cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here:
   instead of five eager operators, and the rotary embedding ``cpu_native.rotate_half``
   (one pass over a step's queries and keys, eager's bits, instead of six passes: most of
   its time is prefill rows); ``compile=True`` puts its compiled ones in their place.
-* **A decoder layer in one call on decode steps.** Decoding one sequence, a step spent ~6 ms
-  beside its ~19 ms of GEMMs calling ~25 operators a layer from Python. On a step of decodes
-  only, each Llama layer runs as one C++ operator that makes the same operator calls, in the
-  same order, from C++ (``backends.cpu_fused``, ``kernels/csrc/decode_layer.cpp``): eager's bits,
-  about 30% less time per token (results/README.md). Prefill steps run the layers' Python ``forward``.
+* **A decoder layer in one call.** Decoding one sequence, a step spent ~6 ms beside its ~19 ms
+  of GEMMs calling ~25 operators a layer from Python, and a prefill pays the same calls once
+  per step. Each Llama layer runs as one C++ operator that makes the same operator calls, in
+  the same order, from C++ (``backends.cpu_fused``, ``kernels/csrc/llama_layer.cpp``): eager's
+  bits, 15-30% less time per decoded token and 7-10 ms less per lone prompt (results/README.md).
 * **Store-KV without a check per layer.** Whether any token of the step has no slot (-1,
   a warm-up row) is decided once from the plan on the host (``all_slots_stored``); the
   layers then copy their keys and values with no host synchronisation.
@@ -80,7 +80,7 @@ class CpuAttentionMetadata(AttentionMetadata):
 
     decode_plan: DecodePlan | None = None  # where each decode sequence's K/V rows are (None: no decodes)
     all_slots_stored: bool = True  # every token of the step has a cache slot (no -1 in slot_mapping)
-    fused_decode: bool = False  # decodes only, each with a slot: the layers run fused (``backends.cpu_fused``)
+    fused: bool = False  # every token has a slot: the layers run fused (``backends.cpu_fused``)
 
 
 class CpuAttention(AttentionImpl):
@@ -170,7 +170,8 @@ class GraphLinearMethod(CpuLinearMethod):
     """``CpuLinearMethod`` called as one opaque operator, for the compiled model (``backends.cpu_graph``)."""
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.nanoengine.cpu_linear(x, layer.weight, bias, self.packed, self.few_rows)
+        few_rows_max = cpu_native.MAX_ROWS if self.few_rows else 0
+        return torch.ops.nanoengine.cpu_linear(x, layer.weight, bias, self.packed, few_rows_max)
 
 
 def takes_few_rows(x: torch.Tensor, weight: torch.Tensor, few_rows: bool) -> bool:
@@ -200,9 +201,9 @@ class CpuBackend(Backend):
         self.compile_model = compile_model
         self.compiled_forward = None  # set by prepare_forward when compiling worked
         self.layer_caches: list = []  # each attention layer's (k_cache, v_cache), for the compiled graph
-        self.fused_layers = 0  # decoder layers that can run fused on decode steps (``backends.cpu_fused``)
+        self.fused_layers = 0  # decoder layers that can run as one native call each (``backends.cpu_fused``)
         self.unfused_reason: str | None = None  # why they cannot, when they cannot
-        self.fuse_decode = True  # False: every step runs the layers' Python forward (chapter 10 compares)
+        self.fuse_layers = True  # False: every step runs the layers' Python forward (chapter 10 compares)
         keep_freed_memory()
 
     def describe(self) -> str:
@@ -245,7 +246,7 @@ class CpuBackend(Backend):
         self.weight_copy_bytes = copy_bytes
 
     def prepare_forward(self, runner) -> None:
-        """Eager with the decoder layers fused on decode steps (the default), the model compiled
+        """Eager with each decoder layer one native call (the default), the model compiled
         whole with compile_model=True, or the small fused ops compiled with compile=True."""
         if self.compile_model:
             from nanoengine.backends import cpu_graph
@@ -257,13 +258,13 @@ class CpuBackend(Backend):
             return
         self.unfused_reason = cpu_fused.unfit_reason(runner.model, self)
         if self.unfused_reason is None:
-            self.fused_layers = cpu_fused.install(runner.model)
+            self.fused_layers = cpu_fused.install(runner.model, self.attention.prefill_dtype)
 
     def forward_mode(self) -> str:
         if self.compiled_forward is not None:
             return "compiled (whole model)"
-        if self.fused_layers and self.fuse_decode:
-            return "eager (decode steps: one native call per decoder layer)"
+        if self.fused_layers and self.fuse_layers:
+            return "eager (one native call per decoder layer)"
         return super().forward_mode()
 
     def forward(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -284,9 +285,8 @@ class CpuBackend(Backend):
                                            torch.empty(0, dtype=self.kv_dtype).element_size())
         slots = plan.slot_mapping
         all_stored = bool((slots >= 0).all()) if isinstance(slots, torch.Tensor) else min(slots, default=0) >= 0
-        fused = (self.fuse_decode and self.fused_layers > 0 and all_stored and plan.num_decode_tokens > 0
-                 and fields["prefill_context_lens"].shape[0] == 0)
-        return CpuAttentionMetadata(**fields, decode_plan=decode_plan, all_slots_stored=all_stored, fused_decode=fused)
+        fused = self.fuse_layers and self.fused_layers > 0 and all_stored
+        return CpuAttentionMetadata(**fields, decode_plan=decode_plan, all_slots_stored=all_stored, fused=fused)
 
     def logits_rows_per_chunk(self, num_rows: int, vocab_size: int, hidden_size: int) -> int:
         """How many rows of logits one LM-head call computes.

@@ -1,28 +1,31 @@
-"""A decode step's decoder layers, one call each (the CPU backend; chapter 10).
+"""A step's decoder layers, one call each (the CPU backend; chapter 10).
 
 Measured on SmolLM2-135M decoding one sequence on a 2-core CPU: a step took ~25 ms, of
 which ~19 ms were the GEMMs reading the weights and ~6 ms the rest, and the rest was
 almost all calls from Python: 30 layers of about 25 operators each (module calls, views,
 two norms, seven operators of rotary embedding (one native call since), store-KV, attention,
-four GEMMs, the activation), a few microseconds apiece. GPU engines hide this behind CUDA graphs; vLLM's
-CPU backend compiles the model with ``torch.compile``. This engine's whole-model compile
-(``compile_model=True``, ``backends.cpu_graph``) measured no faster, because its graph still
-calls each GEMM and attention through Python.
+four GEMMs, the activation), a few microseconds apiece. A prefill pays the same calls once
+per step, whatever its length: 7-10 ms of a lone 37- to 248-token prompt's 63-233 ms (float32;
+results/README.md). GPU engines hide this behind CUDA graphs; vLLM's CPU backend compiles the
+model with ``torch.compile``. This engine's whole-model compile (``compile_model=True``,
+``backends.cpu_graph``) measured no faster: its graph still calls attention through Python
+(~65 us a layer), and a 37-token prefill spent 4.7 ms in Inductor's generated code, more than
+the eager operators it replaced (silu and mul 2.5 ms, the rest under 1 ms each).
 
-So on a step of decodes only, each ``LlamaDecoderLayer`` runs as one C++ operator,
-``nanoengine::llama_decode_layer`` (``kernels/csrc/decode_layer.cpp``), which calls the same
-operators the eager layer calls, in the same order, from C++: the native norms, the few-rows
-kernel or oneDNN's packed GEMM (the same rule as ``CpuLinearMethod``), store-KV, the paged
-decode kernel, ATen's silu and mul, and the rotary embedding written out with eager's
-arithmetic. The hidden states are the eager layer's, bit for bit (tests/engine/
-test_cpu_fused.py), so greedy tokens and logprobs do not change. Python still walks the
-30 layers: the model's own ``forward`` runs as written and calls each layer, whose
-``forward`` the backend replaced with a ``FusedDecodeLayer`` that decides per step.
+So each ``LlamaDecoderLayer`` runs as one C++ operator, ``nanoengine::llama_layer``
+(``kernels/csrc/llama_layer.cpp``), which calls the same operators the eager layer calls, in
+the same order, from C++: the native norms, the few-rows kernel or oneDNN's packed GEMM (the
+same rule as ``CpuLinearMethod``), store-KV, the paged decode kernel for the step's decode
+rows and the native prefill attention for its prefill chunks (``CpuAttention.forward``'s
+split), ATen's silu and mul, and the rotary embedding written out with eager's arithmetic.
+The hidden states are the eager layer's, bit for bit (tests/engine/test_cpu_fused.py), so
+greedy tokens and logprobs do not change. Python still walks the 30 layers: the model's own
+``forward`` runs as written and calls each layer, whose ``forward`` the backend replaced with
+a ``FusedLayer`` that decides per step.
 
-Steps with prefill chunks (or a verify step of speculative decoding, which is a prefill of
-several tokens), a token without a cache slot (a warm-up row), and models this does not
-cover (tensor parallelism, Qwen3's per-head norms, a bias on o_proj, a dtype the kernels do
-not take) run the layer's Python ``forward``.
+A step with a token that has no cache slot (a warm-up row), and models this does not cover
+(tensor parallelism, Qwen3's per-head norms, a bias on o_proj, a dtype the kernels do not
+take) run the layer's Python ``forward``.
 """
 
 from __future__ import annotations
@@ -33,14 +36,15 @@ from nanoengine.kernels import cpu_native
 from nanoengine.layers.attention import AttentionMetadata
 
 
-class FusedDecodeLayer:
-    """A ``LlamaDecoderLayer``'s forward: one native call on decode steps, the layer's own otherwise.
+class FusedLayer:
+    """A ``LlamaDecoderLayer``'s forward: one native call on the steps the backend fuses, the layer's own otherwise.
 
     Installed as the layer instance's ``forward`` by ``install``; ``eager`` is the class's
-    ``forward`` bound to the layer (what runs on any other step).
+    ``forward`` bound to the layer (what runs on any other step). ``prefill_dtype``: the
+    dtype prefill attention multiplies in (``CpuAttention.prefill_dtype``).
     """
 
-    def __init__(self, layer: torch.nn.Module) -> None:
+    def __init__(self, layer: torch.nn.Module, prefill_dtype: torch.dtype | None) -> None:
         attn = layer.self_attn
         self.eager = type(layer).forward.__get__(layer)
         self.rotary = attn.rotary_emb
@@ -51,15 +55,19 @@ class FusedDecodeLayer:
                         *qkv, attn.qkv_proj.bias, *o, *gate_up, *down,
                         cpu_native.MAX_ROWS)  # rows up to this take the few-rows kernel, as in CpuLinearMethod
         self.shape = (attn.num_heads, attn.num_kv_heads, self.attention.scale)
+        # Prefill attention widens a 16-bit cache to float32 unless the CPU multiplies in it (CpuAttention).
+        self.widen = cpu_native.widens(layer.input_layernorm.weight.dtype, prefill_dtype)
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                  meta: AttentionMetadata, rotary_rows=None):
-        if not getattr(meta, "fused_decode", False):  # decided once per step by the backend's build_metadata
+        if not getattr(meta, "fused", False):  # decided once per step by the backend's build_metadata
             return self.eager(positions, hidden, residual, meta, rotary_rows)
         cos, sin = rotary_rows or self.rotary.rows(positions)
-        return torch.ops.nanoengine.llama_decode_layer(
-            hidden, residual, *self.weights, cos, sin, self.attention.k_cache,
-            self.attention.v_cache, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens, *self.shape)
+        return torch.ops.nanoengine.llama_layer(
+            hidden, residual, *self.weights, cos, sin, self.attention.k_cache, self.attention.v_cache,
+            meta.slot_mapping, meta.num_decode_tokens, meta.decode_block_tables, meta.decode_context_lens,
+            meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
+            self.widen, *self.shape)
 
 
 def unfit_reason(model: torch.nn.Module, backend) -> str | None:
@@ -90,14 +98,14 @@ def unfit_reason(model: torch.nn.Module, backend) -> str | None:
     return None
 
 
-def install(model: torch.nn.Module) -> int:
-    """Give each decoder layer a ``FusedDecodeLayer`` as its forward; returns how many.
+def install(model: torch.nn.Module, prefill_dtype: torch.dtype | None) -> int:
+    """Give each decoder layer a ``FusedLayer`` as its forward; returns how many.
 
     ``unfit_reason`` must have returned None.
     """
     layers = model.model.layers
     for layer in layers:
-        layer.forward = FusedDecodeLayer(layer)
+        layer.forward = FusedLayer(layer, prefill_dtype)
     return len(layers)
 
 

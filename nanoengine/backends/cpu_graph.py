@@ -11,14 +11,15 @@ What stays a kernel of its own
 ------------------------------
 Inductor cannot lower oneDNN's prepacked linear (``mkldnn._linear_pointwise``), and a
 Python attention that reads block tables is full of data-dependent branches Dynamo would
-break the graph at. Both are wrapped as **custom operators** (``torch.library.custom_op``)
-that Dynamo records as one node each and Inductor calls as it is, knowing only the shape
-of what it returns (its "fake"):
+break the graph at. Both are **custom operators** that Dynamo records as one node each and
+Inductor calls as it is, knowing only the shape of what it returns (its "fake"):
 
 * ``nanoengine::cpu_linear``: the CPU backend's product (the few-rows kernel or the packed
-  oneDNN GEMM, ``CpuLinearMethod``), on the layer's weight and packed copy;
+  oneDNN GEMM, ``CpuLinearMethod``), on the layer's weight and packed copy; registered in
+  C++ (``kernels/csrc/llama_layer.cpp``), so a product costs one dispatch and no Python;
 * ``nanoengine::cpu_attention``: store-KV, decode and prefill attention of one layer
-  (``AttentionImpl.forward`` of the CPU kernels), writing the layer's KV cache.
+  (``AttentionImpl.forward`` of the CPU kernels), writing the layer's KV cache; a Python
+  ``torch.library.custom_op`` (~65 us a call on a 2-core Xeon).
 
 The native norms (``kernels.cpu_native``) are operators already. Inductor fuses what is
 left (rotary, SiLU-and-mul, the residual adds, the embedding lookup) into a few loops.
@@ -54,6 +55,10 @@ tokens identical to eager, throughput within the machine's noise of eager (the n
 kernels already run the norms, GEMMs and attention, and what Inductor fuses is a few
 percent of a step), and 60 s to build the first engine of a process cold, 22 s with the
 disk cache warm (Dynamo traces 30 layers every process). That is why it is not the default.
+Since then the eager path runs each decoder layer as one native call on every step
+(``backends.cpu_fused``), which the compiled graph cannot use: on a 2-core Xeon a 37-token
+prefill took ~63 ms that way against 67.5 ms compiled. Compiling one layer's forward once
+for all 30 cut the build to 5 s but ran slower still (results/README.md).
 """
 
 from __future__ import annotations
@@ -106,20 +111,6 @@ def cpu_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
 @cpu_attention.register_fake
 def _(q, k, v, layer, scale):
     return torch.empty_like(q)
-
-
-@torch.library.custom_op("nanoengine::cpu_linear", mutates_args=())
-def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
-               few_rows: bool) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` the CPU backend's way (``backends.cpu.cpu_product``)."""
-    from nanoengine.backends.cpu import cpu_product
-
-    return cpu_product(x, weight, bias, packed, few_rows)
-
-
-@cpu_linear.register_fake
-def _(x, weight, bias, packed, few_rows):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 class GraphAttention(AttentionImpl):

@@ -24,10 +24,10 @@ Four operations are poorly served by the libraries PyTorch calls, three of them 
   one call and one pass per row where eager PyTorch makes five calls; for one decoding
   sequence the calls, not the arithmetic, were the cost.
 
-One more file, ``csrc/decode_layer.cpp``, adds no arithmetic of its own but the rotary
-embedding: it runs a whole Llama decoder layer's decode step, calling these operators (and
-oneDNN's, and ATen's silu) from C++, so that Python makes one call per layer instead of
-~25 (``backends.cpu_fused``).
+One more file, ``csrc/llama_layer.cpp``, adds no arithmetic of its own but the rotary
+embedding: it runs a whole Llama decoder layer's step (decode rows and prefill chunks),
+calling these operators (and oneDNN's, and ATen's silu) from C++, so that Python makes one
+call per layer instead of ~25 (``backends.cpu_fused``).
 
 The kernels are C++ with AVX2 and FMA intrinsics (prefill attention calls PyTorch's own
 operators), registered as PyTorch operators (``torch.ops.nanoengine.*``) and run on PyTorch's
@@ -156,6 +156,10 @@ def _register_fakes() -> None:
     def _(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, widen):
         return torch.empty_like(query)
 
+    @torch.library.register_fake("nanoengine::cpu_linear")
+    def _(x, weight, bias, packed, few_rows_max):
+        return x.new_empty(*x.shape[:-1], weight.shape[0])
+
     @torch.library.register_fake("nanoengine::rotate_half")
     def _(x, cos, sin):
         return x.new_empty(x.shape)
@@ -202,11 +206,17 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     """``reference.paged_prefill_attention``, bit for bit, with the step's sequences shared out
     between the threads (``csrc/paged_prefill_attention.cpp``). ``compute_dtype`` as there:
     None widens 16-bit caches to float32; the cache's own dtype keeps them."""
-    if compute_dtype not in (None, torch.float32, query.dtype):
-        raise ValueError(f"compute_dtype must be None, float32 or the query's {query.dtype}, got {compute_dtype}")
-    widen = query.dtype != torch.float32 and compute_dtype in (None, torch.float32)
     return torch.ops.nanoengine.paged_prefill_attention(query.contiguous(), k_cache, v_cache, block_tables,
-                                                        cu_seqlens_q, context_lens, scale, widen)
+                                                        cu_seqlens_q, context_lens, scale,
+                                                        widens(query.dtype, compute_dtype))
+
+
+def widens(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> bool:
+    """The prefill operator's ``widen``: whether a ``dtype`` query and cache are widened to float32
+    before the products (``compute_dtype`` None or float32 for a 16-bit one)."""
+    if compute_dtype not in (None, torch.float32, dtype):
+        raise ValueError(f"compute_dtype must be None, float32 or the query's {dtype}, got {compute_dtype}")
+    return dtype != torch.float32 and compute_dtype in (None, torch.float32)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

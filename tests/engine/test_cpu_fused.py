@@ -1,4 +1,4 @@
-"""Decoder layers fused on decode steps (``backends.cpu_fused``): eager's bits, only where it fits."""
+"""Decoder layers as one native call each (``backends.cpu_fused``): eager's bits, only where it fits."""
 
 from __future__ import annotations
 
@@ -30,11 +30,11 @@ def outputs(llm, batch, params) -> list:
 @contextlib.contextmanager
 def unfused(backend: CpuBackend):
     """Run the next steps with the layers' Python forward (the eager path), on the same engine."""
-    backend.fuse_decode = False
+    backend.fuse_layers = False
     try:
         yield
     finally:
-        backend.fuse_decode = True
+        backend.fuse_layers = True
 
 
 def test_every_layer_is_fused_by_default(build_tiny_llm):
@@ -57,35 +57,43 @@ def test_fused_steps_give_eager_tokens_and_logprobs_bit_for_bit(build_tiny_llm, 
     assert fused == eager
 
 
-def test_bfloat16_steps_match_eager_too(build_tiny_llm, tiny_llama_tok_dir):
+@pytest.mark.parametrize("prefill_dtype", [None, torch.bfloat16])  # prefill attention widened to float32, or not
+def test_bfloat16_steps_match_eager_too(tiny_llama_tok_dir, prefill_dtype):
     from nanoengine import LLM
 
     llm = LLM(str(tiny_llama_tok_dir), dtype="bfloat16", **CONFIG)
-    backend = llm.engine.runner.backend
-    assert backend.fused_layers == 2
-    batch, params = prompts(4, seed=7), SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    runner = llm.engine.runner
+    backend = runner.backend
+    # Both ways on any CPU: SDPA multiplies in bfloat16 (slowly) where the CPU has no instructions for it.
+    backend.attention.prefill_dtype = prefill_dtype
+    assert cpu_fused.install(runner.model, prefill_dtype) == 2
+    batch = prompts(4, seed=7, lengths=(3, 90))
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
     fused = outputs(llm, batch, params)
     with unfused(backend):
         assert outputs(llm, batch, params) == fused
 
 
-def test_only_steps_of_decodes_with_slots_are_fused(build_tiny_llm):
+def test_every_step_whose_tokens_have_slots_is_fused(build_tiny_llm):
     llm = build_tiny_llm(CONFIG)
     engine, backend = llm.engine, llm.engine.runner.backend
     seen = []
     build = backend.build_metadata
     backend.build_metadata = lambda plan: seen.append(build(plan)) or seen[-1]
-    def run() -> list[bool]:
+    def run() -> list[tuple[int, int, bool]]:
         seen.clear()
-        engine.add_request(list(range(3, 40)), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        engine.add_request(list(range(3, 40)), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        engine.step()  # the first prompt's prefill
+        engine.add_request(list(range(5, 30)), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
-        return [m.fused_decode for m in seen]
+        return [(m.num_decode_tokens, m.num_prefills, m.fused) for m in seen]
 
-    assert run() == [False, True, True]  # the prefill, then two decode steps
+    # a prefill, a decode beside the second prompt's prefill, a decode
+    assert run() == [(0, 1, True), (1, 1, True), (1, 0, True)]
     with unfused(backend):
-        assert run() == [False, False, False]  # what the bit-for-bit comparisons run as "eager"
-    assert not build(BatchPlan.dummy(2)).fused_decode  # a warm-up step: its tokens have no slot
+        assert [fused for *_, fused in run()] == [False] * 3  # what the bit-for-bit comparisons run as "eager"
+    assert not build(BatchPlan.dummy(2)).fused  # a warm-up step: its tokens have no slot
 
 
 def test_the_layers_keep_their_python_forward_where_fusing_does_not_fit(build_tiny_llm, tiny_qwen3_dir):
@@ -107,13 +115,34 @@ def test_the_reason_names_what_is_missing(build_tiny_llm):
         backend.native_kernels = True
 
 
-def test_the_operator_refuses_a_step_that_is_not_all_decodes():
-    hidden = torch.randn(2, 8)
+def layer_call(tokens: int, num_decode_tokens: int, decode_rows: int, prefill_bounds: list[int], caches):
+    """torch.ops.nanoengine.llama_layer on a made-up 8-wide layer (2 heads of 4, 1 KV head) and step."""
+    hidden = torch.randn(tokens, 8)
+    num_prefills = len(prefill_bounds) - 1
+    return torch.ops.nanoengine.llama_layer(
+        hidden, None, torch.ones(8), torch.ones(8), 1e-5, torch.randn(16, 8), None, None, torch.randn(8, 8), None,
+        torch.randn(32, 8), None, torch.randn(8, 16), None, 8, torch.ones(tokens, 1, 4), torch.zeros(tokens, 1, 4),
+        caches[0], caches[1], torch.arange(tokens), num_decode_tokens,
+        torch.zeros(decode_rows, 1, dtype=torch.int32), torch.full((decode_rows,), 1, dtype=torch.int32),
+        torch.zeros(num_prefills, 1, dtype=torch.int32), torch.tensor(prefill_bounds, dtype=torch.int32),
+        torch.full((num_prefills,), 4, dtype=torch.int32), False, 2, 1, 0.5)
+
+
+@pytest.mark.parametrize("step, message", [
+    ((2, 1, 1, [0]), "1 decode tokens and prefill chunks from 0 to 0 do not make the step's 2 tokens"),
+    ((2, 1, 2, [0]), "one decode block-table row for each of the first 1 of 2 tokens"),
+    ((3, 1, 1, [0, 1]), "1 decode tokens and prefill chunks from 0 to 1 do not make the step's 3 tokens"),
+    ((3, 1, 1, [1, 2]), "1 decode tokens and prefill chunks from 1 to 2 do not make the step's 3 tokens"),
+])
+def test_the_operator_refuses_a_step_whose_parts_do_not_add_up(step, message):
     caches = torch.zeros(2, 4, 4, 1, 4)
-    with pytest.raises(RuntimeError, match="one block-table row per token"):
-        torch.ops.nanoengine.llama_decode_layer(
-            hidden, None, torch.ones(8), torch.ones(8), 1e-5, torch.randn(16, 8), None, None, torch.randn(8, 8), None,
-            torch.randn(32, 8), None, torch.randn(8, 16), None, 8, torch.ones(2, 1, 4), torch.zeros(2, 1, 4),
-            caches[0], caches[1], torch.tensor([0, 1]), torch.zeros(1, 1, dtype=torch.int32),
-            torch.ones(1, dtype=torch.int32), 2, 1, 0.5)
+    with pytest.raises(RuntimeError, match=message):
+        layer_call(*step, caches)
     assert not caches.any()  # nothing was written before the check
+
+
+def test_the_operator_runs_decodes_and_prefill_chunks_in_one_step():
+    caches = torch.zeros(2, 4, 4, 1, 4)
+    out, stream = layer_call(3, 1, 1, [0, 2], caches)  # one decode, then a 2-token chunk
+    assert out.shape == stream.shape == (3, 8) and out.isfinite().all()
+    assert caches[:, 0, :3].any() and not caches[:, 0, 3:].any()  # the step's three slots were written

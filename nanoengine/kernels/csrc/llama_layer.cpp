@@ -1,22 +1,27 @@
-// A Llama decoder layer's decode step in one call from Python (chapter 10: where a step's
-// time goes when it is not in the GEMMs).
+// A Llama decoder layer's step in one call from Python (chapter 10: where a step's time goes
+// when it is not in the GEMMs).
 // Built with the other csrc/ sources by cpu_native.py; the operator is
-// torch.ops.nanoengine.llama_decode_layer, used by backends/cpu_fused.py. The definition it
-// must agree with, bit for bit, is models/llama.py's LlamaDecoderLayer.forward on a step of
-// decodes only, as the CPU backend runs it eagerly.
+// torch.ops.nanoengine.llama_layer, used by backends/cpu_fused.py. The definition it must
+// agree with, bit for bit, is models/llama.py's LlamaDecoderLayer.forward as the CPU backend
+// runs it eagerly (backends/cpu.py's CpuAttention for the attention).
 //
-// Why: decoding one sequence, SmolLM2's 30 layers make about 25 operator calls each from
-// Python: module calls, views, the norms, seven for the rotary embedding, store-KV, attention,
-// four GEMMs, the activation. Each costs a few microseconds of interpreter and argument
-// parsing, ~6 ms a token in all, against ~19 ms of GEMMs that read the weights. Here the same
-// sequence of operators runs from C++: the GEMMs, norms and attention are the same registered
-// operators the eager path calls (through the dispatcher, so the profiler still sees each one
-// by name), the activation is ATen's own silu and mul, and the rotary embedding is a loop
-// computing eager's products and sum in eager's order. So the bits are eager's.
+// Why: SmolLM2's 30 layers make about 25 operator calls each from Python: module calls, views,
+// the norms, the rotary embedding, store-KV, attention, four GEMMs, the activation. Each costs
+// a few microseconds of interpreter and argument parsing: decoding one sequence, ~6 ms a token
+// against ~19 ms of GEMMs that read the weights; a prefill pays them once per step too. Here
+// the same sequence of operators runs from C++: the GEMMs, norms and attention are the same
+// registered operators the eager path calls (through the dispatcher, so the profiler still
+// sees each one by name), the activation is ATen's own silu and mul, and the rotary embedding
+// is a loop computing eager's products and sum in eager's order. So the bits are eager's.
 //
-// What it does not take: prefill chunks (their layers run the Python forward),
-// steps with a token that has no cache slot, tensor parallelism, Qwen3's per-head norms, a
-// bias on o_proj. backends/cpu_fused.py checks those before it routes a step here.
+// A step's tokens are its decodes first, then its prefill chunks (layers/attention.py's
+// AttentionMetadata); decode rows go to the paged decode kernel, prefill chunks to the native
+// prefill attention, as CpuAttention.forward splits them. What it does not take: steps with a
+// token that has no cache slot, tensor parallelism, Qwen3's per-head norms, a bias on o_proj.
+// backends/cpu_fused.py checks those before it routes a step here.
+//
+// Also here: nanoengine::cpu_linear, the CPU backend's product as one operator, which the
+// compiled model (backends/cpu_graph.py) calls for each linear layer.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -29,6 +34,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -76,6 +82,15 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
   return op.call(query, k_cache, v_cache, block_tables, context_lens, scale, /*avx512=*/true);
 }
 
+at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
+                                   const at::Tensor& context_lens, double scale, bool widen) {
+  static auto op = operator_named("nanoengine::paged_prefill_attention")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const at::Tensor&, const at::Tensor&, double, bool)>();
+  return op.call(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, widen);
+}
+
 // backends/cpu.py's cpu_product for a 2-D x: up to few_rows_max rows by the few-rows kernel,
 // more by oneDNN with the packed weight, or F.linear where there is none.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& packed,
@@ -83,6 +98,19 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptionalT
   if (x.size(0) <= few_rows_max) return few_rows_linear(x.contiguous(), weight, bias);
   if (packed.has_value() && packed->defined()) return packed_linear(x.contiguous(), *packed, bias);
   return at::linear(x, weight, bias);
+}
+
+// backends/cpu.py's cpu_product for x (..., in_features), as one registered operator: the
+// compiled model (backends/cpu_graph.py) calls its linear layers through it, so a product
+// costs one dispatch and no Python. few_rows_max is 0 where the few-rows kernel is not used.
+at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias,
+                      const OptionalTensor& packed, int64_t few_rows_max) {
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = weight.size(0);
+  if (x.scalar_type() != weight.scalar_type()) return at::linear(x, weight, bias);
+  const at::Tensor rows = x.reshape({-1, x.size(-1)});
+  if (rows.size(0) == 0) return x.new_empty(shape);  // oneDNN rejects empty inputs
+  return linear(rows, weight, packed, bias, few_rows_max).view(shape);
 }
 
 // ---------------------------------------------------------------- the rotary embedding
@@ -151,42 +179,73 @@ at::Tensor rotate_half_op(const at::Tensor& x, const at::Tensor& cos, const at::
 
 // ---------------------------------------------------------------- the layer
 void check(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
-           const at::Tensor& v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-           int64_t num_heads, int64_t num_kv_heads) {
-  TORCH_CHECK(hidden.dim() == 2 && hidden.device().is_cpu(), "llama_decode_layer: hidden (tokens, hidden) on the CPU "
+           const at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_decode_tokens,
+           const at::Tensor& decode_block_tables, const at::Tensor& prefill_cu_seqlens_q, int64_t num_heads,
+           int64_t num_kv_heads) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.device().is_cpu(), "llama_layer: hidden (tokens, hidden) on the CPU "
               "expected, got ", hidden.sizes());
   TORCH_CHECK(hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16,
-              "llama_decode_layer: float32 or bfloat16 activations only, got ", hidden.scalar_type());
+              "llama_layer: float32 or bfloat16 activations only, got ", hidden.scalar_type());
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == num_kv_heads &&
                   k_cache.is_contiguous() && v_cache.is_contiguous() && num_heads % num_kv_heads == 0,
-              "llama_decode_layer: contiguous caches (blocks, block_size, ", num_kv_heads, ", head_dim) expected, got ",
+              "llama_layer: contiguous caches (blocks, block_size, ", num_kv_heads, ", head_dim) expected, got ",
               k_cache.sizes());
   const int64_t tokens = hidden.size(0), d = k_cache.size(3);
-  TORCH_CHECK(d % 2 == 0, "llama_decode_layer: head_dim must be even, got ", d);
+  TORCH_CHECK(d % 2 == 0, "llama_layer: head_dim must be even, got ", d);
   for (const at::Tensor* table : {&cos, &sin}) {
     TORCH_CHECK(table->scalar_type() == at::kFloat && table->is_contiguous() && table->dim() == 3 &&
                     table->size(0) == tokens && table->size(1) == 1 && table->size(2) == d,
-                "llama_decode_layer: cos and sin rows must be contiguous float32 (", tokens, ", 1, ", d, "), got ",
+                "llama_layer: cos and sin rows must be contiguous float32 (", tokens, ", 1, ", d, "), got ",
                 table->sizes(), " ", table->scalar_type());
   }
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens && slot_mapping.scalar_type() == at::kLong,
-              "llama_decode_layer: slot_mapping (tokens,) int64 expected, got ", slot_mapping.sizes());
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == tokens,
-              "llama_decode_layer: one block-table row per token (every token a decode) expected, got ",
-              block_tables.sizes(), " for ", tokens, " tokens");
+              "llama_layer: slot_mapping (tokens,) int64 expected, got ", slot_mapping.sizes());
+  TORCH_CHECK(0 <= num_decode_tokens && num_decode_tokens <= tokens && decode_block_tables.dim() == 2 &&
+                  decode_block_tables.size(0) == num_decode_tokens,
+              "llama_layer: one decode block-table row for each of the first ", num_decode_tokens, " of ", tokens,
+              " tokens expected, got ", decode_block_tables.sizes());
+  // The chunks must be the step's other tokens; the prefill operator checks the rest of their
+  // layout, but only after store-KV has written, so this is checked here, before anything is.
+  TORCH_CHECK(prefill_cu_seqlens_q.dim() == 1 && prefill_cu_seqlens_q.size(0) >= 1,
+              "llama_layer: prefill_cu_seqlens_q (prefills + 1,) expected, got ", prefill_cu_seqlens_q.sizes());
+  const int64_t first = prefill_cu_seqlens_q[0].item<int64_t>(), prefill_tokens = prefill_cu_seqlens_q[-1].item<int64_t>();
+  TORCH_CHECK(first == 0 && num_decode_tokens + prefill_tokens == tokens, "llama_layer: ", num_decode_tokens,
+              " decode tokens and prefill chunks from ", first, " to ", prefill_tokens, " do not make the step's ",
+              tokens, " tokens");
+}
+
+// backends/cpu.py's CpuAttention.forward after store-KV: decode rows, then the prefill chunks.
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t num_decode_tokens,
+                  const at::Tensor& decode_block_tables, const at::Tensor& decode_context_lens,
+                  const at::Tensor& prefill_block_tables, const at::Tensor& prefill_cu_seqlens_q,
+                  const at::Tensor& prefill_context_lens, bool widen, double scale) {
+  if (prefill_context_lens.size(0) == 0) {
+    return paged_decode_attention(q.contiguous(), k_cache, v_cache, decode_block_tables, decode_context_lens, scale);
+  }
+  const at::Tensor prefill =
+      paged_prefill_attention(q.narrow(0, num_decode_tokens, q.size(0) - num_decode_tokens).contiguous(), k_cache,
+                              v_cache, prefill_block_tables, prefill_cu_seqlens_q, prefill_context_lens, scale, widen);
+  if (num_decode_tokens == 0) return prefill;
+  const at::Tensor decode = paged_decode_attention(q.narrow(0, 0, num_decode_tokens).contiguous(), k_cache, v_cache,
+                                                   decode_block_tables, decode_context_lens, scale);
+  return at::cat({decode, prefill}, 0);
 }
 
 // hidden (T, H): this layer's input; residual: the residual stream (None before the first layer).
+// The step's first num_decode_tokens tokens are decodes, the rest prefill chunks (AttentionMetadata).
 // Returns (the layer's output, the residual stream), as LlamaDecoderLayer.forward does.
-std::tuple<at::Tensor, at::Tensor> llama_decode_layer(
+std::tuple<at::Tensor, at::Tensor> llama_layer(
     const at::Tensor& hidden, const OptionalTensor& residual, const at::Tensor& input_norm,
     const at::Tensor& post_norm, double eps, const at::Tensor& qkv_weight, const OptionalTensor& qkv_packed,
     const OptionalTensor& qkv_bias, const at::Tensor& o_weight, const OptionalTensor& o_packed,
     const at::Tensor& gate_up_weight, const OptionalTensor& gate_up_packed, const at::Tensor& down_weight,
     const OptionalTensor& down_packed, int64_t few_rows_max, const at::Tensor& cos, const at::Tensor& sin,
-    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-    const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double scale) {
-  check(hidden, cos, sin, k_cache, v_cache, slot_mapping, block_tables, num_heads, num_kv_heads);
+    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping, int64_t num_decode_tokens,
+    const at::Tensor& decode_block_tables, const at::Tensor& decode_context_lens,
+    const at::Tensor& prefill_block_tables, const at::Tensor& prefill_cu_seqlens_q,
+    const at::Tensor& prefill_context_lens, bool widen, int64_t num_heads, int64_t num_kv_heads, double scale) {
+  check(hidden, cos, sin, k_cache, v_cache, slot_mapping, num_decode_tokens, decode_block_tables,
+        prefill_cu_seqlens_q, num_heads, num_kv_heads);
   const int64_t tokens = hidden.size(0), d = k_cache.size(3);
   const int64_t q_size = num_heads * d, kv_size = num_kv_heads * d;
 
@@ -199,7 +258,7 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layer(
     stream = hidden;
   }
 
-  // self_attn: qkv_proj, rotary on the query and key heads together, store-KV, decode, o_proj
+  // self_attn: qkv_proj, rotary on the query and key heads together, store-KV, attention, o_proj
   const at::Tensor qkv = linear(x, qkv_weight, qkv_packed, qkv_bias, few_rows_max);  // (T, q | k | v)
   const at::Tensor qk = rotate(qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, d}), cos, sin);
   const at::Tensor q = qk.narrow(1, 0, num_heads), k = qk.narrow(1, num_heads, num_kv_heads);
@@ -207,8 +266,8 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layer(
   const int64_t slots = k_cache.size(0) * k_cache.size(1);
   k_cache.view({slots, num_kv_heads, d}).index_copy_(0, slot_mapping, k);
   v_cache.view({slots, num_kv_heads, d}).index_copy_(0, slot_mapping, v);
-  const at::Tensor attended =
-      paged_decode_attention(q.contiguous(), k_cache, v_cache, block_tables, context_lens, scale);  // (T, heads, d)
+  const at::Tensor attended = attend(q, k_cache, v_cache, num_decode_tokens, decode_block_tables, decode_context_lens,
+                                     prefill_block_tables, prefill_cu_seqlens_q, prefill_context_lens, widen, scale);
   const at::Tensor o = linear(attended.reshape({tokens, q_size}), o_weight, o_packed, std::nullopt, few_rows_max);
 
   // post_attention_layernorm with the residual add, then the MLP: down(silu(gate) * up)
@@ -223,20 +282,25 @@ std::tuple<at::Tensor, at::Tensor> llama_decode_layer(
 
 TORCH_LIBRARY_FRAGMENT(nanoengine, m) {
   m.def("rotate_half(Tensor x, Tensor cos, Tensor sin) -> Tensor");
-  m.def("llama_decode_layer(Tensor hidden, Tensor? residual, Tensor input_norm, Tensor post_norm, float eps, "
+  m.def("cpu_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? packed, int few_rows_max) -> Tensor");
+  m.def("llama_layer(Tensor hidden, Tensor? residual, Tensor input_norm, Tensor post_norm, float eps, "
         "Tensor qkv_weight, Tensor? qkv_packed, Tensor? qkv_bias, Tensor o_weight, Tensor? o_packed, "
         "Tensor gate_up_weight, Tensor? gate_up_packed, Tensor down_weight, Tensor? down_packed, int few_rows_max, "
-        "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, "
-        "Tensor context_lens, int num_heads, int num_kv_heads, float scale) -> (Tensor, Tensor)");
+        "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, int num_decode_tokens, "
+        "Tensor decode_block_tables, Tensor decode_context_lens, Tensor prefill_block_tables, "
+        "Tensor prefill_cu_seqlens_q, Tensor prefill_context_lens, bool widen, int num_heads, int num_kv_heads, "
+        "float scale) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(nanoengine, CPU, m) {
   m.impl("rotate_half", &rotate_half_op);
-  m.impl("llama_decode_layer", &llama_decode_layer);
+  m.impl("cpu_linear", &cpu_linear);
+  m.impl("llama_layer", &llama_layer);
 }
 
 // oneDNN's packed weights are tensors of their own kind (MkldnnCPU): a call passing them
 // dispatches on that key, so the same function is registered for it.
 TORCH_LIBRARY_IMPL(nanoengine, MkldnnCPU, m) {
-  m.impl("llama_decode_layer", &llama_decode_layer);
+  m.impl("llama_layer", &llama_layer);
+  m.impl("cpu_linear", &cpu_linear);
 }
