@@ -203,6 +203,7 @@ class CpuBackend(Backend):
         self.layer_caches: list = []  # each attention layer's (k_cache, v_cache), for the compiled graph
         self.fused_layers = 0  # decoder layers that can run as one native call each (``backends.cpu_fused``)
         self.unfused_reason: str | None = None  # why they cannot, when they cannot
+        self.fused_modules: tuple = ()  # the modules inside the fused layers (``cpu_fused.hooked``)
         self.fuse_layers = True  # False: every step runs the layers' Python forward (chapter 10 compares)
         keep_freed_memory()
 
@@ -259,6 +260,8 @@ class CpuBackend(Backend):
         self.unfused_reason = cpu_fused.unfit_reason(runner.model, self)
         if self.unfused_reason is None:
             self.fused_layers = cpu_fused.install(runner.model, self.attention.prefill_dtype)
+            # every module a fused layer stands in for: a step with a hook on one of them is not fused
+            self.fused_modules = tuple(m for layer in runner.model.model.layers for m in layer.modules())
 
     def forward_mode(self) -> str:
         if self.compiled_forward is not None:
@@ -285,7 +288,8 @@ class CpuBackend(Backend):
                                            torch.empty(0, dtype=self.kv_dtype).element_size())
         slots = plan.slot_mapping
         all_stored = bool((slots >= 0).all()) if isinstance(slots, torch.Tensor) else min(slots, default=0) >= 0
-        fused = self.fuse_layers and self.fused_layers > 0 and all_stored
+        fused = (self.fuse_layers and self.fused_layers > 0 and all_stored
+                 and not cpu_fused.hooked(self.fused_modules))  # a hook must see the layers run
         return CpuAttentionMetadata(**fields, decode_plan=decode_plan, all_slots_stored=all_stored, fused=fused)
 
     def logits_rows_per_chunk(self, num_rows: int, vocab_size: int, hidden_size: int) -> int:

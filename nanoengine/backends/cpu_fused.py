@@ -23,6 +23,10 @@ greedy tokens and logprobs do not change. Python still walks the 30 layers: the 
 ``forward`` runs as written and calls each layer, whose ``forward`` the backend replaced with
 a ``FusedLayer`` that decides per step.
 
+A layer runs its Python ``forward`` on a step where a forward hook is registered on it or any
+module inside it (or globally): fused, the hook would silently not be called. The backend
+asks ``hooked`` once per step (~300 dictionaries for SmolLM2, tens of microseconds).
+
 A step with a token that has no cache slot (a warm-up row), and models this does not cover
 (tensor parallelism, Qwen3's per-head norms, a bias on o_proj, a dtype the kernels do not
 take) run the layer's Python ``forward``.
@@ -107,6 +111,15 @@ def install(model: torch.nn.Module, prefill_dtype: torch.dtype | None) -> int:
     for layer in layers:
         layer.forward = FusedLayer(layer, prefill_dtype)
     return len(layers)
+
+
+def hooked(modules: tuple[torch.nn.Module, ...]) -> bool:
+    """Whether a forward hook would see any of ``modules`` run: one of theirs, or a global one."""
+    from torch.nn.modules import module as nn_module
+
+    if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 def linear_layers(layer: torch.nn.Module) -> tuple:

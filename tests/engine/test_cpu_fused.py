@@ -146,3 +146,33 @@ def test_the_operator_runs_decodes_and_prefill_chunks_in_one_step():
     out, stream = layer_call(3, 1, 1, [0, 2], caches)  # one decode, then a 2-token chunk
     assert out.shape == stream.shape == (3, 8) and out.isfinite().all()
     assert caches[:, 0, :3].any() and not caches[:, 0, 3:].any()  # the step's three slots were written
+
+
+def test_a_step_with_a_forward_hook_runs_the_python_forward_so_the_hook_sees_every_layer(build_tiny_llm):
+    llm = build_tiny_llm(CONFIG)
+    engine, backend = llm.engine, llm.engine.runner.backend
+    seen = []
+    build = backend.build_metadata
+    backend.build_metadata = lambda plan: seen.append(build(plan)) or seen[-1]
+    calls = []
+    layers = engine.runner.model.model.layers
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2)
+    fused = outputs(llm, prompts(2, seed=3), params)
+    assert seen and all(m.fused for m in seen)
+    for hook_on in (layers[1].self_attn.attn, layers[0].mlp):
+        seen.clear()
+        handle = hook_on.register_forward_pre_hook(lambda module, args: calls.append(module))
+        try:
+            assert outputs(llm, prompts(2, seed=3), params) == fused  # the same bits either way
+        finally:
+            handle.remove()
+        assert seen and not any(m.fused for m in seen)
+        assert calls.count(hook_on) == len(seen)  # once a step: a prefill and each decode
+        calls.clear()
+    seen.clear()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *args: None)  # a global hook too
+    try:
+        outputs(llm, prompts(1, seed=3), params)
+    finally:
+        handle.remove()
+    assert seen and not any(m.fused for m in seen)
