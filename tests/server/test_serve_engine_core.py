@@ -63,6 +63,7 @@ def run(coroutine_fn, client: EngineCoreClient):
         finally:
             client.shutdown()
             assert not client.is_running and not client._process.is_alive()
+            assert client._conn.closed  # its end of the pipe is not left to the garbage collector
 
     return asyncio.run(main())
 

@@ -152,6 +152,32 @@ def add_all_or_none(engine: LLMEngine, requests: Sequence[tuple[str, Prompt, Par
         raise
 
 
+def abort_all(engine: LLMEngine, request_ids) -> list[RequestOutput]:
+    """On the way out: abort each of ``request_ids`` the engine still has; their final outputs.
+
+    After a failed step the bookkeeping may be broken, so a request that cannot be aborted
+    is logged and the rest are still aborted.
+    """
+    finals = []
+    for request_id in request_ids:
+        try:
+            if engine.has_request(request_id):
+                finals.append(engine.abort(request_id))
+        except Exception:
+            logger.exception("could not abort request %s", request_id)
+    return finals
+
+
+def notify_finished(on_finished: Callable[[RequestOutput], None] | None, out: RequestOutput) -> None:
+    """Tell the server's observer (``on_finished``: its metrics) that a request finished; an
+    observer's bug is logged, and serving goes on."""
+    if on_finished is not None:
+        try:
+            on_finished(out)
+        except Exception:
+            logger.exception("on_finished failed for request %s", out.request_id)
+
+
 # Commands from the asyncio side to the engine thread. Each result travels back on a
 # concurrent.futures.Future, which any thread may wait on (asyncio wraps it with wrap_future).
 @dataclass
@@ -379,15 +405,8 @@ class AsyncLLMEngine:
         """Report final outputs to ``on_finished``, then route every output to its stream."""
         for out in outputs:
             if out.finished:
-                self._finished(out)
+                notify_finished(self.on_finished, out)
         self.router.route(outputs)
-
-    def _finished(self, out: RequestOutput) -> None:
-        if self.on_finished is not None:
-            try:
-                self.on_finished(out)
-            except Exception:  # an observer's bug must not stop the engine
-                logger.exception("on_finished failed for request %s", out.request_id)
 
     def _call_soon(self, fn: Callable, *args) -> None:
         try:
@@ -405,12 +424,8 @@ class AsyncLLMEngine:
             if not isinstance(command, _Abort) and command.done.set_running_or_notify_cancel():
                 command.done.set_exception(error)
         sinks = self.router.close()  # the streams still waiting: they get the error, not an output
-        for request_id in sinks:
-            try:
-                if self.engine.has_request(request_id):
-                    self._finished(self.engine.abort(request_id))
-            except Exception:  # after a failed step the bookkeeping may be broken; keep going
-                logger.exception("could not abort request %s", request_id)
+        for out in abort_all(self.engine, sinks):
+            notify_finished(self.on_finished, out)
         for queue in {sink.queue for sink in sinks.values() if isinstance(sink, _StreamSink)}:
             self._call_soon(queue.put_nowait, error)  # once per stream: it ends at the first error
         try:

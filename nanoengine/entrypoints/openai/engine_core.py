@@ -67,7 +67,8 @@ from nanoengine.config import EngineConfig
 from nanoengine.engine.input_processor import InputProcessor
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.entrypoints.openai.async_engine import (EngineDeadError, ParamsFor, Prompt, RequestStream,
-                                                        add_all_or_none, checked_max_waiting)
+                                                        abort_all, add_all_or_none, checked_max_waiting,
+                                                        notify_finished)
 from nanoengine.metrics import EngineStats
 from nanoengine.outputs import RequestOutput
 
@@ -151,12 +152,7 @@ def run_engine_core(conn: Connection, build: Callable[[], LLMEngine]) -> None:
     except Exception as exc:  # a bug or a device error: the server fails every request in flight
         logger.exception("the engine failed; every request in flight gets an error")
         error = exc
-    finals: list[RequestOutput] = []
-    for request_id in list(engine.output_processor.states):  # the user request ids still unfinished
-        try:
-            finals.append(engine.abort(request_id))
-        except Exception:  # after a failed step the bookkeeping may be broken; keep going
-            logger.exception("could not abort request %s", request_id)
+    finals = abort_all(engine, list(engine.output_processor.states))  # the user request ids still unfinished
     try:
         conn.send(("stopped", None if error is None else _portable(error), finals))
     except (OSError, pickle.PicklingError):
@@ -277,6 +273,7 @@ class EngineCoreClient:
             self._process.kill()
             self._process.join(5)
         self._close("the engine is shutting down")
+        self._conn.close()  # the process is gone: nothing more to read or send
 
     def _conn_poll(self, timeout: float) -> bool:
         try:
@@ -390,7 +387,7 @@ class EngineCoreClient:
                     done.set_exception(error)
         for out in outputs:
             if out.finished:
-                self._finished(out)
+                notify_finished(self.on_finished, out)
                 queue = self._streams.pop(out.request_id, None)
             else:
                 queue = self._streams.get(out.request_id)
@@ -401,15 +398,8 @@ class EngineCoreClient:
         if error is not None:
             self.error = error
         for out in finals:
-            self._finished(out)
+            notify_finished(self.on_finished, out)
         self._close(self._why_dead())
-
-    def _finished(self, out: RequestOutput) -> None:
-        if self.on_finished is not None:
-            try:
-                self.on_finished(out)
-            except Exception:  # an observer's bug must not stop serving
-                logger.exception("on_finished failed for request %s", out.request_id)
 
     def _close(self, why: str) -> None:
         """Nothing more will come: fail what waits, end every open stream with the error."""
