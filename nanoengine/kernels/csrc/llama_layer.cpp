@@ -206,9 +206,17 @@ void check(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& si
               " tokens expected, got ", decode_block_tables.sizes());
   // The chunks must be the step's other tokens; the prefill operator checks the rest of their
   // layout, but only after store-KV has written, so this is checked here, before anything is.
-  TORCH_CHECK(prefill_cu_seqlens_q.dim() == 1 && prefill_cu_seqlens_q.size(0) >= 1,
-              "llama_layer: prefill_cu_seqlens_q (prefills + 1,) expected, got ", prefill_cu_seqlens_q.sizes());
-  const int64_t first = prefill_cu_seqlens_q[0].item<int64_t>(), prefill_tokens = prefill_cu_seqlens_q[-1].item<int64_t>();
+  const at::Tensor& cu = prefill_cu_seqlens_q;
+  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1 && cu.device().is_cpu() &&
+                  (cu.scalar_type() == at::kInt || cu.scalar_type() == at::kLong),
+              "llama_layer: prefill_cu_seqlens_q (prefills + 1,) int32 or int64 on the CPU expected, got ", cu.sizes(),
+              " ", cu.scalar_type());
+  // Read in place, not through indexing and item(): no tensors made, 30 layers a step.
+  const auto at_index = [&cu](int64_t i) -> int64_t {
+    return cu.scalar_type() == at::kInt ? cu.const_data_ptr<int32_t>()[i * cu.stride(0)]
+                                        : cu.const_data_ptr<int64_t>()[i * cu.stride(0)];
+  };
+  const int64_t first = at_index(0), prefill_tokens = at_index(cu.size(0) - 1);
   TORCH_CHECK(first == 0 && num_decode_tokens + prefill_tokens == tokens, "llama_layer: ", num_decode_tokens,
               " decode tokens and prefill chunks from ", first, " to ", prefill_tokens, " do not make the step's ",
               tokens, " tokens");
