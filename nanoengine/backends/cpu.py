@@ -81,6 +81,7 @@ class CpuAttentionMetadata(AttentionMetadata):
     decode_plan: DecodePlan | None = None  # where each decode sequence's K/V rows are (None: no decodes)
     all_slots_stored: bool = True  # every token of the step has a cache slot (no -1 in slot_mapping)
     fused: bool = False  # every token has a slot: the layers run fused (``backends.cpu_fused``)
+    widen_prefill: bool = False  # prefill attention widens a 16-bit cache to float32 (``CpuAttention.prefill_dtype``)
 
 
 class CpuAttention(AttentionImpl):
@@ -259,7 +260,7 @@ class CpuBackend(Backend):
             return
         self.unfused_reason = cpu_fused.unfit_reason(runner.model, self)
         if self.unfused_reason is None:
-            self.fused_layers = cpu_fused.install(runner.model, self.attention.prefill_dtype)
+            self.fused_layers = cpu_fused.install(runner.model)
             # every module a fused layer stands in for: a step with a hook on one of them is not fused
             self.fused_modules = tuple(m for layer in runner.model.model.layers for m in layer.modules())
 
@@ -290,7 +291,9 @@ class CpuBackend(Backend):
         all_stored = bool((slots >= 0).all()) if isinstance(slots, torch.Tensor) else min(slots, default=0) >= 0
         fused = (self.fuse_layers and self.fused_layers > 0 and all_stored
                  and not cpu_fused.hooked(self.fused_modules))  # a hook must see the layers run
-        return CpuAttentionMetadata(**fields, decode_plan=decode_plan, all_slots_stored=all_stored, fused=fused)
+        widen = cpu_native.widens(self.kv_dtype, self.attention.prefill_dtype)  # what CpuAttention.prefill does
+        return CpuAttentionMetadata(**fields, decode_plan=decode_plan, all_slots_stored=all_stored, fused=fused,
+                                    widen_prefill=widen)
 
     def logits_rows_per_chunk(self, num_rows: int, vocab_size: int, hidden_size: int) -> int:
         """How many rows of logits one LM-head call computes.

@@ -44,11 +44,10 @@ class FusedLayer:
     """A ``LlamaDecoderLayer``'s forward: one native call on the steps the backend fuses, the layer's own otherwise.
 
     Installed as the layer instance's ``forward`` by ``install``; ``eager`` is the class's
-    ``forward`` bound to the layer (what runs on any other step). ``prefill_dtype``: the
-    dtype prefill attention multiplies in (``CpuAttention.prefill_dtype``).
+    ``forward`` bound to the layer (what runs on any other step).
     """
 
-    def __init__(self, layer: torch.nn.Module, prefill_dtype: torch.dtype | None) -> None:
+    def __init__(self, layer: torch.nn.Module) -> None:
         attn = layer.self_attn
         self.eager = type(layer).forward.__get__(layer)
         self.rotary = attn.rotary_emb
@@ -59,8 +58,6 @@ class FusedLayer:
                         *qkv, attn.qkv_proj.bias, *o, *gate_up, *down,
                         cpu_native.MAX_ROWS)  # rows up to this take the few-rows kernel, as in CpuLinearMethod
         self.shape = (attn.num_heads, attn.num_kv_heads, self.attention.scale)
-        # Prefill attention widens a 16-bit cache to float32 unless the CPU multiplies in it (CpuAttention).
-        self.widen = cpu_native.widens(layer.input_layernorm.weight.dtype, prefill_dtype)
 
     def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                  meta: AttentionMetadata, rotary_rows=None):
@@ -71,7 +68,7 @@ class FusedLayer:
             hidden, residual, *self.weights, cos, sin, self.attention.k_cache, self.attention.v_cache,
             meta.slot_mapping, meta.num_decode_tokens, meta.decode_block_tables, meta.decode_context_lens,
             meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
-            self.widen, *self.shape)
+            meta.widen_prefill, *self.shape)
 
 
 def unfit_reason(model: torch.nn.Module, backend) -> str | None:
@@ -102,14 +99,14 @@ def unfit_reason(model: torch.nn.Module, backend) -> str | None:
     return None
 
 
-def install(model: torch.nn.Module, prefill_dtype: torch.dtype | None) -> int:
+def install(model: torch.nn.Module) -> int:
     """Give each decoder layer a ``FusedLayer`` as its forward; returns how many.
 
     ``unfit_reason`` must have returned None.
     """
     layers = model.model.layers
     for layer in layers:
-        layer.forward = FusedLayer(layer, prefill_dtype)
+        layer.forward = FusedLayer(layer)
     return len(layers)
 
 
