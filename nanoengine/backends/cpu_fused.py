@@ -25,7 +25,7 @@ a ``FusedLayer`` that decides per step.
 
 A layer runs its Python ``forward`` on a step where a forward hook is registered on it or any
 module inside it (or globally): fused, the hook would silently not be called. The backend
-asks ``hooked`` once per step (~300 dictionaries for SmolLM2, tens of microseconds).
+asks ``hooked`` once per step (SmolLM2's layers hold 360 modules: 26 us measured).
 
 A step with a token that has no cache slot (a warm-up row), and models this does not cover
 (tensor parallelism, Qwen3's per-head norms, a bias on o_proj, a dtype the kernels do not

@@ -115,10 +115,12 @@ def test_the_reason_names_what_is_missing(build_tiny_llm):
         backend.native_kernels = True
 
 
-def layer_call(tokens: int, num_decode_tokens: int, decode_rows: int, prefill_bounds: list[int], caches):
-    """torch.ops.nanoengine.llama_layer on a made-up 8-wide layer (2 heads of 4, 1 KV head) and step."""
+def layer_call(tokens: int, num_decode_tokens: int, decode_rows: int, prefill_bounds: list[int],
+               num_prefills: int | None = None, caches=None):
+    """torch.ops.nanoengine.llama_layer on a made-up 8-wide layer (2 heads of 4, 1 KV head) and step;
+    ``num_prefills`` chunks' context lengths (default: one per pair of bounds)."""
     hidden = torch.randn(tokens, 8)
-    num_prefills = len(prefill_bounds) - 1
+    num_prefills = len(prefill_bounds) - 1 if num_prefills is None else num_prefills
     return torch.ops.nanoengine.llama_layer(
         hidden, None, torch.ones(8), torch.ones(8), 1e-5, torch.randn(16, 8), None, None, torch.randn(8, 8), None,
         torch.randn(32, 8), None, torch.randn(8, 16), None, 8, torch.ones(tokens, 1, 4), torch.zeros(tokens, 1, 4),
@@ -133,17 +135,18 @@ def layer_call(tokens: int, num_decode_tokens: int, decode_rows: int, prefill_bo
     ((2, 1, 2, [0]), "one decode block-table row for each of the first 1 of 2 tokens"),
     ((3, 1, 1, [0, 1]), "1 decode tokens and prefill chunks from 0 to 1 do not make the step's 3 tokens"),
     ((3, 1, 1, [1, 2]), "1 decode tokens and prefill chunks from 1 to 2 do not make the step's 3 tokens"),
+    ((3, 1, 1, [0, 2], 2), r"prefill_cu_seqlens_q \(2 prefills \+ 1,\)"),  # two chunks' lengths, one boundary
 ])
 def test_the_operator_refuses_a_step_whose_parts_do_not_add_up(step, message):
     caches = torch.zeros(2, 4, 4, 1, 4)
     with pytest.raises(RuntimeError, match=message):
-        layer_call(*step, caches)
+        layer_call(*step, caches=caches)
     assert not caches.any()  # nothing was written before the check
 
 
 def test_the_operator_runs_decodes_and_prefill_chunks_in_one_step():
     caches = torch.zeros(2, 4, 4, 1, 4)
-    out, stream = layer_call(3, 1, 1, [0, 2], caches)  # one decode, then a 2-token chunk
+    out, stream = layer_call(3, 1, 1, [0, 2], caches=caches)  # one decode, then a 2-token chunk
     assert out.shape == stream.shape == (3, 8) and out.isfinite().all()
     assert caches[:, 0, :3].any() and not caches[:, 0, 3:].any()  # the step's three slots were written
 

@@ -180,8 +180,8 @@ at::Tensor rotate_half_op(const at::Tensor& x, const at::Tensor& cos, const at::
 // ---------------------------------------------------------------- the layer
 void check(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_cache,
            const at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_decode_tokens,
-           const at::Tensor& decode_block_tables, const at::Tensor& prefill_cu_seqlens_q, int64_t num_heads,
-           int64_t num_kv_heads) {
+           const at::Tensor& decode_block_tables, const at::Tensor& prefill_cu_seqlens_q, int64_t num_prefills,
+           int64_t num_heads, int64_t num_kv_heads) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.device().is_cpu(), "llama_layer: hidden (tokens, hidden) on the CPU "
               "expected, got ", hidden.sizes());
   TORCH_CHECK(hidden.scalar_type() == at::kFloat || hidden.scalar_type() == at::kBFloat16,
@@ -207,10 +207,10 @@ void check(const at::Tensor& hidden, const at::Tensor& cos, const at::Tensor& si
   // The chunks must be the step's other tokens; the prefill operator checks the rest of their
   // layout, but only after store-KV has written, so this is checked here, before anything is.
   const at::Tensor& cu = prefill_cu_seqlens_q;
-  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1 && cu.device().is_cpu() &&
+  TORCH_CHECK(cu.dim() == 1 && cu.size(0) == num_prefills + 1 && cu.device().is_cpu() &&
                   (cu.scalar_type() == at::kInt || cu.scalar_type() == at::kLong),
-              "llama_layer: prefill_cu_seqlens_q (prefills + 1,) int32 or int64 on the CPU expected, got ", cu.sizes(),
-              " ", cu.scalar_type());
+              "llama_layer: prefill_cu_seqlens_q (", num_prefills, " prefills + 1,) int32 or int64 on the CPU "
+              "expected, got ", cu.sizes(), " ", cu.scalar_type());
   // Read in place, not through indexing and item(): no tensors made, 30 layers a step.
   const auto at_index = [&cu](int64_t i) -> int64_t {
     return cu.scalar_type() == at::kInt ? cu.const_data_ptr<int32_t>()[i * cu.stride(0)]
@@ -253,7 +253,7 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
     const at::Tensor& prefill_block_tables, const at::Tensor& prefill_cu_seqlens_q,
     const at::Tensor& prefill_context_lens, bool widen, int64_t num_heads, int64_t num_kv_heads, double scale) {
   check(hidden, cos, sin, k_cache, v_cache, slot_mapping, num_decode_tokens, decode_block_tables,
-        prefill_cu_seqlens_q, num_heads, num_kv_heads);
+        prefill_cu_seqlens_q, prefill_context_lens.size(0), num_heads, num_kv_heads);
   const int64_t tokens = hidden.size(0), d = k_cache.size(3);
   const int64_t q_size = num_heads * d, kv_size = num_kv_heads * d;
 
