@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import pytest
 import torch
@@ -35,6 +36,13 @@ def unfused(backend: CpuBackend):
         yield
     finally:
         backend.fuse_layers = True
+
+
+def record_metadata(backend: CpuBackend) -> tuple[list, Callable]:
+    """Keep every step's metadata the backend builds from now on: (that list, the original builder)."""
+    seen, build = [], backend.build_metadata
+    backend.build_metadata = lambda plan: seen.append(build(plan)) or seen[-1]
+    return seen, build
 
 
 def test_every_layer_is_fused_by_default(build_tiny_llm):
@@ -77,9 +85,7 @@ def test_bfloat16_steps_match_eager_too(tiny_llama_tok_dir, prefill_dtype):
 def test_every_step_whose_tokens_have_slots_is_fused(build_tiny_llm):
     llm = build_tiny_llm(CONFIG)
     engine, backend = llm.engine, llm.engine.runner.backend
-    seen = []
-    build = backend.build_metadata
-    backend.build_metadata = lambda plan: seen.append(build(plan)) or seen[-1]
+    seen, build = record_metadata(backend)
     def run() -> list[tuple[int, int, bool]]:
         seen.clear()
         engine.add_request(list(range(3, 40)), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
@@ -154,9 +160,7 @@ def test_the_operator_runs_decodes_and_prefill_chunks_in_one_step():
 def test_a_step_with_a_forward_hook_runs_the_python_forward_so_the_hook_sees_every_layer(build_tiny_llm):
     llm = build_tiny_llm(CONFIG)
     engine, backend = llm.engine, llm.engine.runner.backend
-    seen = []
-    build = backend.build_metadata
-    backend.build_metadata = lambda plan: seen.append(build(plan)) or seen[-1]
+    seen, _ = record_metadata(backend)
     calls = []
     layers = engine.runner.model.model.layers
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2)
