@@ -17,9 +17,12 @@ Four operations are poorly served by the libraries PyTorch calls, three of them 
   lies in the cache, once per KV head. On CPUs with AVX-512 it runs sixteen lanes wide with
   the AVX2 path's bits (functions compiled for AVX-512 alone, chosen at run time).
 * **Prefill attention for a whole step** (``paged_prefill_attention``,
-  ``csrc/paged_prefill_attention.cpp``): the reference's PyTorch calls made from C++, each
-  thread taking the step's next sequence whole instead of the threads splitting every short one;
-  a prompt too long to share out that way (a lone one) is split over the threads by SDPA itself.
+  ``csrc/paged_prefill_attention.cpp``). In float32 arithmetic, tiles written out: the keys
+  packed once per sequence and KV head, the scores, the softmax and the weighted values as small
+  matrix products held in registers, sixteen lanes wide on AVX-512 with the AVX2 functions'
+  bits; PyTorch's SDPA runs a 155-token float32 prompt at half their speed (results/README.md). In bfloat16
+  arithmetic (oneDNN's AMX and AVX512-BF16 kernels behind SDPA), the reference's PyTorch calls
+  made from C++, each thread taking the step's next sequence whole.
 * **RMSNorm with its residual add** (``rms_norm``, ``add_rms_norm``, ``csrc/rms_norm.cpp``):
   one call and one pass per row where eager PyTorch makes five calls; for one decoding
   sequence the calls, not the arithmetic, were the cost.
@@ -29,16 +32,16 @@ embedding: it runs a whole Llama decoder layer's step (decode rows and prefill c
 calling these operators (and oneDNN's, and ATen's silu) from C++, so that Python makes one
 call per layer instead of ~25 (``backends.cpu_fused``).
 
-The kernels are C++ with AVX2 and FMA intrinsics (prefill attention calls PyTorch's own
+The kernels are C++ with AVX2 and FMA intrinsics (bfloat16 prefill attention calls PyTorch's own
 operators), registered as PyTorch operators (``torch.ops.nanoengine.*``) and run on PyTorch's
 own thread pool. They are compiled the first time an engine needs them (about 20 s, said once
 on stderr) by PyTorch's extension builder, into ``~/.cache/nanoengine/kernels/`` under a name that carries the torch and Python versions
 and the instruction set, so another PyTorch never loads them; ``./course setup`` builds them
 ahead. They are compiled for AVX2 + FMA exactly (not ``-march=native``) and every sum's order
 is fixed by the source, not by the CPU, the thread count or the batch: every x86-64 machine
-with AVX2 computes the same bits, and a row gets the same bits alone or in a batch. (Decode
-attention's AVX-512 functions are the one exception to "AVX2 exactly", and they compute the
-AVX2 functions' bits.)
+with AVX2 computes the same bits, and a row gets the same bits alone or in a batch. (The
+attention kernels' AVX-512 functions are the one exception to "AVX2 exactly", and they compute
+the AVX2 functions' bits.)
 
 Without a C++ compiler, ninja, or AVX2 + FMA, ``load`` says why in one warning and returns
 False; the CPU backend then uses the libraries and the batched PyTorch attention.
@@ -153,7 +156,7 @@ def _register_fakes() -> None:
         return torch.empty_like(query)
 
     @torch.library.register_fake("nanoengine::paged_prefill_attention")
-    def _(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, widen):
+    def _(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, widen, avx512=True):
         return torch.empty_like(query)
 
     @torch.library.register_fake("nanoengine::cpu_linear")
@@ -202,13 +205,19 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                            scale: float, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``reference.paged_prefill_attention``, bit for bit, with the step's sequences shared out
-    between the threads (``csrc/paged_prefill_attention.cpp``). ``compute_dtype`` as there:
-    None widens 16-bit caches to float32; the cache's own dtype keeps them."""
+                            scale: float, compute_dtype: torch.dtype | None = None,
+                            avx512: bool = True) -> torch.Tensor:
+    """``reference.paged_prefill_attention`` for a whole step (``csrc/paged_prefill_attention.cpp``).
+
+    ``compute_dtype`` as there: None widens 16-bit caches to float32; the cache's own dtype keeps
+    them. Float32 arithmetic runs the file's tiles (head sizes a multiple of 32): within float32
+    rounding of the reference, with bits that depend on neither the CPU, the threads, the batch nor
+    the chunking; ``avx512`` False runs their AVX2 functions on an AVX-512 CPU (the same bits: how
+    the tests compare them). Otherwise, SDPA per sequence with the reference's own bits.
+    """
     return torch.ops.nanoengine.paged_prefill_attention(query.contiguous(), k_cache, v_cache, block_tables,
                                                         cu_seqlens_q, context_lens, scale,
-                                                        widens(query.dtype, compute_dtype))
+                                                        widens(query.dtype, compute_dtype), avx512)
 
 
 def widens(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> bool:

@@ -324,37 +324,96 @@ def test_native_kernels_round_to_bfloat16_as_pytorch_does_one_value():
     assert ties > 10  # the exact halfway cases were exercised
 
 
-@needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("lens, q_lens", [
-    # fresh prompts, chunks after a cached prefix, an empty chunk, one token: every branch of the reference;
-    # on two threads, shared out a sequence per thread
-    ([40, 17, 64, 100, 33, 5, 1], [40, 17, 20, 0, 33, 3, 1]),
-    # one prompt outweighs the rest: one after another, SDPA splitting each over the threads
-    ([90, 30], [90, 12]),
-])
-def test_native_prefill_attention_has_the_references_bits(dtype, threads, lens, q_lens):
+# fresh prompts, chunks after a cached prefix, an empty chunk, one token; and one prompt that
+# outweighs the rest (the bfloat16 path then runs the sequences one after another)
+PREFILL_CASES = [([40, 17, 64, 100, 33, 5, 1], [40, 17, 20, 0, 33, 3, 1]), ([90, 30], [90, 12])]
+
+
+def _prefill_case(dtype, lens, q_lens, seed=3, **shape):
+    query, k_cache, v_cache, tables, context_lens = _paged_case(dtype, lens, block_size=16, seed=seed, **shape)
+    cu = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    chunk = torch.randn(sum(q_lens), query.shape[1], query.shape[2], generator=gen).to(dtype)
+    return chunk, k_cache, v_cache, tables, cu, context_lens
+
+
+def _with_threads(threads, fn):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _check_native_prefill_attention(dtype, lens, q_lens)
+        return fn()
     finally:
         torch.set_num_threads(before)
 
 
-def _check_native_prefill_attention(dtype, lens, q_lens):
-    query, k_cache, v_cache, tables, context_lens = _paged_case(dtype, lens, block_size=16, seed=3)
-    cu = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
-    chunk = torch.randn(sum(q_lens), 9, 64).to(dtype)
-    for compute in (None, dtype):
-        out = cpu_native.paged_prefill_attention(chunk, k_cache, v_cache, tables, cu, context_lens, 0.125, compute)
-        expected = reference.paged_prefill_attention(chunk, k_cache, v_cache, tables, cu, context_lens, 0.125,
-                                                     compute_dtype=compute)
-        assert torch.equal(out, expected)
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("lens, q_lens", PREFILL_CASES)
+def test_native_prefill_attention_in_bfloat16_has_the_references_bits(threads, lens, q_lens):
+    """bfloat16 arithmetic is SDPA's, called per sequence from C++: the reference's bits, also with the
+    sequences shared out between threads that run in the caller's inference mode."""
+    args = _prefill_case(torch.bfloat16, lens, q_lens)
+    expected = reference.paged_prefill_attention(*args, 0.125, compute_dtype=torch.bfloat16)
+    assert torch.equal(_with_threads(threads, lambda: cpu_native.paged_prefill_attention(
+        *args, 0.125, torch.bfloat16)), expected)
     with torch.inference_mode():  # the engine's mode: the worker threads run in it too
-        out = cpu_native.paged_prefill_attention(chunk, k_cache, v_cache, tables, cu, context_lens, 0.125)
-    assert torch.equal(out, reference.paged_prefill_attention(chunk, k_cache, v_cache, tables, cu, context_lens, 0.125))
+        out = _with_threads(threads, lambda: cpu_native.paged_prefill_attention(*args, 0.125, torch.bfloat16))
+    assert torch.equal(out, expected)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [dict(), dict(heads=4, kv_heads=2, head_dim=128), dict(heads=4, kv_heads=4, head_dim=32),
+                                   dict(heads=8, kv_heads=1, head_dim=64)],
+                         ids=["groups of 3, 64-wide heads", "groups of 2, 128-wide", "mha, 32-wide", "groups of 8"])
+@pytest.mark.parametrize("lens, q_lens", PREFILL_CASES)
+def test_native_prefill_attention_in_float32_is_the_reference_within_rounding(dtype, shape, lens, q_lens):
+    """The tiles (float32 arithmetic, a bfloat16 cache widened) against the reference's SDPA: the same
+    attention summed in another order, so equal within float32 rounding (bfloat16: its last bit)."""
+    args = _prefill_case(dtype, lens, q_lens, **shape)
+    out = cpu_native.paged_prefill_attention(*args, 0.125)
+    expected = reference.paged_prefill_attention(*args, 0.125)
+    tolerance = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
+    torch.testing.assert_close(out, expected, **tolerance)
+    if dtype == torch.float32:  # and against float64, to be sure the tolerance is rounding's
+        wide = reference.paged_prefill_attention(*(a.double() if a.is_floating_point() else a for a in args), 0.125)
+        torch.testing.assert_close(out.double(), wide, rtol=1e-5, atol=2e-6)
+
+
+@needs_kernel
+def test_native_prefill_attention_keeps_the_references_bits_for_head_sizes_the_tiles_do_not_take():
+    args = _prefill_case(torch.float32, *PREFILL_CASES[0], heads=4, kv_heads=2, head_dim=20)
+    assert torch.equal(cpu_native.paged_prefill_attention(*args, 0.125),
+                       reference.paged_prefill_attention(*args, 0.125))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_prefill_bits_depend_on_neither_lanes_threads_batch_nor_chunking(dtype):
+    """What the tiles promise: each number one chain of operations in an order fixed by the source."""
+    lens, q_lens = PREFILL_CASES[0]
+    chunk, k_cache, v_cache, tables, cu, context_lens = _prefill_case(dtype, lens, q_lens)
+
+    def attend(*args, avx512=True):
+        return cpu_native.paged_prefill_attention(*args, 0.125, avx512=avx512)
+
+    whole = attend(chunk, k_cache, v_cache, tables, cu, context_lens)
+    assert torch.equal(attend(chunk, k_cache, v_cache, tables, cu, context_lens, avx512=False), whole)  # AVX2 = AVX-512
+    for threads in (1, 2, 3):
+        assert torch.equal(_with_threads(threads, lambda: attend(chunk, k_cache, v_cache, tables, cu, context_lens)),
+                           whole)
+    for seq in range(len(lens)):  # each sequence alone
+        rows = slice(int(cu[seq]), int(cu[seq + 1]))
+        alone = attend(chunk[rows], k_cache, v_cache, tables[seq:seq + 1],
+                       torch.tensor([0, q_lens[seq]], dtype=torch.int32), context_lens[seq:seq + 1])
+        assert torch.equal(alone, whole[rows])
+    # sequence 2's 20 tokens after 44 cached: split as 7 then 13, each chunk after its own cached prefix
+    rows = slice(int(cu[2]), int(cu[3]))
+    first = attend(chunk[rows][:7], k_cache, v_cache, tables[2:3], torch.tensor([0, 7], dtype=torch.int32),
+                   torch.tensor([51], dtype=torch.int32))
+    rest = attend(chunk[rows][7:], k_cache, v_cache, tables[2:3], torch.tensor([0, 13], dtype=torch.int32),
+                  torch.tensor([64], dtype=torch.int32))
+    assert torch.equal(torch.cat([first, rest]), whole[rows])
 
 
 @needs_kernel
