@@ -803,7 +803,8 @@ def race_vllm_server(peer, model_dir: Path, prompts, output_lens, args: argparse
     for row in table:
         print(f"online {row['rate_requests_per_s']:g} req/s, {row['server']} server: TTFT p50 {ms(row['ttft_p50_ms'])} "
               f"/ p90 {ms(row['ttft_p90_ms'])} ms, ITL p50 {ms(row['itl_p50_ms'])} / p90 {ms(row['itl_p90_ms'])} ms, "
-              f"{row['output_tokens_per_s']:.1f} tok/s, {row['failed']} failed")
+              f"{row['output_tokens_per_s']:.1f} tok/s, {row['failed']} failed"
+              f"{', ran first' if row['ran_first'] else ''}")
     return {"servers": race, "latency": table,
             "client": "openai.AsyncOpenAI, streaming /v1/completions (nanobench/online_client.py)"}
 

@@ -15,8 +15,14 @@ user of either server would see:
 
 Both serve the same model directory in the same dtype with the same token budget per
 step. Each waits for ``GET /health`` before it is measured; both stay up for the whole
-comparison and the rates alternate between them (engine, vLLM, next rate), so a slow
-spell of a shared machine hits both.
+comparison and each rate is a round sent to one server, then the other, so a slow spell of
+a shared machine hits both. The order within a round is reversed every round: on a 2-core
+Xeon the server that ran second in a round often had the lower TTFT p50, whichever it was.
+One bias is left, and measured rather than removed (it would take restarting vLLM, a
+minute's load, every round): with two identical engine servers, the one started second
+had a 4-5 ms lower inter-token p50 at 2 requests/s (44 against 49 ms) in every round,
+whichever ran first, and vLLM started second gained the same against the engine
+(results/README.md). The engine is started first, so the bias runs against it.
 """
 
 from __future__ import annotations
@@ -132,7 +138,8 @@ def vllm_server(settings) -> ServerProcess:
 def race_servers(servers: list[ServerProcess], prompts: list[list[int]], output_lens: list[int],
                  rates: list[float], seed: int) -> dict:
     """Every server started and healthy, then each rate sent to each in turn by the
-    project's client (``online_client.run_server_online``); the servers are stopped after.
+    project's client (``online_client.run_server_online``), the order reversed every round
+    (each row says whether its server ran first); the servers are stopped after.
 
     Returns ``{name: {"rows": [one row per rate], "command": [...], "seconds_to_healthy": s}}``.
     """
@@ -145,11 +152,12 @@ def race_servers(servers: list[ServerProcess], prompts: list[list[int]], output_
             healthy = server.wait_healthy()
             print(f"{server.name} server healthy at {server.url} after {healthy:.0f} s (log {server.log_path})")
             results[server.name] = {"command": server.command, "seconds_to_healthy": healthy, "rows": []}
-        for rate in rates:
-            for server in servers:
+        for round_index, rate in enumerate(rates):  # every other round the other server goes first
+            order = servers if round_index % 2 == 0 else servers[::-1]
+            for position, server in enumerate(order):
                 print(f"{server.name} server:", end=" ")
                 rows = run_server_online(server.url, prompts, output_lens, [rate], seed, model=SERVED_MODEL_NAME)
-                results[server.name]["rows"].extend(rows)
+                results[server.name]["rows"].extend({**row, "ran_first": position == 0} for row in rows)
     finally:
         for server in servers:
             server.stop()
@@ -157,7 +165,8 @@ def race_servers(servers: list[ServerProcess], prompts: list[list[int]], output_
 
 
 def latency_table(results: dict) -> list[dict]:
-    """Per rate and server: TTFT and inter-token latency p50 and p90 (ms), tok/s, failures."""
+    """Per rate and server: TTFT and inter-token latency p50 and p90 (ms), tok/s, failures, and
+    whether the server ran first in its round (None in files written before the order alternated)."""
     table = []
     for name, entry in results.items():
         for row in entry["rows"]:
@@ -165,7 +174,8 @@ def latency_table(results: dict) -> list[dict]:
             table.append({"server": name, "rate_requests_per_s": row["rate_requests_per_s"],
                           "ttft_p50_ms": ttft.get("p50"), "ttft_p90_ms": ttft.get("p90"),
                           "itl_p50_ms": itl.get("p50"), "itl_p90_ms": itl.get("p90"),
-                          "output_tokens_per_s": row["output_tokens_per_s"], "failed": row["failed"]})
+                          "output_tokens_per_s": row["output_tokens_per_s"], "failed": row["failed"],
+                          "ran_first": row.get("ran_first")})
     return sorted(table, key=lambda r: (r["rate_requests_per_s"], r["server"]))
 
 

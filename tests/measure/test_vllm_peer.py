@@ -234,7 +234,7 @@ def test_vllm_server_uses_the_peer_settings_and_opens_the_cache_reset(tmp_path):
 
 
 @pytest.mark.slow  # starts two servers
-def test_race_servers_alternates_rates_and_reports_latency_percentiles(tiny_llama_tok_dir):
+def test_race_servers_alternates_rates_and_order_and_reports_latency_percentiles(tiny_llama_tok_dir):
     from nanobench.server_race import engine_server, latency_table, race_servers
 
     servers = [engine_server(tiny_llama_tok_dir, "float32", 256, 8, 64, 0) for _ in range(2)]
@@ -246,6 +246,8 @@ def test_race_servers_alternates_rates_and_reports_latency_percentiles(tiny_llam
     assert [(r["rate_requests_per_s"], r["server"]) for r in table] == [
         (4.0, "nanoengine"), (4.0, "second"), (8.0, "nanoengine"), (8.0, "second")]
     assert all(r["failed"] == 0 and r["ttft_p50_ms"] > 0 and r["itl_p90_ms"] >= r["itl_p50_ms"] for r in table)
+    # the order within a round is reversed every round: the first server leads at 4 req/s, the second at 8
+    assert [r["ran_first"] for r in table] == [True, False, False, True]
 
 
 @pytest.mark.slow  # starts a server
