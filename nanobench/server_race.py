@@ -16,7 +16,7 @@ user of either server would see:
 Both serve the same model directory in the same dtype with the same token budget per
 step. Each waits for ``GET /health`` before it is measured; both stay up for the whole
 comparison and each rate is a round sent to one server, then the other, so a slow spell of
-a shared machine hits both. The order within a round is reversed every round: on a 2-core
+a shared machine hits both. A rate's rounds take turns at which server goes first: on a 2-core
 Xeon the server that ran second in a round often had the lower TTFT p50, whichever it was.
 One bias is left, and measured rather than removed (it would take restarting vLLM, a
 minute's load, every round): with two identical engine servers, the one started second
@@ -138,8 +138,8 @@ def vllm_server(settings) -> ServerProcess:
 def race_servers(servers: list[ServerProcess], prompts: list[list[int]], output_lens: list[int],
                  rates: list[float], seed: int) -> dict:
     """Every server started and healthy, then each rate sent to each in turn by the
-    project's client (``online_client.run_server_online``), the order reversed every round
-    (each row says whether its server ran first); the servers are stopped after.
+    project's client (``online_client.run_server_online``); a rate's rounds take turns at which
+    server goes first (each row says whether its server ran first). The servers are stopped after.
 
     Returns ``{name: {"rows": [one row per rate], "command": [...], "seconds_to_healthy": s}}``.
     """
@@ -152,8 +152,10 @@ def race_servers(servers: list[ServerProcess], prompts: list[list[int]], output_
             healthy = server.wait_healthy()
             print(f"{server.name} server healthy at {server.url} after {healthy:.0f} s (log {server.log_path})")
             results[server.name] = {"command": server.command, "seconds_to_healthy": healthy, "rows": []}
-        for round_index, rate in enumerate(rates):  # every other round the other server goes first
-            order = servers if round_index % 2 == 0 else servers[::-1]
+        rounds_of: dict[float, int] = {}  # how many rounds each rate has had so far
+        for rate in rates:  # each rate's rounds take turns at which server goes first
+            turn = rounds_of[rate] = rounds_of.get(rate, -1) + 1
+            order = servers if turn % 2 == 0 else servers[::-1]
             for position, server in enumerate(order):
                 print(f"{server.name} server:", end=" ")
                 rows = run_server_online(server.url, prompts, output_lens, [rate], seed, model=SERVED_MODEL_NAME)
