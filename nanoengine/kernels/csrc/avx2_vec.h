@@ -1,4 +1,5 @@
-// Small AVX2 helpers shared by the native CPU kernels (cpu_native.py builds them).
+// Small AVX2 helpers shared by the native CPU kernels (cpu_native.py builds them), and the two
+// AVX-512 ones both attention kernels' wide functions use.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -67,5 +68,26 @@ inline __m256 exp8(__m256 x) {
   const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
 }
+
+// Whether this CPU runs the attention kernels' AVX-512 functions (asked once per process).
+inline bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+  return has;
+}
+
+// Sixteen values as float32 lanes, as load8 gives eight: compiled for AVX-512 alone, called only
+// from functions compiled for it where cpu_has_avx512().
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl")
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+#pragma GCC pop_options
 
 }  // namespace nanoengine_cpu

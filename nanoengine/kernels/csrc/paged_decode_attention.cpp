@@ -39,7 +39,9 @@ namespace {
 
 using nanoengine_cpu::exp8;
 using nanoengine_cpu::horizontal_sum;
+using nanoengine_cpu::cpu_has_avx512;
 using nanoengine_cpu::load8;
+using nanoengine_cpu::load16;
 
 // q (float32, D) . k (the cache's dtype, D)
 template <typename T>
@@ -177,13 +179,6 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const std::vecto
 // stays AVX2) and called only when the CPU reports AVX-512F, BW and DQ.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl")
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
-}
 
 // Eight values of row a in lanes 0-7 and eight of row b in lanes 8-15.
 inline __m512 load_pair(const float* a, const float* b) {
@@ -336,13 +331,6 @@ void attend_wide(const float* q, const T* k_cache, const T* v_cache, const std::
 }
 
 #pragma GCC pop_options
-
-// Whether this CPU runs attend_wide (asked once).
-bool cpu_has_avx512() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return has;
-}
 
 template <typename T, typename Index>
 void decode_kernel(const T* query, const T* k_cache, const T* v_cache, const Index* block_tables,

@@ -84,7 +84,9 @@ at::Tensor gather_rows(const at::Tensor& cache, const int64_t* table, int64_t le
 
 using nanoengine_cpu::exp8;
 using nanoengine_cpu::horizontal_sum;
+using nanoengine_cpu::cpu_has_avx512;
 using nanoengine_cpu::load8;
+using nanoengine_cpu::load16;
 using nanoengine_cpu::store8;
 
 constexpr int64_t TOKENS_PER_TASK = 16;
@@ -235,13 +237,6 @@ void score_tile_wide(const float* q, const float* packed, int64_t panels, int64_
   }
 }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
-}
-
 // add_values with 32 output lanes at a time.
 template <typename T, int R>
 void add_values_wide(const float* e, int64_t stride, const float* inv, const T* v_cache, const int64_t* rows,
@@ -306,13 +301,6 @@ float softmax_row_wide(float* s, int64_t length) {
 }
 
 #pragma GCC pop_options
-
-// Whether this CPU runs the wide functions (asked once).
-bool cpu_has_avx512() {
-  static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
-  return has;
-}
 
 struct TileScratch {
   std::vector<float> queries, scores;
