@@ -24,6 +24,16 @@ Inductor calls as it is, knowing only the shape of what it returns (its "fake"):
 The native norms (``kernels.cpu_native``) are operators already. Inductor fuses what is
 left (rotary, SiLU-and-mul, the residual adds, the embedding lookup) into a few loops.
 
+That is the graph for models whose layers do not run as one native call (Qwen3's per-head
+norms, a bias on o_proj). SmolLM2's Llama layers do (``backends.cpu_fused``), and there the
+graph calls each layer as one operator, ``nanoengine::registered_layer``
+(``kernels/csrc/registered_layers.cpp``), whose arguments are only the hidden states, the
+residual stream and the rotary rows: each layer's weights and cache are registered with the
+native code once, at build (``RegisteredModel``), and the step's metadata once per step,
+outside the graph. The graph is then the embedding, the rotary rows, 30 operator calls and
+the final norm; a step the layers do not run fused (a forward hook, a warm-up row without a
+cache slot) runs the layers' eager forward instead.
+
 Why the step's metadata is not an input of the graph
 ----------------------------------------------------
 A graph is compiled for the *kinds* of inputs it saw: Dynamo guards on every input
@@ -50,15 +60,15 @@ Without a C++ compiler the engine runs eagerly and warns once, naming why
 
 What it is worth
 ----------------
-Measured on a 2-core AVX2 EPYC (SmolLM2-135M, fp32, 8 requests and one alone): greedy
-tokens identical to eager, throughput within the machine's noise of eager (the native
-kernels already run the norms, GEMMs and attention, and what Inductor fuses is a few
-percent of a step), and 60 s to build the first engine of a process cold, 22 s with the
-disk cache warm (Dynamo traces 30 layers every process). That is why it is not the default.
-Since then the eager path runs each decoder layer as one native call on every step
-(``backends.cpu_fused``), which the compiled graph cannot use: on a 2-core Xeon a 37-token
-prefill took ~63 ms that way against 67.5 ms compiled. Compiling one layer's forward once
-for all 30 cut the build to 5 s but ran slower still (results/README.md).
+Measured on a 2-core AVX2 EPYC (SmolLM2-135M, fp32, 8 requests and one alone), with the
+operators above in every layer: greedy tokens identical to eager, throughput within the
+machine's noise of eager, and 60 s to build the first engine of a process cold, 22 s with
+the disk cache warm (Dynamo traced 30 layers every process). With the layers registered, on
+a 2-core Xeon: the compile takes ~3 s with the disk cache warm, the greedy tokens are
+eager's, and the compiled model runs at eager's speed (a lone sequence 45.4 against 46.1
+tokens/s, 8 at once 217.5 against 219.1, in one process, alternating; results/README.md):
+eager already makes one native call per layer, and what the graph saves around those calls
+Dynamo's guards spend again. That is why it is not the default.
 """
 
 from __future__ import annotations
@@ -70,6 +80,8 @@ import os
 import platform
 import sys
 import time
+import types
+import weakref
 from pathlib import Path
 
 import torch
@@ -169,54 +181,163 @@ def use_machine_cache() -> Path:
 def compile_model(runner, backend) -> "CompileReport":
     """Compile ``runner``'s model forward whole for ``backend`` (a ``CpuBackend``), warm it up, time it.
 
-    Every attention layer gets a ``GraphAttention`` and every linear layer the backend
-    prepared a ``GraphLinearMethod``, so Dynamo sees each as one operator. On any failure
-    the layers get their eager kernels back, the engine warns once and runs eagerly.
+    Where the decoder layers run as one native call each (``backend.unfused_reason`` is None),
+    each layer is one ``nanoengine::registered_layer`` in the graph (``graph_layer_forward``);
+    otherwise every attention layer gets a ``GraphAttention`` and every linear layer a
+    ``GraphLinearMethod``. Either way Dynamo sees each as one operator. On any failure the
+    layers get their eager forward back, the engine warns once and runs eagerly.
     """
-    from nanoengine.backends.cpu import CpuLinearMethod, GraphLinearMethod
     from nanoengine.engine.compilation import CompileFallbackWarning, CompileReport, compiler_problem
-    from nanoengine.layers.attention import Attention
 
-    model = runner.model
     use_machine_cache()  # before anything imports Inductor: its import fixes the folder it uses
     problem = compiler_problem(runner.device)
     if problem is not None:
         _warn_once(problem, CompileFallbackWarning)
         return CompileReport(requested=True, compiled=False, seconds=0.0, ops=(), fallback_reason=problem)
-    attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
-    linear_layers = [m for m in model.modules() if isinstance(vars(m).get("linear_method"), CpuLinearMethod)]
-    backend.layer_caches = [(layer.k_cache, layer.v_cache) for layer in attention_layers]
-    for i, layer in enumerate(attention_layers):
-        layer.impl = GraphAttention(backend.attention, i)
-    for layer in linear_layers:
-        method = layer.linear_method
-        layer.linear_method = GraphLinearMethod(method.packed, method.few_rows)
+    graph_of = _registered_layers if backend.unfused_reason is None else _operator_layers
+    install, forward, restore, warm_up_kv = graph_of(runner, backend)
+    install()
+    backend.compiled_forward = forward
     start = time.perf_counter()
+    try:
+        for num_tokens in (min(WARM_UP_ROWS, runner.num_blocks * runner.block_size), 1):
+            runner.warm_up(num_tokens, write_kv=warm_up_kv)  # compiles once; the single token reuses the graph
+    except Exception as exc:  # noqa: BLE001 (Dynamo, Inductor or the C++ build: the engine still runs eagerly)
+        backend.compiled_forward = None
+        restore()
+        reason = f"compiling the model failed with {type(exc).__name__}: {str(exc).strip()[:300]}"
+        _warn_once(reason, CompileFallbackWarning)
+        return CompileReport(requested=True, compiled=False, seconds=time.perf_counter() - start, ops=(),
+                             fallback_reason=reason)
+    seconds = time.perf_counter() - start
+    return CompileReport(requested=True, compiled=True, seconds=seconds,
+                         ops=(f"{type(runner.model).__name__}.forward",))
+
+
+def _compiled(model):
+    """The model's forward compiled for token ids and positions of any length (one graph)."""
     graph = torch.compile(lambda ids, pos: model(ids, pos, None), dynamic=True, fullgraph=True)
 
-    def forward(input_ids, positions):
+    def run(input_ids, positions):
         # One graph for every step size: an unbacked size is never specialised (not even to 1)
         # and never guarded on, so the single token of a decode step reuses it too.
         torch._dynamo.decorators.mark_unbacked(input_ids, 0)
         torch._dynamo.decorators.mark_unbacked(positions, 0)
         return graph(input_ids, positions)
 
-    backend.compiled_forward = forward
-    try:
-        for num_tokens in (WARM_UP_ROWS, 1):  # compiles once; the single token reuses the graph
-            runner.warm_up(num_tokens)
-    except Exception as exc:  # noqa: BLE001 (Dynamo, Inductor or the C++ build: the engine still runs eagerly)
-        backend.compiled_forward = None
+    return run
+
+
+def _registered_layers(runner, backend):
+    """The graph for layers that run as one native call: a ``GraphLayer`` each, their weights registered."""
+    from nanoengine.backends import cpu_fused
+
+    model = runner.model
+    layers = list(model.model.layers)
+    registered = RegisteredModel(layers)
+    graph = _compiled(model)
+
+    def install():
+        backend.registered_model = registered
+        backend.fused_layers = len(layers)
+        backend.fused_modules = tuple(m for layer in layers for m in layer.modules())
+        for i, layer in enumerate(layers):
+            layer.fused_forward, layer.graph_index = cpu_fused.FusedLayer(layer), i
+            layer.forward = types.MethodType(graph_layer_forward, layer)
+
+    def forward(model, input_ids, positions, meta):
+        if not meta.fused:  # a hook to call, or a token without a slot: the layers' eager forward
+            return model(input_ids, positions, meta)
+        with registered.step(meta):
+            return graph(input_ids, positions)
+
+    def restore():
+        backend.registered_model = None
+        for layer in layers:
+            layer.forward = layer.fused_forward
+
+    return install, forward, restore, True  # a fused step writes KV: the warm-up must too
+
+
+def _operator_layers(runner, backend):
+    """The graph for other models: each attention and linear layer one operator, the rest traced."""
+    from nanoengine.backends.cpu import CpuLinearMethod, GraphLinearMethod
+    from nanoengine.layers.attention import Attention
+
+    model = runner.model
+    attention_layers = [m for m in model.modules() if isinstance(m, Attention)]
+    linear_layers = [m for m in model.modules() if isinstance(vars(m).get("linear_method"), CpuLinearMethod)]
+    graph = _compiled(model)
+
+    def install():
+        backend.layer_caches = [(layer.k_cache, layer.v_cache) for layer in attention_layers]
+        for i, layer in enumerate(attention_layers):
+            layer.impl = GraphAttention(backend.attention, i)
+        for layer in linear_layers:
+            method = layer.linear_method
+            layer.linear_method = GraphLinearMethod(method.packed, method.few_rows)
+
+    def forward(model, input_ids, positions, meta):
+        with step_metadata(backend.attention, meta, backend.layer_caches):  # the attention operators read them
+            return graph(input_ids, positions)
+
+    def restore():
         for layer in attention_layers:
             layer.impl = backend.attention
         for layer in linear_layers:
             layer.linear_method = CpuLinearMethod(layer.linear_method.packed, layer.linear_method.few_rows)
-        reason = f"compiling the model failed with {type(exc).__name__}: {str(exc).strip()[:300]}"
-        _warn_once(reason, CompileFallbackWarning)
-        return CompileReport(requested=True, compiled=False, seconds=time.perf_counter() - start, ops=(),
-                             fallback_reason=reason)
-    seconds = time.perf_counter() - start
-    return CompileReport(requested=True, compiled=True, seconds=seconds, ops=(f"{type(model).__name__}.forward",))
+
+    return install, forward, restore, False
+
+
+def graph_layer_forward(layer, positions, hidden, residual, meta, rotary_rows=None):
+    """A decoder layer's forward in the compiled model: ``nanoengine::registered_layer``.
+
+    Traced (``meta`` None: the graph's forward passes no metadata), the layer is one operator
+    taking the hidden states, the residual stream and the rotary rows; its weights and the
+    step's metadata are the ``RegisteredModel``'s. Called with a step's metadata, it is a
+    step the backend runs eagerly, and ``layer.fused_forward`` (a ``FusedLayer``) runs it.
+    Installed as a method bound to each layer, not as an object of its own: Dynamo guards on
+    an object's identity, and a second engine of the model would compile its own graph.
+    """
+    if meta is not None:
+        return layer.fused_forward(positions, hidden, residual, meta, rotary_rows)
+    cos, sin = rotary_rows
+    return torch.ops.nanoengine.registered_layer(hidden, residual, cos, sin, layer.graph_index)
+
+
+class RegisteredModel:
+    """An engine's decoder layers registered with the native code once (``csrc/registered_layers.cpp``).
+
+    Each layer's norms, weights, packed weights and KV cache are handed over at build; the
+    step's metadata once per step (``step``). The registration is freed with this object.
+    """
+
+    def __init__(self, layers) -> None:
+        from nanoengine.backends import cpu_fused
+
+        ops = torch.ops.nanoengine
+        self.handle = ops.registered_model_new()
+        weakref.finalize(self, ops.registered_model_free, self.handle)
+        for layer in layers:
+            fused = cpu_fused.FusedLayer(layer)
+            (input_norm, post_norm, eps, qkv_w, qkv_p, qkv_bias, o_w, o_p, gate_up_w, gate_up_p, down_w, down_p,
+             few_rows_max) = fused.weights
+            ops.registered_model_add_layer(self.handle, input_norm, post_norm, eps, qkv_w, qkv_p, qkv_bias, o_w,
+                                           o_p, gate_up_w, gate_up_p, down_w, down_p, few_rows_max,
+                                           fused.attention.k_cache, fused.attention.v_cache, *fused.shape)
+
+    @contextlib.contextmanager
+    def step(self, meta: AttentionMetadata):
+        """Make ``meta`` the step this thread's ``registered_layer`` calls read."""
+        ops = torch.ops.nanoengine
+        ops.registered_model_set_step(self.handle, meta.slot_mapping, meta.num_decode_tokens,
+                                      meta.decode_block_tables, meta.decode_context_lens, meta.prefill_block_tables,
+                                      meta.prefill_cu_seqlens_q, meta.prefill_context_lens, meta.widen_prefill)
+        try:
+            yield
+        finally:
+            ops.registered_model_clear_step(self.handle)
 
 
 # The warm-up's size for the general graph: a prime, equal to no model dimension (Dynamo gives

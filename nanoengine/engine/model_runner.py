@@ -73,15 +73,20 @@ class BatchPlan:
     sampled_drafts: list[tuple[int, ...]] = field(default_factory=list)
 
     @classmethod
-    def dummy(cls, num_tokens: int) -> "BatchPlan":
+    def dummy(cls, num_tokens: int, block_size: int | None = None) -> "BatchPlan":
         """A prefill of ``num_tokens`` tokens that writes no KV (slot -1) and reads block 0 only.
 
         For warming up compiled code: it runs every layer on that many rows without
-        touching any request's cache.
+        touching any request's cache. With ``block_size``, the prompt's keys and values are
+        written to the cache's first blocks instead, as a real prompt's would be: a step a
+        backend runs the way it runs requests (only before any request holds a block).
         """
         n = num_tokens
-        return cls(input_ids=[0] * n, positions=[0] * n, slot_mapping=[-1] * n, num_decode_tokens=0,
-                   decode_block_tables=[], decode_context_lens=[], prefill_block_tables=[[0] * n],
+        slots, table = [-1] * n, [0] * n
+        if block_size is not None:
+            slots, table = list(range(n)), list(range(-(-n // block_size)))
+        return cls(input_ids=[0] * n, positions=[0] * n, slot_mapping=slots, num_decode_tokens=0,
+                   decode_block_tables=[], decode_context_lens=[], prefill_block_tables=[table],
                    prefill_cu_seqlens_q=[0, n], prefill_context_lens=[n], logits_indices=list(range(n)),
                    request_ids=["warm-up"], query_start_loc=[0, n])
 
@@ -413,14 +418,21 @@ class ModelRunner(SamplingRunner):
         return ModelRunnerOutput.of(sampled, token_ids, logprobs)
 
     @torch.inference_mode()
-    def warm_up(self, num_tokens: int) -> None:
+    def warm_up(self, num_tokens: int, write_kv: bool = False) -> None:
         """Run one dummy step of ``num_tokens`` tokens through the model and the sampler.
 
         It writes no KV (``BatchPlan.dummy``) and samples with a generator of its own, so
         neither the cache nor the engine's random stream is touched. ``compile_runner``
         calls it so that compiling happens now and not during the first real steps.
+        ``write_kv``: the step writes its keys and values to the cache's first blocks, as a
+        prompt does (a step with unwritten slots may run another way); only while no
+        request holds a block, and at most as many tokens as the cache has slots.
         """
-        logits = self.run_model(self.prepare_inputs(BatchPlan.dummy(num_tokens)))
+        if write_kv and num_tokens > self.num_blocks * self.block_size:
+            raise ValueError(f"a warm-up step writing KV takes at most the cache's "
+                             f"{self.num_blocks * self.block_size} slots, got {num_tokens} tokens")
+        plan = BatchPlan.dummy(num_tokens, self.block_size if write_kv else None)
+        logits = self.run_model(self.prepare_inputs(plan))
         params = SamplingParams(temperature=0.8, top_k=8, top_p=0.9, min_p=0.01)
         generator = torch.Generator(device=self.device).manual_seed(0)
         self.sampler(logits, [params] * num_tokens, [generator] * num_tokens)

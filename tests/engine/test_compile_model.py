@@ -100,6 +100,100 @@ def test_a_second_engine_of_the_same_model_reuses_the_graph(build_tiny_llm):
     tokens(second, prompts(2, seed=5))
 
 
+# ------------------------------------------------------ the registered layers
+@pytest.mark.slow
+@needs_compile
+def test_the_graph_calls_each_fused_layer_as_one_registered_operator(build_tiny_llm):
+    before = compiled_graphs()
+    compiled = build_tiny_llm({**CONFIG, "compile_model": True})
+    backend = compiled.engine.runner.backend
+    layers = compiled.engine.runner.model.model.layers
+    assert backend.registered_model is not None and backend.fused_layers == len(layers)
+    assert all(layer.forward.__func__ is cpu_graph.graph_layer_forward for layer in layers)
+    graphed = []  # per step: whether it ran the compiled graph (every step of a request is fused)
+    original = backend.compiled_forward
+
+    def recording(model, ids, pos, meta):
+        graphed.append(meta.fused)
+        return original(model, ids, pos, meta)
+
+    backend.compiled_forward = recording
+    eager = build_tiny_llm(CONFIG)
+    batch = prompts(3, seed=8)
+    assert tokens(compiled, batch) == tokens(eager, batch)
+    assert graphed and all(graphed) and compiled_graphs() <= before + 1
+
+
+@pytest.mark.slow
+@needs_compile
+def test_a_step_with_a_hook_runs_the_eager_layers_and_the_hook_sees_them(build_tiny_llm):
+    compiled = build_tiny_llm({**CONFIG, "compile_model": True})
+    eager = build_tiny_llm(CONFIG)
+    seen = []
+    handle = compiled.engine.runner.model.model.layers[0].mlp.register_forward_hook(
+        lambda module, args, out: seen.append(out.shape[0]))
+    batch = prompts(2, seed=9)
+    try:
+        assert tokens(compiled, batch) == tokens(eager, batch)
+    finally:
+        handle.remove()
+    # each token went through the hooked MLP once: the prompts' and all but the last generated
+    assert sum(seen) == sum(len(p) for p in batch) + len(batch) * (GREEDY.max_tokens - 1)
+    assert tokens(compiled, batch) == tokens(eager, batch)  # unhooked, compiled again
+
+
+@pytest.mark.slow
+@needs_compile
+def test_models_whose_layers_do_not_fuse_compile_op_by_op(tiny_qwen3_dir):
+    from nanoengine import LLM
+
+    settings = dict(device="cpu", max_model_len=128, num_kv_blocks=64, block_size=8, dtype="float32")
+    compiled = LLM(str(tiny_qwen3_dir), compile_model=True, **settings)
+    backend = compiled.engine.runner.backend
+    assert backend.unfused_reason is not None and backend.registered_model is None
+    assert compiled.engine.runner.compilation.compiled
+    assert all(isinstance(layer.impl, cpu_graph.GraphAttention)
+               for layer in compiled.engine.runner.model.attention_layers())
+    eager = LLM(str(tiny_qwen3_dir), **settings)
+    batch = [[3, 4, 5, 6, 7], [8, 9]]
+    assert tokens(compiled, batch) == tokens(eager, batch)
+
+
+def test_the_registered_layers_refuse_a_forward_without_a_step():
+    from nanoengine.kernels import cpu_native
+
+    if not cpu_native.load():
+        pytest.skip("the native kernels are not built here")
+    hidden = torch.zeros(2, 8)
+    cos = torch.ones(2, 1, 4)
+    with pytest.raises(RuntimeError, match="this thread set no step"):
+        torch.ops.nanoengine.registered_layer(hidden, None, cos, cos, 0)
+    handle = torch.ops.nanoengine.registered_model_new()
+    torch.ops.nanoengine.registered_model_free(handle)
+    with pytest.raises(RuntimeError, match=f"no registered model has handle {handle}"):
+        torch.ops.nanoengine.registered_model_set_step(
+            handle, torch.zeros(2, dtype=torch.long), 0, torch.zeros(0, 1, dtype=torch.int32),
+            torch.zeros(0, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
+            torch.tensor([0, 2], dtype=torch.int32), torch.tensor([2], dtype=torch.int32), False)
+
+
+@pytest.mark.slow
+@needs_compile
+def test_two_engines_registered_side_by_side_keep_their_own_layers(build_tiny_llm):
+    first = build_tiny_llm({**CONFIG, "compile_model": True})
+    second = build_tiny_llm({**CONFIG, "compile_model": True})  # the same graph, other weights and caches
+    assert first.engine.runner.backend.registered_model.handle != second.engine.runner.backend.registered_model.handle
+    eager = build_tiny_llm(CONFIG)
+    batch = prompts(2, seed=10)
+    expected = tokens(eager, batch)
+    assert tokens(first, batch) == tokens(second, batch) == expected
+    with torch.no_grad():  # the second engine's weights changed: only its tokens may change
+        for p in second.engine.runner.model.parameters():
+            p.mul_(1.5)
+    assert tokens(first, batch) == expected
+    assert tokens(second, batch) != expected
+
+
 # ------------------------------------------------------------------- failure
 def test_a_failing_compile_warns_once_and_runs_eagerly(build_tiny_llm, monkeypatch):
     def broken_compile(fn, **kwargs):

@@ -1,8 +1,11 @@
 """The CPU allocator settings (nanoengine.engine.host_memory) respect the user's own."""
 
 import platform
+import re
+from pathlib import Path
 
 import pytest
+import torch
 
 from nanoengine.engine import host_memory
 
@@ -25,3 +28,74 @@ def test_leaves_a_user_choice_alone(monkeypatch, variable):
 def test_not_applied_off_glibc(monkeypatch):
     monkeypatch.setattr(host_memory.platform, "libc_ver", lambda: ("musl", "1.2"))
     assert host_memory.keep_freed_memory.__wrapped__() is False
+
+
+# ----------------------------------------------------------------- huge pages
+thp = pytest.mark.skipif(host_memory.huge_pages_unavailable() is not None,
+                         reason=f"no transparent huge pages here: {host_memory.huge_pages_unavailable()}")
+
+
+def _advised(address: int) -> bool:
+    """Whether the mapping holding ``address`` is eligible for huge pages (``THPeligible`` in smaps)."""
+    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", Path("/proc/self/smaps").read_text()):
+        start, end = (int(x, 16) for x in block.split(" ", 1)[0].split("-"))
+        if start <= address < end:
+            return re.search(r"THPeligible:\s+1", block) is not None
+    return False
+
+
+@thp
+def test_moved_tensors_keep_their_values_in_one_aligned_advised_region():
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(300, 129, generator=generator), torch.randn(7, generator=generator).to(torch.bfloat16),
+               torch.randn(1000, 1000, generator=generator)]
+    params = [torch.nn.Parameter(w.clone(), requires_grad=False) for w in weights]
+    moved = host_memory.move_to_huge_pages([*params, params[0]])  # given twice: moved once
+    assert moved == sum(w.numel() * w.element_size() for w in weights)
+    assert all(torch.equal(p, w) and p.dtype == w.dtype and p.shape == w.shape for p, w in zip(params, weights))
+    first = params[0].data_ptr()
+    assert first % host_memory.HUGE_PAGE_BYTES == 0
+    assert all(p.data_ptr() % host_memory.ALIGNMENT == 0 for p in params)
+    assert params[2].data_ptr() - first < moved + 3 * host_memory.ALIGNMENT  # one region, in order
+    assert _advised(first) and _advised(params[2].data_ptr())
+    assert host_memory.huge_page_bytes(params[2]) % host_memory.HUGE_PAGE_BYTES == 0
+
+
+def test_nothing_moves_where_the_machine_has_no_huge_pages(monkeypatch, tmp_path):
+    setting = tmp_path / "enabled"
+    setting.write_text("always madvise [never]\n")
+    monkeypatch.setattr(host_memory, "THP_SETTING", setting)
+    assert "off on this machine" in host_memory.huge_pages_unavailable()
+    weight = torch.ones(64, 64)
+    where = weight.data_ptr()
+    assert host_memory.move_to_huge_pages([weight]) == 0 and weight.data_ptr() == where
+
+
+def test_tensors_it_cannot_move_stay_where_they_are():
+    strided = torch.ones(8, 8).t()
+    empty = torch.ones(0)
+    where = (strided.data_ptr(), empty.data_ptr())
+    assert host_memory.move_to_huge_pages([strided, empty]) == 0
+    assert (strided.data_ptr(), empty.data_ptr()) == where
+
+
+@thp
+def test_the_cpu_backend_moves_the_weights_and_the_tokens_do_not_change(build_tiny_llm, monkeypatch):
+    from nanoengine import SamplingParams
+
+    config = dict(device="cpu", max_model_len=128, num_kv_blocks=64, block_size=8)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    llm = build_tiny_llm(config)
+    backend, model = llm.engine.runner.backend, llm.engine.runner.model
+    params = list(model.parameters())
+    assert backend.huge_page_weight_bytes == sum(p.numel() * p.element_size() for p in params)
+    assert all(_advised(p.data_ptr()) for p in params) and "weights in huge pages" in backend.describe()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied, still
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    # the same weights where PyTorch put them give the same tokens
+    monkeypatch.setattr(host_memory, "huge_pages_unavailable", lambda: "off for this test")
+    plain = build_tiny_llm(config)
+    assert plain.engine.runner.backend.huge_page_weight_bytes == 0
+    assert "huge pages" not in plain.engine.runner.backend.describe()
+    assert [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)] == got
