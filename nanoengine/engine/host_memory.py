@@ -122,7 +122,10 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
     sizes = [-(-t.numel() * t.element_size() // ALIGNMENT) * ALIGNMENT for t in movable]
     if not movable:
         return 0
-    region = huge_page_region(sum(sizes))
+    try:
+        region = huge_page_region(sum(sizes))
+    except OSError:  # a kernel built without transparent huge pages rejects the advice: nothing moves
+        return 0
     offset = 0
     with torch.no_grad():
         for t, size in zip(movable, sizes):
