@@ -34,9 +34,8 @@ them and 38-44 after the move; and the same model loaded twice in one process ha
 34 and 37-40 tokens/s, because where the allocator happened to put each copy decided how
 much of it the kernel could back with huge pages (results/README.md). The move makes that
 speed the rule rather than luck. Where the machine has no transparent huge pages (not Linux,
-or ``[never]``) the weights stay where they are; ``huge_page_bytes`` says how much of a
-region the kernel really backs with huge pages (it may grant fewer when memory is
-fragmented).
+or ``[never]``) the weights stay where they are; ``huge_page_bytes`` says how much of the
+process's memory the kernel really backs with huge pages.
 """
 
 from __future__ import annotations
@@ -137,17 +136,13 @@ def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in movable)
 
 
-def huge_page_bytes(tensor: torch.Tensor) -> int:
-    """How many bytes of the mapping holding ``tensor`` the kernel backs with huge pages now
-    (``AnonHugePages`` of ``/proc/self/smaps``; 0 where that cannot be read)."""
-    address = tensor.data_ptr()
+def huge_page_bytes() -> int:
+    """How many bytes of this process's memory the kernel backs with huge pages now
+    (``AnonHugePages`` of ``/proc/self/smaps_rollup``; 0 where that cannot be read). The kernel
+    may grant fewer than were asked for, when free memory is fragmented."""
     try:
-        smaps = Path("/proc/self/smaps").read_text()
+        rollup = Path("/proc/self/smaps_rollup").read_text()
     except OSError:
         return 0
-    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", smaps):
-        start, end = (int(x, 16) for x in block.split(" ", 1)[0].split("-"))
-        if start <= address < end:
-            found = re.search(r"AnonHugePages:\s+(\d+) kB", block)
-            return int(found.group(1)) * 1024 if found else 0
-    return 0
+    found = re.search(r"AnonHugePages:\s+(\d+) kB", rollup)
+    return int(found.group(1)) * 1024 if found else 0
