@@ -229,20 +229,21 @@ def _compiled(model):
 
 
 def _registered_layers(runner, backend):
-    """The graph for layers that run as one native call: a ``GraphLayer`` each, their weights registered."""
+    """The graph for layers that run as one native call: ``graph_layer_forward`` each, their weights registered."""
     from nanoengine.backends import cpu_fused
 
     model = runner.model
     layers = list(model.model.layers)
-    registered = RegisteredModel(layers)
+    fused = [cpu_fused.FusedLayer(layer) for layer in layers]
+    registered = RegisteredModel(fused)
     graph = _compiled(model)
 
     def install():
         backend.registered_model = registered
         backend.fused_layers = len(layers)
         backend.fused_modules = tuple(m for layer in layers for m in layer.modules())
-        for i, layer in enumerate(layers):
-            layer.fused_forward, layer.graph_index = cpu_fused.FusedLayer(layer), i
+        for i, (layer, eager) in enumerate(zip(layers, fused)):
+            layer.fused_forward, layer.graph_index = eager, i
             layer.forward = types.MethodType(graph_layer_forward, layer)
 
     def forward(model, input_ids, positions, meta):
@@ -313,14 +314,11 @@ class RegisteredModel:
     step's metadata once per step (``step``). The registration is freed with this object.
     """
 
-    def __init__(self, layers) -> None:
-        from nanoengine.backends import cpu_fused
-
+    def __init__(self, fused_layers) -> None:
         ops = torch.ops.nanoengine
         self.handle = ops.registered_model_new()
         weakref.finalize(self, ops.registered_model_free, self.handle)
-        for layer in layers:
-            fused = cpu_fused.FusedLayer(layer)
+        for fused in fused_layers:  # each a ``cpu_fused.FusedLayer``: the arguments it passes, gathered once
             (input_norm, post_norm, eps, qkv_w, qkv_p, qkv_bias, o_w, o_p, gate_up_w, gate_up_p, down_w, down_p,
              few_rows_max) = fused.weights
             ops.registered_model_add_layer(self.handle, input_norm, post_norm, eps, qkv_w, qkv_p, qkv_bias, o_w,
