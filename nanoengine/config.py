@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from nanoengine.engine.host_memory import move_budget
 from nanoengine.models.config import ModelConfig
 from nanoengine.spec_decode.config import SpeculativeConfig
 
@@ -130,6 +131,8 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) (torch.Generator's range), got {self.seed!r}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.torch_device.type == "cpu":
+            move_budget()  # the environment's time for moving the weights to huge pages, checked before loading
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -40,7 +40,8 @@ cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here:
 * **Weights in huge pages.** A decode step reads every weight once, page after 4 KiB page
   through the TLB; ``prepare_weights`` first moves the weights into memory advised to use
   2 MiB pages (``engine.host_memory.move_to_huge_pages``): a lone sequence decoded 33 -> 38-44
-  tokens/s on the 2-core Xeon.
+  tokens/s on the 2-core Xeon. Finding huge pages can take the kernel seconds where memory is
+  fragmented, so the move has a budget (``host_memory.move_budget``); what did not fit stays put.
 * **Prefill attention in tiles, or in bfloat16 where the CPU has it.** The reference prefill
   calls PyTorch's SDPA once per sequence from Python, and SDPA splits each short sequence over
   the threads in small library calls: ~30 GFLOP/s a thread in float32 on a CPU whose GEMMs run
@@ -67,7 +68,7 @@ import torch
 
 from nanoengine.backends import cpu_fused
 from nanoengine.backends.base import Backend
-from nanoengine.engine.host_memory import keep_freed_memory, move_to_huge_pages
+from nanoengine.engine.host_memory import keep_freed_memory, move_budget, move_to_huge_pages
 from nanoengine.kernels import cpu_attention, cpu_gemm, cpu_native, reference
 from nanoengine.kernels.cpu_attention import DecodePlan
 from nanoengine.layers.attention import AttentionImpl, AttentionMetadata
@@ -214,11 +215,15 @@ class CpuBackend(Backend):
         self.fused_modules: tuple = ()  # the modules inside the fused layers (``cpu_fused.hooked``)
         self.fuse_layers = True  # False: every step runs the layers' Python forward (chapter 10 compares)
         self.huge_page_weight_bytes = 0  # weights moved to memory advised to use huge pages (``prepare_weights``)
+        self.weight_bytes = 0  # all of the model's weights
+        self.move_budget_s = move_budget()  # read (and checked) before any weight loads
         keep_freed_memory()
 
     def describe(self) -> str:
         gemm = f"few-rows kernel up to {cpu_native.MAX_ROWS} rows, then oneDNN" if self.native_kernels else "oneDNN"
-        pages = ", weights in huge pages" if self.huge_page_weight_bytes else ""
+        pages = ("" if not self.huge_page_weight_bytes else ", weights in huge pages"
+                 if self.huge_page_weight_bytes == self.weight_bytes
+                 else f", {self.huge_page_weight_bytes / self.weight_bytes:.0%} of the weights in huge pages")
         return f"{super().describe()}, {gemm} GEMMs{pages}"
 
     def bind_kv_cache(self, block_size: int, num_kv_heads: int, num_heads: int, head_dim: int,
@@ -234,7 +239,9 @@ class CpuBackend(Backend):
     def prepare_weights(self, model: torch.nn.Module) -> None:
         """Move the weights to huge pages; prepack every GEMM weight; route few-row products, the
         norms and the rotary embedding to the native kernels."""
-        self.huge_page_weight_bytes = move_to_huge_pages(list(model.parameters()))
+        params = list(model.parameters())
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in params}.values())
+        self.huge_page_weight_bytes = move_to_huge_pages(params, budget_s=self.move_budget_s)
         if self.native_kernels:
             for module in model.modules():
                 if (isinstance(module, RMSNorm) and module.weight.dtype in cpu_native.DTYPES

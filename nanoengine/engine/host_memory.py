@@ -36,6 +36,21 @@ much of it the kernel could back with huge pages (results/README.md). The move m
 speed the rule rather than luck. Where the machine has no transparent huge pages (not Linux,
 or ``[never]``) the weights stay where they are; ``huge_page_bytes`` says how much of the
 process's memory the kernel really backs with huge pages.
+
+What the move costs
+-------------------
+A huge page must be 2 MiB of *contiguous* physical memory. Where the kernel has such blocks
+free, the first write of each costs a fraction of a millisecond (zeroing it); where free
+memory is fragmented into 4 KiB pieces, the kernel first compacts (moves other pages out of
+the way, the ``[madvise]`` setting of ``.../transparent_hugepage/defrag``), and each huge
+page then cost 25-35 ms on the 2-core Xeon VM. Moving SmolLM2's 513 MiB took 0.4 s in one
+process and 3.5-5 s in the next, depending only on what earlier processes had left in memory
+(``results/README.md``). A compacted page saves about 0.025 ms a token for a lone sequence, so
+it pays for itself after a thousand tokens or so: worth it for a server, not for a notebook
+cell that generates twenty. So the CPU backend gives the move a time budget
+(``move_budget``, 1 s unless ``NANOENGINE_HUGE_PAGE_SECONDS`` says otherwise; ``serve`` and
+the benchmark wait as long as it takes): tensors are moved smallest first, and once the budget
+is spent the rest stay where they are (``CpuBackend.describe`` says what share moved).
 """
 
 from __future__ import annotations
@@ -47,6 +62,7 @@ import mmap
 import os
 import platform
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -76,6 +92,26 @@ def keep_freed_memory() -> bool:
 HUGE_PAGE_BYTES = 2 * 1024 * 1024
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 ALIGNMENT = 64  # each tensor's start in the region: a cache line (the kernels' vector loads)
+# How long the CPU backend lets the move take at load (the module's docstring says why there is a
+# limit), unless the environment variable says otherwise: seconds, or "inf" for no limit. A server
+# and the benchmark set "inf" for their engines: they run long enough to repay any wait.
+MOVE_BUDGET_S = 1.0
+MOVE_BUDGET_VARIABLE = "NANOENGINE_HUGE_PAGE_SECONDS"
+
+
+def move_budget() -> float | None:
+    """The move's budget in seconds (None: no limit), from ``MOVE_BUDGET_VARIABLE`` or ``MOVE_BUDGET_S``."""
+    text = os.environ.get(MOVE_BUDGET_VARIABLE)
+    if text is None:
+        return MOVE_BUDGET_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds >= 0:
+        raise ValueError(f"{MOVE_BUDGET_VARIABLE} must be a number of seconds >= 0 (0: no weights in huge pages) "
+                         f"or 'inf' (no limit), got {text!r}")
+    return None if seconds == float("inf") else seconds
 
 
 def huge_pages_unavailable() -> str | None:
@@ -105,35 +141,40 @@ def huge_page_region(nbytes: int) -> torch.Tensor:
     return whole[start:start + nbytes]
 
 
-def move_to_huge_pages(tensors: list[torch.Tensor]) -> int:
+def move_to_huge_pages(tensors: list[torch.Tensor], budget_s: float | None = None) -> int:
     """Copy CPU ``tensors`` (parameters) into one huge-page region; returns the bytes moved.
 
     Each tensor's ``.data`` is replaced by a view of the region holding the same values, so
     modules and anything else that holds the tensor itself see the move. Tensors not on the
     CPU, not contiguous, or given twice are left alone; so is everything when
-    ``huge_pages_unavailable()`` names a reason.
+    ``huge_pages_unavailable()`` names a reason. With ``budget_s``, tensors are moved smallest
+    first and no tensor starts moving after ``budget_s`` seconds: the rest stay where they are.
     """
     if huge_pages_unavailable() is not None:
         return 0
     unique = {id(t): t for t in tensors}.values()
-    movable = [t for t in unique if t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
-               and t.numel() > 0]
-    sizes = [-(-t.numel() * t.element_size() // ALIGNMENT) * ALIGNMENT for t in movable]
+    movable = sorted((t for t in unique if t.device.type == "cpu" and t.layout == torch.strided
+                      and t.is_contiguous() and t.numel() > 0), key=lambda t: t.numel() * t.element_size())
+    nbytes = [t.numel() * t.element_size() for t in movable]
+    padded = [-(-n // ALIGNMENT) * ALIGNMENT for n in nbytes]  # each next tensor starts on a cache line
     if not movable:
         return 0
     try:
-        region = huge_page_region(sum(sizes))
+        region = huge_page_region(sum(padded))
     except OSError:  # a kernel built without transparent huge pages rejects the advice: nothing moves
         return 0
-    offset = 0
+    deadline = None if budget_s is None else time.perf_counter() + budget_s
+    offset = moved = 0
     with torch.no_grad():
-        for t, size in zip(movable, sizes):
-            nbytes = t.numel() * t.element_size()
-            view = region[offset:offset + nbytes].view(t.dtype).view(t.shape)
+        for t, n, size in zip(movable, nbytes, padded):
+            if deadline is not None and time.perf_counter() >= deadline:
+                break  # the pages the region did not use were never touched: they cost nothing
+            view = region[offset:offset + n].view(t.dtype).view(t.shape)
             view.copy_(t)
             t.data = view
             offset += size
-    return sum(t.numel() * t.element_size() for t in movable)
+            moved += n
+    return moved
 
 
 def huge_page_bytes() -> int:

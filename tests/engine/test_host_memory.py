@@ -53,12 +53,48 @@ def test_moved_tensors_keep_their_values_in_one_aligned_advised_region():
     moved = host_memory.move_to_huge_pages([*params, params[0]])  # given twice: moved once
     assert moved == sum(w.numel() * w.element_size() for w in weights)
     assert all(torch.equal(p, w) and p.dtype == w.dtype and p.shape == w.shape for p, w in zip(params, weights))
-    first = params[0].data_ptr()
+    first = params[1].data_ptr()  # the smallest goes first
     assert first % host_memory.HUGE_PAGE_BYTES == 0
     assert all(p.data_ptr() % host_memory.ALIGNMENT == 0 for p in params)
-    assert params[2].data_ptr() - first < moved + 3 * host_memory.ALIGNMENT  # one region, in order
+    assert first < params[0].data_ptr() < params[2].data_ptr()  # one region, smallest first
+    assert params[2].data_ptr() - first < moved + 3 * host_memory.ALIGNMENT
     assert _advised(first) and _advised(params[2].data_ptr())
     assert host_memory.huge_page_bytes() % host_memory.HUGE_PAGE_BYTES == 0
+
+
+@thp
+def test_no_tensor_starts_moving_once_the_budget_is_spent(monkeypatch):
+    clock = iter(range(100))  # each reading of the clock one second later than the last
+    monkeypatch.setattr(host_memory.time, "perf_counter", lambda: float(next(clock)))
+    small, large = torch.ones(10), torch.ones(1000)
+    where = large.data_ptr()
+    # start: 0 s, deadline 1.5 s; before the small tensor 1 s (moves), before the large one 2 s (stays)
+    assert host_memory.move_to_huge_pages([large, small], budget_s=1.5) == small.numel() * 4
+    assert small.data_ptr() % host_memory.HUGE_PAGE_BYTES == 0 and large.data_ptr() == where
+    assert torch.equal(small, torch.ones(10)) and torch.equal(large, torch.ones(1000))
+
+
+def test_a_zero_budget_moves_nothing():
+    weight = torch.ones(64, 64)
+    where = weight.data_ptr()
+    assert host_memory.move_to_huge_pages([weight], budget_s=0) == 0 and weight.data_ptr() == where
+
+
+@pytest.mark.parametrize("text, budget", [(None, host_memory.MOVE_BUDGET_S), ("2.5", 2.5), ("0", 0.0),
+                                          ("inf", None)])
+def test_the_budget_comes_from_the_environment(monkeypatch, text, budget):
+    if text is None:
+        monkeypatch.delenv(host_memory.MOVE_BUDGET_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(host_memory.MOVE_BUDGET_VARIABLE, text)
+    assert host_memory.move_budget() == budget
+
+
+@pytest.mark.parametrize("text", ["soon", "-1", "nan", ""])
+def test_a_bad_budget_is_refused_by_name(monkeypatch, text):
+    monkeypatch.setenv(host_memory.MOVE_BUDGET_VARIABLE, text)
+    with pytest.raises(ValueError, match=f"{host_memory.MOVE_BUDGET_VARIABLE} must be a number of seconds >= 0"):
+        host_memory.move_budget()
 
 
 def test_nothing_moves_where_the_machine_has_no_huge_pages(monkeypatch, tmp_path):
@@ -99,3 +135,21 @@ def test_the_cpu_backend_moves_the_weights_and_the_tokens_do_not_change(build_ti
     assert plain.engine.runner.backend.huge_page_weight_bytes == 0
     assert "huge pages" not in plain.engine.runner.backend.describe()
     assert [o.outputs[0].token_ids for o in plain.generate(prompts, greedy)] == got
+
+
+@thp
+def test_the_backend_says_what_share_of_the_weights_moved(build_tiny_llm, monkeypatch):
+    config = dict(device="cpu", max_model_len=128, num_kv_blocks=64, block_size=8)
+    monkeypatch.setenv(host_memory.MOVE_BUDGET_VARIABLE, "0")
+    backend = build_tiny_llm(config).engine.runner.backend
+    assert backend.huge_page_weight_bytes == 0 and "huge pages" not in backend.describe()
+    backend.huge_page_weight_bytes = backend.weight_bytes // 4  # as if the budget had run out a quarter in
+    assert backend.describe().endswith("25% of the weights in huge pages")
+
+
+def test_a_bad_budget_is_refused_with_the_engine_config(monkeypatch):
+    from nanoengine.config import EngineConfig
+
+    monkeypatch.setenv(host_memory.MOVE_BUDGET_VARIABLE, "forever")
+    with pytest.raises(ValueError, match=host_memory.MOVE_BUDGET_VARIABLE):  # before any weight is read
+        EngineConfig(device="cpu")

@@ -64,6 +64,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from nanoengine.engine import host_memory
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.entrypoints.openai.async_engine import (AsyncLLMEngine, EngineDeadError, build_on_a_passing_thread,
                                                         checked_max_waiting)
@@ -433,6 +434,9 @@ def serve_from_args(args) -> None:
     from nanoengine.loader.weights import resolve_model_source
 
     source = resolve_model_source(args.model)  # FileNotFoundError names a missing path
+    # A server runs long enough to repay however long the kernel takes to find huge pages for all
+    # the weights (engine.host_memory); the core's process inherits the setting. The user's own wins.
+    os.environ.setdefault(host_memory.MOVE_BUDGET_VARIABLE, "inf")
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else
                                       Path(args.model).stem if source.suffix == ".gguf" else source.name)
     sock = bind_socket(args.host, args.port)
