@@ -319,11 +319,8 @@ class RegisteredModel:
         self.handle = ops.registered_model_new()
         weakref.finalize(self, ops.registered_model_free, self.handle)
         for fused in fused_layers:  # each a ``cpu_fused.FusedLayer``: the arguments it passes, gathered once
-            (input_norm, post_norm, eps, qkv_w, qkv_p, qkv_bias, o_w, o_p, gate_up_w, gate_up_p, down_w, down_p,
-             few_rows_max) = fused.weights
-            ops.registered_model_add_layer(self.handle, input_norm, post_norm, eps, qkv_w, qkv_p, qkv_bias, o_w,
-                                           o_p, gate_up_w, gate_up_p, down_w, down_p, few_rows_max,
-                                           fused.attention.k_cache, fused.attention.v_cache, *fused.shape)
+            ops.registered_model_add_layer(self.handle, *fused.weights, fused.attention.k_cache,
+                                           fused.attention.v_cache, *fused.shape)
 
     @contextlib.contextmanager
     def step(self, meta: AttentionMetadata):
