@@ -41,7 +41,8 @@ def compare_compile(model_dir: Path, prompts: list[list[int]], output_len: int, 
     engines, build_seconds = {}, {}
     for name in SYSTEMS:
         start = time.perf_counter()
-        engines[name] = LLM(model_dir, compile=name == "compiled", **engine_kwargs)
+        # "eager": the model not compiled whole either (a CPU's default), so the two differ only in compile=True
+        engines[name] = LLM(model_dir, compile=name == "compiled", enforce_eager=name == "eager", **engine_kwargs)
         build_seconds[name] = time.perf_counter() - start
     report = engines["compiled"].engine.runner.compilation
     print(f"compile=True: {'compiled ' + ', '.join(report.ops) if report.compiled else report.fallback_reason}; "

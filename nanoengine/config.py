@@ -49,15 +49,19 @@ class EngineConfig:
         or "static" (the static-batching baseline: a batch of up to max_num_seqs requests
         runs until all of it has finished before anyone new is admitted).
     tensor_parallel_size: processes the model is split over.
-    enforce_eager: never capture CUDA graphs.
+    enforce_eager: run the model eagerly, operator by operator from Python: no CUDA graphs on a
+        GPU, and on a CPU no compiled model (vLLM's flag, with the same meaning).
     compile: torch.compile the small fused ops (RMSNorm + residual, rotary, SiLU-and-mul,
-        the sampler's filters); on failure the engine warns once and stays eager. Independent
-        of enforce_eager, which is about CUDA graphs only (``engine.compilation``).
+        the sampler's filters); on failure the engine warns once and stays eager. An explicit
+        choice of its own: enforce_eager does not turn it off (``engine.compilation``).
     compile_model: on a CPU, compile the model's forward whole, its GEMMs and attention as
-        opaque operators (``backends.cpu_graph``, as vLLM's CPU backend does); off by default
-        because on the CPUs measured it gained nothing a step and took tens of seconds to
-        load (``results/README.md``). Not with compile=True, enforce_eager=True or tensor
-        parallelism; on a CUDA GPU use compile=True with CUDA graphs.
+        opaque operators (``backends.cpu_graph``, as vLLM's CPU backend does). None (the
+        default): compiled wherever each decoder layer runs as one native call (SmolLM2 and
+        other plain Llama layers), where the graph is those calls in C++ with eager's bits,
+        and eager elsewhere (a Qwen3 graph would round differently and was no faster); never
+        with enforce_eager=True, compile=True, tensor parallelism or on a GPU. True: compile
+        any model; False: never. The compiled kernels are cached on disk per CPU, so only a
+        machine's first engine waits for the C++ compiler (``results/README.md``: the figures).
     seed: seeds the engine's generator for requests without a seed of their own.
     speculative_config: None (no speculation) or vLLM's dict, e.g. ``{"method": "ngram",
         "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``
@@ -78,7 +82,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     compile: bool = False
-    compile_model: bool = False
+    compile_model: bool | None = None
     seed: int = 0
     speculative_config: SpeculativeConfig | dict | None = None
 
@@ -111,13 +115,19 @@ class EngineConfig:
         if self.scheduling_policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {self.scheduling_policy!r}")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "compile", "compile_model"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.compile_model is not None and not isinstance(self.compile_model, bool):
+            raise ValueError(f"compile_model must be None (the CPU backend decides), True or False, "
+                             f"got {self.compile_model!r}")
         for name in ("compile", "compile_model"):
             if getattr(self, name) and self.tensor_parallel_size > 1:
                 raise ValueError(f"{name}=True runs in one process only; it is not supported with "
                                  f"tensor_parallel_size > 1 (got {self.tensor_parallel_size})")
+        if self.compile_model is None and (self.enforce_eager or self.compile or self.tensor_parallel_size > 1
+                                           or self.torch_device.type != "cpu"):
+            self.compile_model = False  # the default compiles only a CPU model of one process, not eager
         if self.compile_model:
             clash = [name for name in ("compile", "enforce_eager") if getattr(self, name)]
             if clash:

@@ -23,19 +23,22 @@ def run_settings(engine=None, *, batch: int | str, context: int | str, dtype: to
                  compiled: bool | None = None, threads: int | None = None) -> str:
     """``batch B, C-token context, dtype, T threads, eager|compiled`` for one measurement.
 
-    ``engine`` (an ``LLMEngine``) supplies the dtype and whether ``compile`` was on;
-    ``dtype`` and ``compiled`` give them for a bare kernel timed without an engine.
+    ``engine`` (an ``LLMEngine``) supplies the dtype and how it runs the model
+    (``LLMEngine.forward_mode``); ``dtype`` and ``compiled`` give them for a bare kernel
+    timed without an engine.
     ``context`` is the tokens each sequence attends over (a number, or words such as
     ``"14-30"``); ``threads`` defaults to torch's thread count now.
     """
     if engine is not None:
         dtype = engine.config.torch_dtype if dtype is None else dtype
-        compiled = bool(engine.config.compile) if compiled is None else compiled
     if dtype is None:
         raise ValueError("run_settings needs an engine or a dtype")
     threads = torch.get_num_threads() if threads is None else threads
     ctx = f"{context:,}" if isinstance(context, int) else str(context)
-    mode = "compiled (torch.compile on the fused ops)" if compiled else "eager"
+    if compiled is None and engine is not None:
+        mode = engine.forward_mode  # the backend's words: "compiled (whole model)", "eager (...)", ...
+    else:
+        mode = "compiled (torch.compile on the fused ops)" if compiled else "eager"
     return f"batch {batch}, {ctx}-token context, {_dtype_name(dtype)}, {threads} thread{'s' * (threads != 1)}, {mode}"
 
 

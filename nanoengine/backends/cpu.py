@@ -31,6 +31,10 @@ cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here:
   per step. Each Llama layer runs as one C++ operator that makes the same operator calls, in
   the same order, from C++ (``backends.cpu_fused``, ``kernels/csrc/llama_layer.cpp``): eager's
   bits, 15-30% less time per decoded token and 7-10 ms less per lone prompt (results/README.md).
+* **The model compiled whole.** By default the forward is compiled once (``backends.cpu_graph``):
+  the embedding, the 30 layers' operators and the final norm, called from C++ code Inductor
+  writes, so a step leaves Python once rather than once per layer; eager's bits, a lone
+  sequence ~4% faster. ``enforce_eager=True`` runs the layers from Python instead.
 * **Store-KV without a check per layer.** Whether any token of the step has no slot (-1,
   a warm-up row) is decided once from the plan on the host (``all_slots_stored``); the
   layers then copy their keys and values with no host synchronisation.
@@ -200,12 +204,13 @@ class CpuBackend(Backend):
 
     name = "cpu"
 
-    def __init__(self, device: torch.device, compile: bool = False, compile_model: bool = False) -> None:
+    def __init__(self, device: torch.device, compile: bool = False, compile_model: bool | None = False) -> None:
         super().__init__(device, compile)
         self.native_kernels = cpu_native.load()  # built once per machine, loaded once per process
         self.attention = CpuAttention()
-        # Compile the model's forward whole (``backends.cpu_graph``, compile_model=True); the
-        # config refuses it together with compile=True (the small fused ops, chapter 10's lesson).
+        # Compile the model's forward whole (``backends.cpu_graph``): True, None (where the layers
+        # register: ``prepare_forward``) or False; the config refuses True together with compile=True
+        # (the small fused ops, chapter 10's lesson) and makes None False with it.
         self.compile_model = compile_model
         self.compiled_forward = None  # set by prepare_forward when compiling worked: (model, ids, positions, meta)
         self.layer_caches: list = []  # each attention layer's (k_cache, v_cache), for the compiled graph
@@ -214,6 +219,7 @@ class CpuBackend(Backend):
         self.unfused_reason: str | None = None  # why they cannot, when they cannot
         self.fused_modules: tuple = ()  # the modules inside the fused layers (``cpu_fused.hooked``)
         self.fuse_layers = True  # False: every step runs the layers' Python forward (chapter 10 compares)
+        self.run_compiled = True  # False: a compiled model's steps run its eager layers (chapter 10 compares)
         self.huge_page_weight_bytes = 0  # weights moved to memory advised to use huge pages (``prepare_weights``)
         self.weight_bytes = 0  # all of the model's weights
         self.move_budget_s = move_budget()  # read (and checked) before any weight loads
@@ -265,13 +271,16 @@ class CpuBackend(Backend):
         self.weight_copy_bytes = copy_bytes
 
     def prepare_forward(self, runner) -> None:
-        """Eager with each decoder layer one native call (the default), the model compiled
-        whole with compile_model=True, or the small fused ops compiled with compile=True."""
+        """The model compiled whole where its decoder layers run as one native call each (the
+        default, ``compile_model=None``) or for any model (``compile_model=True``); else eager,
+        each decoder layer one native call where it can be; or the small fused ops compiled
+        (``compile=True``)."""
         if self.compile and not self.compile_model:
             super().prepare_forward(runner)
             return
         self.unfused_reason = cpu_fused.unfit_reason(runner.model, self)
-        if self.compile_model:  # the fused layers, or the attention and linear layers, as the graph's operators
+        compiling = self.compile_model or (self.compile_model is None and self.unfused_reason is None)
+        if compiling:  # the fused layers, or the attention and linear layers, as the graph's operators
             from nanoengine.backends import cpu_graph
 
             runner.compilation = cpu_graph.compile_model(runner, self)
@@ -283,7 +292,9 @@ class CpuBackend(Backend):
             self.fused_modules = tuple(m for layer in runner.model.model.layers for m in layer.modules())
 
     def forward_mode(self) -> str:
-        if self.compiled_forward is not None:
+        # (the registered layers' graph runs only fused steps: with fuse_layers off, the Python layers run)
+        if self.compiled_forward is not None and self.run_compiled and (self.registered_model is None
+                                                                       or self.fuse_layers):
             return "compiled (whole model)"
         if self.fused_layers and self.fuse_layers:
             return "eager (one native call per decoder layer)"
@@ -291,7 +302,7 @@ class CpuBackend(Backend):
 
     def forward(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        if self.compiled_forward is None:
+        if self.compiled_forward is None or not self.run_compiled:
             return model(input_ids, positions, meta)
         return self.compiled_forward(model, input_ids, positions, meta)  # backends.cpu_graph's
 

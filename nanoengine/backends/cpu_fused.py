@@ -11,7 +11,7 @@ model with ``torch.compile``. This engine's whole-model compile (``compile_model
 ``backends.cpu_graph``) measured no faster: its graph still calls attention through Python
 (~65 us a layer), and a 37-token prefill spent 4.7 ms in Inductor's generated code, more than
 the eager operators it replaced (silu and mul 2.5 ms, the rest under 1 ms each). (It now calls
-these fused layers instead, one operator each, and runs at eager's speed: ``backends.cpu_graph``.)
+these fused layers instead, one operator each, from C++, and is the default: ``backends.cpu_graph``.)
 
 So each ``LlamaDecoderLayer`` runs as one C++ operator, ``nanoengine::llama_layer``
 (``kernels/csrc/llama_layer.cpp``), which calls the same operators the eager layer calls, in

@@ -1,11 +1,11 @@
-"""The CPU model compiled whole: one graph per step shape, the kernels inside it opaque (chapter 10).
+"""The CPU model compiled whole: one graph for every step, the kernels inside it opaque (chapter 10).
 
 Eager PyTorch runs a decode step of SmolLM2 as a few thousand operator calls: each layer's
 views, reshapes, casts, rotary products, SiLU, residual adds, each through Python and the
 dispatcher. vLLM's CPU backend compiles the model's forward whole with ``torch.compile``
 (Dynamo traces it once, Inductor generates C++ loops for everything but the GEMMs and
 attention), and this module does the same for the CPU backend with
-``LLM(compile_model=True)``.
+``LLM()`` by default wherever the layers register (below), any model with ``compile_model=True``.
 
 What stays a kernel of its own
 ------------------------------
@@ -58,17 +58,27 @@ NaN: ``scripts/test.sh``). An engine compiles while it is built (the warm-up, ti
 Without a C++ compiler the engine runs eagerly and warns once, naming why
 (``engine.compilation.compiler_problem``).
 
-What it is worth
-----------------
+What it is worth, and why it is the default
+-------------------------------------------
 Measured on a 2-core AVX2 EPYC (SmolLM2-135M, fp32, 8 requests and one alone), with the
 operators above in every layer: greedy tokens identical to eager, throughput within the
 machine's noise of eager, and 60 s to build the first engine of a process cold, 22 s with
 the disk cache warm (Dynamo traced 30 layers every process). With the layers registered, on
-a 2-core Xeon: the compile takes ~3 s with the disk cache warm, the greedy tokens are
-eager's, and the compiled model runs at eager's speed (a lone sequence 45.4 against 46.1
-tokens/s, 8 at once 217.5 against 219.1, in one process, alternating; results/README.md):
-eager already makes one native call per layer, and what the graph saves around those calls
-Dynamo's guards spend again. That is why it is not the default.
+a 2-core Xeon, the graph ran at eager's speed as long as Inductor wrote the code around it in
+Python (a lone sequence 45.4 against 46.1 tokens/s): that code called the 30 operators one by
+one from Python, as eager does. Written in C++ (Inductor's ``cpp_wrapper``), a step enters the
+graph once and the 30 calls cost no Python: a lone sequence 40.4-43.3 against eager's
+38.8-42.5 tokens/s, ahead in 5 of 5 alternating rounds (1.04x), the bench workload level
+(compute-bound). So an
+engine whose layers register compiles by default (``compile_model=None``), and
+``enforce_eager=True`` is the way back to eager. Every operator in that graph is the eager
+path's own (the embedding is a gather, the norm and the layers the native kernels), so the
+bits are eager's by construction. Other models stay eager unless ``compile_model=True``:
+their graph fuses rotary and SiLU in Inductor's own loops, which round differently, and it
+was no faster. The price is at load: ~4 s for the first engine of a process with the disk
+cache warm (Dynamo traces the forward, Inductor loads the compiled code), ~0.2 s for the
+next ones of the same model, ~15 s more the first time on a machine (``./course setup`` pays
+that).
 """
 
 from __future__ import annotations
@@ -76,6 +86,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import hashlib
+import logging
 import os
 import platform
 import sys
@@ -87,6 +98,8 @@ from pathlib import Path
 import torch
 
 from nanoengine.layers.attention import AttentionImpl, AttentionMetadata
+
+logger = logging.getLogger("nanoengine.compile")
 
 # What the graph's attention operators read, set around each compiled forward: the
 # AttentionImpl that computes, the step's metadata, and each layer's (k_cache, v_cache).
@@ -210,22 +223,65 @@ def compile_model(runner, backend) -> "CompileReport":
         return CompileReport(requested=True, compiled=False, seconds=time.perf_counter() - start, ops=(),
                              fallback_reason=reason)
     seconds = time.perf_counter() - start
+    if not _SAID:  # once per process: the first compile is the one that may have waited for the C++ compiler
+        _SAID.add(True)
+        logger.info("compiled %s whole in %.1f s (Inductor's cache: %s; later engines of this process and later "
+                    "processes on this CPU reuse it)", type(runner.model).__name__, seconds,
+                    os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
     return CompileReport(requested=True, compiled=True, seconds=seconds,
                          ops=(f"{type(runner.model).__name__}.forward",))
 
 
-def _compiled(model):
-    """The model's forward compiled for token ids and positions of any length (one graph)."""
-    graph = torch.compile(lambda ids, pos: model(ids, pos, None), dynamic=True, fullgraph=True)
+def _compiled(model, registered: bool = False):
+    """The model's forward compiled for token ids and positions of any length (one graph).
 
-    def run(input_ids, positions):
+    ``registered``: the graph is the registered layers (only C++ operators to call), so Inductor
+    writes the code that calls them in C++ rather than Python (``cpp_wrapper``): a step crosses
+    from Python into the graph once, not once per operator. The step's rotary rows are gathered
+    before the graph and passed in, so that the rotary table (max_model_len rows) is not in it:
+    Dynamo takes a weight's or buffer's sizes as constants and guards on them, and every engine
+    with another max_model_len would compile a graph of its own.
+    """
+    def mark(*tensors):
         # One graph for every step size: an unbacked size is never specialised (not even to 1)
         # and never guarded on, so the single token of a decode step reuses it too.
-        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
-        torch._dynamo.decorators.mark_unbacked(positions, 0)
-        return graph(input_ids, positions)
+        for t in tensors:
+            torch._dynamo.decorators.mark_unbacked(t, 0)
 
-    return run
+    if not registered:
+        graph = torch.compile(lambda ids, pos: model(ids, pos, None), dynamic=True, fullgraph=True)
+
+        def run(input_ids, positions):
+            mark(input_ids, positions)
+            return graph(input_ids, positions)
+
+        return run
+    graph = torch.compile(lambda ids, pos, cos, sin: model(ids, pos, None, (cos, sin)), dynamic=True,
+                          fullgraph=True, options={"cpp_wrapper": True})
+    rows = model.model.rotary_emb.rows
+
+    def run_registered(input_ids, positions):
+        cos, sin = rows(positions)
+        mark(input_ids, positions, cos, sin)
+        with _dynamo_settings(DYNAMO_SETTINGS):
+            return graph(input_ids, positions, cos, sin)
+
+    return run_registered
+
+
+@contextlib.contextmanager
+def _dynamo_settings(settings: dict):
+    """Dynamo's config set to ``settings`` for one call, then put back. Set directly: its own
+    ``config.patch`` took ~0.5 ms a call here, as long as the Python that compiling removes."""
+    config = torch._dynamo.config
+    before = {name: getattr(config, name) for name in settings}
+    for name, value in settings.items():
+        setattr(config, name, value)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(config, name, value)
 
 
 def _registered_layers(runner, backend):
@@ -236,7 +292,7 @@ def _registered_layers(runner, backend):
     layers = list(model.model.layers)
     fused = [cpu_fused.FusedLayer(layer) for layer in layers]
     registered = RegisteredModel(fused)
-    graph = _compiled(model)
+    graph = _compiled(model, registered=True)
 
     def install():
         backend.registered_model = registered
@@ -335,11 +391,18 @@ class RegisteredModel:
             ops.registered_model_clear_step(self.handle)
 
 
+# Dynamo's settings while it checks or traces the registered layers' graph. After 8 graphs of one
+# function Dynamo gives up (with fullgraph=True: an error, and the engine ran eagerly); each model
+# structure (number of layers, sizes, dtype, tied weights or not) is a graph of its own, and a
+# process that builds engines of many models (the test suite does) has more than 8.
+DYNAMO_SETTINGS = {"recompile_limit": 64}
+
 # The warm-up's size for the general graph: a prime, equal to no model dimension (Dynamo gives
 # equal sizes one symbol: 64 tokens in a model of hidden size 64 would compile a graph for 64 only).
 WARM_UP_ROWS = 67
 
 _WARNED: set[str] = set()
+_SAID: set[bool] = set()  # whether this process has logged its first compile
 
 
 def _warn_once(reason: str, category) -> None:
@@ -348,3 +411,22 @@ def _warn_once(reason: str, category) -> None:
     if reason not in _WARNED:
         _WARNED.add(reason)
         warnings.warn(f"the model runs eagerly: {reason}", category, stacklevel=3)
+
+
+def warm_cache() -> str:
+    """Build the default model's engine once, so that its compiled graph is in this machine's cache
+    (``./course setup`` runs this); says what happened."""
+    from nanoengine.llm import LLM
+
+    start = time.perf_counter()
+    llm = LLM(max_model_len=256, kv_cache_memory_gb=0.1)
+    report = llm.engine.runner.compilation
+    llm.shutdown()
+    if not report.compiled:
+        return f"the model runs eagerly here: {report.fallback_reason or 'its layers do not compile by default'}"
+    return (f"the default model compiled and cached in {time.perf_counter() - start:.0f} s "
+            f"({os.environ.get('TORCHINDUCTOR_CACHE_DIR')})")
+
+
+if __name__ == "__main__":  # ./course setup: python -m nanoengine.backends.cpu_graph
+    print(warm_cache())

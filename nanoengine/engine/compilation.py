@@ -55,13 +55,13 @@ engines in the same process stay eager.
   ``compile_runner`` from ``prepare_forward``; on CUDA it compiles before it captures CUDA
   graphs, so the graphs record the compiled kernels.
 
-Why not compile the whole decode step (the model's forward)? On a CPU it can be, with
-``compile_model=True`` (``backends.cpu_graph``): the packed GEMM and the paged attention
-become opaque custom operators, which removes the two blockers met when
-``torch.compile(model.forward)`` was first tried here (Dynamo breaking the graph in every
-layer at store-KV's data-dependent check; Inductor failing to lower oneDNN's packed
-linear). It is off by default: measured, it gained nothing over the native kernels and
-took tens of seconds per process to build (``results/README.md``).
+Why not compile the whole decode step (the model's forward)? On a CPU the CPU backend does,
+by default where each decoder layer runs as one native call (``backends.cpu_graph``,
+``compile_model``): the packed GEMM and the paged attention become opaque custom operators,
+which removes the two blockers met when ``torch.compile(model.forward)`` was first tried
+here (Dynamo breaking the graph in every layer at store-KV's data-dependent check; Inductor
+failing to lower oneDNN's packed linear). ``compile=True`` is the other road, the small ops
+only, and the two do not combine.
 """
 
 from __future__ import annotations

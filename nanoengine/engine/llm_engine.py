@@ -211,6 +211,16 @@ class LLMEngine:
         return tuple(sorted(ids))
 
     @property
+    def forward_mode(self) -> str:
+        """How a step runs the model, in the backend's words: "compiled (whole model)" (a CPU's
+        default), "eager (one native call per decoder layer)" (``enforce_eager=True``), "eager with
+        compiled fused ops" (``compile=True``), "..., CUDA graphs for decode"; "eager" when the
+        model is split over processes (tensor parallelism). A step with a forward hook runs eagerly
+        whatever this says, so that the hook sees every layer."""
+        backend = getattr(self.runner, "backend", None)
+        return backend.forward_mode() if backend is not None else "eager"
+
+    @property
     def requests(self) -> LiveRequests:
         """Unfinished requests by id: a completion each when n > 1, siblings not yet queued included.
 
@@ -438,7 +448,7 @@ def _local_runner(net: torch.nn.Module, config: EngineConfig, max_model_len: int
     """A runner with the model in this process, on the backend for its device (chosen here, once).
 
     CUDA graphs unless enforce_eager (never on a CPU); compiled fused ops with compile=True; on a CPU
-    the model compiled whole with compile_model=True.
+    the model compiled whole unless enforce_eager (``EngineConfig.compile_model``).
     """
     backend = select_backend(config.torch_device, compile=config.compile, max_model_len=max_model_len,
                              cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512),

@@ -104,9 +104,12 @@ class LlamaModel(nn.Module):
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, meta):
+    def forward(self, input_ids, positions, meta, rotary_rows=None):
+        """``rotary_rows``: the step's cos/sin rows when the caller gathered them (the compiled model
+        does, so that the rotary table, max_model_len rows long, is no part of its graph)."""
         hidden, residual = self.embed_tokens(input_ids), None  # (T, hidden)
-        rotary_rows = self.rotary_emb.rows(positions)  # the same in every layer: gathered once
+        if rotary_rows is None:
+            rotary_rows = self.rotary_emb.rows(positions)  # the same in every layer: gathered once
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta, rotary_rows)
         hidden, _ = self.norm(hidden, residual)
@@ -124,9 +127,10 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                rotary_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """(T,) token ids and positions -> (T, hidden) final hidden states."""
-        return self.model(input_ids, positions, meta)
+        return self.model(input_ids, positions, meta, rotary_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, hidden) -> (B, vocab)."""

@@ -140,7 +140,8 @@ def test_step_settings_name_batch_context_dtype_threads_and_mode() -> None:
     engine = tiny_engine()
     text = ch01.step_settings(engine, 4, (5, 20))
     threads = torch.get_num_threads()
-    assert text == f"batch 4, context 5-20 tokens, float32, {threads} thread{'s' * (threads != 1)}, eager"
+    assert text == (f"batch 4, context 5-20 tokens, float32, {threads} thread{'s' * (threads != 1)}, "
+                    f"{engine.forward_mode}")
     assert "context 7 tokens" in ch01.step_settings(engine, 1, (7, 7))
     engine.add_request([101, 102, 103], SamplingParams(max_tokens=4))
     engine.step()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import types
 
 import numpy as np
 import pytest
@@ -160,6 +161,12 @@ def test_the_ridge_side_and_control_plane_readings() -> None:
 def test_step_settings_names_batch_context_dtype_threads_and_mode() -> None:
     from nanoengine.config import EngineConfig
 
-    text = ch11.step_settings(EngineConfig(device="cpu"), batch="1 sequence", context="13-token prompt", threads=1)
+    text = ch11.step_settings(EngineConfig(device="cpu", enforce_eager=True), batch="1 sequence",
+                              context="13-token prompt", threads=1)
     assert text == "settings: 1 sequence, 13-token prompt, float32 on cpu, 1 CPU thread(s) per process, eager"
-    assert "torch.compile" in ch11.step_settings(EngineConfig(device="cpu", compile=True), batch="b", context="c")
+    assert ch11.step_settings(EngineConfig(device="cpu", compile=True), batch="b", context="c").endswith(
+        "eager with compiled fused ops")
+    assert ch11.step_settings(EngineConfig(device="cpu"), batch="b", context="c").endswith(
+        "the model compiled whole where its layers fuse")
+    engine = types.SimpleNamespace(config=EngineConfig(device="cpu"), forward_mode="compiled (whole model)")
+    assert ch11.step_settings(engine, batch="b", context="c").endswith(", compiled (whole model)")  # the engine's own

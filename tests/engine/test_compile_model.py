@@ -1,4 +1,7 @@
-"""``compile_model=True`` (``backends.cpu_graph``): the CPU model compiled whole, one graph, eager's tokens.
+"""``compile_model`` (``backends.cpu_graph``): the CPU model compiled whole, one graph, eager's tokens.
+
+By default (``compile_model=None``) a model whose layers fuse is compiled; ``enforce_eager=True``
+is the way back, and the engines the tests compare against are built with it.
 
 The tiny Llama compiles in seconds. The graph takes only token ids and positions (the
 step's metadata is read by the attention operator at run time) and the number of tokens
@@ -21,6 +24,7 @@ from test_compile import compiled_graphs, tokens
 pytestmark = [pytest.mark.usefixtures("one_thread")]
 
 CONFIG = dict(device="cpu", max_model_len=256, num_kv_blocks=1024, block_size=8, max_num_batched_tokens=64)
+EAGER = {**CONFIG, "enforce_eager": True}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROBLEM = compiler_problem(torch.device("cpu"))
 needs_compile = pytest.mark.skipif(PROBLEM is not None, reason=f"torch.compile cannot run here: {PROBLEM}")
@@ -31,10 +35,20 @@ def prompts(n: int, seed: int = 0, lengths: tuple[int, int] = (3, 90)) -> list[l
 
 
 # ------------------------------------------------------------------- config
-@pytest.mark.parametrize("value", [1, "yes", None])
-def test_compile_model_must_be_a_bool(value):
-    with pytest.raises(ValueError, match=rf"compile_model must be True or False, got {value!r}"):
+@pytest.mark.parametrize("value", [1, "yes", "auto"])
+def test_compile_model_must_be_none_or_a_bool(value):
+    with pytest.raises(ValueError, match=rf"compile_model must be None \(the CPU backend decides\), True or False, "
+                                         rf"got {value!r}"):
         EngineConfig(compile_model=value)
+
+
+@pytest.mark.parametrize("options", [dict(enforce_eager=True), dict(compile=True), dict(tensor_parallel_size=2)])
+def test_the_default_does_not_compile_eager_small_op_or_split_engines(options):
+    assert EngineConfig(device="cpu", **options).compile_model is False
+
+
+def test_the_default_is_left_to_the_cpu_backend():
+    assert EngineConfig(device="cpu").compile_model is None
 
 
 @pytest.mark.parametrize("other", ["compile", "enforce_eager"])
@@ -48,36 +62,55 @@ def test_compile_model_with_tensor_parallelism_is_refused():
         EngineConfig(device="cpu", compile_model=True, tensor_parallel_size=2)
 
 
-def test_eager_by_default(build_tiny_llm):
+@needs_compile
+def test_compiled_by_default_with_eager_bits_and_eager_on_request(build_tiny_llm):
+    default, eager = build_tiny_llm(CONFIG), build_tiny_llm(EAGER)
+    assert default.engine.runner.compilation.compiled and "compiled (whole model)" in default.engine.runner.backend.describe()
+    for runner in (eager.engine.runner, build_tiny_llm({**CONFIG, "compile_model": False}).engine.runner):
+        assert runner.backend.compiled_forward is None and not runner.compilation.requested
+        assert "eager (one native call per decoder layer)" in runner.backend.describe()
+    # every operator in the graph is eager's own: the logits are the same bits, not just close
+    prompt = prompts(1, seed=5)[0]
+    assert torch.equal(default.engine.next_token_logits(prompt), eager.engine.next_token_logits(prompt))
+    batch = prompts(4, seed=6)
+    assert tokens(default, batch) == tokens(eager, batch)
+
+
+def test_a_model_whose_layers_do_not_fuse_stays_eager_by_default(build_tiny_llm, monkeypatch):
+    from nanoengine.backends import cpu_fused
+
+    monkeypatch.setattr(cpu_fused, "unfit_reason", lambda model, backend: "not fusable, for this test")
     runner = build_tiny_llm(CONFIG).engine.runner
-    assert runner.backend.compiled_forward is None and "eager" in runner.backend.describe()
-    assert "compiled" not in runner.backend.describe()
+    assert runner.backend.compiled_forward is None and not runner.compilation.requested
 
 
 # ------------------------------------------------------------------ compiled
 @pytest.mark.slow
 @needs_compile
 def test_one_graph_gives_eager_greedy_tokens_at_every_step_shape(build_tiny_llm):
-    eager = build_tiny_llm(CONFIG)
+    eager = build_tiny_llm(EAGER)
     before = compiled_graphs()
     compiled = build_tiny_llm({**CONFIG, "compile_model": True})
     report = compiled.engine.runner.compilation
     assert report.compiled and report.fallback_reason is None and report.seconds > 0, report
     assert report.ops == ("LlamaForCausalLM.forward",)
     assert "compiled (whole model) forward" in compiled.engine.runner.backend.describe()
-    assert compiled_graphs() == before + 1  # one graph for a 67-token and a 1-token warm-up step
+    # at most one graph for a 67-token and a 1-token warm-up step (none where an engine built by
+    # default, also compiled, had one for this model already)
+    assert compiled_graphs() <= before + 1
+    before = compiled_graphs()
     # one request alone (1-token decode steps), a batch of decodes, prompts longer than a step's
     # 64-token budget (chunked prefill beside decodes)
     for batch in (prompts(1, seed=1), prompts(5, seed=2), prompts(6, seed=3, lengths=(70, 140))):
         assert tokens(compiled, batch) == tokens(eager, batch)
-    assert compiled_graphs() == before + 1  # nothing compiled after the warm-up
+    assert compiled_graphs() == before  # nothing compiled after the warm-up
     compiled.engine.check_invariants()
 
 
 @pytest.mark.slow
 @needs_compile
 def test_seeded_sampling_and_logprobs_match_eager(build_tiny_llm):
-    eager = build_tiny_llm(CONFIG)
+    eager = build_tiny_llm(EAGER)
     compiled = build_tiny_llm({**CONFIG, "compile_model": True})
     params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=6, seed=7, logprobs=2)
     batch = prompts(3, seed=4)
@@ -118,7 +151,7 @@ def test_the_graph_calls_each_fused_layer_as_one_registered_operator(build_tiny_
         return original(model, ids, pos, meta)
 
     backend.compiled_forward = recording
-    eager = build_tiny_llm(CONFIG)
+    eager = build_tiny_llm(EAGER)
     batch = prompts(3, seed=8)
     assert tokens(compiled, batch) == tokens(eager, batch)
     assert graphed and all(graphed) and compiled_graphs() <= before + 1
@@ -128,7 +161,7 @@ def test_the_graph_calls_each_fused_layer_as_one_registered_operator(build_tiny_
 @needs_compile
 def test_a_step_with_a_hook_runs_the_eager_layers_and_the_hook_sees_them(build_tiny_llm):
     compiled = build_tiny_llm({**CONFIG, "compile_model": True})
-    eager = build_tiny_llm(CONFIG)
+    eager = build_tiny_llm(EAGER)
     seen = []
     handle = compiled.engine.runner.model.model.layers[0].mlp.register_forward_hook(
         lambda module, args, out: seen.append(out.shape[0]))
@@ -183,7 +216,7 @@ def test_two_engines_registered_side_by_side_keep_their_own_layers(build_tiny_ll
     first = build_tiny_llm({**CONFIG, "compile_model": True})
     second = build_tiny_llm({**CONFIG, "compile_model": True})  # the same graph, other weights and caches
     assert first.engine.runner.backend.registered_model.handle != second.engine.runner.backend.registered_model.handle
-    eager = build_tiny_llm(CONFIG)
+    eager = build_tiny_llm(EAGER)
     batch = prompts(2, seed=10)
     expected = tokens(eager, batch)
     assert tokens(first, batch) == tokens(second, batch) == expected
@@ -205,7 +238,7 @@ def test_a_failing_compile_warns_once_and_runs_eagerly(build_tiny_llm, monkeypat
 
     monkeypatch.setattr(cpu_graph, "_WARNED", set())
     monkeypatch.setattr(torch, "compile", broken_compile)
-    eager = build_tiny_llm(CONFIG)
+    eager = build_tiny_llm(EAGER)
     with pytest.warns(CompileFallbackWarning) as caught:
         first = build_tiny_llm({**CONFIG, "compile_model": True})
         second = build_tiny_llm({**CONFIG, "compile_model": True})

@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(cpu_native.unavailable_reason() is not None or not cpu_native.load(),
                                  reason="the native kernels cannot be built on this machine")]
 
-CONFIG = dict(device="cpu", max_model_len=256, num_kv_blocks=512, block_size=8, max_num_batched_tokens=64)
+CONFIG = dict(device="cpu", max_model_len=256, num_kv_blocks=512, block_size=8, max_num_batched_tokens=64,
+              enforce_eager=True)  # the fused layers called from Python (compiled: test_compile_model)
 
 
 def outputs(llm, batch, params) -> list:

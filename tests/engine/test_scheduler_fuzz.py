@@ -129,7 +129,7 @@ def workloads(draw) -> dict:
                   scheduling_policy=draw(st.sampled_from(["fcfs", "prefill_first", "static"])),
                   num_kv_blocks=draw(st.sampled_from([one_request, one_request + 1, 2 * one_request,
                                                       4 * one_request + 8])),
-                  max_num_seqs=draw(st.integers(1, 8)))
+                  max_num_seqs=draw(st.integers(1, min(8, budget))))  # the config refuses more than the budget
     shared = draw(st.lists(st.integers(0, VOCAB - 1), min_size=max_model_len, max_size=max_model_len))
     requests = []
     for _ in range(draw(st.integers(1, 8))):

@@ -6,6 +6,7 @@ A tiny random model (mechanics only), token-id prompts, no HTTP."""
 from __future__ import annotations
 
 import argparse
+import os
 import asyncio
 import sys
 import threading
@@ -330,3 +331,30 @@ def test_serve_sets_the_gil_interval_with_an_engine_thread_and_a_lower_priority_
     expected = [("set", 0.001)] if engine_thread else [("nice", api_server.FRONT_END_NICENESS)]
     assert seen == expected + ["served", "shutdown"]
     assert api_server.GIL_SWITCH_INTERVAL_S == 0.001 and api_server.FRONT_END_NICENESS == 5
+
+
+@pytest.mark.parametrize("own_budget", [None, "2"])
+def test_serve_passes_enforce_eager_and_waits_for_all_the_huge_pages_unless_told(monkeypatch, tiny_llama_tok_dir,
+                                                                                 own_budget):
+    from nanoengine.engine import host_memory
+    from nanoengine.entrypoints.openai import api_server
+    from nanoengine.entrypoints.openai.cli_args import add_arguments
+
+    variable = host_memory.MOVE_BUDGET_VARIABLE
+    monkeypatch.setenv(variable, "undo me")  # recorded, so that whatever serve sets is undone after the test
+    monkeypatch.delenv(variable)
+    if own_budget is not None:
+        monkeypatch.setenv(variable, own_budget)
+    seen = {}
+
+    def from_pretrained(*args, **kwargs):
+        seen.update(kwargs, budget=os.environ.get(variable))
+        raise RuntimeError("stop here: the test only asks what the engine is built with")
+
+    monkeypatch.setattr(api_server.LLMEngine, "from_pretrained", from_pretrained)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(tiny_llama_tok_dir), "--port", "0", "--engine-thread", "--enforce-eager"])
+    with pytest.raises(RuntimeError, match="stop here"):
+        api_server.serve_from_args(args)
+    assert seen["enforce_eager"] is True and seen["budget"] == (own_budget or "inf")

@@ -49,13 +49,10 @@ def step_settings(engine, batch: int | str, context: tuple[int, int] | str) -> s
 
     Decode-step times of the same model differ by 2x between chapters when these differ
     (issue 36 item 9): the batch, the context each sequence attends over, the weights'
-    dtype, torch's threads, and whether the step ran eager or compiled (torch.compile of
-    the fused ops; on a GPU also CUDA graphs).
+    dtype, torch's threads, and how the step ran the model (``LLMEngine.forward_mode``: compiled
+    whole, eager, compiled fused ops; on a GPU also CUDA graphs).
     """
-    cfg = engine.config
-    mode = "compiled (torch.compile)" if cfg.compile else "eager"
-    if engine.runner.device.type == "cuda":
-        mode += ", CUDA graphs off" if cfg.enforce_eager else ", CUDA graphs on"
+    mode = engine.forward_mode  # e.g. "compiled (whole model)", "eager, CUDA graphs for decode"
     if isinstance(context, tuple):
         low, high = context
         context = f"{low} tokens" if low == high else f"{low}-{high} tokens"

@@ -437,9 +437,8 @@ def decode_step_settings(engine, context_tokens: int) -> str:
     threads and how idle threads wait."""
     from nanobench.timing import wait_policy
 
-    compiled = engine.runner.compilation.compiled
     return (f"1 request, context {context_tokens} tokens, {str(engine.config.torch_dtype).replace('torch.', '')}, "
-            f"{'compiled small ops' if compiled else 'eager (compile off)'}, {torch.get_num_threads()} threads, "
+            f"{engine.forward_mode}, {torch.get_num_threads()} threads, "
             f"idle threads {'sleep' if wait_policy() == 'PASSIVE' else 'spin'}")
 
 

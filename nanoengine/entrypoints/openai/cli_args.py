@@ -27,7 +27,7 @@ DEFAULT_BODY_TIMEOUT = 60.0  # seconds for a whole request body, once the header
 # Engine options the command passes on to LLMEngine.from_pretrained (EngineConfig's names).
 ENGINE_OPTIONS = ("device", "dtype", "block_size", "num_kv_blocks", "kv_cache_memory_gb", "max_num_seqs",
                   "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "scheduling_policy",
-                  "tensor_parallel_size", "seed", "speculative_config")
+                  "tensor_parallel_size", "seed", "speculative_config", "enforce_eager")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--scheduling-policy", default=None, help="fcfs, prefill_first or static")
     engine.add_argument("--tensor-parallel-size", type=int, default=None)
     engine.add_argument("--seed", type=int, default=None)
+    engine.add_argument("--enforce-eager", action="store_true", default=None,
+                        help="run the model eagerly: on a CPU not compiled whole, on CUDA without graphs (vLLM's flag)")
     engine.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                         help='speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4, '
                              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
