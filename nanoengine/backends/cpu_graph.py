@@ -40,7 +40,8 @@ A graph is compiled for the *kinds* of inputs it saw: Dynamo guards on every inp
 tensor's dimensions, and treats a dimension of size 0 or 1 as a constant. Block tables,
 context lengths and chunk boundaries change shape every step (one decode or many, no
 prefill or some), so passing them in would compile a graph for each combination. The
-graph takes only the token ids and positions; the step's metadata is set around the call
+graph takes only the token ids and positions (and, for registered layers, the step's rotary
+rows: ``_compiled`` says why); the step's metadata is set around the call
 (``step_metadata``) and the attention operator reads it there, at run time, as vLLM's
 attention reads its "forward context". The number of tokens is marked *unbacked*: Dynamo
 assumes nothing about it (not even that it is not 1) and guards on nothing, so one graph
@@ -69,9 +70,8 @@ Python (a lone sequence 45.4 against 46.1 tokens/s): that code called the 30 ope
 one from Python, as eager does. Written in C++ (Inductor's ``cpp_wrapper``), a step enters the
 graph once and the 30 calls cost no Python: a lone sequence 40.4-43.3 against eager's
 38.8-42.5 tokens/s, ahead in 5 of 5 alternating rounds (1.04x), the bench workload level
-(compute-bound). So an
-engine whose layers register compiles by default (``compile_model=None``), and
-``enforce_eager=True`` is the way back to eager. Every operator in that graph is the eager
+(compute-bound). So an engine whose layers register compiles by default
+(``compile_model=None``), and ``enforce_eager=True`` is the way back to eager. Every operator in that graph is the eager
 path's own (the embedding is a gather, the norm and the layers the native kernels), so the
 bits are eager's by construction. Other models stay eager unless ``compile_model=True``:
 their graph fuses rotary and SiLU in Inductor's own loops, which round differently, and it
@@ -223,8 +223,9 @@ def compile_model(runner, backend) -> "CompileReport":
         return CompileReport(requested=True, compiled=False, seconds=time.perf_counter() - start, ops=(),
                              fallback_reason=reason)
     seconds = time.perf_counter() - start
-    if not _SAID:  # once per process: the first compile is the one that may have waited for the C++ compiler
-        _SAID.add(True)
+    global _first_compile_logged
+    if not _first_compile_logged:  # once per process: the first compile may have waited for the C++ compiler
+        _first_compile_logged = True
         logger.info("compiled %s whole in %.1f s (Inductor's cache: %s; later engines of this process and later "
                     "processes on this CPU reuse it)", type(runner.model).__name__, seconds,
                     os.environ.get("TORCHINDUCTOR_CACHE_DIR"))
@@ -402,7 +403,7 @@ DYNAMO_SETTINGS = {"recompile_limit": 64}
 WARM_UP_ROWS = 67
 
 _WARNED: set[str] = set()
-_SAID: set[bool] = set()  # whether this process has logged its first compile
+_first_compile_logged = False  # whether this process has said how long its first compile took
 
 
 def _warn_once(reason: str, category) -> None:
