@@ -77,11 +77,12 @@ class CompletionOutput:
     index: int  # 0 .. n-1
     text: str
     token_ids: tuple[int, ...]
-    finish_reason: str | None  # "length", "stop" or "abort"; None while running
+    finish_reason: str | None  # "length", "stop", "abort" or "error"; None while running
     stop_reason: str | int | None = None  # the stop string or token id that matched
     logprobs: tuple[tuple[TokenLogprob, ...], ...] | None = None
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs (with logprobs on)
     delta: str = ""  # text added since the previous output of this request
+    error: str | None = None  # finish_reason "error": what went wrong (the exception, as text)
 
     @property
     def finished(self) -> bool:

@@ -1,13 +1,27 @@
 """How one request turns logits into tokens, and when it stops (chapter 8).
 
 ``SamplingParams`` is validated when it is built, so a bad value never reaches the
-engine: each error says which field was wrong, the value given, and what is allowed.
+engine: each error says which field was wrong, the value given, and what is allowed
+(in vLLM's words where vLLM has them). What only the engine knows (the vocabulary, the
+model length, ``max_num_seqs``) is checked when a request enters it
+(``InputProcessor.check_params``).
+
+The lists are bounded too: every step searches a request's new text for each of its stop
+strings and checks its new token against each stop token id, so a request with a million
+of them would slow every request sharing its steps (and a body of a few megabytes can
+carry that many). OpenAI's API takes at most 4 stop strings; vLLM sets no limit.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+# The largest lists a request may carry (the module's docstring says why there is a limit).
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+MAX_LOGPROBS = 20  # top-N logprobs per token, as vLLM's default max_logprobs
 
 
 class RequestOutputKind(enum.Enum):
@@ -77,33 +91,42 @@ class SamplingParams:
                                                              "a list of token ids"))
         _check_number("temperature", self.temperature, float)
         if not 0.0 <= self.temperature < float("inf"):  # inf would divide every logit to 0: uniform noise
-            raise ValueError(f"temperature must be >= 0 and finite (0 means greedy), got {self.temperature}")
+            raise ValueError(f"temperature must be non-negative and finite (0 means greedy), "
+                             f"got {shown(self.temperature)}")
         _check_number("top_k", self.top_k, int)
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (no limit), 0 (no limit) or >= 1, got {self.top_k}")
+        if self.top_k < -1:  # its upper bound, the vocabulary, is the engine's to check
+            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k} (-1 disables it too)")
         _check_number("top_p", self.top_p, float)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ValueError(f"top_p must be in (0, 1], got {shown(self.top_p)}")
         _check_number("min_p", self.min_p, float)
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise ValueError(f"min_p must be in [0, 1], got {shown(self.min_p)}")
         _check_number("max_tokens", self.max_tokens, int)
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.seed is not None:
             _check_number("seed", self.seed, int)
             if not 0 <= self.seed < 2**63:
                 raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+                raise ValueError(f"stop must hold non-empty strings, got {shown(s)}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop holds a string of {len(s)} characters ({s[:20]!r}...); each may have at "
+                                 f"most {MAX_STOP_STRING_CHARS}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS} "
+                             f"are allowed")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise ValueError(f"stop_token_ids must hold non-negative integers, got {t!r}")
+                raise ValueError(f"stop_token_ids must hold non-negative integers, got {shown(t)}")
         if self.logprobs is not None:
             _check_number("logprobs", self.logprobs, int)
-            if not 0 <= self.logprobs <= 20:
-                raise ValueError(f"logprobs must be None or an integer in [0, 20], got {self.logprobs}")
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         _check_number("n", self.n, int)
         if self.n < 1:
             raise ValueError(f"n must be an integer >= 1 (the number of completions), got {self.n}")
@@ -133,15 +156,33 @@ def _as_tuple(name: str, value: object, expected: str) -> tuple:
     if value is None:
         return ()
     if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
-        raise ValueError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+        raise ValueError(f"{name} must be {expected}, got {shown(value)} ({type(value).__name__})")
     return tuple(value)
 
 
 def _check_number(name: str, value: object, kind: type) -> None:
-    """Reject non-numbers (and bools) with a message naming the field."""
+    """Reject non-numbers (and bools), NaN, and numbers the engine's tensors cannot hold
+    (an integer beyond 64 bits, or one too large for a float where a float belongs),
+    with a message naming the field."""
     allowed = (int,) if kind is int else (int, float)
     if isinstance(value, bool) or not isinstance(value, allowed):
         expected = "an integer" if kind is int else "a number"
-        raise ValueError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+        raise ValueError(f"{name} must be {expected}, got {shown(value)} ({type(value).__name__})")
     if kind is float and value != value:  # NaN
         raise ValueError(f"{name} must be a number, got NaN")
+    if kind is int and not -2**63 <= value < 2**63:
+        raise ValueError(f"{name} must be an integer in [-2**63, 2**63) (64 bits), got {shown(value)}")
+    if kind is float and isinstance(value, int) and abs(value) > 2**1023:  # float(value) would overflow
+        raise ValueError(f"{name} must be a finite number, got {shown(value)}")
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters; a huge integer by its size.
+
+    (Python refuses to turn an integer of more than 4,300 digits into text, and a message
+    should not repeat a megabyte that a client sent.)
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**24:
+        return f"{'-' if value < 0 else ''}an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

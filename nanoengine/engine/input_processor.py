@@ -10,8 +10,16 @@ Every way into the engine (``LLM.generate``, ``LLM.chat``, ``LLM.stream``,
   template already holds its special tokens, so its text is encoded without adding
   more (vLLM's ``LLM.chat`` in vllm/entrypoints/llm.py does the same),
 * checked once: the token ids against the vocabulary, the length against
-  ``max_model_len``, ``n`` against ``max_num_seqs``, stop token ids against the
-  vocabulary, stop strings against having a tokenizer to find them with.
+  ``max_model_len``, ``n`` against ``max_num_seqs``, ``top_k``, ``logprobs`` and stop token
+  ids against the vocabulary, stop strings against having a tokenizer to find them with.
+  (``SamplingParams`` checked everything a value can be judged by alone when it was built.)
+
+What is refused here is refused the same way by ``LLM.generate`` and by the server, which
+sends every request through here too (a ``ValueError`` naming the field; a 400). One
+difference is vLLM's as well: a ``max_tokens`` that the prompt leaves no room for in
+``max_model_len`` ends the request at the window ("length") here and in vLLM's ``LLM``,
+while the server refuses it before it starts (``protocol.fit_to_context``), as vLLM's and
+OpenAI's servers do, so a client is never silently given less than it asked for.
 
 The result is a ``ProcessedPrompt``, which ``LLMEngine.add_request`` accepts as it is.
 vLLM v1 splits its engine the same way (vllm/v1/engine/processor.py turns prompts into
@@ -29,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from nanoengine.sampling_params import SamplingParams
+from nanoengine.sampling_params import SamplingParams, shown
 
 Message = dict[str, str]
 PromptInput = str | Sequence[int] | Sequence[Message]  # text, token ids, or a chat conversation
@@ -96,7 +104,8 @@ class InputProcessor:
         vocab = self.vocab_size
         bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got "
+                             f"[{', '.join(shown(t, 20) for t in bad[:5])}]")
         return ProcessedPrompt(prompt, self._check_length(token_ids), params)
 
     # -------------------------------------------------------------- pieces
@@ -138,11 +147,16 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {params!r:.80} ({type(params).__name__})")
         if params.n > self.max_num_seqs:
-            raise ValueError(f"n={params.n} completions must run at once, but max_num_seqs is "
+            raise ValueError(f"n={shown(params.n)} completions must run at once, but max_num_seqs is "
                              f"{self.max_num_seqs}: lower n or raise max_num_seqs")
+        if params.top_k > self.vocab_size:  # the sampler keeps top_k of the vocabulary's logits
+            raise ValueError(f"top_k must be 0 (disable), or at least 1 and at most the vocabulary size "
+                             f"({self.vocab_size}), got {shown(params.top_k)}")
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise ValueError(f"logprobs must be at most the vocabulary size ({self.vocab_size}), got {params.logprobs}")
         for t in params.stop_token_ids:
             if t >= self.vocab_size:
-                raise ValueError(f"stop_token_ids holds {t}, outside the vocabulary [0, {self.vocab_size})")
+                raise ValueError(f"stop_token_ids holds {shown(t)}, outside the vocabulary [0, {self.vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={list(params.stop)!r} needs a tokenizer to find the strings in the text, and "
                              f"this engine has none: use stop_token_ids, or build the engine with a tokenizer")

@@ -23,6 +23,7 @@ together. A reader that shares the engine with others (``LLM.stream`` next to
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from pathlib import Path
@@ -50,6 +51,8 @@ from nanoengine.spec_decode.metrics import SpecDecodeStats
 from nanoengine.spec_decode.ngram_proposer import NgramProposer
 
 RunnerFactory = Callable[[int, int], SamplingRunner]  # (max_model_len, num_kv_blocks) -> runner
+
+logger = logging.getLogger("nanoengine.engine")
 
 
 class LLMEngine:
@@ -247,10 +250,15 @@ class LLMEngine:
         if self._stepping:
             self._deferred_aborts.append(request_id)
             return None
+        return self._finish_all(state, RequestStatus.FINISHED_ABORTED)
+
+    def _finish_all(self, state: RequestState, status: RequestStatus, error: str | None = None) -> RequestOutput:
+        """End every unfinished completion of a user request with ``status``; its final output."""
         self.parents.forget(state.completions[0].request_id)  # held-back siblings are never queued
         for request in state.completions:
             if not request.is_finished:
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+                request.error = error
+                self.scheduler.finish_request(request, status)
         return self._forget(self.output_processor.make_output(state))
 
     def has_unfinished_requests(self) -> bool:
@@ -315,25 +323,56 @@ class LLMEngine:
         The detokenizer runs before the decision because a stop string is found in the
         text; ``Scheduler.finish_if_stopped`` then decides, in one place, whether each
         request has finished and why (``scheduler.check_stop`` states the precedence).
+        A request whose own work in the step raised (sampling, text, its output) is in
+        ``faults`` and ends with the error (``_fail``); the others go on.
         """
+        faults = dict(result.failed)  # completion id -> what it raised
         produced = self.scheduler.update_from_output(sched, result.sampled)
         for sibling in self.parents.after_update(produced):  # n > 1: the prompt is computed
             self._queue(sibling)
-        self._take_in(produced, result.logprobs, 0)
+        self._take_in(produced, result.logprobs, 0, faults)
         if sched.num_draft_tokens:  # speculative decoding: the rest of each accepted run
-            self._take_in_accepted_runs(sched, produced, result)
+            self._take_in_accepted_runs(sched, produced, result, faults)
         if self.proposer is not None:
             self._propose(produced, self.proposer.config.tokens_for_batch(len(sched.scheduled)))
-        return [self._forget(out) for out in self.output_processor.make_outputs(produced)]
+        if faults:
+            produced = [r for r in produced if r.request_id not in faults]
+        outputs = self.output_processor.make_outputs(produced, faults)
+        return [self._forget(out) for out in outputs] + self._fail(faults)
 
-    def _take_in(self, requests: list[Request], logprobs: dict[str, list], index: int) -> None:
+    def _take_in(self, requests: list[Request], logprobs: dict[str, list], index: int,
+                 faults: dict[str, Exception]) -> None:
         """Detokenize each request's newest token (its ``index``-th of this step), then decide its stop."""
         stop_strings = self.output_processor.detokenize(
-            requests, {r.request_id: logprobs[r.request_id][index] for r in requests if r.request_id in logprobs})
+            requests, {r.request_id: logprobs[r.request_id][index] for r in requests if r.request_id in logprobs},
+            faults)
         for request in requests:
-            self.scheduler.finish_if_stopped(request, stop_strings.get(request.request_id))
+            if request.request_id not in faults:
+                self.scheduler.finish_if_stopped(request, stop_strings.get(request.request_id))
 
-    def _take_in_accepted_runs(self, sched: SchedulerOutput, produced: list[Request], result) -> None:
+    def _fail(self, faults: dict[str, Exception]) -> list[RequestOutput]:
+        """Finish each user request one of whose completions raised in this step, with
+        finish_reason "error" and the exception as ``CompletionOutput.error``.
+
+        The inputs every request brings are checked before it is queued, so this is an
+        engine bug that one request's data reached (the log has the traceback). Its
+        blocks are freed like any finished request's, and the step's other requests
+        carry on. A fault of the model's forward pass, which computes every request at
+        once, is the engine's own: ``step`` raises it and the engine stops.
+        """
+        outputs = []
+        for completion_id, exc in faults.items():
+            request = self.output_processor.completions_by_id.get(completion_id)
+            state = None if request is None else self.output_processor.states.get(request.parent_id)
+            if state is None:  # its user request already ended (two completions of it failed)
+                continue
+            logger.error("step %d: request %s failed and is finished with an error; the engine goes on",
+                         self.step_count, request.parent_id, exc_info=exc)
+            outputs.append(self._finish_all(state, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}"))
+        return outputs
+
+    def _take_in_accepted_runs(self, sched: SchedulerOutput, produced: list[Request], result,
+                               faults: dict[str, Exception]) -> None:
         """Speculating requests emitted up to k+1 tokens: take them one at a time, as plain
         decoding would have, so a stop (EOS, a stop token or string, max_tokens) among them
         ends the request there and nothing after it is emitted. Then the rejected drafts'
@@ -341,14 +380,15 @@ class LLMEngine:
         now = time.perf_counter()
         runs = [(r, result.sampled[r.request_id]) for r in produced if len(result.sampled[r.request_id]) > 1]
         for index in range(1, max((len(tokens) for _, tokens in runs), default=0)):
-            batch = [r for r, tokens in runs if len(tokens) > index and not r.is_finished]
+            batch = [r for r, tokens in runs if len(tokens) > index and not r.is_finished
+                     and r.request_id not in faults]
             for request in batch:
                 self.scheduler.accept_token(request, result.sampled[request.request_id][index], now)
-            self._take_in(batch, result.logprobs, index)
+            self._take_in(batch, result.logprobs, index, faults)
         self.scheduler.release_rejected_slots(sched)
         announce = self.events.wants(DraftsVerified)
         for s in sched.scheduled:
-            if s.num_draft_tokens:
+            if s.num_draft_tokens and s.request.request_id in result.sampled:
                 emitted = result.sampled[s.request.request_id]
                 self.spec_decode_stats.observe(s.draft_token_ids, emitted)
                 if announce:

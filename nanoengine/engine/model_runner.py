@@ -198,16 +198,22 @@ def plan_batch(out: SchedulerOutput, block_size: int,
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    """Each sampling request's new tokens: one, or, after checking k drafts, 1 to k+1."""
+    """Each sampling request's new tokens: one, or, after checking k drafts, 1 to k+1.
+
+    A request whose sampling raised (``SamplingRunner.sample_contained``) has no tokens;
+    ``failed`` holds its error instead, and the engine finishes it with that error.
+    """
 
     sampled: dict[str, list[int]]  # request id -> new tokens
     logprobs: dict[str, list[tuple]]  # request id -> per new token (its logprob, top-N pairs)
+    failed: dict[str, Exception] = field(default_factory=dict)  # request id -> what its sampling raised
 
     @classmethod
-    def of(cls, requests: list[Request], tokens: list[list[int]], logprobs: list[list | None]) -> "ModelRunnerOutput":
+    def of(cls, requests: list[Request], tokens: list[list[int] | None], logprobs: list[list | None],
+           failed: dict[str, Exception] | None = None) -> "ModelRunnerOutput":
         ids = [r.request_id for r in requests]
-        return cls(sampled=dict(zip(ids, tokens)),
-                   logprobs={i: lp for i, lp in zip(ids, logprobs) if lp is not None})
+        return cls(sampled={i: t for i, t in zip(ids, tokens) if t is not None},
+                   logprobs={i: lp for i, lp in zip(ids, logprobs) if lp is not None}, failed=failed or {})
 
 
 def request_chunks(row_counts: list[int], rows_per_chunk: int):
@@ -266,13 +272,49 @@ class SamplingRunner:
             if profiler.enabled:
                 _wait_for(logits)
         with profiler.phase("sample"):
-            return ModelRunnerOutput.of(sampled, *self.sample_requests(logits, sampled, plan.sampled_drafts))
+            return ModelRunnerOutput.of(sampled, *self.sample_contained(logits, sampled, plan.sampled_drafts))
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         if not requests:
             return SampleResult([], [])
         return self.sampler(logits, [r.sampling_params for r in requests], [r.generator for r in requests],
                             self.generator)
+
+    def sample_contained(self, logits: torch.Tensor, requests: list[Request], drafts: list[tuple[int, ...]]):
+        """``sample_requests``, with a fault kept to the request that caused it. -> (tokens, logprobs, failed)
+
+        Sampling is the part of a step that reads each request's own settings (its filters,
+        its generator, its logprobs), so a request whose settings trip a bug there must not
+        take the batch with it. If sampling the whole batch raises, every request samples
+        again alone, on its own logits rows and with the generators as they were before
+        (a seeded request draws what it would have drawn): one that raises again gets its
+        error in ``failed`` and no tokens; the others get their tokens. A fault no single
+        request reproduces, or one that every request of a batch of several reproduces, is
+        the engine's own, and is raised. The happy path pays one ``get_state`` per seeded
+        request (about a microsecond each).
+        """
+        generators = {id(g): g for g in (self.generator, *(r.generator for r in requests)) if g is not None}
+        saved = [(g, g.get_state()) for g in generators.values()]
+        try:
+            return *self.sample_requests(logits, requests, drafts), {}
+        except Exception as batch_error:
+            for generator, state in saved:
+                generator.set_state(state)
+            drafts = drafts or [()] * len(requests)
+            starts = list(itertools.accumulate((1 + len(d) for d in drafts), initial=0))
+            tokens: list = [None] * len(requests)
+            logprobs: list = [None] * len(requests)
+            failed: dict[str, Exception] = {}
+            for i, request in enumerate(requests):
+                try:
+                    alone = self.sample_requests(logits[starts[i]:starts[i + 1]], [request], [drafts[i]])
+                except Exception as exc:
+                    failed[request.request_id] = exc
+                else:
+                    tokens[i], logprobs[i] = alone[0][0], alone[1][0]
+            if not failed or (len(failed) == len(requests) > 1):
+                raise batch_error
+            return tokens, logprobs, failed
 
     def sample_requests(self, logits: torch.Tensor, requests: list[Request], drafts: list[tuple[int, ...]]):
         """Each request's new tokens from its logits rows. -> (tokens, logprobs) per request.
@@ -401,7 +443,7 @@ class ModelRunner(SamplingRunner):
             model_input = self.prepare_inputs(plan)
         with profiler.phase("model"):
             hidden = self.sampled_hidden(model_input)
-        token_ids, logprobs = [], []
+        token_ids, logprobs, failed = [], [], {}
         config = self.model_config
         drafts = plan.sampled_drafts or [()] * len(sampled)
         step = self.backend.logits_rows_per_chunk(hidden.shape[0], config.vocab_size, config.hidden_size)
@@ -411,11 +453,13 @@ class ModelRunner(SamplingRunner):
                 if profiler.enabled:
                     _wait_for(logits)
             with profiler.phase("sample"):
-                chunk_tokens, chunk_logprobs = self.sample_requests(logits, sampled[requests], drafts[requests])
+                chunk_tokens, chunk_logprobs, chunk_failed = self.sample_contained(logits, sampled[requests],
+                                                                                   drafts[requests])
             del logits  # freed before the next chunk is computed, so its memory is reused
             token_ids += chunk_tokens
             logprobs += chunk_logprobs
-        return ModelRunnerOutput.of(sampled, token_ids, logprobs)
+            failed.update(chunk_failed)
+        return ModelRunnerOutput.of(sampled, token_ids, logprobs, failed)
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int, write_kv: bool = False) -> None:

@@ -104,12 +104,15 @@ class OutputProcessor:
         self.states[state.request_id] = state
         self.completions_by_id.update((c.request_id, c) for c in state.completions)
 
-    def detokenize(self, produced: list[Request], logprobs: dict[str, tuple]) -> dict[str, str]:
+    def detokenize(self, produced: list[Request], logprobs: dict[str, tuple],
+                   faults: dict[str, Exception]) -> dict[str, str]:
         """Take in this step's tokens; returns the stop string found, by request id.
 
         Records each token's logprobs, and makes text for the requests whose text is read
         every step or searched for stop strings. A ``FINAL_ONLY`` request without stop
         strings gets its text only when it has finished, from all its tokens at once.
+        A request whose text cannot be made (its tokenizer raised) is put in ``faults``
+        and the others go on (``LLMEngine`` finishes it with the error).
         """
         stop_strings: dict[str, str] = {}
         for request in produced:
@@ -118,28 +121,43 @@ class OutputProcessor:
                 request.output_logprobs.append(logprobs[request.request_id])
             if state.reads_every_step or state.stop:
                 detokenizer = state.detokenizers[request.index]
-                state.pending_deltas[request.index] += self._detokenize(request, detokenizer)
+                try:
+                    state.pending_deltas[request.index] += self._detokenize(request, detokenizer)
+                except Exception as exc:
+                    faults[request.request_id] = exc
+                    continue
                 if detokenizer.stop_hit is not None:
                     stop_strings[request.request_id] = detokenizer.stop_hit
         return stop_strings
 
-    def make_outputs(self, produced: list[Request]) -> list[RequestOutput]:
+    def make_outputs(self, produced: list[Request], faults: dict[str, Exception]) -> list[RequestOutput]:
         """Outputs of the user requests whose completions produced a token this step.
 
         Called once the stop decision is made, so finished completions carry their
         reason. A ``FINAL_ONLY`` request is reported only once all of it has finished.
+        A request whose output cannot be made goes to ``faults`` (its first completion's
+        id), as in ``detokenize``.
         """
         touched: dict[str, RequestState] = {}
         for request in produced:
             state = self.states[request.parent_id]
             if state.reads_every_step or state.finished:
                 touched[state.request_id] = state
-        return [self.make_output(state) for state in touched.values()]
+        outputs = []
+        for state in touched.values():
+            try:
+                outputs.append(self.make_output(state))
+            except Exception as exc:
+                faults[state.completions[0].request_id] = exc
+        return outputs
 
     def make_output(self, state: RequestState) -> RequestOutput:
-        """The request's output now (its final one if every completion has finished)."""
+        """The request's output now (its final one if every completion has finished).
+
+        A completion that ended in an error (``Request.error``) keeps the text it had: no
+        more is made for it, since making text may be what failed."""
         for request, detokenizer in zip(state.completions, state.detokenizers):
-            if request.is_finished and not detokenizer.flushed:  # all its text, held-back tail included
+            if request.is_finished and not detokenizer.flushed and request.error is None:  # all its text, tail too
                 state.pending_deltas[request.index] += self._detokenize(request, detokenizer)
         completions = tuple(self._completion(state, i) for i in range(len(state.completions)))
         state.pending_deltas = [""] * len(state.completions)
@@ -176,13 +194,13 @@ class OutputProcessor:
             start, text = state.tokens_handed_out[index], delta
             state.tokens_handed_out[index] = len(request.output_token_ids)
         logprobs = cumulative = None
-        if request.sampling_params.logprobs is not None:
+        if request.sampling_params.logprobs is not None and request.error is None:
             logprobs = tuple(self._token_logprobs(token, entry) for token, entry in
                              zip(request.output_token_ids[start:], request.output_logprobs[start:]))
             cumulative = sum(sampled_lp for sampled_lp, _ in request.output_logprobs)
         return CompletionOutput(index=index, text=text, token_ids=tuple(request.output_token_ids[start:]),
                                 finish_reason=request.status.finish_reason, stop_reason=request.stop_reason,
-                                logprobs=logprobs, cumulative_logprob=cumulative, delta=delta)
+                                logprobs=logprobs, cumulative_logprob=cumulative, delta=delta, error=request.error)
 
     def _token_logprobs(self, token_id: int, entry) -> tuple[TokenLogprob, ...]:
         sampled_lp, top = entry

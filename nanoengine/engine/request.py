@@ -24,6 +24,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = "finished_length"  # max_tokens or max_model_len reached
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"  # a step raised on this request's data (``Request.error`` says what)
 
     @property
     def finished(self) -> bool:
@@ -36,7 +37,7 @@ class RequestStatus(enum.Enum):
 
 # Asked several times per request per step: one dictionary, built once.
 _FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
-                   RequestStatus.FINISHED_ABORTED: "abort"}
+                   RequestStatus.FINISHED_ABORTED: "abort", RequestStatus.FINISHED_ERROR: "error"}
 
 
 class Request:
@@ -84,6 +85,7 @@ class Request:
         self.spec_token_ids: list[int] = []
         self.num_preemptions = 0
         self.stop_reason: str | int | None = None
+        self.error: str | None = None  # why a step could not go on with it (FINISHED_ERROR)
         self.output_logprobs: list[tuple] = []
         # A seeded request draws from its own generator, so its samples do not depend on
         # what else is in the batch (chapter 8).

@@ -184,11 +184,11 @@ def test_bad_input_shows_a_message_and_leaves_the_engine_unchanged() -> None:
     view.step_button.click()
     before, requests_before = engine.snapshot(), dict(engine.requests)
     cases = [
-        (dict(random_tokens=6, max_tokens=4, temperature=-1.0), "temperature must be >= 0"),
+        (dict(random_tokens=6, max_tokens=4, temperature=-1.0), "temperature must be non-negative"),
         (dict(random_tokens=6, max_tokens=4, top_p=0.0), "top_p must be in (0, 1]"),
         (dict(random_tokens=6, max_tokens=4, top_k=-5), "top_k must be"),
         (dict(random_tokens=6, max_tokens=4, min_p=1.5), "min_p must be in [0, 1]"),
-        (dict(random_tokens=6, max_tokens=0), "max_tokens must be >= 1"),
+        (dict(random_tokens=6, max_tokens=0), "max_tokens must be at least 1"),
         (dict(random_tokens=70, max_tokens=1), "max_model_len is 64"),
         (dict(random_tokens=50, max_tokens=20), "exceeds max_model_len"),
         (dict(random_tokens=0, max_tokens=4), "no tokenizer"),

@@ -91,7 +91,7 @@ def _cases(table: dict) -> list:
 
 # ------------------------------------------------------------------- SamplingParams
 SAMPLING = {
-    "temperature negative": (dict(temperature=-0.5), ValueError, "temperature", "-0.5", ">= 0"),
+    "temperature negative": (dict(temperature=-0.5), ValueError, "temperature", "-0.5", "non-negative"),
     "temperature NaN": (dict(temperature=NAN), ValueError, "temperature", "NaN"),
     "temperature inf": (dict(temperature=INF), ValueError, "temperature", "finite", "inf"),
     "temperature str": (dict(temperature="0.7"), ValueError, "temperature", "'0.7'", "a number"),
@@ -109,8 +109,8 @@ SAMPLING = {
     "min_p negative": (dict(min_p=-0.1), ValueError, "min_p", "[0, 1]", "-0.1"),
     "min_p above one": (dict(min_p=1.5), ValueError, "min_p", "[0, 1]", "1.5"),
     "min_p NaN": (dict(min_p=NAN), ValueError, "min_p", "NaN"),
-    "max_tokens zero": (dict(max_tokens=0), ValueError, "max_tokens", ">= 1", "0"),
-    "max_tokens negative": (dict(max_tokens=-3), ValueError, "max_tokens", ">= 1", "-3"),
+    "max_tokens zero": (dict(max_tokens=0), ValueError, "max_tokens", "at least 1", "0"),
+    "max_tokens negative": (dict(max_tokens=-3), ValueError, "max_tokens", "at least 1", "-3"),
     "max_tokens float": (dict(max_tokens=2.5), ValueError, "max_tokens", "integer", "2.5"),
     "max_tokens str": (dict(max_tokens="16"), ValueError, "max_tokens", "integer", "'16'"),
     "max_tokens None": (dict(max_tokens=None), ValueError, "max_tokens", "None"),

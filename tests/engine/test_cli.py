@@ -74,9 +74,9 @@ def test_chat_loop_ends_at_end_of_input(capsys, monkeypatch, tiny_llama_tok_dir)
 
 # ------------------------------------------------------------------ bad values (exit 2)
 SAMPLING_ERRORS = {
-    "max-tokens zero": (["--max-tokens", "0"], "max_tokens", ">= 1", "0"),
-    "max-tokens negative": (["--max-tokens", "-5"], "max_tokens", ">= 1", "-5"),
-    "temperature negative": (["--temperature", "-1"], "temperature", ">= 0", "-1"),
+    "max-tokens zero": (["--max-tokens", "0"], "max_tokens", "at least 1", "0"),
+    "max-tokens negative": (["--max-tokens", "-5"], "max_tokens", "at least 1", "-5"),
+    "temperature negative": (["--temperature", "-1"], "temperature", "non-negative", "-1"),
     "temperature nan": (["--temperature", "nan"], "temperature", "NaN"),
     "top-p zero": (["--top-p", "0"], "top_p", "(0, 1]", "0.0"),
     "top-p above one": (["--top-p", "1.5"], "top_p", "(0, 1]", "1.5"),

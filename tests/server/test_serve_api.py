@@ -235,7 +235,7 @@ def test_a_client_that_disconnects_before_a_plain_response_aborts_too(server):
 # --------------------------------------------------------------------- bad input
 BAD = [
     ("unknown model", {"model": "gpt-4", "prompt": "x"}, "model", "does not exist"),
-    ("negative max_tokens", {"model": NAME, "prompt": "x", "max_tokens": -1}, "max_tokens", "max_tokens must be >= 1"),
+    ("negative max_tokens", {"model": NAME, "prompt": "x", "max_tokens": -1}, "max_tokens", "max_tokens must be at least 1"),
     ("prompt longer than max_model_len", {"model": NAME, "prompt": [1] * 1025}, "prompt", "max_model_len is 1024"),
     ("prompt + max_tokens over the window", {"model": NAME, "prompt": [1] * 1000, "max_tokens": 30}, "max_tokens",
      "ask for at most 24"),

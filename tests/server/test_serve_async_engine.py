@@ -315,7 +315,7 @@ def test_serve_sets_the_gil_interval_with_an_engine_thread_and_a_lower_priority_
     from nanoengine.entrypoints.openai.cli_args import add_arguments
 
     seen = []
-    engine = SimpleNamespace(max_model_len=8, num_blocks=1, shutdown=lambda: seen.append("shutdown"))
+    engine = SimpleNamespace(max_model_len=8, num_blocks=1, shutdown=lambda: seen.append("shutdown"), error=None)
     monkeypatch.setattr(api_server.LLMEngine, "from_pretrained", lambda *a, **k: engine)
     monkeypatch.setattr(api_server, "EngineCoreClient", lambda build: build())  # no process: the test's engine
     monkeypatch.setattr(api_server, "build_app",

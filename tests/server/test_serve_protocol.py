@@ -52,9 +52,9 @@ def test_bad_completion_bodies_are_400_naming_the_field(body, param, fragment):
 
 
 @pytest.mark.parametrize("body, param, fragment", [
-    ({"prompt": "hi", "max_tokens": -1}, "max_tokens", "max_tokens must be >= 1, got -1"),
-    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", ">= 1"),
-    ({"prompt": "hi", "temperature": -0.5}, "temperature", "temperature must be >= 0"),
+    ({"prompt": "hi", "max_tokens": -1}, "max_tokens", "max_tokens must be at least 1, got -1"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "at least 1"),
+    ({"prompt": "hi", "temperature": -0.5}, "temperature", "temperature must be non-negative"),
     ({"prompt": "hi", "top_p": 0}, "top_p", "(0, 1]"),
     ({"prompt": "hi", "top_k": -3}, "top_k", "top_k must be"),
     ({"prompt": "hi", "min_p": 2.0}, "min_p", "[0, 1]"),

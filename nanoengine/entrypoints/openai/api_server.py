@@ -100,11 +100,20 @@ def build_app(engine: LLMEngine | EngineCoreClient, served_model_name: str, api_
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
             raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
     metrics = ServerMetrics(served_model_name)
+
+    def engine_died() -> None:  # on the event loop, once: a step failed and the engine stopped
+        stop_serving = getattr(app.state, "stop_serving", None)  # set by run_server: the command line's server
+        if stop_serving is not None:
+            logger.error("the engine has stopped (%r): the server exits", async_engine.error)
+            stop_serving()
+
     if isinstance(engine, EngineCoreClient):  # serve: the engine core already runs in its own process
         async_engine = engine
         async_engine.max_waiting, async_engine.on_finished = checked_max_waiting(max_queue), metrics.observe_finished
+        async_engine.on_dead = engine_died
     else:
-        async_engine = AsyncLLMEngine(engine, max_waiting=max_queue, on_finished=metrics.observe_finished)
+        async_engine = AsyncLLMEngine(engine, max_waiting=max_queue, on_finished=metrics.observe_finished,
+                                      on_dead=engine_died)
     fingerprint = system_fingerprint(async_engine, served_model_name)
     serving = OpenAIServing(async_engine, served_model_name, metrics, max_body_bytes=max_body_bytes,
                             body_timeout=body_timeout, system_fingerprint=fingerprint)
@@ -138,12 +147,12 @@ def build_app(engine: LLMEngine | EngineCoreClient, served_model_name: str, api_
         return JSONResponse(error_body(str(exc.detail), "invalid_request_error", code=str(exc.status_code)),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
-    @app.post("/v1/completions", responses=_errors(400, 401, 408, 413, 429, 503),
+    @app.post("/v1/completions", responses=_errors(400, 401, 408, 413, 429, 500, 503),
               summary="Continue a prompt (or several); stream: true for server-sent events")
     async def completions(raw: Request) -> Response:
         return await serving.completions(raw)
 
-    @app.post("/v1/chat/completions", responses=_errors(400, 401, 408, 413, 429, 503),
+    @app.post("/v1/chat/completions", responses=_errors(400, 401, 408, 413, 429, 500, 503),
               summary="The assistant's reply to a conversation; stream: true for server-sent events")
     async def chat_completions(raw: Request) -> Response:
         return await serving.chat(raw)
@@ -195,6 +204,7 @@ _ERROR_MEANINGS = {400: "a bad request: the message names the field and what is 
                    408: "the request body did not arrive within --body-timeout seconds",
                    413: "the request body is larger than --max-body-bytes",
                    429: "more than --max-queue requests wait for the engine; retry later (Retry-After)",
+                   500: "the engine could not finish this request (a bug its data reached); it serves the others on",
                    503: "the engine has stopped"}
 
 
@@ -341,9 +351,12 @@ def _uvicorn(app: FastAPI, log_level: str, access_log: bool) -> uvicorn.Server:
 
 
 def run_server(app: FastAPI, sock: socket.socket, log_level: str = "info") -> None:
-    """Serve ``app`` on ``sock`` in this thread until Ctrl-C (the command line's path)."""
+    """Serve ``app`` on ``sock`` in this thread until Ctrl-C, or until the engine stops
+    (the command line's path; ``serve_from_args`` then exits with status 1)."""
+    server = _uvicorn(app, log_level, access_log=True)
+    app.state.stop_serving = lambda: setattr(server, "should_exit", True)
     with contextlib.suppress(KeyboardInterrupt):
-        _uvicorn(app, log_level, access_log=True).run(sockets=[sock])
+        server.run(sockets=[sock])
 
 
 class BackgroundServer:
@@ -468,6 +481,12 @@ def serve_from_args(args) -> None:
         sock.close()
         if engine is not None:
             engine.shutdown()
+    if app.state.engine.error is not None:
+        # As vLLM's server does when its engine dies: the requests in flight were failed; a
+        # non-zero status lets a supervisor (systemd, Kubernetes) start a fresh server.
+        print(f"the engine failed and stopped ({app.state.engine.error!r}); exiting with status 1", file=sys.stderr,
+              flush=True)
+        raise SystemExit(1)
 
 
 logger.addHandler(logging.NullHandler())

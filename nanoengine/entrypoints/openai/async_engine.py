@@ -240,13 +240,17 @@ class AsyncLLMEngine:
     ``max_waiting``: refuse an add (``QueueFullError``) that would leave more than this many
     sequences waiting for admission; None for no limit. ``on_finished`` is called on the
     engine thread with every final output (finished, stopped or aborted), e.g. for metrics.
+    ``on_dead`` is called once on the event loop if a step fails and the engine stops (the
+    command-line server then exits, ``api_server``); not when it is shut down.
     """
 
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
-                 on_finished: Callable[[RequestOutput], None] | None = None) -> None:
+                 on_finished: Callable[[RequestOutput], None] | None = None,
+                 on_dead: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self.max_waiting = checked_max_waiting(max_waiting)
         self.on_finished = on_finished
+        self.on_dead = on_dead
         self._cond = threading.Condition()
         self._commands: list[_Add | _Abort | _Call] = []  # guarded by _cond
         self._stopping = False  # guarded by _cond
@@ -372,13 +376,15 @@ class AsyncLLMEngine:
                 if engine.has_unfinished_requests():
                     self._deliver(engine.step())
                 self._stats = EngineStats.of(engine)
-            except Exception as exc:  # a bug or a device error: fail every request, stop serving
+            except Exception as exc:  # a fault of the engine itself (a request's own is contained by step())
                 logger.exception("the engine failed; every request in flight gets an error")
                 self.error = exc
                 with self._cond:  # the commands not yet applied are failed with the rest
                     self._commands[:0] = commands[1:]
                 break
         self._stop_everything()
+        if self.error is not None and self.on_dead is not None:
+            self._call_soon(self.on_dead)
 
     def _apply(self, command: _Add | _Abort | _Call) -> None:
         if isinstance(command, _Abort):

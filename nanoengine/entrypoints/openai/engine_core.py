@@ -203,15 +203,17 @@ class EngineCoreClient:
     ``build`` is called in the new process to make the engine, so it must be picklable: a
     module-level function or ``functools.partial(LLMEngine.from_pretrained, path, **options)``.
     The constructor waits until the engine is built (``startup_timeout`` seconds) and raises
-    the core's error if building failed. ``max_waiting`` and ``on_finished`` as in
-    ``AsyncLLMEngine`` (``on_finished`` runs on the event loop here).
+    the core's error if building failed. ``max_waiting``, ``on_finished`` and ``on_dead`` as in
+    ``AsyncLLMEngine`` (``on_finished`` runs on the event loop here; ``on_dead`` also when the
+    core's process dies without a word).
     """
 
     def __init__(self, build: Callable[[], LLMEngine], max_waiting: int | None = None,
                  on_finished: Callable[[RequestOutput], None] | None = None,
-                 startup_timeout: float = 600.0) -> None:
+                 startup_timeout: float = 600.0, on_dead: Callable[[], None] | None = None) -> None:
         self.max_waiting = checked_max_waiting(max_waiting)
         self.on_finished = on_finished
+        self.on_dead = on_dead
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked OpenMP or locks
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(target=run_engine_core, args=(child_conn, build),
@@ -419,6 +421,11 @@ class EngineCoreClient:
         streams, self._streams = self._streams, {}
         for queue in {id(q): q for q in streams.values()}.values():  # once per stream: it ends at the first error
             self._put(queue, error)
+        if first and self.error is not None and self.on_dead is not None and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self.on_dead)
+            except RuntimeError:  # the loop is closed: nobody to tell
+                pass
 
     def _put(self, queue: asyncio.Queue, item) -> None:
         """Put on a queue from any thread (shutdown may run off the loop)."""

@@ -121,6 +121,7 @@ class OpenAIServing:
         finals = await _collect_unless_disconnected(stream, raw)
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
+        _raise_if_failed(finals)
         choices = [protocol.completion_choice(
             context.choice_index(out, c), c.text, c.finish_reason, c.stop_reason,
             protocol.completion_logprobs(c.logprobs) if c.logprobs is not None else None)
@@ -147,6 +148,7 @@ class OpenAIServing:
         finals = await _collect_unless_disconnected(stream, raw)
         if finals is None:
             return Response(status_code=499)
+        _raise_if_failed(finals)
         top_n = request.top_logprobs or 0
         choices = [protocol.chat_choice(c.index, c.text, c.finish_reason, c.stop_reason,
                                         protocol.chat_logprobs(c.logprobs, top_n) if c.logprobs is not None else None)
@@ -329,11 +331,15 @@ class OpenAIServing:
                 parts = choices(out)
                 if parts:
                     yield chunk(parts)
+                if out.finished:
+                    _raise_if_failed([out])
             if ctx.request.include_usage:
                 yield chunk([], _usage(ctx.finals))
             yield protocol.DONE
         except EngineDeadError as exc:  # the response has started: the error travels as an event
             yield protocol.sse(protocol.error_body(str(exc), "server_error", code="engine_unavailable"))
+        except ProtocolError as exc:  # one of this response's requests ended in an error (_raise_if_failed)
+            yield protocol.sse(exc.body())
         finally:
             ctx.stream.abort()
 
@@ -388,6 +394,17 @@ class _Context:
                 self.done.add(key)
             if c.delta or c.logprobs or c.finish_reason is not None:
                 yield c
+
+
+def _raise_if_failed(finals: list[RequestOutput]) -> None:
+    """A 500 if the engine finished one of these requests with an error (finish_reason
+    "error": a step raised on its data, ``LLMEngine._fail``); the engine serves on. vLLM
+    answers such a request with a 500 too; here the message says what was raised."""
+    for out in finals:
+        for c in out.outputs:
+            if c.finish_reason == "error":
+                raise ProtocolError(f"the engine could not finish this request: {c.error}", status=500,
+                                    type="server_error", code="request_failed")
 
 
 def _usage(finals: list[RequestOutput]) -> dict:
