@@ -368,7 +368,10 @@ class LLMEngine:
                 continue
             logger.error("step %d: request %s failed and is finished with an error; the engine goes on",
                          self.step_count, request.parent_id, exc_info=exc)
-            outputs.append(self._finish_all(state, RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}"))
+            error = f"{type(exc).__name__}: {exc}"
+            if request.is_finished:  # it had finished, but its output could not be made
+                request.status, request.error = RequestStatus.FINISHED_ERROR, error
+            outputs.append(self._finish_all(state, RequestStatus.FINISHED_ERROR, error))
         return outputs
 
     def _take_in_accepted_runs(self, sched: SchedulerOutput, produced: list[Request], result,

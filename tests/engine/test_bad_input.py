@@ -134,6 +134,17 @@ SAMPLING = {
     "logprobs bool": (dict(logprobs=True), ValueError, "logprobs", "True"),
     "ignore_eos str": (dict(ignore_eos="yes"), ValueError, "ignore_eos", "True or False", "'yes'"),
     "unknown field": (dict(temprature=0.0), TypeError, "temprature"),
+    # Beyond what the engine's tensors hold (the reproduction sent top_k = 2**63).
+    "top_k 2**63": (dict(top_k=2**63), ValueError, "top_k", "64 bits", str(2**63)),
+    "top_k 10**30": (dict(top_k=10**30), ValueError, "top_k", "64 bits", "an integer of 100 bits"),
+    "max_tokens 10**5000": (dict(max_tokens=10**5000), ValueError, "max_tokens", "64 bits", "16610 bits"),
+    "n 2**64": (dict(n=2**64), ValueError, "n must be", "64 bits"),
+    "temperature 10**400": (dict(temperature=10**400), ValueError, "temperature", "finite", "1329 bits"),
+    "top_p 10**400": (dict(top_p=10**400), ValueError, "top_p", "finite"),
+    "seed 10**30": (dict(seed=10**30), ValueError, "seed", "64 bits"),
+    "stop too many": (dict(stop=["x"] * 33), ValueError, "stop", "33 strings", "at most 32"),
+    "stop string too long": (dict(stop=["x" * 257]), ValueError, "stop", "257 characters", "at most 256"),
+    "stop_token_ids too many": (dict(stop_token_ids=range(257)), ValueError, "stop_token_ids", "257", "at most 256"),
 }
 
 
@@ -149,7 +160,8 @@ def test_bad_sampling_params(kwargs, exc, fragments):
     dict(temperature=0), dict(temperature=0.0), dict(top_p=1.0), dict(top_p=1e-9), dict(top_k=-1), dict(top_k=0),
     dict(min_p=0.0), dict(min_p=1.0), dict(max_tokens=1), dict(seed=0), dict(seed=2**63 - 1), dict(logprobs=0),
     dict(logprobs=20), dict(stop=None), dict(stop="x"), dict(stop_token_ids=None), dict(stop_token_ids={2, 3}),
-    dict(stop_token_ids=range(3))], ids=repr)
+    dict(stop_token_ids=range(3)), dict(stop=["x" * 256] * 32), dict(stop_token_ids=range(256)),
+    dict(top_k=2**62), dict(temperature=1e300)], ids=lambda kwargs: repr(kwargs)[:60])
 def test_boundary_sampling_params_are_allowed(kwargs):
     params = SamplingParams(**kwargs)
     assert isinstance(params.stop, tuple) and isinstance(params.stop_token_ids, tuple)
@@ -281,12 +293,21 @@ GENERATE = {
     "params None in list": ((["a"], [None]), TypeError, "SamplingParams", "None"),
     "stop token outside vocab": ((["a"], SamplingParams(stop_token_ids=[VOCAB])), ValueError, "stop_token_ids",
                                  str(VOCAB), f"[0, {VOCAB})"),
+    "top_k above the vocabulary": ((["a"], SamplingParams(top_k=VOCAB + 1)), ValueError, "top_k",
+                                   f"vocabulary size ({VOCAB})", str(VOCAB + 1)),
+    "top_k 2**62": ((["a"], SamplingParams(top_k=2**62)), ValueError, "top_k", str(2**62)),
+    "huge token id": (([[10**30]],), ValueError, f"[0, {VOCAB})", "an integer of 100 bits"),
 }
 
 
 @pytest.mark.parametrize("args, exc, fragments", [pytest.param(v[0], v[1], v[2:], id=k) for k, v in GENERATE.items()])
 def test_bad_generate(llm, args, exc, fragments):
     assert_rejected(llm, lambda: llm.generate(*args), exc, *fragments)
+
+
+def test_top_k_of_the_whole_vocabulary_is_allowed(llm):
+    out = llm.generate([PROBE_PROMPT], SamplingParams(top_k=VOCAB, temperature=1.0, seed=0, max_tokens=2))[0]
+    assert out.finish_reason in ("length", "stop") and len(out.token_ids) >= 1
 
 
 def test_prompt_of_exactly_max_model_len_is_allowed(llm):

@@ -66,6 +66,53 @@ def test_a_port_in_use_is_refused_before_the_model_loads(capsys, tiny_llama_tok_
     assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and "loading" not in out
 
 
+def _spawned_children(pid: int) -> list[int]:
+    """The processes ``pid`` started with multiprocessing's spawn (read from /proc; its
+    resource tracker, also a child, is left out)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            spawned = b"spawn_main" in (stat.parent / "cmdline").read_bytes()
+        except OSError:  # it ended meanwhile
+            continue
+        if parent == pid and spawned:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.slow  # a real process, as the issue attacked it
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the engine core through /proc")
+def test_the_issues_request_is_refused_and_a_dead_engine_ends_the_server_with_status_1(tiny_llama_tok_dir):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "nanoengine", "serve", "--model", str(tiny_llama_tok_dir),
+                                "--port", "0", "--device", "cpu", "--max-model-len", "256", "--num-kv-blocks", "64",
+                                "--served-model-name", "tiny", "--log-level", "warning"],
+                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        while not (lines and lines[-1].startswith("serving")):
+            lines.append(process.stdout.readline())
+            assert lines[-1], f"the server exited early: {''.join(lines)}"
+        url = lines[-1].split(" at ", 1)[1].split(" ", 1)[0]
+        with openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=60) as client:
+            with pytest.raises(openai.BadRequestError, match="top_k"):  # the issue's curl, as the client sends it
+                client.completions.create(model="tiny", prompt="Hello", max_tokens=4,
+                                          extra_body={"top_k": 9223372036854775808})
+            got = client.completions.create(model="tiny", prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
+            assert got.usage.completion_tokens == 3
+            [core] = _spawned_children(process.pid)  # the engine-core process
+            os.kill(core, signal.SIGKILL)  # the engine itself stops: the server must not answer 503 forever
+            assert process.wait(timeout=60) == 1
+        rest = process.stdout.read()
+        assert "exiting with status 1" in rest and "exited unexpectedly" in rest, rest
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+        process.stdout.close()
+
+
 @pytest.mark.slow  # a real process: python, torch and the tiny checkpoint load in ~10 s
 def test_python_m_nanoengine_serve_answers_until_ctrl_c(tiny_llama_tok_dir):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
