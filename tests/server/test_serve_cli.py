@@ -66,6 +66,15 @@ def test_a_port_in_use_is_refused_before_the_model_loads(capsys, tiny_llama_tok_
     assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and "loading" not in out
 
 
+def _serve_tiny(model_dir: Path) -> subprocess.Popen:
+    """``python -m nanoengine serve`` on the tiny checkpoint, as a user starts it (stdout piped)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "nanoengine", "serve", "--model", str(model_dir),
+                             "--port", "0", "--device", "cpu", "--max-model-len", "256", "--num-kv-blocks", "64",
+                             "--served-model-name", "tiny", "--log-level", "warning"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 def _spawned_children(pid: int) -> list[int]:
     """The processes ``pid`` started with multiprocessing's spawn (read from /proc; its
     resource tracker, also a child, is left out)."""
@@ -84,11 +93,7 @@ def _spawned_children(pid: int) -> list[int]:
 @pytest.mark.slow  # a real process, as the issue attacked it
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the engine core through /proc")
 def test_the_issues_request_is_refused_and_a_dead_engine_ends_the_server_with_status_1(tiny_llama_tok_dir):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "nanoengine", "serve", "--model", str(tiny_llama_tok_dir),
-                                "--port", "0", "--device", "cpu", "--max-model-len", "256", "--num-kv-blocks", "64",
-                                "--served-model-name", "tiny", "--log-level", "warning"],
-                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = _serve_tiny(tiny_llama_tok_dir)
     try:
         lines = []
         while not (lines and lines[-1].startswith("serving")):
@@ -115,11 +120,7 @@ def test_the_issues_request_is_refused_and_a_dead_engine_ends_the_server_with_st
 
 @pytest.mark.slow  # a real process: python, torch and the tiny checkpoint load in ~10 s
 def test_python_m_nanoengine_serve_answers_until_ctrl_c(tiny_llama_tok_dir):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "nanoengine", "serve", "--model", str(tiny_llama_tok_dir),
-                                "--port", "0", "--device", "cpu", "--max-model-len", "256", "--num-kv-blocks", "64",
-                                "--served-model-name", "tiny", "--log-level", "warning"],
-                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = _serve_tiny(tiny_llama_tok_dir)
     try:
         deadline, lines = time.monotonic() + 120, []
         while time.monotonic() < deadline:
