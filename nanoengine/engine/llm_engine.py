@@ -277,7 +277,9 @@ class LLMEngine:
         """One iteration: schedule, execute, update. Returns outputs of requests that progressed.
 
         Aborts requested by observers during the step are applied once it is over; their
-        final outputs come last.
+        final outputs come last. A request whose own part of the step raises (its sampling,
+        its text, its output) ends with finish_reason "error" and the others go on
+        (``_fail``); a fault of the forward pass or of the bookkeeping is raised from here.
         """
         self._stepping = True
         try:

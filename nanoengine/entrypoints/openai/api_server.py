@@ -22,8 +22,12 @@ Every error, including 404s and a missing API key, has OpenAI's shape
 ``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request (never a 422,
 and never a crash: a bad request is refused before it reaches the engine), 401 without
 the key, 408 for a body slower than ``body_timeout``, 413 for a body over
-``max_body_bytes``, 429 when more than ``max_queue`` requests wait for the engine, 503
-once the engine has stopped.
+``max_body_bytes``, 429 when more than ``max_queue`` requests wait for the engine, 500 for
+a request the engine finished with an error (a bug its data reached: ``LLMEngine._fail``; the
+others are served on), 503 once the engine has stopped. The engine stops only on a fault of
+its own; the command-line server (``run_server``) then exits with status 1, as vLLM's does,
+so that a supervisor starts a fresh one; a server in a thread (``serve_in_background``)
+keeps answering 503 until it is stopped.
 
 The server listens on 127.0.0.1 unless told otherwise: a course machine should not offer
 its model to the network by accident. With ``api_key`` set, every request to ``/v1/...``
