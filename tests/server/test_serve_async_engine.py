@@ -153,8 +153,10 @@ def test_shutdown_aborts_what_is_running_and_ends_its_stream_with_an_error():
     engine = tiny()
     finals = []
 
+    dead = []
+
     async def main():
-        ae = AsyncLLMEngine(engine, on_finished=finals.append)
+        ae = AsyncLLMEngine(engine, on_finished=finals.append, on_dead=lambda: dead.append(1))
         ae.start()
         stream = await ae.add_requests([("long", [1, 2, 3], LONG)])
         await stream.__anext__()
@@ -170,6 +172,7 @@ def test_shutdown_aborts_what_is_running_and_ends_its_stream_with_an_error():
     asyncio.run(asyncio.wait_for(main(), 60))
     assert [f.finish_reason for f in finals] == ["abort"]
     assert engine.block_manager.num_free_blocks == 256 and not engine.has_unfinished_requests()  # the caller's again
+    assert not dead  # a shutdown is not a death: the server does not exit with an error
 
 
 def test_a_failing_step_fails_every_request_and_stops_the_thread():
@@ -178,8 +181,10 @@ def test_a_failing_step_fails_every_request_and_stops_the_thread():
     def broken_step():
         raise RuntimeError("device lost")
 
+    dead = []
+
     async def main():
-        ae = AsyncLLMEngine(engine)
+        ae = AsyncLLMEngine(engine, on_dead=lambda: dead.append(ae.error))
         ae.start()
         engine.step = broken_step  # the next step fails (set before any request exists)
         stream = await ae.add_requests([("a", [1, 2, 3], GREEDY)])
@@ -196,6 +201,30 @@ def test_a_failing_step_fails_every_request_and_stops_the_thread():
     ae = asyncio.run(asyncio.wait_for(main(), 60))
     assert not ae.is_running and isinstance(ae.error, RuntimeError)
     assert not engine.has_unfinished_requests()  # aborted on the way out
+    assert dead == [ae.error]  # told once, on the event loop: the command-line server then exits
+
+
+@pytest.mark.parametrize("engine_thread", [False, True])
+def test_serve_exits_with_status_1_when_its_engine_has_failed(monkeypatch, tiny_llama_tok_dir, engine_thread):
+    from types import SimpleNamespace
+
+    from nanoengine.entrypoints.openai import api_server
+    from nanoengine.entrypoints.openai.cli_args import add_arguments
+
+    engine = SimpleNamespace(max_model_len=8, num_blocks=1, shutdown=lambda: None, error=RuntimeError("device lost"))
+    monkeypatch.setattr(api_server.LLMEngine, "from_pretrained", lambda *a, **k: engine)
+    monkeypatch.setattr(api_server, "EngineCoreClient", lambda build: build())
+    monkeypatch.setattr(api_server, "build_app",
+                        lambda engine, *a, **k: SimpleNamespace(state=SimpleNamespace(engine=engine)))
+    monkeypatch.setattr(api_server.os, "nice", lambda increment: None)
+    monkeypatch.setattr(sys, "setswitchinterval", lambda seconds: None)
+    monkeypatch.setattr(api_server, "run_server", lambda *a, **k: None)  # served until the engine failed
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit) as exited:
+        api_server.serve_from_args(parser.parse_args(["--model", str(tiny_llama_tok_dir), "--port", "0"]
+                                                     + ["--engine-thread"] * engine_thread))
+    assert exited.value.code == 1
 
 
 def test_a_caller_cancelled_while_adding_leaves_nothing_behind():
@@ -358,3 +387,48 @@ def test_serve_passes_enforce_eager_and_waits_for_all_the_huge_pages_unless_told
     with pytest.raises(RuntimeError, match="stop here"):
         api_server.serve_from_args(args)
     assert seen["enforce_eager"] is True and seen["budget"] == (own_budget or "inf")
+
+
+def test_run_server_returns_when_the_engine_thread_fails():
+    """The command line's path with ``--engine-thread``: a failed step ends ``run_server``
+    (``serve_from_args`` then exits 1, tested above), the request in flight gets a 503."""
+    import urllib.error
+    import urllib.request
+
+    from nanoengine.entrypoints.openai.api_server import bind_socket, build_app, run_server
+
+    engine = tiny()
+    real_step = engine.step
+
+    def step():
+        if any(r.num_output_tokens >= 2 for r in engine.scheduler.running):
+            raise RuntimeError("device lost")
+        return real_step()
+
+    engine.step = step
+    app = build_app(engine, "tiny")
+    sock = bind_socket("127.0.0.1", 0)
+    serving = threading.Thread(target=run_server, args=(app, sock, "warning"))
+    serving.start()
+    try:
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        deadline = time.monotonic() + 30
+        while True:  # until uvicorn listens
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5)
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        body = b'{"prompt": [1, 2, 3], "max_tokens": 8, "ignore_eos": true}'
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            urllib.request.urlopen(urllib.request.Request(url + "/v1/completions", data=body,
+                                                          headers={"Content-Type": "application/json"}), timeout=30)
+        assert failed.value.code == 503 and b"device lost" in failed.value.read()
+        serving.join(30)
+        assert not serving.is_alive()  # the server stopped by itself
+        assert isinstance(app.state.engine.error, RuntimeError)
+    finally:
+        app.state.stop_serving()
+        serving.join(30)
+        sock.close()
