@@ -1,13 +1,14 @@
 """nanobench: measuring nanoengine. The benchmark, the GPU check, the load report, the
-prefix-hash cost, timing, and the README's results report.
+prefix-hash cost, the server's soak, timing, and the README's results report.
 
 It lives beside the engine, not inside it: measuring depends on the engine, never the other
 way round (no module of ``nanoengine`` imports this package; ``python -m nanoengine bench``
 loads it only when that command runs, and ``tests/engine/test_imports.py`` checks both).
 
 ``benchmark`` (``python -m nanobench``, the same as ``python -m nanoengine bench``),
-``benchmark_compile`` (its ``--compile`` A/B), ``gpu_check`` (``./course gpu-check``) and
-``prefix_hash`` (``python -m nanobench.prefix_hash``) write results files under
+``benchmark_compile`` (its ``--compile`` A/B), ``gpu_check`` (``./course gpu-check``),
+``prefix_hash`` (``python -m nanobench.prefix_hash``) and ``soak`` (``python -m nanobench.soak``:
+the server's memory over an hour of mixed load) write results files under
 ``results/`` that name the machine, the engine revision, the date and the command
 (``results/README.md``); ``load_report`` (``python -m nanobench.load_report``) prints its
 figures and backs ``tests/engine/test_load.py``; ``timing`` is the one measuring helper the

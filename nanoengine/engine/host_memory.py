@@ -1,4 +1,4 @@
-"""Host memory for a CPU engine: freed memory kept, the weights in huge pages (chapter 10).
+"""Host memory for a CPU engine: freed memory kept, given back when idle, the weights in huge pages (chapter 10).
 
 Every forward pass allocates the same large temporaries again (a 2,048-token prefill
 step makes tensors of 2-25 MB per layer). glibc's ``malloc`` serves blocks that large with
@@ -51,6 +51,26 @@ cell that generates twenty. So the CPU backend gives the move a time budget
 (``move_budget``, 1 s unless ``NANOENGINE_HUGE_PAGE_SECONDS`` says otherwise; ``serve`` and
 the benchmark wait as long as it takes): tensors are moved smallest first, and once the budget
 is spent the rest stay where they are (``CpuBackend.describe`` says what share moved).
+
+Giving freed memory back when idle
+----------------------------------
+Keeping freed memory has a second cost in a process that runs for days. PyTorch's CPU
+allocator caches nothing: every tensor's memory comes from ``malloc`` and goes back with
+``free``, to glibc, which keeps it in its arenas (the main heap, and more for the threads
+that allocate). ``M_TRIM_THRESHOLD`` only hands back the free space at the very top of the
+main heap; a free block between two live ones stays with the process, resident, until
+something is allocated into it. Steps of ever-different shapes (prompts of every length,
+batches of every size) leave such holes of every size, and a server's resident memory
+creeps up for hours, made of memory the process does not use.
+
+``release_free_heap`` calls glibc's ``malloc_trim(0)``: it walks every arena and gives each
+whole free page back to the kernel (``madvise(MADV_DONTNEED)``), the holes included. It
+takes longer the larger the heap, and the next step faults the pages it needs back in, so
+the engine core (``entrypoints/openai/engine_core.py``) calls it once per idle period: when
+the engine has stepped since the last trim and then stayed without work for a moment, so
+that no step waits for it. ``NANOENGINE_TRIM_WHEN_IDLE=0`` switches that off
+(``trim_when_idle``); ``nanobench/soak.py`` measures resident memory over an hour of mixed
+load with and without it.
 """
 
 from __future__ import annotations
@@ -74,19 +94,58 @@ TRIM_THRESHOLD_BYTES = 1024 * 1024 * 1024
 USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
+def on_glibc() -> bool:
+    """Whether this process runs on Linux with glibc, the ``malloc`` this module tunes."""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
+@functools.lru_cache(maxsize=None)
+def glibc() -> ctypes.CDLL | None:
+    """The C library, loaded once, where it is glibc; None elsewhere or if it cannot be loaded."""
+    if not on_glibc():
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 @functools.lru_cache(maxsize=None)
 def keep_freed_memory() -> bool:
     """Apply the two settings once per process. Returns whether they are in force."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+    if not on_glibc():
         return False
     if any(name in os.environ for name in USER_VARIABLES):
         return False  # the user tuned malloc themselves
+    libc = glibc()
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and \
+        return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and \
             bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
-    except (OSError, AttributeError):
+    except AttributeError:
         return False
+
+
+TRIM_VARIABLE = "NANOENGINE_TRIM_WHEN_IDLE"
+
+
+def trim_when_idle() -> bool:
+    """Whether the engine core gives freed memory back when it goes idle: ``TRIM_VARIABLE``
+    set to 1 (the default) or 0. The module's docstring says why."""
+    text = os.environ.get(TRIM_VARIABLE, "1")
+    if text not in ("0", "1"):
+        raise ValueError(f"{TRIM_VARIABLE} must be 1 (give freed memory back when the engine goes idle, the "
+                         f"default) or 0 (keep it), got {text!r}")
+    return text == "1"
+
+
+def release_free_heap() -> bool:
+    """Give every whole free page of glibc's heaps back to the kernel (``malloc_trim(0)``).
+
+    Returns whether any memory went back; False where the C library is not glibc, which
+    makes this a no-op there.
+    """
+    libc = glibc()
+    return libc is not None and bool(libc.malloc_trim(0))
 
 
 HUGE_PAGE_BYTES = 2 * 1024 * 1024

@@ -17,7 +17,7 @@ splits them:
   loops: read the commands that arrived on its pipe (add, abort, call, stop), apply them
   between two steps, run one ``step()``, and send the step's outputs back in one message
   with the replies to the commands and the engine's counters. With nothing to do it sleeps
-  on the pipe.
+  on the pipe, first giving the memory its steps freed back to the kernel (below).
 * **the client** (``EngineCoreClient``, in the server's process) has ``AsyncLLMEngine``'s
   interface, so the server cannot tell them apart. Its event loop reads the pipe when the
   operating system says it is readable (``loop.add_reader``: no thread, no polling) and
@@ -37,6 +37,15 @@ parallel operator, where its partner can only wait. So the core's process starts
 spinning long enough to catch the next operator of a step, not through the step's Python.
 vLLM's CPU workers bound the wait too: with Intel OpenMP they set ``KMP_BLOCKTIME`` to 5 ms
 (``vllm/utils/ompmultiprocessing.py`` in vLLM 0.32), where Intel's default is 200 ms.
+
+The core also gives freed memory back when it goes idle. glibc keeps what a step frees
+(``engine/host_memory.py``: the engine asks it to, so that the next step finds its pages in
+place), and over hours of steps of every shape the holes between live blocks add up to
+resident memory nobody uses. So once the engine has stepped and then had nothing to do for
+``TRIM_AFTER_IDLE_S``, the core calls ``release_free_heap`` (glibc's ``malloc_trim``) once,
+before it sleeps on the pipe: no step waits for it, and a burst of requests with short gaps
+between them does not trim at every gap. ``NANOENGINE_TRIM_WHEN_IDLE=0`` switches it off;
+``python -m nanobench.soak`` measures what it changes.
 
 The price is a copy: every step's ``RequestOutput`` objects are pickled and read back,
 about 0.2 ms a step for a batch of 32 (10 KB, both sides, on the 2-core Xeon). Arrival
@@ -64,6 +73,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable, Sequence
 
 from nanoengine.config import EngineConfig
+from nanoengine.engine.host_memory import release_free_heap, trim_when_idle
 from nanoengine.engine.input_processor import InputProcessor
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.entrypoints.openai.async_engine import (EngineDeadError, ParamsFor, Prompt, RequestStream,
@@ -78,6 +88,10 @@ logger = logging.getLogger("nanoengine.serve")
 # alternating two servers on a 2-core Xeon, 3 rounds (results/README.md): at 10,000 inter-token p50
 # at 2 requests/s 49 against 51 ms and TTFT p50 234 against 238 ms (medians), a small gain; 1,000 was worse.
 ENGINE_CORE_SPINCOUNT = 10_000
+# How long the engine must have had nothing to do before the core gives freed memory back (the
+# module's docstring says why): long enough that the short gaps between a client's requests do not
+# trim, and the step after a trim, which faults its pages back in, comes once per idle period.
+TRIM_AFTER_IDLE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -108,6 +122,7 @@ def run_engine_core(conn: Connection, build: Callable[[], LLMEngine]) -> None:
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle; it sends "stop"
     try:
+        trim = trim_when_idle()  # read once; a bad value fails the start with the variable's name
         engine = build()
     except BaseException as exc:
         conn.send(("failed", _portable(exc)))
@@ -115,9 +130,13 @@ def run_engine_core(conn: Connection, build: Callable[[], LLMEngine]) -> None:
     conn.send(("ready", EngineFacts.of(engine)))
     error: BaseException | None = None
     max_waiting: int | None = None
+    stepped_since_trim = False
     try:
         while True:
             if not engine.has_unfinished_requests():
+                if trim and stepped_since_trim and not conn.poll(TRIM_AFTER_IDLE_S):
+                    release_free_heap()  # once per idle period, after the work that freed the memory
+                    stepped_since_trim = False
                 conn.poll(None)  # idle: sleep until a command arrives
             replies: list[tuple[int, Any, BaseException | None]] = []
             outputs: list[RequestOutput] = []
@@ -143,6 +162,7 @@ def run_engine_core(conn: Connection, build: Callable[[], LLMEngine]) -> None:
                         replies.append((ticket, result, None))
             if not stop and engine.has_unfinished_requests():
                 outputs.extend(engine.step())
+                stepped_since_trim = True
             if replies or outputs or not stop:
                 _send_step(conn, replies, outputs, EngineStats.of(engine))
             if stop:
