@@ -816,9 +816,7 @@ def run_from_args(args: argparse.Namespace) -> dict:
     from nanoengine.loader.weights import resolve_model_source
 
     check_arguments(args)
-    # The engines measured here (and the server it may start) wait for all their weights to be in
-    # huge pages, however long the kernel takes to find them: a benchmark wants the speed, every run.
-    os.environ.setdefault(host_memory.MOVE_BUDGET_VARIABLE, "inf")
+    host_memory.wait_for_all_huge_pages()  # a benchmark wants the engines' full speed, every run
     if args.speculative:
         from nanobench.speculative import run_speculative
 

@@ -173,6 +173,13 @@ def move_budget() -> float | None:
     return None if seconds == float("inf") else seconds
 
 
+def wait_for_all_huge_pages() -> None:
+    """Let this process's engines (and the processes it starts) move all their weights, however
+    long it takes, unless the user set ``MOVE_BUDGET_VARIABLE``: for a server or a benchmark,
+    which run long enough to repay the wait."""
+    os.environ.setdefault(MOVE_BUDGET_VARIABLE, "inf")
+
+
 def huge_pages_unavailable() -> str | None:
     """Why this machine cannot back memory with transparent huge pages, or None when it can."""
     if platform.system() != "Linux" or not hasattr(mmap, "MADV_HUGEPAGE"):
@@ -206,8 +213,8 @@ def move_to_huge_pages(tensors: list[torch.Tensor], budget_s: float | None = Non
     Each tensor's ``.data`` is replaced by a view of the region holding the same values, so
     modules and anything else that holds the tensor itself see the move. Tensors not on the
     CPU, not contiguous, or given twice are left alone; so is everything when
-    ``huge_pages_unavailable()`` names a reason. With ``budget_s``, tensors are moved smallest
-    first and no tensor starts moving after ``budget_s`` seconds: the rest stay where they are.
+    ``huge_pages_unavailable()`` names a reason. Tensors are moved smallest first; with
+    ``budget_s``, no tensor starts moving after ``budget_s`` seconds: the rest stay where they are.
     """
     if huge_pages_unavailable() is not None:
         return 0

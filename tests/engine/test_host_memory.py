@@ -90,6 +90,16 @@ def test_the_budget_comes_from_the_environment(monkeypatch, text, budget):
     assert host_memory.move_budget() == budget
 
 
+@pytest.mark.parametrize("own", [None, "2"])
+def test_a_server_or_benchmark_waits_for_all_the_huge_pages_unless_the_user_said(monkeypatch, own):
+    if own is None:
+        monkeypatch.delenv(host_memory.MOVE_BUDGET_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(host_memory.MOVE_BUDGET_VARIABLE, own)
+    host_memory.wait_for_all_huge_pages()
+    assert host_memory.move_budget() == (None if own is None else 2.0)
+
+
 @pytest.mark.parametrize("text", ["soon", "-1", "nan", ""])
 def test_a_bad_budget_is_refused_by_name(monkeypatch, text):
     monkeypatch.setenv(host_memory.MOVE_BUDGET_VARIABLE, text)

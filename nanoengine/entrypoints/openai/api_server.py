@@ -451,9 +451,7 @@ def serve_from_args(args) -> None:
     from nanoengine.loader.weights import resolve_model_source
 
     source = resolve_model_source(args.model)  # FileNotFoundError names a missing path
-    # A server runs long enough to repay however long the kernel takes to find huge pages for all
-    # the weights (engine.host_memory); the core's process inherits the setting. The user's own wins.
-    os.environ.setdefault(host_memory.MOVE_BUDGET_VARIABLE, "inf")
+    host_memory.wait_for_all_huge_pages()  # the core's process inherits the setting
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else
                                       Path(args.model).stem if source.suffix == ".gguf" else source.name)
     sock = bind_socket(args.host, args.port)
