@@ -61,7 +61,9 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order.
 
-        A prompt is text, token ids or a chat conversation (see ``chat``).
+        A prompt is text, token ids or a chat conversation (see ``chat``). A request that a
+        bug in the engine could not finish comes back finished with ``finish_reason``
+        "error" and the exception in its completions' ``error``; the others are unaffected.
         """
         prompts = _as_prompt_list(prompts)
         # Only final outputs are read here, so the engine makes text only once a request ends.
@@ -96,7 +98,9 @@ class LLM:
         Other queued requests keep making progress while this one streams, and their
         outputs wait in ``llm.router`` for their readers. Closing the generator early
         aborts the request and frees its blocks. A stream is one text, so ``n`` must be 1
-        (use ``generate`` for several completions).
+        (use ``generate`` for several completions). If the engine finishes the request with
+        an error (``finish_reason`` "error"), the stream raises ``RuntimeError`` saying so
+        after the text that came before it.
         """
         if sampling_params is not None and getattr(sampling_params, "n", 1) != 1:
             raise ValueError(f"stream() yields one completion's text, got SamplingParams(n={sampling_params.n}); "
@@ -115,6 +119,8 @@ class LLM:
                 finished = out.finished
                 if out.delta:
                     yield out.delta
+                if out.finish_reason == "error":
+                    raise RuntimeError(f"the engine could not finish this request: {out.outputs[0].error}")
         finally:
             if not finished and self.engine.has_request(request_id):
                 self.engine.abort(request_id)  # deferred if this runs inside a step (a dropped stream)

@@ -82,6 +82,16 @@ def test_a_sampler_fault_finishes_only_its_request(make_llm, monkeypatch):
     _check_clean(llm)
 
 
+def test_a_stream_that_the_engine_could_not_finish_raises_after_its_text(build_tiny_llm, monkeypatch):
+    llm = build_tiny_llm(CONFIG)
+    _plant(monkeypatch, Sampler, "_candidate_probs",
+           lambda logits, params: any(p.top_k == MARKED_TOP_K for p in params))
+    with pytest.raises(RuntimeError, match="could not finish this request: RuntimeError: a planted bug"):
+        list(llm.stream(PROMPTS[0], MARKED))
+    monkeypatch.undo()
+    _check_clean(llm)
+
+
 def test_a_fault_on_every_request_of_a_batch_is_the_engines_and_stops_it(build_tiny_llm, monkeypatch):
     llm = build_tiny_llm(CONFIG)
     _plant(monkeypatch, Sampler, "_candidate_probs", lambda logits, params: True)
