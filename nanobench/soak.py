@@ -30,6 +30,12 @@ when the memory levelled off.
     python -m nanobench.soak --minutes 60 --out results/soak-cpu-<date>.json
     python -m nanobench.soak --minutes 60 --no-trim --out results/soak-cpu-<date>-no-trim.json
     python -m nanobench.soak --minutes 2 --out /tmp/soak.json      # a quick look
+    python -m nanobench.soak --trim-cost 20     # what trimming costs the first request after idle
+
+The price of trimming is paid by the first step after an idle spell, which faults the
+pages it needs back in; ``--trim-cost`` measures it as that request's time to first token
+through a trimming and a non-trimming server, taking turns. An engine in your own process
+(``LLM``, the benchmark) never trims: only the server's engine core does.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import datetime
 import json
 import math
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -272,6 +279,59 @@ def summarize(samples: list[dict], bound_mib: float) -> dict:
             "failed": last["failed"]}
 
 
+# ----------------------------------------------------------------- what a trim costs
+IDLE_BEFORE_PROBE_S = 3.0  # longer than the core's TRIM_AFTER_IDLE_S plus a trim: the core has trimmed
+PROBE = {"model": SERVED_MODEL_NAME, "max_tokens": 8, "temperature": 0.0, "ignore_eos": True, "stream": True,
+         "prompt": [(7 * i) % VOCAB_LIMIT for i in range(150)]}
+
+
+async def first_token_after_idle(url: str) -> float:
+    """Seconds to the first streamed chunk of ``PROBE``, sent to an idle server."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S) as client:
+        start = time.perf_counter()
+        async with client.stream("POST", "/v1/completions", json=PROBE) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    return time.perf_counter() - start
+    raise RuntimeError("the probe's stream carried no chunk")
+
+
+def trim_cost(model_dir: Path, rounds: int, seed: int) -> dict:
+    """The price of trimming when idle: the first request after an idle spell, its time to
+    first token through a server that trims and one that does not, in alternating turns
+    (both servers up together, so the machine is the same for both). Each turn waits
+    ``IDLE_BEFORE_PROBE_S`` first, so the trimming server has trimmed and its next step
+    faults the freed pages back in."""
+    from nanoengine.engine.host_memory import TRIM_VARIABLE
+
+    servers = {}
+    for name, trim in (("trim", "1"), ("no_trim", "0")):
+        server = engine_server(model_dir, "float32", 2048, MAX_NUM_SEQS, MAX_MODEL_LEN, seed)
+        server.env[TRIM_VARIABLE] = trim
+        servers[name] = server
+    ttft: dict[str, list[float]] = {name: [] for name in servers}
+    try:
+        for server in servers.values():
+            server.start()
+            server.wait_healthy()
+        for name, server in servers.items():  # a first request each, not counted: warm-up
+            asyncio.run(first_token_after_idle(server.url))
+        for turn in range(rounds):
+            order = list(servers) if turn % 2 == 0 else list(servers)[::-1]
+            for name in order:
+                time.sleep(IDLE_BEFORE_PROBE_S)
+                ttft[name].append(asyncio.run(first_token_after_idle(servers[name].url)))
+    finally:
+        for server in servers.values():
+            server.stop()
+    medians = {name: round(statistics.median(times) * 1000, 1) for name, times in ttft.items()}
+    return {"rounds": rounds, "idle_before_each_s": IDLE_BEFORE_PROBE_S, "probe": {**PROBE, "prompt": "150 tokens"},
+            "ttft_ms": {name: [round(t * 1000, 1) for t in times] for name, times in ttft.items()},
+            "median_ttft_ms": medians, "trim_over_no_trim": round(medians["trim"] / medians["no_trim"], 3)}
+
+
 def main(argv: list[str] | None = None) -> int:
     from nanobench.benchmark import environment, load_average
     from nanoengine import default_model_dir
@@ -286,14 +346,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-trim", action="store_true", help=f"start the server with {TRIM_VARIABLE}=0")
     p.add_argument("--bound-mib", type=float, default=64.0,
                    help="the growth over the second half within which memory counts as levelled off (default 64)")
+    p.add_argument("--trim-cost", type=int, default=0, metavar="ROUNDS",
+                   help="instead of the soak: the first request after idle, its TTFT through a trimming and a "
+                        "non-trimming server, ROUNDS alternating turns (results/soak-trim-cost-cpu-<date>.json)")
     p.add_argument("--out", default=None, help="results JSON (default: results/soak-cpu-<date>[-no-trim].json)")
     args = p.parse_args(words_given)
-    if args.minutes < 1 or args.clients < 1:
-        p.error(f"--minutes and --clients must be >= 1, got {args.minutes} and {args.clients}")
+    if args.minutes < 1 or args.clients < 1 or args.trim_cost < 0:
+        p.error(f"--minutes and --clients must be >= 1 and --trim-cost >= 0, got {args.minutes}, {args.clients} "
+                f"and {args.trim_cost}")
     if not Path("/proc/self/status").exists():
         p.error("the soak reads the engine core's memory from /proc: Linux only")
 
     model_dir = Path(args.model) if args.model else default_model_dir()
+    if args.trim_cost:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cost = trim_cost(model_dir, args.trim_cost, args.seed)
+        out = Path(args.out) if args.out else Path("results") / f"soak-trim-cost-cpu-{now.date()}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"kind": "the first request after idle, through a trimming and a non-trimming "
+                                           "server", **cost, "environment": environment(),
+                                   "date": now.isoformat(timespec="seconds"),
+                                   "command": " ".join(["python -m nanobench.soak", *words_given]),
+                                   "format": "results/README.md"}, indent=2))
+        print(f"TTFT of the first request after {IDLE_BEFORE_PROBE_S:g} s idle, median of {args.trim_cost}: "
+              f"{cost['median_ttft_ms']['trim']} ms trimming, {cost['median_ttft_ms']['no_trim']} ms not "
+              f"({cost['trim_over_no_trim']}x); written to {out}")
+        return 0
     server = engine_server(model_dir, "float32", 2048, MAX_NUM_SEQS, MAX_MODEL_LEN, args.seed)
     server.env[TRIM_VARIABLE] = "0" if args.no_trim else "1"
     load_at_start = load_average()
