@@ -55,6 +55,12 @@ def _plant(monkeypatch, owner, name: str, raises_for) -> None:
                         else planted)
 
 
+def _plant_marked_sampler_bug(monkeypatch) -> None:
+    """A sampler that raises on every batch holding a request with ``top_k == MARKED_TOP_K``."""
+    _plant(monkeypatch, Sampler, "_candidate_probs",
+           lambda logits, params: any(p.top_k == MARKED_TOP_K for p in params))
+
+
 def _innocent_tokens(llm) -> list[tuple[int, ...]]:
     return [out.token_ids for out in llm.generate(PROMPTS[:3], [SEEDED, GREEDY, PLAIN])]
 
@@ -70,8 +76,7 @@ def _check_clean(llm) -> None:
 def test_a_sampler_fault_finishes_only_its_request(make_llm, monkeypatch):
     llm = make_llm()
     expected = _innocent_tokens(llm)
-    _plant(monkeypatch, Sampler, "_candidate_probs",
-           lambda logits, params: any(p.top_k == MARKED_TOP_K for p in params))
+    _plant_marked_sampler_bug(monkeypatch)
     outs = llm.generate(PROMPTS, [SEEDED, GREEDY, PLAIN, MARKED])
     assert [out.token_ids for out in outs[:3]] == expected  # the seeded request drew as if alone
     assert all(out.finish_reason == "length" for out in outs[:3])
@@ -84,8 +89,7 @@ def test_a_sampler_fault_finishes_only_its_request(make_llm, monkeypatch):
 
 def test_a_stream_that_the_engine_could_not_finish_raises_after_its_text(build_tiny_llm, monkeypatch):
     llm = build_tiny_llm(CONFIG)
-    _plant(monkeypatch, Sampler, "_candidate_probs",
-           lambda logits, params: any(p.top_k == MARKED_TOP_K for p in params))
+    _plant_marked_sampler_bug(monkeypatch)
     with pytest.raises(RuntimeError, match="could not finish this request: RuntimeError: a planted bug"):
         list(llm.stream(PROMPTS[0], MARKED))
     monkeypatch.undo()
@@ -142,8 +146,7 @@ def test_an_output_fault_finishes_only_its_request(build_tiny_llm, monkeypatch):
 
 def test_a_failed_request_with_several_completions_ends_as_a_whole(build_tiny_llm, monkeypatch):
     llm = build_tiny_llm(CONFIG)
-    _plant(monkeypatch, Sampler, "_candidate_probs",
-           lambda logits, params: any(p.top_k == MARKED_TOP_K for p in params))
+    _plant_marked_sampler_bug(monkeypatch)
     events = []
     llm.engine.events.subscribe(events.append)
     four = SamplingParams(temperature=1.0, top_k=MARKED_TOP_K, max_tokens=8, n=4)
