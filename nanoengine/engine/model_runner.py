@@ -291,9 +291,11 @@ class SamplingRunner:
         error in ``failed`` and no tokens; the others get their tokens. A fault no single
         request reproduces, or one that every request of a batch of several reproduces, is
         the engine's own, and is raised. The happy path pays one ``get_state`` per seeded
-        request (about a microsecond each).
+        request (about a microsecond each), and none when every request is greedy.
         """
-        generators = {id(g): g for g in (self.generator, *(r.generator for r in requests)) if g is not None}
+        sampled = [r for r in requests if not r.sampling_params.greedy]  # greedy rows draw nothing
+        candidates = (self.generator, *(r.generator for r in sampled)) if sampled else ()
+        generators = {id(g): g for g in candidates if g is not None}
         saved = [(g, g.get_state()) for g in generators.values()]
         try:
             return *self.sample_requests(logits, requests, drafts), {}

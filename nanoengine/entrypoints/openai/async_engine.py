@@ -180,6 +180,22 @@ def notify_finished(on_finished: Callable[[RequestOutput], None] | None, out: Re
 
 # Commands from the asyncio side to the engine thread. Each result travels back on a
 # concurrent.futures.Future, which any thread may wait on (asyncio wraps it with wrap_future).
+def call_on_loop(loop: asyncio.AbstractEventLoop | None, fn: Callable, *args) -> None:
+    """Run ``fn(*args)`` on ``loop`` from any thread; nothing happens if the loop is closed or
+    was never started (on the way out nobody may be listening any more)."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if loop is not None and running is loop:
+        fn(*args)
+        return
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except (RuntimeError, AttributeError):  # closed, or None: never started
+        pass
+
+
 @dataclass
 class _Add:
     requests: list[tuple[str, Prompt, ParamsFor]]  # (request id, prompt, params) per prompt
@@ -415,10 +431,7 @@ class AsyncLLMEngine:
         self.router.route(outputs)
 
     def _call_soon(self, fn: Callable, *args) -> None:
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the event loop is closed: nobody is listening any more
-            pass
+        call_on_loop(self._loop, fn, *args)
 
     def _stop_everything(self) -> None:
         """On the way out: abort what is unfinished, fail waiting commands and streams."""

@@ -78,7 +78,7 @@ from nanoengine.engine.input_processor import InputProcessor
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.entrypoints.openai.async_engine import (EngineDeadError, ParamsFor, Prompt, RequestStream,
                                                         abort_all, add_all_or_none, checked_max_waiting,
-                                                        notify_finished)
+                                                        call_on_loop, notify_finished)
 from nanoengine.metrics import EngineStats
 from nanoengine.outputs import RequestOutput
 
@@ -442,21 +442,8 @@ class EngineCoreClient:
         for queue in {id(q): q for q in streams.values()}.values():  # once per stream: it ends at the first error
             self._put(queue, error)
         if first and self.error is not None and self.on_dead is not None and self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(self.on_dead)
-            except RuntimeError:  # the loop is closed: nobody to tell
-                pass
+            call_on_loop(self._loop, self.on_dead)
 
     def _put(self, queue: asyncio.Queue, item) -> None:
         """Put on a queue from any thread (shutdown may run off the loop)."""
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is self._loop:
-            queue.put_nowait(item)
-        else:
-            try:
-                self._loop.call_soon_threadsafe(queue.put_nowait, item)
-            except (RuntimeError, AttributeError):  # the loop is closed or never started
-                pass
+        call_on_loop(self._loop, queue.put_nowait, item)
