@@ -39,7 +39,11 @@ class LLM:
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":
-        """An ``LLM`` over an engine built elsewhere (``LLMEngine.from_model`` in tests and chapters)."""
+        """An ``LLM`` over an engine built by hand, loading nothing.
+
+        For tests and tools that make their engine themselves (``LLMEngine.from_model`` over a
+        model in memory, or one engine shared by several checks): ``LLM(...)`` would load a checkpoint.
+        """
         llm = cls.__new__(cls)
         llm.engine = engine
         return llm

@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from widgets import single_thread
-
 TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=1024, rope_theta=10000.0,
                   rms_norm_eps=1e-5, tie_word_embeddings=True)
@@ -84,10 +82,14 @@ def one_thread():
     """Torch on one thread for a whole test module (``pytestmark = pytest.mark.usefixtures``).
 
     Tiny models do microseconds of work per op; OpenMP hand-offs between threads cost far
-    more on a busy 2-core box (30x in the scheduler fuzz).
+    more on a busy 2-core box (30x in the scheduler fuzz). Set here, not through the
+    widgets' ``single_thread``, so the engine's tests import no widgets; pytest runs the
+    line after ``yield`` even when a test fails, so the previous count always comes back.
     """
-    with single_thread():
-        yield
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")
@@ -107,9 +109,7 @@ def build_tiny_llm(tiny_llama_tok_dir):
     def make(config: dict, with_tokenizer: bool = True) -> LLM:
         net = build_model(model_config, torch.device("cpu"), torch.float32)
         init_random_weights(net, seed=0, std=0.08)
-        llm = LLM.__new__(LLM)
-        llm.engine = LLMEngine.from_model(net, tokenizer if with_tokenizer else None, **config)
-        return llm
+        return LLM.from_engine(LLMEngine.from_model(net, tokenizer if with_tokenizer else None, **config))
 
     return make
 

@@ -176,6 +176,7 @@ def test_the_correct_option_length_rank_is_spread_within_every_chapter(shown, ch
     """Within one chapter's quiz no length quarter collects the correct options, and none is
     without them: each quarter holds chance's share (a quarter of the questions) within 1.5."""
     cases = [(length_rank(q) - 1, len(q.options)) for c, q in shown if c == chapter]
+    assert cases, f"ch{chapter:02d} shows no questions: no quarter could be checked"
     observed, expected = _observed_and_expected(cases)
     for q, (o, e) in enumerate(zip(observed, expected)):
         assert abs(o - e) <= 1.5, (

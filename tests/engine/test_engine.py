@@ -70,11 +70,21 @@ def test_seeded_sampling_is_independent_of_the_batch(tiny_llama_dir):
     assert other_seed != alone
 
 
+def test_from_engine_wraps_the_engine_it_is_given(tiny_llama_dir):
+    """``LLM.from_engine`` drives that very engine: same greedy tokens as stepping it by hand."""
+    engine = LLMEngine.from_pretrained(tiny_llama_dir, max_model_len=256, num_kv_blocks=64)
+    prompt = _prompts(1, seed=6)[0]
+    by_hand = _run_all(engine, [prompt], [GREEDY])[0]
+    llm = LLM.from_engine(engine)
+    assert llm.engine is engine
+    assert llm.generate([prompt], GREEDY)[0].token_ids == by_hand
+    assert engine.snapshot().num_free_blocks == 64
+
+
 def test_prefix_cache_hit_gives_the_same_output_and_reports_cached_tokens(tiny_llama_dir):
     engine = LLMEngine.from_pretrained(tiny_llama_dir, max_model_len=256, num_kv_blocks=64, block_size=16)
     prompt = _prompts(1, seed=5, lo=70, hi=70)[0]
-    llm = LLM.__new__(LLM)
-    llm.engine = engine
+    llm = LLM.from_engine(engine)
     first = llm.generate([prompt], GREEDY)[0]
     second = llm.generate([prompt], GREEDY)[0]
     assert first.num_cached_tokens == 0
@@ -147,8 +157,7 @@ def test_stop_token_ids_end_generation(tiny_llama_dir):
 
 def test_logprobs_are_returned_and_consistent(tiny_llama_dir):
     engine = LLMEngine.from_pretrained(tiny_llama_dir, max_model_len=256, num_kv_blocks=64)
-    llm = LLM.__new__(LLM)
-    llm.engine = engine
+    llm = LLM.from_engine(engine)
     out = llm.generate([list(range(3, 20))], SamplingParams(temperature=0, max_tokens=5, logprobs=3,
                                                             ignore_eos=True))[0]
     assert len(out.logprobs) == 5
@@ -160,8 +169,7 @@ def test_logprobs_are_returned_and_consistent(tiny_llama_dir):
 
 def test_metrics_are_ordered(tiny_llama_dir):
     engine = LLMEngine.from_pretrained(tiny_llama_dir, max_model_len=256, num_kv_blocks=64)
-    llm = LLM.__new__(LLM)
-    llm.engine = engine
+    llm = LLM.from_engine(engine)
     m = llm.generate([list(range(3, 20))], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     assert m.ttft > 0 and m.tpot > 0 and m.num_output_tokens == 6

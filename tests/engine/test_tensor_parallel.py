@@ -183,7 +183,8 @@ def test_two_engines_at_once_and_a_hung_worker_times_out(tp1_llama, tp2_llama, t
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 0 .*time limit"):
         other.generate(prompts[:1], GREEDY)
-    assert time.monotonic() - start < 20
+    # A hang guard, generous for a busy machine (10x the limit): the message above shows the limit ended the call.
+    assert time.monotonic() - start < 10 * runner.step_timeout_s
     _assert_stopped(runner, before)
     assert not other.engine.has_unfinished_requests()  # generate aborted its own requests
     with pytest.raises(RuntimeError, match="shut down"):
@@ -232,7 +233,7 @@ def test_a_worker_that_stops_reading_cannot_block_the_driver():
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 0 did not take a message within 1 s"):
         group.broadcast(("execute", 1, {"input_ids": list(range(200_000))}), timeout_s=1.0)
-    assert time.monotonic() - start < 10
+    assert time.monotonic() - start < 10  # a hang guard, 10x the limit: the message above shows the limit fired
     assert group.closed and not group.tmpdir.exists()
     theirs.close()
 

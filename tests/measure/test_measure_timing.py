@@ -81,9 +81,13 @@ def test_the_wait_policy_is_recorded_and_described(monkeypatch) -> None:
     assert not t.passive_wait and "[idle threads sleep" not in t.describe()
     assert timing.wait_policy() == "spin" and "idle threads spin" in machine_description()
     monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    # Both cases of the module's flag, whatever an earlier prepare_environment() left in it.
+    monkeypatch.setattr(timing, "_policy_set_too_late", False)
     passive = measure(lambda: None, repeats=5)
-    if not timing._policy_set_too_late:
-        assert passive.passive_wait and "[idle threads sleep" in passive.describe()
+    assert passive.passive_wait and "[idle threads sleep" in passive.describe()
+    monkeypatch.setattr(timing, "_policy_set_too_late", True)  # set after torch loaded OpenMP: not in effect
+    late = measure(lambda: None, repeats=5)
+    assert not late.passive_wait and "[idle threads sleep" not in late.describe()
 
 
 def test_prepare_environment_refuses_a_non_boolean() -> None:

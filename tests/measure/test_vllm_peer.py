@@ -187,6 +187,8 @@ def test_bench_vs_vllm_without_transformers_still_races_the_single_stream(tiny_l
         assert single["weight_traffic_share"] == pytest.approx(
             single["weight_bytes"] * single["nanoengine_tok_s"] / (single["memory_bandwidth_gbs"] * 1e9))
         assert "copy bandwidth" in capsys.readouterr().out
+    else:  # three tokens of a tiny model may be too quick to time here: the bench says so, and claims no share
+        assert "weight_traffic_share" not in single and "too fast to time" in capsys.readouterr().out
 
 
 @pytest.mark.slow  # loads vLLM's CPU build (about a minute and a half: it compiles)

@@ -188,10 +188,10 @@ def test_streamed_logprobs_add_up_to_the_plain_responses(client):
     continue where the previous chunk's text ended."""
     kwargs = dict(model=NAME, prompt="Count:", max_tokens=6, temperature=0, logprobs=2, extra_body=LONG)
     whole = client.completions.create(**kwargs).choices[0]
-    tokens, logprobs, offsets, text = [], [], [], ""
+    tokens, logprobs, offsets, text, usage = [], [], [], "", []
     for chunk in client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}):
         if not chunk.choices:
-            assert chunk.usage.completion_tokens == 6
+            usage.append(chunk.usage.completion_tokens)
             continue
         choice = chunk.choices[0]
         assert len(choice.logprobs.tokens) <= 1 and choice.logprobs.text_offset[:1] in ([], [len(text)])
@@ -199,6 +199,7 @@ def test_streamed_logprobs_add_up_to_the_plain_responses(client):
         logprobs += choice.logprobs.token_logprobs
         text += choice.text
     assert (tokens, logprobs, text) == (whole.logprobs.tokens, whole.logprobs.token_logprobs, whole.text)
+    assert usage == [6]  # include_usage: one usage chunk, and it counts every token
 
 
 # ------------------------------------------------------------------- disconnects

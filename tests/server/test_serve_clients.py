@@ -4,8 +4,9 @@ timing, ``/v1/models/{id}``, ``system_fingerprint`` and cached prompt tokens.
 
 Same setup as test_serve_api: uvicorn in a thread on a free port, over the tiny random
 Llama with SmolLM2's tokenizer. Raw sockets where a client library would hide what is
-tested (a partial upload, headers sent slowly). Time bounds are generous (the machine is
-shared): each is well under what the fault it guards against took.
+tested (a partial upload, headers sent slowly). Nothing is held to a time limit (the machine
+is shared): counts and the server's own messages say what happened, and deadlines only guard
+against a hang.
 """
 
 from __future__ import annotations
@@ -32,15 +33,17 @@ HI = [{"role": "user", "content": "Hi"}]
 
 
 class Recording:
-    """The engine's tokenizer, noting which thread each ``encode`` ran on."""
+    """The engine's tokenizer, noting which thread each ``encode`` ran on and how long its text was."""
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
         self.threads: list[str] = []
+        self.lengths: list[int] = []
 
-    def encode(self, *args, **kwargs):
+    def encode(self, text, *args, **kwargs):
         self.threads.append(threading.current_thread().name)
-        return self._tokenizer.encode(*args, **kwargs)
+        self.lengths.append(len(text))
+        return self._tokenizer.encode(text, *args, **kwargs)
 
     def __getattr__(self, name):
         return getattr(self._tokenizer, name)
@@ -102,16 +105,17 @@ def read_until_closed(sock: socket.socket, deadline: float) -> bytes:
 
 
 # ------------------------------------------------- 1. huge bodies, long prompts
-def test_a_10_mb_prompt_is_refused_at_once_and_a_small_request_beside_it_is_served(server, client):
-    results: dict[str, tuple[float, object]] = {}
+def test_a_10_mb_prompt_is_refused_at_once_and_a_small_request_beside_it_is_served(server, client,
+                                                                                 tokenizer_threads):
+    results: dict[str, object] = {}
+    tokenized = tokenizer_threads.tokenizer.lengths
+    tokenized.clear()
 
     def send(name: str, prompt: str, max_tokens: int) -> None:
-        start = time.perf_counter()
         try:
-            outcome = client.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens)
+            results[name] = client.completions.create(model=NAME, prompt=prompt, max_tokens=max_tokens)
         except openai.APIStatusError as exc:
-            outcome = exc
-        results[name] = (time.perf_counter() - start, outcome)
+            results[name] = exc
 
     threads = [threading.Thread(target=send, args=("10 MB", "word " * 2_000_000, 4)),
                threading.Thread(target=send, args=("2 MB", "word " * 400_000, 4))]
@@ -120,7 +124,7 @@ def test_a_10_mb_prompt_is_refused_at_once_and_a_small_request_beside_it_is_serv
     send("small", "Hello", 2)
     for t in threads:
         t.join(TIMEOUT)
-    (big_s, big), (mid_s, mid), (small_s, small) = results["10 MB"], results["2 MB"], results["small"]
+    big, mid, small = results["10 MB"], results["2 MB"], results["small"]
     # Over the 8 MiB default: 413 in OpenAI's shape, the body never parsed.
     assert big.status_code == 413 and big.body["code"] == "request_too_large", big
     assert "larger than this server's limit of 8388608 bytes" in big.body["message"]
@@ -128,8 +132,9 @@ def test_a_10_mb_prompt_is_refused_at_once_and_a_small_request_beside_it_is_serv
     assert mid.status_code == 400 and mid.body["code"] == "context_length_exceeded", mid
     assert "max_model_len is 1024" in mid.body["message"] and mid.body["param"] == "prompt"
     assert small.usage.completion_tokens == 2
-    # Tokenizing 10 MB took 13 s on the engine thread, and held up every other request.
-    assert max(big_s, mid_s, small_s) < 8, results
+    # Tokenizing 10 MB took 13 s on the engine thread, and held up every other request: counted, not
+    # timed (a busy machine makes any time limit flaky), only the small prompt reached the tokenizer.
+    assert tokenized == [len("Hello")], tokenized
 
 
 def test_prompts_are_tokenized_on_the_tokenizer_thread_and_checked_before_the_engine(server, client,
@@ -313,7 +318,9 @@ def test_headers_sent_slowly_are_timed_out(strict):
     with socket.create_connection(address(strict), timeout=0.1) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
         answer = b""
-        while time.monotonic() - start < 10:  # a header line every 0.1 s: the head is never complete
+        # A header line every 0.1 s: the head is never complete. 10 s only guards against a hang: a 408 read
+        # before then is the server's own 0.5 s limit (its message names it), however busy the machine.
+        while time.monotonic() - start < 10:
             try:
                 chunk = sock.recv(65536)
             except socket.timeout:
@@ -325,7 +332,6 @@ def test_headers_sent_slowly_are_timed_out(strict):
             if not chunk:
                 break
     assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.5 s" in answer, answer
-    assert time.monotonic() - start < 5
 
 
 @pytest.mark.slow
@@ -334,9 +340,9 @@ def test_a_body_sent_slowly_is_timed_out(strict):
     with socket.create_connection(address(strict), timeout=0.1) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Connection: close\r\nContent-Length: 100\r\n\r\n" + b'{"prompt": ')
-        answer = read_until_closed(sock, start + 10)
+        answer = read_until_closed(sock, start + 10)  # only a hang guard: the 408 is the server's 0.5 s limit
     assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer, answer
-    assert time.monotonic() - start < 5
+    assert b"did not arrive within 0.5 s" in answer, answer
 
 
 # ------------------------------------ 8. models/{id}, fingerprint, cached tokens

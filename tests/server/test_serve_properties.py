@@ -93,10 +93,13 @@ def _answer_is_a_result_or_a_refusal(status: int, text: str, streamed: bool) -> 
     if status == 400:
         error = json.loads(text)["error"]
         assert error["message"] and error["type"] == "invalid_request_error", error
-    elif streamed and text.startswith("data: "):
+    elif streamed:  # every 200 is checked: a stream that is not server-sent events fails here
+        assert text.startswith("data: "), text[:300]
         events = [line.removeprefix("data: ") for line in text.split("\n\n") if line.startswith("data: ")]
         assert events[-1] == "[DONE]", text[-300:]
         assert not any('"error"' in event[:10] for event in events), text[:300]
+    else:
+        assert json.loads(text)["choices"], text[:300]
 
 
 def _healthy(server) -> bool:
