@@ -40,7 +40,8 @@ cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here:
   layers then copy their keys and values with no host synchronisation.
 * **Reused host memory.** PyTorch's CUDA caching allocator keeps freed blocks for the next
   step; on a CPU glibc hands large blocks back to the kernel and faults them in again.
-  ``engine.host_memory.keep_freed_memory`` changes two malloc settings so they stay.
+  ``engine.host_memory.keep_freed_memory`` changes two malloc settings so they stay, and
+  ``bound_shape_caches`` keeps oneDNN's caches of per-shape primitives from growing for hours.
 * **Weights in huge pages.** A decode step reads every weight once, page after 4 KiB page
   through the TLB; ``prepare_weights`` first moves the weights into memory advised to use
   2 MiB pages (``engine.host_memory.move_to_huge_pages``): a lone sequence decoded 33 -> 38-44
@@ -72,7 +73,7 @@ import torch
 
 from nanoengine.backends import cpu_fused
 from nanoengine.backends.base import Backend
-from nanoengine.engine.host_memory import keep_freed_memory, move_budget, move_to_huge_pages
+from nanoengine.engine.host_memory import bound_shape_caches, keep_freed_memory, move_budget, move_to_huge_pages
 from nanoengine.kernels import cpu_attention, cpu_gemm, cpu_native, reference
 from nanoengine.kernels.cpu_attention import DecodePlan
 from nanoengine.layers.attention import AttentionImpl, AttentionMetadata
@@ -224,6 +225,7 @@ class CpuBackend(Backend):
         self.weight_bytes = 0  # all of the model's weights
         self.move_budget_s = move_budget()  # read (and checked) before any weight loads
         keep_freed_memory()
+        bound_shape_caches()  # before this process's first oneDNN product, which reads them
 
     def describe(self) -> str:
         gemm = f"few-rows kernel up to {cpu_native.MAX_ROWS} rows, then oneDNN" if self.native_kernels else "oneDNN"

@@ -71,6 +71,23 @@ the engine has stepped since the last trim and then stayed without work for a mo
 that no step waits for it. ``NANOENGINE_TRIM_WHEN_IDLE=0`` switches that off
 (``trim_when_idle``); ``nanobench/soak.py`` measures resident memory over an hour of mixed
 load with and without it.
+
+Caches keyed by shape
+---------------------
+Trimming gives back memory nobody uses; the rest of a server's creep was memory somebody
+does use. The prepacked products (``kernels/cpu_gemm.py``) run through oneDNN, which builds a
+*primitive* (a kernel made for one problem size) for every new row count it sees, and keeps it
+in two caches so that the next step of that size reuses it: oneDNN's own primitive cache and
+PyTorch's cache of oneDNN descriptors (ideep's). Each holds 1,024 entries by default, and a
+server meets a new row count with nearly every prefill, so for hours both only grow: a
+heap profile of a long run shows them as the one growing allocation. ``bound_shape_caches``
+sets both to ``SHAPE_CACHE_ENTRIES`` entries through their environment variables
+(``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` and ``LRU_CACHE_CAPACITY``), leaving any value the user
+set. The caches read them once, at the process's first oneDNN product, so the CPU backend
+sets them when it is built, before its first one; in a process that ran a oneDNN product
+earlier (transformers on a CPU, say) they keep their defaults. A bounded cache can forget a
+size that comes back, and building a primitive again costs about a millisecond, against
+steps of tens; the figures (memory and speed, with and without) are in ``results/README.md``.
 """
 
 from __future__ import annotations
@@ -92,6 +109,18 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
 TRIM_THRESHOLD_BYTES = 1024 * 1024 * 1024
 USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
+# Entries each shape cache keeps: every row count of a decode batch (one product per linear
+# layer shape, five shapes) stays cached beside the prefills of the last few steps.
+SHAPE_CACHE_ENTRIES = 128
+SHAPE_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_shape_caches() -> dict[str, str]:
+    """Bound oneDNN's two caches of per-shape primitives (the module's docstring says why);
+    a value the user set stays. Returns the variables as they now are."""
+    return {name: os.environ.setdefault(name, str(SHAPE_CACHE_ENTRIES)) for name in SHAPE_CACHE_VARIABLES}
 
 
 def on_glibc() -> bool:

@@ -1,13 +1,18 @@
 """The CPU allocator settings (nanoengine.engine.host_memory) respect the user's own."""
 
+import ctypes
+import os
 import platform
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from nanoengine.engine import host_memory
+from nanoengine.kernels import cpu_gemm
 
 on_glibc = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
@@ -28,6 +33,58 @@ def test_leaves_a_user_choice_alone(monkeypatch, variable):
 def test_not_applied_off_glibc(monkeypatch):
     monkeypatch.setattr(host_memory.platform, "libc_ver", lambda: ("musl", "1.2"))
     assert host_memory.keep_freed_memory.__wrapped__() is False
+
+
+# ------------------------------------------------------- oneDNN's shape caches
+def test_the_cpu_backend_bounds_the_shape_caches_and_keeps_a_user_value(monkeypatch):
+    from nanoengine.backends.cpu import CpuBackend
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
+    CpuBackend("cpu")
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(host_memory.SHAPE_CACHE_ENTRIES)
+    assert os.environ["LRU_CACHE_CAPACITY"] == "7"
+
+
+# A fresh process (the caches read their size once, at the first oneDNN product): a CPU backend,
+# then one packed product for each of 1,000 row counts; prints how much more malloc'd memory is in use.
+NEW_ROW_COUNTS = """
+import ctypes, gc
+import torch
+from nanoengine.backends.cpu import CpuBackend
+from nanoengine.kernels import cpu_gemm
+torch.set_num_threads(1)
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Mallinfo2
+CpuBackend("cpu")
+packed, x = cpu_gemm.pack_weight(torch.randn(64, 64)), torch.randn(1000, 64)
+cpu_gemm.packed_linear(x[:1], packed, 64)
+gc.collect()
+before = libc.mallinfo2().uordblks
+for rows in range(2, 1001):
+    cpu_gemm.packed_linear(x[:rows], packed, 64)
+gc.collect()
+print(libc.mallinfo2().uordblks - before)
+"""
+
+
+@pytest.mark.skipif(not (on_glibc and hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2")),
+                    reason="mallinfo2 is glibc's (2.33 and later)")
+@pytest.mark.skipif(not cpu_gemm.packing_available(), reason="no oneDNN packing in this PyTorch build")
+def test_bounded_shape_caches_stop_growing_where_the_defaults_do_not():
+    """1,000 new row counts: with oneDNN's defaults (1,024 entries each) every one stays cached;
+    with the engine's bound the memory they hold stops at what ``SHAPE_CACHE_ENTRIES`` keep."""
+    def grown(env: dict[str, str]) -> int:
+        env = {k: v for k, v in os.environ.items() if k not in host_memory.SHAPE_CACHE_VARIABLES} | env
+        run = subprocess.run([sys.executable, "-c", NEW_ROW_COUNTS], env=env, capture_output=True, text=True,
+                             timeout=300, cwd=Path(__file__).resolve().parents[2])
+        assert run.returncode == 0, run.stderr
+        return int(run.stdout.split()[-1])
+    bounded = grown({})
+    defaults = grown({name: "1024" for name in host_memory.SHAPE_CACHE_VARIABLES})
+    assert defaults > 4 * bounded, (bounded, defaults)  # measured: about 52 against 413 MiB
 
 
 # ----------------------------------------------------------------- huge pages
