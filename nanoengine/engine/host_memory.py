@@ -155,6 +155,10 @@ def keep_freed_memory() -> bool:
 
 
 TRIM_VARIABLE = "NANOENGINE_TRIM_WHEN_IDLE"
+# How long a server's engine must have had nothing to do before it gives freed memory back: long
+# enough that the short gaps between a client's requests do not trim, and the step after a trim,
+# which faults its pages back in, comes once per idle period.
+TRIM_AFTER_IDLE_S = 1.0
 
 
 def trim_when_idle() -> bool:

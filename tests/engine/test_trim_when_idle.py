@@ -1,5 +1,6 @@
 """Freed memory given back when the engine core goes idle (``host_memory.release_free_heap``,
-``trim_when_idle`` and the idle branch of ``engine_core.run_engine_core``).
+``trim_when_idle`` and the idle branch of ``engine_core.run_engine_core``), and when the
+async engine's thread does (``serve --engine-thread``, the notebooks' servers).
 
 The core's loop runs here on the test's main thread (it sets a signal handler), with a tiny
 random Llama and the core's end of an in-process pipe; a thread plays the server's side.
@@ -7,6 +8,7 @@ random Llama and the core's end of an in-process pipe; a thread plays the server
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import functools
 import multiprocessing
@@ -19,7 +21,7 @@ import pytest
 
 from nanoengine import LLMEngine, SamplingParams
 from nanoengine.engine import host_memory
-from nanoengine.entrypoints.openai import engine_core
+from nanoengine.entrypoints.openai import async_engine, engine_core
 from nanobench.soak import process_memory
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -205,3 +207,43 @@ def test_a_bad_setting_fails_the_start_before_the_engine_is_built(monkeypatch, s
     engine_core.run_engine_core(core_conn, lambda: pytest.fail("the engine was built"))
     kind, error = server_conn.recv()
     assert kind == "failed" and isinstance(error, ValueError) and host_memory.TRIM_VARIABLE in str(error)
+
+
+# ----------------------------------------------------------------- the async engine's thread
+@pytest.mark.parametrize("setting, expected", [(None, [0, 1, 1, 2]), ("0", [0, 0, 0, 0])])
+def test_the_async_engine_trims_once_per_idle_period_after_work(monkeypatch, tiny_llama_dir, setting, expected):
+    if setting is None:
+        monkeypatch.delenv(host_memory.TRIM_VARIABLE, raising=False)
+    else:
+        monkeypatch.setenv(host_memory.TRIM_VARIABLE, setting)
+    trims: list[float] = []
+    monkeypatch.setattr(async_engine, "release_free_heap", lambda: trims.append(time.monotonic()) or True)
+    monkeypatch.setattr(async_engine, "TRIM_AFTER_IDLE_S", 0.05)
+
+    async def main() -> list[int]:
+        ae = async_engine.AsyncLLMEngine(tiny_engine(tiny_llama_dir))
+        ae.start()
+        seen = []
+
+        async def generate(request_id: str) -> None:
+            stream = await ae.add_requests([(request_id, [5, 6, 7], GREEDY)])
+            assert [out async for out in stream][-1].finished
+
+        async def settled(count: int) -> int:  # wait_for, without blocking the event loop
+            deadline = time.monotonic() + (10 if count else 0)
+            while len(trims) < count and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)
+            return len(trims)
+        try:
+            seen.append(await settled(0))  # idle since it started: no trim
+            await generate("a")
+            seen.append(await settled(expected[1]))  # idle after work: one trim ...
+            seen.append(await settled(expected[2]))  # ... not one per second of idleness
+            await generate("b")
+            seen.append(await settled(expected[3]))  # the next idle period after work: the next
+        finally:
+            ae.shutdown()
+        return seen
+
+    assert asyncio.run(main()) == expected

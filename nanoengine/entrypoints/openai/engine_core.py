@@ -73,7 +73,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable, Sequence
 
 from nanoengine.config import EngineConfig
-from nanoengine.engine.host_memory import release_free_heap, trim_when_idle
+from nanoengine.engine.host_memory import TRIM_AFTER_IDLE_S, release_free_heap, trim_when_idle
 from nanoengine.engine.input_processor import InputProcessor
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.entrypoints.openai.async_engine import (EngineDeadError, ParamsFor, Prompt, RequestStream,
@@ -88,10 +88,6 @@ logger = logging.getLogger("nanoengine.serve")
 # alternating two servers on a 2-core Xeon, 3 rounds (results/README.md): at 10,000 inter-token p50
 # at 2 requests/s 49 against 51 ms and TTFT p50 234 against 238 ms (medians), a small gain; 1,000 was worse.
 ENGINE_CORE_SPINCOUNT = 10_000
-# How long the engine must have had nothing to do before the core gives freed memory back (the
-# module's docstring says why): long enough that the short gaps between a client's requests do not
-# trim, and the step after a trim, which faults its pages back in, comes once per idle period.
-TRIM_AFTER_IDLE_S = 1.0
 
 
 @dataclass(frozen=True)
