@@ -16,12 +16,13 @@ from dataclasses import dataclass, fields
 import torch
 
 from nanoengine.engine.host_memory import move_budget
+from nanoengine.engine.scheduling_policy import POLICIES as SCHEDULING_POLICIES
 from nanoengine.models.config import ModelConfig
 from nanoengine.spec_decode.config import SpeculativeConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-POLICIES = ("fcfs", "prefill_first", "static")
+POLICIES = tuple(SCHEDULING_POLICIES)  # their names: "fcfs", "prefill_first", "static"
 DEFAULT_MAX_NUM_SEQS = 256
 
 

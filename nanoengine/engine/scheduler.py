@@ -17,12 +17,10 @@ is *preempted*: its blocks are freed, its progress reset, and it goes back to th
 the waiting queue to be recomputed later (recompute preemption). A step that preempted
 admits nobody new.
 
-``prefill_first`` is the older policy (nano-vLLM, early vLLM) kept for comparison: a step
-that can admit a waiting request runs prefill work only, and decodes wait.
-
-``static`` is the baseline that continuous batching replaced (chapters 5 and 11): up to
-``max_num_seqs`` requests are admitted together as one batch, and nobody new is admitted
-until every one of them has finished, so slots freed by short requests stay idle.
+That order is the ``fcfs`` policy's. The policy, an object beside the scheduler
+(``engine/scheduling_policy.py``), decides the order in which a step uses the queues, the
+budget and the blocks, and whom it may admit: ``prefill_first`` (prefill work first, the
+decodes wait) and ``static`` (static batching, the baseline) are the other two.
 
 Whether a scheduled request is a *prefill* or a *decode* is decided here, once, and
 recorded in its ``ScheduledRequest``: a decode computes exactly one new token whose whole
@@ -46,12 +44,12 @@ drafts used go back to the pool (``release_rejected_slots``).
 from __future__ import annotations
 
 import collections
-import itertools
 import time
 from dataclasses import dataclass, field
 
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.request import Request, RequestStatus
+from nanoengine.engine.scheduling_policy import make_policy
 from nanoengine.events import EventBus, RequestFinished, RequestPreempted, RequestScheduled
 
 
@@ -130,11 +128,10 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.policy = policy
+        self.policy = make_policy(policy)  # in what order a step is filled (scheduling_policy.py)
         self.events = events or block_manager.events
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self.static_batch: set[str] = set()  # policy "static": ids of the batch now being served
         self.step = 0
         self.num_preemptions = 0
         # Prefix-cache statistics, counted here because admission decides what counts: a
@@ -158,7 +155,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         request.finished_time = time.perf_counter()
-        self.static_batch.discard(request.request_id)
+        self.policy.forget(request)
         request.fork_source = None  # a sibling aborted while waiting: nothing to share any more
         self.block_manager.free(request)
         self.events.emit(RequestFinished(self.step, request.request_id, status.finish_reason,
@@ -166,25 +163,13 @@ class Scheduler:
 
     # ----------------------------------------------------------- scheduling
     def schedule(self) -> SchedulerOutput:
-        """Pick this step's batch within the token budget and the KV pool."""
+        """Pick this step's batch within the token budget and the KV pool, in the policy's order
+        (``fcfs``: ``schedule_running``, then ``admit_waiting`` unless someone was preempted)."""
         out = SchedulerOutput(token_budget=self.max_num_batched_tokens)
-        budget = self.max_num_batched_tokens
-        if self.policy == "prefill_first":
-            budget = self._schedule_prefills_only(out, budget)
-            if out.scheduled:
-                return self._announce(out)
-        if self.policy == "static" and not self.static_batch and not self.running:
-            self.static_batch = self._next_static_batch()
-        budget = self._schedule_running(out, budget)
-        if not out.preempted and self.policy != "prefill_first":  # prefill_first admitted above, or could not
-            self._admit_waiting(out, budget)
+        self.policy.schedule(self, out)
         return self._announce(out)
 
-    def _next_static_batch(self) -> set[str]:
-        """The waiting requests, in order, that fill ``max_num_seqs`` slots: the next static batch."""
-        return {request.request_id for request in itertools.islice(self.waiting, self.max_num_seqs)}
-
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Give each running request its tokens, preempting the newest when blocks run out."""
         i = 0
         while i < len(self.running) and budget > 0:
@@ -221,14 +206,12 @@ class Scheduler:
             return drafts
         return ()
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+    def admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Move waiting requests to running while budget, slots and blocks allow."""
         while self.waiting and budget > 0:
             request = self.waiting[0]
-            if len(self.running) >= self.max_num_seqs:
-                break
-            if self.policy == "static" and request.request_id not in self.static_batch:
-                break  # the current static batch must finish first
+            if len(self.running) >= self.max_num_seqs or not self.policy.may_admit(request):
+                break  # no free slot, or (static batching) the current batch must finish first
             computed_blocks, num_cached, forked_from = self._computed_blocks(request)
             num_new = request.num_tokens - num_cached
             if num_new > budget:
@@ -269,18 +252,6 @@ class Scheduler:
                 return source.block_ids[:num_blocks], num_tokens, source.request_id
         computed_blocks, num_cached = self.block_manager.get_computed_blocks(request)
         return computed_blocks, num_cached, None
-
-    def _schedule_prefills_only(self, out: SchedulerOutput, budget: int) -> int:
-        """``prefill_first``: continue chunked prefills and admit new requests, no decodes."""
-        for request in self.running:
-            if budget == 0:
-                break
-            if request.num_tokens_to_compute > 1 or request.num_output_tokens == 0:
-                num_new = min(request.num_tokens_to_compute, budget)
-                if self.block_manager.allocate_slots(request, num_new):
-                    out.add(request, num_new)
-                    budget -= num_new
-        return self._admit_waiting(out, budget)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         num_blocks = len(request.block_ids)

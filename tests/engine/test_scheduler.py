@@ -7,6 +7,7 @@ import pytest
 from nanoengine import LLMEngine, SamplingParams
 from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import ScheduledRequest, check_stop
+from nanoengine.engine.scheduling_policy import POLICIES, make_policy
 from nanoengine.events import RequestScheduled, StepFinished
 from nanoengine.loader.weights import random_model
 
@@ -30,6 +31,20 @@ def trace(e: LLMEngine, lengths: list[int]) -> tuple[dict, list[list[str]]]:
         running.append([r.request_id for r in e.snapshot().running])
         e.check_invariants()
     return {i: tokens[i] for i in ids}, running
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_each_policy_is_an_object_of_its_own_named_as_configured(name):
+    e = engine(scheduling_policy=name)
+    assert type(e.scheduler.policy) is POLICIES[name] and e.scheduler.policy.name == name
+    assert make_policy(name) is not make_policy(name)  # a static batch is one engine's, not shared
+
+
+def test_an_unknown_policy_is_refused_with_the_names_allowed():
+    with pytest.raises(ValueError, match=r"scheduling_policy must be one of \('fcfs', 'prefill_first', 'static'\)"):
+        make_policy("lifo")
+    with pytest.raises(ValueError, match="scheduling_policy must be one of"):
+        engine(scheduling_policy="lifo")
 
 
 def test_static_batching_admits_nobody_until_the_whole_batch_has_finished():
