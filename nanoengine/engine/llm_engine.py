@@ -427,7 +427,7 @@ class LLMEngine:
         _, token_ids = self.tokenize_prompt(prompt)
         probe = Request(f"probe-{next(self._probe_ids)}", token_ids, SamplingParams(temperature=0.0, max_tokens=1),
                         device=self.runner.device)
-        computed, num_cached = self.block_manager.get_computed_blocks(probe)
+        computed, num_cached, _ = self.scheduler.computed_blocks(probe)  # the prefix cache, asked as admission asks it
         num_new = len(token_ids) - num_cached
         if not self.block_manager.allocate_slots(probe, num_new, computed):
             raise RuntimeError(f"not enough free KV blocks to score a {len(token_ids)}-token prompt "

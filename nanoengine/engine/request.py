@@ -78,7 +78,7 @@ class Request:
         # Parallel sampling with the prefix cache off (chapter 8, ``parallel_sampling``): the
         # completion that computed this sibling's prompt and how many of its full blocks the
         # sibling may share when admitted, if that completion still holds them computed then
-        # (``Scheduler._computed_blocks``). None otherwise, and once the sibling is admitted or ends.
+        # (``Scheduler.computed_blocks``). None otherwise, and once the sibling is admitted or ends.
         self.fork_source: tuple[Request, int] | None = None
         # Speculative decoding (chapter 13): tokens the proposer guessed after the last one,
         # checked by the next step; never part of ``all_token_ids`` until accepted.

@@ -10,7 +10,7 @@ steps, so decodes never stall behind a long prompt.
 
 At admission a request skips the leading full blocks that are already computed: hits in
 the prefix cache, or, for a parallel-sampling sibling with the cache off, the prompt its
-first completion computed (``_computed_blocks``); the block manager shares them.
+first completion computed (``computed_blocks``); the block manager shares them.
 
 When a running request needs a block and the pool is empty, the newest running request
 is *preempted*: its blocks are freed, its progress reset, and it goes back to the front of
@@ -212,7 +212,7 @@ class Scheduler:
             request = self.waiting[0]
             if len(self.running) >= self.max_num_seqs or not self.policy.may_admit(request):
                 break  # no free slot, or (static batching) the current batch must finish first
-            computed_blocks, num_cached, forked_from = self._computed_blocks(request)
+            computed_blocks, num_cached, forked_from = self.computed_blocks(request)
             num_new = request.num_tokens - num_cached
             if num_new > budget:
                 if not self.enable_chunked_prefill:
@@ -233,7 +233,7 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _computed_blocks(self, request: Request) -> tuple[list[int], int, str | None]:
+    def computed_blocks(self, request: Request) -> tuple[list[int], int, str | None]:
         """The leading full blocks ``request`` need not compute: (block ids, their tokens, forked from).
 
         A parallel-sampling sibling with the prefix cache off carries ``fork_source``: the
