@@ -26,15 +26,17 @@ cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here:
   instead of five eager operators, and the rotary embedding ``cpu_native.rotate_half``
   (one pass over a step's queries and keys, eager's bits, instead of six passes: most of
   its time is prefill rows); ``compile=True`` puts its compiled ones in their place.
-* **A decoder layer in one call.** Decoding one sequence, a step spent ~6 ms beside its ~19 ms
-  of GEMMs calling ~25 operators a layer from Python, and a prefill pays the same calls once
-  per step. Each Llama layer runs as one C++ operator that makes the same operator calls, in
-  the same order, from C++ (``backends.cpu_fused``, ``kernels/csrc/llama_layer.cpp``): eager's
-  bits, 15-30% less time per decoded token and 7-10 ms less per lone prompt (results/README.md).
+* **A decoder layer in one call.** Decoding one sequence, a step spent a large share of its
+  time outside the GEMMs, calling ~25 operators a layer from Python, and a prefill pays the
+  same calls once per step. Each Llama layer runs as one C++ operator that makes the same
+  operator calls, in the same order, from C++ (``backends.cpu_fused``,
+  ``kernels/csrc/llama_layer.cpp``): eager's bits, less time per decoded token and per lone
+  prompt (figures: results/README.md).
 * **The model compiled whole.** By default the forward is compiled once (``backends.cpu_graph``):
   the embedding, the 30 layers' operators and the final norm, called from C++ code Inductor
   writes, so a step leaves Python once rather than once per layer; eager's bits, a lone
-  sequence ~4% faster. ``enforce_eager=True`` runs the layers from Python instead.
+  sequence a little faster (results/README.md). ``enforce_eager=True`` runs the layers from
+  Python instead.
 * **Store-KV without a check per layer.** Whether any token of the step has no slot (-1,
   a warm-up row) is decided once from the plan on the host (``all_slots_stored``); the
   layers then copy their keys and values with no host synchronisation.
@@ -44,24 +46,24 @@ cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here:
   ``bound_shape_caches`` keeps oneDNN's caches of per-shape primitives from growing for hours.
 * **Weights in huge pages.** A decode step reads every weight once, page after 4 KiB page
   through the TLB; ``prepare_weights`` first moves the weights into memory advised to use
-  2 MiB pages (``engine.host_memory.move_to_huge_pages``): a lone sequence decoded 33 -> 38-44
-  tokens/s on the 2-core Xeon. Finding huge pages can take the kernel seconds where memory is
+  2 MiB pages (``engine.host_memory.move_to_huge_pages``): a lone sequence decodes faster
+  (results/README.md). Finding huge pages can take the kernel seconds where memory is
   fragmented, so the move has a budget (``host_memory.move_budget``); what did not fit stays put.
 * **Prefill attention in tiles, or in bfloat16 where the CPU has it.** The reference prefill
   calls PyTorch's SDPA once per sequence from Python, and SDPA splits each short sequence over
-  the threads in small library calls: ~30 GFLOP/s a thread in float32 on a CPU whose GEMMs run
-  ten times that. ``cpu_native.paged_prefill_attention`` computes float32 attention (and a
-  bfloat16 cache widened) as tiles of its own, packed keys and register-held products, twice
-  SDPA's speed on a 155-token prompt, within float32 rounding of the reference, with bits that do
-  not depend on the CPU, the threads or the batch. On a CPU with bfloat16 instructions
+  the threads in small library calls, at a small fraction of the arithmetic rate the CPU's
+  GEMMs reach. ``cpu_native.paged_prefill_attention`` computes float32 attention (and a
+  bfloat16 cache widened) as tiles of its own, packed keys and register-held products, much
+  faster than SDPA on a short prompt, within float32 rounding of the reference, with bits that
+  do not depend on the CPU, the threads or the batch. On a CPU with bfloat16 instructions
   (AVX512-BF16, AMX) a bfloat16 cache is not widened: SDPA multiplies in bfloat16 with float32
   accumulators on oneDNN's kernels, faster still, called from C++ with each thread taking the
   step's next sequence whole (the reference's bits) (results/README.md).
 * **Logits in chunks.** A step's logits are (rows, vocab) float32: 256 rows of a
   49,152-token vocabulary are 50 MB, more than glibc's largest heap block (32 MiB), so they
   would be mapped fresh every step, faulted in by the LM head and unmapped when freed
-  (the overhead benchmark's 256-row decode step was measured more than twice as slow in
-  one chunk: ``results/README.md``). So the LM head runs on chunks of rows of at most
+  (the overhead benchmark's 256-row decode step was measured much slower in one chunk:
+  ``results/README.md``). So the LM head runs on chunks of rows of at most
   ``LOGITS_CHUNK_BYTES`` and each chunk is sampled before the next is computed.
 """
 
@@ -239,7 +241,8 @@ class CpuBackend(Backend):
         super().bind_kv_cache(block_size, num_kv_heads, num_heads, head_dim, kv_dtype)
         self.attention.native = self.native_kernels and kv_dtype in cpu_native.DTYPES
         # A bfloat16 cache on a CPU with bfloat16 instructions: prefill attention multiplies in
-        # bfloat16, as vLLM's CPU attention does, 2-3x faster than widening K/V to float32 first.
+        # bfloat16, as vLLM's CPU attention does, faster than widening K/V to float32 first
+        # (results/README.md).
         # oneDNN answers (it honours ONEDNN_MAX_CPU_ISA, so the pinned numeric path says no).
         self.attention.prefill_dtype = (torch.bfloat16 if kv_dtype == torch.bfloat16
                                         and cpu_gemm.packing_available(torch.bfloat16) else None)

@@ -1,17 +1,17 @@
 """A step's decoder layers, one call each (the CPU backend; chapter 10).
 
-Measured on SmolLM2-135M decoding one sequence on a 2-core CPU: a step took ~25 ms, of
-which ~19 ms were the GEMMs reading the weights and ~6 ms the rest, and the rest was
-almost all calls from Python: 30 layers of about 25 operators each (module calls, views,
-two norms, seven operators of rotary embedding (one native call since), store-KV, attention,
-four GEMMs, the activation), a few microseconds apiece. A prefill pays the same calls once
-per step, whatever its length: 7-10 ms of a lone 37- to 248-token prompt's 63-233 ms (float32;
-results/README.md). GPU engines hide this behind CUDA graphs; vLLM's CPU backend compiles the
-model with ``torch.compile``. This engine's whole-model compile (``compile_model=True``,
-``backends.cpu_graph``) measured no faster: its graph still calls attention through Python
-(~65 us a layer), and a 37-token prefill spent 4.7 ms in Inductor's generated code, more than
-the eager operators it replaced (silu and mul 2.5 ms, the rest under 1 ms each). (It now calls
-these fused layers instead, one operator each, from C++, and is the default: ``backends.cpu_graph``.)
+Measured on SmolLM2-135M decoding one sequence: most of a step was the GEMMs reading the
+weights, and the rest was almost all calls from Python: 30 layers of about 25 operators each
+(module calls, views, two norms, seven operators of rotary embedding (one native call
+since), store-KV, attention, four GEMMs, the activation), a few microseconds apiece. A
+prefill pays the same calls once per step, whatever its length: a noticeable part of a lone
+prompt's time, more the shorter the prompt (figures: results/README.md). GPU engines
+hide this behind CUDA graphs; vLLM's CPU backend compiles the model with ``torch.compile``.
+This engine's whole-model compile (``compile_model=True``, ``backends.cpu_graph``) measured
+no faster: its graph still calls attention through Python on every layer, and on a short
+prefill Inductor's generated code took longer than the eager operators it replaced
+(results/README.md). (It now calls these fused layers instead, one operator each, from C++,
+and is the default: ``backends.cpu_graph``.)
 
 So each ``LlamaDecoderLayer`` runs as one C++ operator, ``nanoengine::llama_layer``
 (``kernels/csrc/llama_layer.cpp``), which calls the same operators the eager layer calls, in
@@ -26,7 +26,8 @@ a ``FusedLayer`` that decides per step.
 
 A layer runs its Python ``forward`` on a step where a forward hook is registered on it or any
 module inside it (or globally): fused, the hook would silently not be called. The backend
-asks ``hooked`` once per step (SmolLM2's layers hold 360 modules: 26 us measured).
+asks ``hooked`` once per step (SmolLM2's layers hold 360 modules: a small cost, measured;
+results/README.md).
 
 A step with a token that has no cache slot (a warm-up row), and models this does not cover
 (tensor parallelism, Qwen3's per-head norms, a bias on o_proj, a dtype the kernels do not

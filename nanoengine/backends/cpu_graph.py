@@ -19,7 +19,7 @@ Inductor calls as it is, knowing only the shape of what it returns (its "fake"):
   C++ (``kernels/csrc/llama_layer.cpp``), so a product costs one dispatch and no Python;
 * ``nanoengine::cpu_attention``: store-KV, decode and prefill attention of one layer
   (``AttentionImpl.forward`` of the CPU kernels), writing the layer's KV cache; a Python
-  ``torch.library.custom_op`` (~65 us a call on a 2-core Xeon).
+  ``torch.library.custom_op``, whose own Python runs on every call (its cost: results/README.md).
 
 The native norms (``kernels.cpu_native``) are operators already. Inductor fuses what is
 left (rotary, SiLU-and-mul, the residual adds, the embedding lookup) into a few loops.
@@ -61,24 +61,23 @@ Without a C++ compiler the engine runs eagerly and warns once, naming why
 
 What it is worth, and why it is the default
 -------------------------------------------
-Measured on a 2-core AVX2 EPYC (SmolLM2-135M, fp32, 8 requests and one alone), with the
-operators above in every layer: greedy tokens identical to eager, throughput within the
-machine's noise of eager, and 60 s to build the first engine of a process cold, 22 s with
-the disk cache warm (Dynamo traced 30 layers every process). With the layers registered, on
-a 2-core Xeon, the graph ran at eager's speed as long as Inductor wrote the code around it in
-Python (a lone sequence 45.4 against 46.1 tokens/s): that code called the 30 operators one by
-one from Python, as eager does. Written in C++ (Inductor's ``cpp_wrapper``), a step enters the
-graph once and the 30 calls cost no Python: a lone sequence 40.4-43.3 against eager's
-38.8-42.5 tokens/s, ahead in 5 of 5 alternating rounds (1.04x), the bench workload level
-(compute-bound). So an engine whose layers register compiles by default
-(``compile_model=None``), and ``enforce_eager=True`` is the way back to eager. Every operator in that graph is the eager
-path's own (the embedding is a gather, the norm and the layers the native kernels), so the
-bits are eager's by construction. Other models stay eager unless ``compile_model=True``:
-their graph fuses rotary and SiLU in Inductor's own loops, which round differently, and it
-was no faster. The price is at load: ~4 s for the first engine of a process with the disk
-cache warm (Dynamo traces the forward, Inductor loads the compiled code), ~0.2 s for the
-next ones of the same model, ~15 s more the first time on a machine (``./course setup`` pays
-that).
+Measured with the operators above in every layer (SmolLM2-135M, fp32, 8 requests and one
+alone): greedy tokens identical to eager, throughput within the machine's noise of eager,
+and a long build for the first engine of a process, cold and even with the disk cache warm
+(Dynamo traced 30 layers every process). With the layers registered, the graph ran at
+eager's speed as long as Inductor wrote the code around it in Python: that code called the
+30 operators one by one from Python, as eager does. Written in C++ (Inductor's
+``cpp_wrapper``), a step enters the graph once and the 30 calls cost no Python: a lone
+sequence a little faster than eager, ahead in every alternating round, the bench workload
+level (compute-bound) (figures: ``results/README.md``). So an engine whose layers register
+compiles by default (``compile_model=None``), and ``enforce_eager=True`` is the way back to
+eager. Every operator in that graph is the eager path's own (the embedding is a gather, the
+norm and the layers the native kernels), so the bits are eager's by construction. Other
+models stay eager unless ``compile_model=True``: their graph fuses rotary and SiLU in
+Inductor's own loops, which round differently, and it was no faster. The price is at load:
+seconds for the first engine of a process with the disk cache warm (Dynamo traces the
+forward, Inductor loads the compiled code), a fraction of a second for the next ones of the
+same model, more the first time on a machine (``./course setup`` pays that).
 """
 
 from __future__ import annotations
@@ -273,7 +272,8 @@ def _compiled(model, registered: bool = False):
 @contextlib.contextmanager
 def _dynamo_settings(settings: dict):
     """Dynamo's config set to ``settings`` for one call, then put back. Set directly: its own
-    ``config.patch`` took ~0.5 ms a call here, as long as the Python that compiling removes."""
+    ``config.patch`` cost about as much a call as the Python that compiling removes
+    (results/README.md)."""
     config = torch._dynamo.config
     before = {name: getattr(config, name) for name in settings}
     for name, value in settings.items():
@@ -395,7 +395,8 @@ class RegisteredModel:
 # Dynamo's settings while it checks or traces the registered layers' graph. After 8 graphs of one
 # function Dynamo gives up (with fullgraph=True: an error, and the engine ran eagerly); each model
 # structure (number of layers, sizes, dtype, tied weights or not) is a graph of its own, and a
-# process that builds engines of many models (the test suite does) has more than 8.
+# process that builds engines of many models (the test suite does) has more than 8. 64 is
+# headroom for that, not a measured need.
 DYNAMO_SETTINGS = {"recompile_limit": 64}
 
 # The warm-up's size for the general graph: a prime, equal to no model dimension (Dynamo gives

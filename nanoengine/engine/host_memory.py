@@ -29,13 +29,13 @@ tables. With 2 MiB pages the same weights are 270 pages. Linux backs memory with
 PyTorch's allocator does not ask, so ``move_to_huge_pages`` copies the weights once, at
 load, into one region that does: 2 MiB-aligned, ``MADV_HUGEPAGE`` before the first touch.
 
-On the 2-core Xeon a lone sequence decoded 33 tokens/s with the weights where PyTorch put
-them and 38-44 after the move; and the same model loaded twice in one process had decoded
-34 and 37-40 tokens/s, because where the allocator happened to put each copy decided how
-much of it the kernel could back with huge pages (results/README.md). The move makes that
-speed the rule rather than luck. Where the machine has no transparent huge pages (not Linux,
-or ``[never]``) the weights stay where they are; ``huge_page_bytes`` says how much of the
-process's memory the kernel really backs with huge pages.
+A lone sequence decoded faster with the weights moved than where PyTorch put them; and the
+same model loaded twice in one process had decoded at two different speeds, because where
+the allocator happened to put each copy decided how much of it the kernel could back with
+huge pages (figures: results/README.md). The move makes the faster speed the rule rather
+than luck. Where the machine has no transparent huge pages (not Linux, or ``[never]``) the
+weights stay where they are; ``huge_page_bytes`` says how much of the process's memory the
+kernel really backs with huge pages.
 
 What the move costs
 -------------------
@@ -43,11 +43,11 @@ A huge page must be 2 MiB of *contiguous* physical memory. Where the kernel has 
 free, the first write of each costs a fraction of a millisecond (zeroing it); where free
 memory is fragmented into 4 KiB pieces, the kernel first compacts (moves other pages out of
 the way, the ``[madvise]`` setting of ``.../transparent_hugepage/defrag``), and each huge
-page then cost 25-35 ms on the 2-core Xeon VM. Moving SmolLM2's 513 MiB took 0.4 s in one
-process and 3.5-5 s in the next, depending only on what earlier processes had left in memory
-(``results/README.md``). A compacted page saves about 0.025 ms a token for a lone sequence, so
-it pays for itself after a thousand tokens or so: worth it for a server, not for a notebook
-cell that generates twenty. So the CPU backend gives the move a time budget
+page then costs far more. Moving SmolLM2's 513 MiB took a fraction of a second in one process
+and several seconds in the next, depending only on what earlier processes had left in memory.
+A compacted page saves a little time on every token of a lone sequence, so it pays for itself
+only after many tokens (figures: ``results/README.md``): worth it for a server, not for a
+notebook cell that generates twenty. So the CPU backend gives the move a time budget
 (``move_budget``, 1 s unless ``NANOENGINE_HUGE_PAGE_SECONDS`` says otherwise; ``serve`` and
 the benchmark wait as long as it takes): tensors are moved smallest first, and once the budget
 is spent the rest stay where they are (``CpuBackend.describe`` says what share moved).
@@ -106,7 +106,8 @@ import torch
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
+MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # glibc's maximum on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
+# A round figure far above what a step frees, so no step trims (no other value is recorded).
 TRIM_THRESHOLD_BYTES = 1024 * 1024 * 1024
 USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
@@ -157,7 +158,8 @@ def keep_freed_memory() -> bool:
 TRIM_VARIABLE = "NANOENGINE_TRIM_WHEN_IDLE"
 # How long a server's engine must have had nothing to do before it gives freed memory back: long
 # enough that the short gaps between a client's requests do not trim, and the step after a trim,
-# which faults its pages back in, comes once per idle period.
+# which faults its pages back in, comes once per idle period. Set by that rule (no sweep is
+# recorded); what a trim costs the next request was measured (``soak-trim-cost``, results/README.md).
 TRIM_AFTER_IDLE_S = 1.0
 
 
@@ -181,12 +183,13 @@ def release_free_heap() -> bool:
     return libc is not None and bool(libc.malloc_trim(0))
 
 
-HUGE_PAGE_BYTES = 2 * 1024 * 1024
+HUGE_PAGE_BYTES = 2 * 1024 * 1024  # the size of a transparent huge page on x86-64
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 ALIGNMENT = 64  # each tensor's start in the region: a cache line (the kernels' vector loads)
 # How long the CPU backend lets the move take at load (the module's docstring says why there is a
 # limit), unless the environment variable says otherwise: seconds, or "inf" for no limit. A server
-# and the benchmark set "inf" for their engines: they run long enough to repay any wait.
+# and the benchmark set "inf" for their engines: they run long enough to repay any wait. 1 s was
+# measured against no limit, load time against a lone sequence's speed (results/README.md).
 MOVE_BUDGET_S = 1.0
 MOVE_BUDGET_VARIABLE = "NANOENGINE_HUGE_PAGE_SECONDS"
 

@@ -114,7 +114,8 @@ def paged_decode_attention(
     2. the weighted sum of values reads them straight from the cache: ``embedding_bag``
        with per-sample weights *is* a gather fused with a weighted sum (each output row is
        the sum of ``probability * cache row`` over that row's bag of slots), so the values
-       are never copied out. Decode attention is memory-bound; not copying V is ~30%.
+       are never copied out. Decode attention is memory-bound, so not copying V saves much of
+       its time (results/README.md).
        ``embedding_bag`` wants the weights in the cache's dtype: a bfloat16 cache gets its
        probabilities rounded to bfloat16 (the output is rounded to bfloat16 anyway).
 

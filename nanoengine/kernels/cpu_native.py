@@ -5,12 +5,11 @@ Four operations are poorly served by the libraries PyTorch calls, three of them 
 * **A few rows times a weight** (``few_rows_linear``, ``csrc/few_rows_linear.cpp``). When
   one to a few sequences decode, each linear layer multiplies a few rows of activations by
   its whole weight matrix: two flops per weight read, so the step's speed is how fast the
-  weights stream from memory. MKL and oneDNN are tuned for many rows: measured on a 2-core
-  AMD EPYC (AVX2) that copies memory at ~18 GB/s, MKL's ``F.linear`` read SmolLM2's weights
-  at 7-9 GB/s for one row (slower with two threads than one) and oneDNN's packed GEMM at
-  6-13 GB/s; this kernel, splitting each weight's rows between the threads and streaming
-  them once, at 13-17 GB/s, and it stays ahead up to 8 rows (``MAX_ROWS``; the table and
-  the command: ``results/README.md``).
+  weights stream from memory. MKL and oneDNN are tuned for many rows: for one row both read
+  SmolLM2's weights well below the speed at which the CPU copies memory (MKL slower with two
+  threads than one); this kernel, splitting each weight's rows between the threads and
+  streaming them once, reads them faster than either, and it stays ahead up to 8 rows
+  (``MAX_ROWS``; the figures and the command: ``results/README.md``).
 * **Decode attention** (``paged_decode_attention``, ``csrc/paged_decode_attention.cpp``).
   The batched PyTorch version (``cpu_attention``) gathers keys and pays a dozen tensor ops
   per layer; this kernel walks each sequence's block table and reads every K/V row where it
@@ -20,9 +19,9 @@ Four operations are poorly served by the libraries PyTorch calls, three of them 
   ``csrc/paged_prefill_attention.cpp``). In float32 arithmetic, tiles written out: the keys
   packed once per sequence and KV head, the scores, the softmax and the weighted values as small
   matrix products held in registers, sixteen lanes wide on AVX-512 with the AVX2 functions'
-  bits; PyTorch's SDPA runs a 155-token float32 prompt at half their speed (results/README.md). In bfloat16
-  arithmetic (oneDNN's AMX and AVX512-BF16 kernels behind SDPA), the reference's PyTorch calls
-  made from C++, each thread taking the step's next sequence whole.
+  bits; PyTorch's SDPA runs a short float32 prompt much slower (figures: results/README.md). In
+  bfloat16 arithmetic (oneDNN's AMX and AVX512-BF16 kernels behind SDPA), the reference's
+  PyTorch calls made from C++, each thread taking the step's next sequence whole.
 * **RMSNorm with its residual add** (``rms_norm``, ``add_rms_norm``, ``csrc/rms_norm.cpp``):
   one call and one pass per row where eager PyTorch makes five calls; for one decoding
   sequence the calls, not the arithmetic, were the cost.

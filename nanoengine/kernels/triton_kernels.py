@@ -50,7 +50,8 @@ MAX_HEAD_DIM = 256  # q, k, v and acc tiles of BLOCK_D columns must fit in regis
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)); exp2 is the cheaper instruction
 
 # Tile sizes. tl.dot on tensor cores needs every dimension >= 16, so smaller extents (a GQA
-# group of 1, a head_dim of 8) are padded up to 16 and masked.
+# group of 1, a head_dim of 8) are padded up to 16 and masked. The 64s are not tuned: no sweep
+# of them on a GPU is recorded (results/README.md).
 DECODE_BLOCK_N = 64  # context tokens per step of the decode loop
 PREFILL_BLOCK_M = 64  # query tokens per prefill program
 PREFILL_BLOCK_N = 64  # context tokens per step of the prefill loop

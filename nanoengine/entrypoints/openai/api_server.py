@@ -425,22 +425,21 @@ def serve_in_background(engine: LLMEngine, served_model_name: str, host: str = D
 # How often CPython asks the thread holding the GIL to hand it over (its default is 5 ms). The
 # server has two busy threads: the engine thread, which runs Python between its operators, and
 # the event loop, which takes each request in and each token out. At 5 ms a token that is ready
-# can wait most of a switch interval for the loop to get the GIL. With 1 ms, alternating with
-# 5 ms over 3 rounds on the 2-core Xeon (results/README.md): inter-token p50 at 2 requests/s
-# 49-57 against 54-60 ms, TTFT p50 258-271 against 236-285 ms (2 req/s) and 325-401 against
-# 357-430 ms (4 req/s), throughput 1-2% higher. Only ``serve --engine-thread`` sets it: the process
-# is the server's, and without that flag the engine steps in a process of its own (engine_core).
+# can wait most of a switch interval for the loop to get the GIL. 1 ms was chosen by alternating
+# two servers, 1 ms against 5 ms, on the bench workload at 2 and 4 requests/s (results/README.md):
+# lower inter-token latency at 2 requests/s, TTFT no worse, throughput a little higher. Only
+# ``serve --engine-thread`` sets it: the process is the server's, and without that flag the
+# engine steps in a process of its own (engine_core).
 GIL_SWITCH_INTERVAL_S = 0.001
 
 
 # How much lower the server's own process runs than its engine core (``os.nice``; a higher
-# niceness is a smaller share of a contended CPU). The front end needs little CPU (0.5 s of a
-# 22 s run at 2 requests/s) but wakes for every step and every client; at equal priority each
-# wake-up may take a core from the engine's OpenMP team in the middle of an operator, and the
-# team waits for it. One step lower and the scheduler prefers to run it when the core leaves
-# a core idle. Alternating two servers on the 2-core Xeon, 3 rounds (results/README.md): inter-token
-# p50 at 2 requests/s 50.3-50.4 against 44.9-45.4 ms, TTFT p50 227 against 219 ms (medians),
-# throughput 2% higher; at niceness 10 the front end starved (TTFT p99 0.95 s).
+# niceness is a smaller share of a contended CPU). The front end needs little CPU but wakes
+# for every step and every client; at equal priority each wake-up may take a core from the
+# engine's OpenMP team in the middle of an operator, and the team waits for it. One step lower
+# and the scheduler prefers to run it when the core leaves a core idle. 5 was chosen by
+# alternating two servers at 0 against 5, then 5 against 10 (results/README.md): at 5 lower
+# inter-token latency and a little more throughput than at 0; at 10 the front end starved.
 FRONT_END_NICENESS = 5
 
 

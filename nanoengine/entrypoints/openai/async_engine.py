@@ -43,10 +43,10 @@ starts parallel work a team of its own, kept until that thread ends. A model loa
 main thread leaves the main thread's team behind when the engine thread starts stepping
 with another: more OpenMP threads than cores, and GNU OpenMP then stops spinning at its
 barriers and puts threads to sleep at every one instead, some hundreds of times a step.
-On a 2-core Xeon the bench workload ran about 15% slower stepped on another thread than on
-the one that loaded the model, and as fast once the loading thread had ended
-(``results/README.md``). So ``python -m nanoengine serve --engine-thread`` loads the model on
-a thread that ends (``build_on_a_passing_thread``), and the engine thread's team is the only one. A server
+The bench workload ran clearly slower stepped on another thread than on the one that loaded
+the model, and as fast once the loading thread had ended (figures: ``results/README.md``).
+So ``python -m nanoengine serve --engine-thread`` loads the model on a thread that ends
+(``build_on_a_passing_thread``), and the engine thread's team is the only one. A server
 started in a notebook (``serve_in_background``) steps a model the notebook's own thread
 loaded and keeps using, so it pays this (chapter 12 measures it). ``serve`` itself runs the
 engine core in a process of its own (``engine_core``, as vLLM v1 does) unless told

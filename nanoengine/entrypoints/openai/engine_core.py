@@ -47,8 +47,8 @@ before it sleeps on the pipe: no step waits for it, and a burst of requests with
 between them does not trim at every gap. ``NANOENGINE_TRIM_WHEN_IDLE=0`` switches it off;
 ``python -m nanobench.soak`` measures what it changes.
 
-The price is a copy: every step's ``RequestOutput`` objects are pickled and read back,
-about 0.2 ms a step for a batch of 32 (10 KB, both sides, on the 2-core Xeon). Arrival
+The price is a copy: every step's ``RequestOutput`` objects are pickled and read back, a
+small cost beside the step itself (figures: results/README.md). Arrival
 times need no translation: ``time.perf_counter`` reads the same monotonic clock in every
 process of the machine.
 A function given to ``call`` runs in the core's process, so it must be importable there
@@ -84,9 +84,9 @@ from nanoengine.outputs import RequestOutput
 
 logger = logging.getLogger("nanoengine.serve")
 
-# GNU OpenMP's spin count for the engine core's threads (the module's docstring says why). Measured
-# alternating two servers on a 2-core Xeon, 3 rounds (results/README.md): at 10,000 inter-token p50
-# at 2 requests/s 49 against 51 ms and TTFT p50 234 against 238 ms (medians), a small gain; 1,000 was worse.
+# GNU OpenMP's spin count for the engine core's threads (the module's docstring says why). Chosen
+# by alternating two servers, 10,000 against GNU's default 300,000 and against 1,000
+# (results/README.md): 10,000 a small gain in latency, 1,000 worse.
 ENGINE_CORE_SPINCOUNT = 10_000
 
 

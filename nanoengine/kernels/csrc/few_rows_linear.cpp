@@ -7,7 +7,7 @@
 // Why it exists: with one sequence decoding, a step multiplies one row of activations by
 // every weight of the model. That reads each weight once and does two flops per weight, so
 // its speed is the memory bandwidth. MKL's sgemv and oneDNN's packed GEMM both read the
-// weights at well under half of what this CPU can stream with two threads; this loop splits
+// weights far slower than the CPU can stream them with two threads; this loop splits
 // the weight's rows between PyTorch's threads (at::parallel_for, the same OpenMP pool as
 // every other op) and each thread streams its rows once, whatever the number of rows x has.
 //
@@ -63,8 +63,8 @@ inline void dot_rows(const float* x, int64_t x_stride, const T* w, int64_t K, fl
 
 // x as float32: bfloat16 rows are widened once per call (exactly: every bfloat16 is a float32),
 // not once per weight row, which left a bfloat16 product converting twice the values it
-// needs to and measured compute-bound (half the copy bandwidth on an AMX Xeon). The sums see
-// the same values in the same order, so the bits are unchanged.
+// needs to and measured compute-bound, well below the copy bandwidth (results/README.md). The
+// sums see the same values in the same order, so the bits are unchanged.
 template <typename T>
 std::vector<float> rows_as_float(const T* x, int64_t count) {
   std::vector<float> wide(count);

@@ -7,12 +7,13 @@
 //
 // Why: SmolLM2's 30 layers make about 25 operator calls each from Python: module calls, views,
 // the norms, the rotary embedding, store-KV, attention, four GEMMs, the activation. Each costs
-// a few microseconds of interpreter and argument parsing: decoding one sequence, ~6 ms a token
-// against ~19 ms of GEMMs that read the weights; a prefill pays them once per step too. Here
-// the same sequence of operators runs from C++: the GEMMs, norms and attention are the same
-// registered operators the eager path calls (through the dispatcher, so the profiler still
-// sees each one by name), the activation is ATen's own silu and mul, and the rotary embedding
-// is a loop computing eager's products and sum in eager's order. So the bits are eager's.
+// a few microseconds of interpreter and argument parsing: decoding one sequence, together a
+// large share of a token's time beside the GEMMs that read the weights (results/README.md); a
+// prefill pays them once per step too. Here the same sequence of operators runs from C++: the
+// GEMMs, norms and attention are the same registered operators the eager path calls (through
+// the dispatcher, so the profiler still sees each one by name), the activation is ATen's own
+// silu and mul, and the rotary embedding is a loop computing eager's products and sum in
+// eager's order. So the bits are eager's.
 //
 // A step's tokens are its decodes first, then its prefill chunks (layers/attention.py's
 // AttentionMetadata); decode rows go to the paged decode kernel, prefill chunks to the native

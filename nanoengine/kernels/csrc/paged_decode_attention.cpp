@@ -16,7 +16,7 @@
 //
 // Two paths with one result: attend() in AVX2 runs everywhere; attend_wide() runs on CPUs with
 // AVX-512 and computes the same bits with fewer instructions, reading each K and V row once
-// for all the query heads that share it (bf16 batch-32 decode attention 1.23x, fp32 1.1x,
+// for all the query heads that share it (faster on batch-32 decode attention, bf16 most:
 // results/README.md). tests/engine/test_cpu_native.py compares the two bit for bit.
 
 #include <ATen/Parallel.h>
@@ -98,7 +98,7 @@ inline void prefetch_row(const T* row, int64_t head_dim) {
 
 // The largest of x[0..n): eight lanes at a time. A maximum is exact whatever the order, so
 // this is std::max_element's value; a scalar loop waited on its previous compare at every
-// element (a tenth of a decode's attention time, measured with perf).
+// element (a measurable share of a decode's attention time, with perf: results/README.md).
 inline float max_of(const float* x, int64_t n) {
   __m256 lanes = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t i = 0;

@@ -5,24 +5,24 @@
 // cached tokens and its own. Two ways, chosen by the arithmetic the step asks for:
 //
 // * float32 arithmetic (a float32 cache, or a bfloat16 one widened): tiles written out here
-//   (tiled_attention, below). PyTorch's SDPA ran a 155-token prompt's float32 attention at
-//   ~30 GFLOP/s a thread on a 2-core Xeon that does ten times that in a GEMM: its blocks are
-//   small library calls, each with its own overhead. The tiles are three small matrix
-//   products whose inner loops keep every operand in registers: 2.0x SDPA on that prompt
-//   (results/README.md). Their bits are this source's, not SDPA's (within ~1e-6 of the
-//   float32 reference); the tests hold them to it.
+//   (tiled_attention, below). PyTorch's SDPA ran a short prompt's float32 attention at a small
+//   fraction of the arithmetic rate the same CPU reaches in a GEMM: its blocks are small
+//   library calls, each with its own overhead. The tiles are three small matrix products
+//   whose inner loops keep every operand in registers, and run such a prompt much faster
+//   than SDPA (figures: results/README.md). Their bits are this source's, not SDPA's
+//   (within ~1e-6 of the float32 reference); the tests hold them to it.
 // * bfloat16 arithmetic (CPUs with bfloat16 instructions: CpuAttention.prefill_dtype): SDPA,
 //   whose bfloat16 path runs on oneDNN's AMX/AVX512-BF16 kernels, once per sequence, with the
 //   reference's bits. The reference calls it per sequence from Python, and SDPA splits one
-//   short sequence's work over the threads: on a 2-core CPU a 32-prompt prefill spent a
-//   quarter of its attention time outside SDPA, and SDPA on two threads took 1.15x the time of
-//   half its one-thread time. Here the sequences are shared out instead: each thread takes the
-//   next sequence not yet done (longest first, so that the last ones are short), gathers its
-//   K/V rows with memcpy and runs SDPA on it alone (PyTorch runs an operator called inside a
-//   parallel region on the calling thread). A lone prompt (the usual prefill of a server at
-//   low load) would leave every thread but one idle, so when one sequence outweighs a
-//   thread's share of the step's work by more than SDPA loses in splitting it, the sequences
-//   run one after another and SDPA splits each over all the threads itself.
+//   short sequence's work over the threads: a 32-prompt prefill spent a good part of its
+//   attention time outside SDPA, and SDPA on two threads took longer than half its one-thread
+//   time (figures: results/README.md). Here the sequences are shared out instead: each thread
+//   takes the next sequence not yet done (longest first, so that the last ones are short),
+//   gathers its K/V rows with memcpy and runs SDPA on it alone (PyTorch runs an operator
+//   called inside a parallel region on the calling thread). A lone prompt (the usual prefill
+//   of a server at low load) would leave every thread but one idle, so when one sequence
+//   outweighs a thread's share of the step's work by more than SDPA loses in splitting it,
+//   the sequences run one after another and SDPA splits each over all the threads itself.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -45,7 +45,7 @@
 namespace {
 
 // How much longer SDPA takes to split one sequence over the threads than its work divided by
-// their number: 1.15 on a 2-core Xeon (two threads took 1.15x half of one thread's time).
+// their number: measured, SDPA on short prompts with two threads against one (results/README.md).
 constexpr double kSplitCost = 1.15;
 
 // One sequence's first `length` cached vectors in token order: (length, kv_heads, head_dim),
@@ -89,6 +89,7 @@ using nanoengine_cpu::load8;
 using nanoengine_cpu::load16;
 using nanoengine_cpu::store8;
 
+// Query tokens a task takes (for all the heads of one KV head): not tuned, no sweep is recorded.
 constexpr int64_t TOKENS_PER_TASK = 16;
 constexpr int64_t ROW_TILE = 12;  // 12 accumulators, the panel and a broadcast: 14 of AVX2's 16 registers
 constexpr int64_t VALUE_ROWS = 6;  // 6 rows x 16 output lanes: 12 accumulators

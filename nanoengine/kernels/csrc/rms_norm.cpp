@@ -5,9 +5,10 @@
 //
 // Eager PyTorch runs RMSNorm as several operators (the float32 copy, the norm, the cast, the
 // weight multiply, and the residual add before it), each a pass over the activations and a
-// call from Python: for one decoding sequence, 61 norms a token cost ~4 ms on a 2-core CPU,
-// almost all of it call overhead. Here each row is read once for its sum of squares and once
-// to write the output (and the new residual), and a step's norm is one call.
+// call from Python: for one decoding sequence, 61 norms a token cost a noticeable share of
+// the token's time, almost all of it call overhead (results/README.md). Here each row is read
+// once for its sum of squares and once to write the output (and the new residual), and a
+// step's norm is one call.
 //
 // Numerics: sums of squares in float32, in an order fixed by this source; the normalised
 // value is rounded to x's dtype before the weight multiplies it, as Hugging Face's Llama does.
