@@ -247,3 +247,31 @@ def test_the_async_engine_trims_once_per_idle_period_after_work(monkeypatch, tin
         return seen
 
     assert asyncio.run(main()) == expected
+
+
+def test_a_request_that_arrives_before_the_trim_is_served_at_once(monkeypatch, tiny_llama_dir):
+    """The thread waits ``TRIM_AFTER_IDLE_S`` for work before trimming; work that arrives in that
+    wait is stepped at once, and no trim comes between."""
+    monkeypatch.delenv(host_memory.TRIM_VARIABLE, raising=False)
+    trims: list[float] = []
+    monkeypatch.setattr(async_engine, "release_free_heap", lambda: trims.append(time.monotonic()) or True)
+    monkeypatch.setattr(async_engine, "TRIM_AFTER_IDLE_S", 600.0)
+
+    async def main() -> None:
+        ae = async_engine.AsyncLLMEngine(tiny_engine(tiny_llama_dir))
+        ae.start()
+        try:
+            for request_id in ("a", "b"):  # "b" arrives while the thread waits to trim after "a"
+                stream = await ae.add_requests([(request_id, [5, 6, 7], GREEDY)])
+                outs = await asyncio.wait_for(_all(stream), 30)  # a hang guard: it takes milliseconds
+                assert outs[-1].finished
+                await asyncio.sleep(0.3)  # the thread is now waiting to trim
+        finally:
+            ae.shutdown()
+
+    asyncio.run(main())
+    assert trims == []
+
+
+async def _all(stream) -> list:
+    return [out async for out in stream]

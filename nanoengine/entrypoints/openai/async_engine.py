@@ -385,9 +385,10 @@ class AsyncLLMEngine:
         while True:
             with self._cond:
                 while not (self._commands or self._stopping or engine.has_unfinished_requests()):
-                    if self._trim and stepped_since_trim and not self._cond.wait(TRIM_AFTER_IDLE_S):
-                        release_free_heap()  # once per idle period, as the engine core does
-                        stepped_since_trim = False
+                    if self._trim and stepped_since_trim:
+                        if not self._cond.wait(TRIM_AFTER_IDLE_S):  # still idle: once per idle period,
+                            release_free_heap()  # as the engine core does
+                            stepped_since_trim = False
                     else:
                         self._cond.wait()  # idle: no spinning, no polling
                 if self._stopping:
