@@ -14,12 +14,13 @@ Four operations are poorly served by the libraries PyTorch calls, three of them 
   The batched PyTorch version (``cpu_attention``) gathers keys and pays a dozen tensor ops
   per layer; this kernel walks each sequence's block table and reads every K/V row where it
   lies in the cache, once per KV head. On CPUs with AVX-512 it runs sixteen lanes wide with
-  the AVX2 path's bits (functions compiled for AVX-512 alone, chosen at run time).
+  the AVX2 path's bits (functions compiled for AVX-512 alone, chosen at run time): a batch's
+  decode attention takes markedly less time so (results/README.md).
 * **Prefill attention for a whole step** (``paged_prefill_attention``,
   ``csrc/paged_prefill_attention.cpp``). In float32 arithmetic, tiles written out: the keys
   packed once per sequence and KV head, the scores, the softmax and the weighted values as small
-  matrix products held in registers, sixteen lanes wide on AVX-512 with the AVX2 functions'
-  bits; PyTorch's SDPA runs a short float32 prompt much slower (figures: results/README.md). In
+  matrix products held in registers, AVX2 alone (sixteen lanes on AVX-512 bought under 10%,
+  measured: results/README.md); PyTorch's SDPA runs a short float32 prompt much slower (figures: results/README.md). In
   bfloat16 arithmetic (oneDNN's AMX and AVX512-BF16 kernels behind SDPA), the reference's
   PyTorch calls made from C++, each thread taking the step's next sequence whole.
 * **RMSNorm with its residual add** (``rms_norm``, ``add_rms_norm``, ``csrc/rms_norm.cpp``):
@@ -41,8 +42,8 @@ and the instruction set, so another PyTorch never loads them; ``./course setup``
 ahead. They are compiled for AVX2 + FMA exactly (not ``-march=native``) and every sum's order
 is fixed by the source, not by the CPU, the thread count or the batch: every x86-64 machine
 with AVX2 computes the same bits, and a row gets the same bits alone or in a batch. (The
-attention kernels' AVX-512 functions are the one exception to "AVX2 exactly", and they compute
-the AVX2 functions' bits.)
+decode attention kernel's AVX-512 functions are the one exception to "AVX2 exactly", and they
+compute the AVX2 functions' bits.)
 
 Without a C++ compiler, ninja, or AVX2 + FMA, ``load`` says why in one warning and returns
 False; the CPU backend then uses the libraries and the batched PyTorch attention.
@@ -157,7 +158,7 @@ def _register_fakes() -> None:
         return torch.empty_like(query)
 
     @torch.library.register_fake("nanoengine::paged_prefill_attention")
-    def _(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, widen, avx512=True):
+    def _(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, widen):
         return torch.empty_like(query)
 
     @torch.library.register_fake("nanoengine::cpu_linear")
@@ -210,19 +211,17 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                            scale: float, compute_dtype: torch.dtype | None = None,
-                            avx512: bool = True) -> torch.Tensor:
+                            scale: float, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``reference.paged_prefill_attention`` for a whole step (``csrc/paged_prefill_attention.cpp``).
 
     ``compute_dtype`` as there: None widens 16-bit caches to float32; the cache's own dtype keeps
     them. Float32 arithmetic runs the file's tiles (head sizes a multiple of 32): within float32
     rounding of the reference, with bits that depend on neither the CPU, the threads, the batch nor
-    the chunking; ``avx512`` False runs their AVX2 functions on an AVX-512 CPU (the same bits: how
-    the tests compare them). Otherwise, SDPA per sequence with the reference's own bits.
+    the chunking. Otherwise, SDPA per sequence with the reference's own bits.
     """
     return torch.ops.nanoengine.paged_prefill_attention(query.contiguous(), k_cache, v_cache, block_tables,
                                                         cu_seqlens_q, context_lens, scale,
-                                                        widens(query.dtype, compute_dtype), avx512)
+                                                        widens(query.dtype, compute_dtype))
 
 
 def widens(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> bool:

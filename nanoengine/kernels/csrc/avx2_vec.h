@@ -1,5 +1,5 @@
 // Small AVX2 helpers shared by the native CPU kernels (cpu_native.py builds them), and the two
-// AVX-512 ones both attention kernels' wide functions use.
+// AVX-512 ones the decode attention kernel's wide functions use.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -69,7 +69,7 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
 }
 
-// Whether this CPU runs the attention kernels' AVX-512 functions (asked once per process).
+// Whether this CPU runs the decode attention kernel's AVX-512 functions (asked once per process).
 inline bool cpu_has_avx512() {
   static const bool has = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");

@@ -88,8 +88,8 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_
                                    const at::Tensor& context_lens, double scale, bool widen) {
   static auto op = operator_named("nanoengine::paged_prefill_attention")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, const at::Tensor&, double, bool, bool)>();
-  return op.call(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, widen, /*avx512=*/true);
+                                         const at::Tensor&, const at::Tensor&, double, bool)>();
+  return op.call(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, widen);
 }
 
 // backends/cpu.py's cpu_product for a 2-D x: up to few_rows_max rows by the few-rows kernel,

@@ -67,26 +67,23 @@ at::Tensor gather_rows(const at::Tensor& cache, const int64_t* table, int64_t le
 
 
 // ------------------------------------------------------------ float32 arithmetic, in tiles
-// For one (sequence, KV head) the keys are packed once, transposed, into panels of eight keys
-// (sixteen on AVX-512): value d of the panel's keys side by side. A task then takes up to
+// For one (sequence, KV head) the keys are packed once, transposed, into panels of eight keys:
+// value d of the panel's keys side by side. A task then takes up to
 // TOKENS_PER_TASK query tokens of the sequence for all the heads that share the KV head
 // (grouped-query attention: their queries are rows of one matrix, each key read once for all):
 // * scores: a tile of query rows x one panel in registers, each score one chain of FMAs over
 //   the head dimension in order d = 0, 1, ...; panels past a tile's last position are skipped;
 // * softmax per row over its own positions: max, e^(score - max), their sum in a fixed order;
-// * values: a block of rows x 16 (32) output lanes in registers, each lane one chain of FMAs
+// * values: a block of rows x 16 output lanes in registers, each lane one chain of FMAs
 //   over the positions in order, each value vector loaded once for the whole block; a row's
 //   weights past its own position are 0, so rows of different lengths share the loop.
-// Every number is a chain in an order fixed by this source, whatever the lanes, threads,
-// batch, chunking or tiling: the AVX2 and AVX-512 functions give the same bits, a prompt gets
-// the same bits alone or in a batch, and a chunk after a cached prefix the same bits as the
+// Every number is a chain in an order fixed by this source, whatever the CPU, threads,
+// batch, chunking or tiling: a prompt gets the same bits alone or in a batch, and a chunk after a cached prefix the same bits as the
 // same tokens in one prefill (the tests compare each).
 
 using nanoengine_cpu::exp8;
 using nanoengine_cpu::horizontal_sum;
-using nanoengine_cpu::cpu_has_avx512;
 using nanoengine_cpu::load8;
-using nanoengine_cpu::load16;
 using nanoengine_cpu::store8;
 
 // Query tokens a task takes (for all the heads of one KV head): not tuned, no sweep is recorded.
@@ -162,7 +159,7 @@ inline __m256 inside8(int64_t t, int64_t length) {
 // One row's (scaled) scores over its first `length` positions become e^(score - max) in place,
 // zero past `length` up to the next multiple of 16; returns 1 / their sum, the outputs' factor.
 // The sum's order: sixteen running sums, position t into sum t % 16, then sums j and j + 8 added
-// and the eight added as horizontal_sum adds them (softmax_row_wide computes the same).
+// and the eight added as horizontal_sum adds them.
 float softmax_row(float* s, int64_t length) {
   const __m256 top = _mm256_set1_ps(row_max(s, length));
   __m256 sum_low = _mm256_setzero_ps(), sum_high = _mm256_setzero_ps();
@@ -209,99 +206,6 @@ void add_values(const float* e, int64_t stride, const float* inv, const T* v_cac
   }
 }
 
-// ---- the same products sixteen lanes wide, on CPUs with AVX-512: each score and each output
-// lane is the same chain of FMAs as above, so the bits are the same (the tests compare both).
-// Compiled for AVX-512 by a target pragma on these functions alone, called only where the CPU has it.
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl")
-
-constexpr int64_t WIDE_ROW_TILE = 24;  // 24 accumulators of AVX-512's 32 registers
-constexpr int64_t WIDE_VALUE_ROWS = 12;  // 12 rows x 32 output lanes: 24 accumulators
-
-// score_tile with panels of sixteen keys and WIDE_ROW_TILE rows.
-void score_tile_wide(const float* q, const float* packed, int64_t panels, int64_t head_dim, float* scores,
-                     int64_t stride) {
-  for (int64_t p = 0; p < panels; ++p) {
-    const float* k = packed + p * head_dim * 16;
-    __m512 acc[WIDE_ROW_TILE];
-    #pragma GCC unroll 32
-    for (int i = 0; i < WIDE_ROW_TILE; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < head_dim; ++d) {
-      const __m512 keys = _mm512_loadu_ps(k + d * 16);
-      #pragma GCC unroll 32
-      for (int i = 0; i < WIDE_ROW_TILE; ++i) {
-        acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(q[d * WIDE_ROW_TILE + i]), keys, acc[i]);
-      }
-    }
-    #pragma GCC unroll 32
-    for (int i = 0; i < WIDE_ROW_TILE; ++i) _mm512_storeu_ps(scores + i * stride + p * 16, acc[i]);
-  }
-}
-
-// add_values with 32 output lanes at a time.
-template <typename T, int R>
-void add_values_wide(const float* e, int64_t stride, const float* inv, const T* v_cache, const int64_t* rows,
-                     int64_t length, int64_t head_dim, T* const* out) {
-  for (int64_t c = 0; c < head_dim; c += 32) {
-    __m512 acc[R][2];
-    #pragma GCC unroll 32
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < length; ++t) {
-      const T* v = v_cache + rows[t] + c;
-      const __m512 v0 = load16(v), v1 = load16(v + 16);
-      #pragma GCC unroll 32
-      for (int r = 0; r < R; ++r) {
-        const __m512 weight = _mm512_set1_ps(e[r * stride + t]);
-        acc[r][0] = _mm512_fmadd_ps(weight, v0, acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(weight, v1, acc[r][1]);
-      }
-    }
-    #pragma GCC unroll 32
-    for (int r = 0; r < R; ++r) {
-      if (out[r] == nullptr) continue;
-      const __m512 factor = _mm512_set1_ps(inv[r]);
-      #pragma GCC unroll 32
-      for (int j = 0; j < 2; ++j) {  // stored eight lanes at a time, as store8 rounds
-        const __m512 product = _mm512_mul_ps(acc[r][j], factor);
-        store8(out[r] + c + 16 * j, _mm512_castps512_ps256(product));
-        store8(out[r] + c + 16 * j + 8, _mm512_extractf32x8_ps(product, 1));
-      }
-    }
-  }
-}
-
-// exp8 sixteen lanes wide: the same operations lane by lane, so the same bits.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i exponent = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(exponent));
-}
-
-// softmax_row sixteen lanes wide, the same bits.
-float softmax_row_wide(float* s, int64_t length) {
-  const __m512 top = _mm512_set1_ps(row_max(s, length));
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < length; t += 16) {
-    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), top));
-    if (t + 16 > length) e = _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << (length - t)) - 1u), e);
-    _mm512_storeu_ps(s + t, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  return 1.0f / horizontal_sum(_mm256_add_ps(_mm512_castps512_ps256(sum), _mm512_extractf32x8_ps(sum, 1)));
-}
-
-#pragma GCC pop_options
 
 struct TileScratch {
   std::vector<float> queries, scores;
@@ -309,15 +213,14 @@ struct TileScratch {
 };
 
 // Query tokens [first, last) of one sequence (q_start its first token in the step, `cached` tokens
-// before its chunk) for the heads sharing kv_head, against its packed keys; `wide`: the AVX-512
-// functions (keys packed sixteen to a panel), else the AVX2 ones (eight).
+// before its chunk) for the heads sharing kv_head, against its packed keys.
 template <typename T>
 void attend_tokens(const T* query, const T* v_cache, const float* packed, const int64_t* table, int64_t q_start,
                    int64_t cached, int64_t first, int64_t last, int64_t kv_head, int64_t num_heads,
-                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, bool wide,
-                   TileScratch& scratch, T* out) {
+                   int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, TileScratch& scratch,
+                   T* out) {
   const int64_t group = num_heads / num_kv_heads, D = head_dim;
-  const int64_t lanes = wide ? 16 : 8, tile = wide ? WIDE_ROW_TILE : ROW_TILE;
+  constexpr int64_t lanes = 8, tile = ROW_TILE;
   const int64_t rows = (last - first) * group, padded = (rows + tile - 1) / tile * tile;
   const int64_t stride = (cached + last + 15) / 16 * 16;  // the longest row, in whole panels and softmax vectors
   fill_rows(table, cached + last, block_size, num_kv_heads * D, kv_head, D, scratch.rows);
@@ -333,14 +236,13 @@ void attend_tokens(const T* query, const T* v_cache, const float* packed, const 
   for (int64_t r0 = 0; r0 < padded; r0 += tile) {  // a tile's panels end at its last row's position
     const int64_t last_token = std::min(first + (r0 + tile - 1) / group, last - 1);
     const int64_t panels = (cached + last_token + 1 + lanes - 1) / lanes;
-    (wide ? score_tile_wide : score_tile)(scratch.queries.data() + r0 * D, packed, panels, D,
-                                          scratch.scores.data() + r0 * stride, stride);
+    score_tile(scratch.queries.data() + r0 * D, packed, panels, D, scratch.scores.data() + r0 * stride, stride);
   }
   // Weights and values, VALUE_ROWS rows (tokens x heads) at a time: a row's weights are zero
   // from its own length to the block's longest, so one loop over positions serves them all.
-  const int64_t block = wide ? WIDE_VALUE_ROWS : VALUE_ROWS;
-  float inv[WIDE_VALUE_ROWS];
-  T* outs[WIDE_VALUE_ROWS];
+  constexpr int64_t block = VALUE_ROWS;
+  float inv[VALUE_ROWS];
+  T* outs[VALUE_ROWS];
   for (int64_t r0 = 0; r0 < rows; r0 += block) {
     const int64_t longest = cached + first + (std::min(r0 + block, rows) - 1) / group + 1;
     for (int64_t i = 0; i < block; ++i) {
@@ -352,13 +254,12 @@ void attend_tokens(const T* query, const T* v_cache, const float* packed, const 
         continue;
       }
       const int64_t t = first + r / group, length = cached + t + 1;
-      inv[i] = (wide ? softmax_row_wide : softmax_row)(e, length);
+      inv[i] = softmax_row(e, length);
       std::fill(e + length, e + longest, 0.0f);
       outs[i] = out + ((q_start + t) * num_heads + kv_head * group + r % group) * D;
     }
     const float* e = scratch.scores.data() + r0 * stride;
-    if (wide) add_values_wide<T, WIDE_VALUE_ROWS>(e, stride, inv, v_cache, scratch.rows.data(), longest, D, outs);
-    else add_values<T, VALUE_ROWS>(e, stride, inv, v_cache, scratch.rows.data(), longest, D, outs);
+    add_values<T, VALUE_ROWS>(e, stride, inv, v_cache, scratch.rows.data(), longest, D, outs);
   }
 }
 
@@ -367,8 +268,8 @@ void attend_tokens(const T* query, const T* v_cache, const float* packed, const 
 template <typename T>
 void tiled_attention(const T* query, const T* k_cache, const T* v_cache, const int64_t* table, const int64_t* start,
                      const int64_t* length, int64_t num_seqs, int64_t max_blocks, int64_t num_heads,
-                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, bool wide, T* out) {
-  const int64_t lanes = wide ? 16 : 8;
+                     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale, T* out) {
+  constexpr int64_t lanes = 8;
   std::vector<int64_t> offset(num_seqs + 1, 0);  // where each sequence's packed keys start
   for (int64_t s = 0; s < num_seqs; ++s) {
     offset[s + 1] = offset[s] + panel_floats(length[s], head_dim, lanes) * num_kv_heads;
@@ -406,7 +307,7 @@ void tiled_attention(const T* query, const T* k_cache, const T* v_cache, const i
       const int64_t s = task.seq, cached = length[s] - (start[s + 1] - start[s]);
       const float* keys = packed.data() + offset[s] + task.kv_head * panel_floats(length[s], head_dim, lanes);
       attend_tokens(query, v_cache, keys, table + s * max_blocks, start[s], cached, task.first, task.last,
-                    task.kv_head, num_heads, num_kv_heads, head_dim, block_size, scale, wide, scratch, out);
+                    task.kv_head, num_heads, num_kv_heads, head_dim, block_size, scale, scratch, out);
     }
   });
 }
@@ -459,7 +360,7 @@ void sdpa_per_sequence(const at::Tensor& query, const at::Tensor& k_cache, const
 
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
-                                   const at::Tensor& context_lens, double scale, bool widen, bool avx512) {
+                                   const at::Tensor& context_lens, double scale, bool widen) {
   for (const at::Tensor* t : {&query, &k_cache, &v_cache}) {
     TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "paged_prefill_attention: contiguous CPU tensors only");
   }
@@ -495,17 +396,16 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_
   at::Tensor out = at::empty_like(query);
   const bool float32_arithmetic = query.scalar_type() == at::kFloat || (widen && query.scalar_type() == at::kBFloat16);
   if (float32_arithmetic && query.size(2) % 32 == 0) {
-    const bool wide = avx512 && cpu_has_avx512();  // the same bits either way
     const float f_scale = static_cast<float>(scale);
     if (query.scalar_type() == at::kFloat) {
       tiled_attention<float>(query.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), table,
                              start, length, num_seqs, max_blocks, query.size(1), k_cache.size(2), query.size(2),
-                             block_size, f_scale, wide, out.data_ptr<float>());
+                             block_size, f_scale, out.data_ptr<float>());
     } else {
       using B = c10::BFloat16;
       tiled_attention<B>(query.data_ptr<B>(), k_cache.data_ptr<B>(), v_cache.data_ptr<B>(), table, start, length,
                          num_seqs, max_blocks, query.size(1), k_cache.size(2), query.size(2), block_size, f_scale,
-                         wide, out.data_ptr<B>());
+                         out.data_ptr<B>());
     }
   } else {
     sdpa_per_sequence(query, k_cache, v_cache, table, start, length, num_seqs, max_blocks, scale, widen, out);
@@ -517,7 +417,7 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_
 
 TORCH_LIBRARY_FRAGMENT(nanoengine, m) {
   m.def("paged_prefill_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor cu_seqlens_q, Tensor context_lens, float scale, bool widen, bool avx512=True) -> Tensor");
+        "Tensor cu_seqlens_q, Tensor context_lens, float scale, bool widen) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(nanoengine, CPU, m) {
