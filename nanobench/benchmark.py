@@ -80,7 +80,7 @@ import torch
 
 from nanobench.timing import (cpu_model, measure_gemm_peak as measure_peak, measure_memory_bandwidth,
                               model_gemm_shapes, source_revision)
-from nanoengine.engine import host_memory
+from nanoengine.backends import cpu_platform
 from nanoengine.models.config import ModelConfig
 
 
@@ -816,7 +816,7 @@ def run_from_args(args: argparse.Namespace) -> dict:
     from nanoengine.loader.weights import resolve_model_source
 
     check_arguments(args)
-    host_memory.wait_for_all_huge_pages()  # a benchmark wants the engines' full speed, every run
+    cpu_platform.wait_for_all_huge_pages()  # a benchmark wants the engines' full speed, every run
     if args.speculative:
         from nanobench.speculative import run_speculative
 

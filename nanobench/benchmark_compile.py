@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from nanobench.benchmark import compare_greedy, decode_rates, engine_decoder
-from nanoengine.engine.compilation import CPU_MIN_ROWS, compilable_objects
+from nanoengine.backends.compilation import CPU_MIN_ROWS, compilable_objects
 
 SYSTEMS = ("eager", "compiled")
 

@@ -1,7 +1,7 @@
 """A soak: the engine's server under an hour of mixed load, its engine core's memory every minute.
 
 A server runs for days, so its resident memory must level off. The engine core keeps the
-memory its steps free (``nanoengine/engine/host_memory.py`` says why) and gives it back to
+memory its steps free (``nanoengine/backends/cpu_platform.py`` says why) and gives it back to
 the kernel when it goes idle; this benchmark checks the two together over a long run, the
 way a deployment runs the engine:
 
@@ -304,7 +304,7 @@ def trim_cost(model_dir: Path, rounds: int, seed: int) -> dict:
     (both servers up together, so the machine is the same for both). Each turn waits
     ``IDLE_BEFORE_PROBE_S`` first, so the trimming server has trimmed and its next step
     faults the freed pages back in."""
-    from nanoengine.engine.host_memory import TRIM_VARIABLE
+    from nanoengine.backends.cpu_platform import TRIM_VARIABLE
 
     servers = {}
     for name, trim in (("trim", "1"), ("no_trim", "0")):
@@ -335,7 +335,7 @@ def trim_cost(model_dir: Path, rounds: int, seed: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from nanobench.benchmark import environment, load_average
     from nanoengine import default_model_dir
-    from nanoengine.engine.host_memory import TRIM_VARIABLE
+    from nanoengine.backends.cpu_platform import TRIM_VARIABLE
 
     words_given = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="python -m nanobench.soak", description=__doc__.splitlines()[0])

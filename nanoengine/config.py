@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from nanoengine.engine.host_memory import move_budget
+from nanoengine.backends import check_environment, default_dtype
 from nanoengine.engine.scheduling_policy import POLICIES as SCHEDULING_POLICIES
 from nanoengine.models.config import ModelConfig
 from nanoengine.spec_decode.config import SpeculativeConfig
@@ -54,7 +54,7 @@ class EngineConfig:
         GPU, and on a CPU no compiled model (vLLM's flag, with the same meaning).
     compile: torch.compile the small fused ops (RMSNorm + residual, rotary, SiLU-and-mul,
         the sampler's filters); on failure the engine warns once and stays eager. An explicit
-        choice of its own: enforce_eager does not turn it off (``engine.compilation``).
+        choice of its own: enforce_eager does not turn it off (``backends.compilation``).
     compile_model: on a CPU, compile the model's forward whole, its GEMMs and attention as
         opaque operators (``backends.cpu_graph``, as vLLM's CPU backend does). None (the
         default): compiled wherever each decoder layer runs as one native call (SmolLM2 and
@@ -142,8 +142,7 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) (torch.Generator's range), got {self.seed!r}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
-        if self.torch_device.type == "cpu":
-            move_budget()  # the environment's time for moving the weights to huge pages, checked before loading
+        check_environment(self.torch_device)  # the backend's environment variables, before anything loads
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -167,7 +166,7 @@ class EngineConfig:
         chosen = DTYPES[self.dtype]
         if chosen is not None:
             return chosen
-        return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return default_dtype(self.torch_device)
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

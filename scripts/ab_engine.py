@@ -21,22 +21,28 @@ import torch
 
 from nanoengine import LLM, SamplingParams
 
-llm = LLM(dtype=os.environ.get("DTYPE", "float32"))
-gen = torch.Generator().manual_seed(0)
-prompts = [torch.randint(100, 40000, (int(torch.randint(32, 257, (1,), generator=gen)),), generator=gen).tolist()
-           for _ in range(24)]
-batched = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-single = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
-llm.generate(prompts[:4], batched, use_tqdm=False)  # warm-up
-rates = {"batch": [], "single": []}
-tokens = None
-for _ in range(int(os.environ.get("REPEATS", 3))):
-    start = time.perf_counter()
-    outs = llm.generate(prompts, batched, use_tqdm=False)
-    rates["batch"].append(24 * 64 / (time.perf_counter() - start))
-    start = time.perf_counter()
-    alone = llm.generate([prompts[0][:32]], single, use_tqdm=False)
-    rates["single"].append(128 / (time.perf_counter() - start))
-    tokens = [o.outputs[0].token_ids for o in outs] + [alone[0].outputs[0].token_ids]
-print(json.dumps({k: round(statistics.median(v), 1) for k, v in rates.items()}),
-      "tokens", hashlib.sha1(str(tokens).encode()).hexdigest()[:10], sys.argv[1:])
+
+def measure(llm: LLM, repeats: int) -> tuple[dict[str, list[float]], str]:
+    """The workload on ``llm``: tokens/s per round, batched and single, and the greedy tokens' hash."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 40000, (int(torch.randint(32, 257, (1,), generator=gen)),), generator=gen).tolist()
+               for _ in range(24)]
+    batched = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    single = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    llm.generate(prompts[:4], batched, use_tqdm=False)  # warm-up
+    rates = {"batch": [], "single": []}
+    tokens = None
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, batched, use_tqdm=False)
+        rates["batch"].append(24 * 64 / (time.perf_counter() - start))
+        start = time.perf_counter()
+        alone = llm.generate([prompts[0][:32]], single, use_tqdm=False)
+        rates["single"].append(128 / (time.perf_counter() - start))
+        tokens = [o.outputs[0].token_ids for o in outs] + [alone[0].outputs[0].token_ids]
+    return rates, hashlib.sha1(str(tokens).encode()).hexdigest()[:10]
+
+
+if __name__ == "__main__":
+    rates, digest = measure(LLM(dtype=os.environ.get("DTYPE", "float32")), int(os.environ.get("REPEATS", 3)))
+    print(json.dumps({k: round(statistics.median(v), 1) for k, v in rates.items()}), "tokens", digest, sys.argv[1:])

@@ -17,7 +17,7 @@ def select_backend(device: torch.device | str, *, compile: bool = False, cuda_gr
                    max_model_len: int | None = None, compile_model: bool | None = False) -> Backend:
     """The backend for ``device``.
 
-    compile: torch.compile the small fused ops (``engine.compilation``).
+    compile: torch.compile the small fused ops (``backends.compilation``).
     cuda_graph_max_batch: on CUDA, capture decode graphs up to this batch (0: never, enforce_eager).
     max_model_len: the longest sequence a graph's block tables must hold (CUDA).
     compile_model: on a CPU, compile the model's forward whole (``backends.cpu_graph``); None: where its
@@ -36,4 +36,19 @@ def select_backend(device: torch.device | str, *, compile: bool = False, cuda_gr
     return Backend(device, compile=compile)
 
 
-__all__ = ["Backend", "select_backend"]
+def default_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype an engine on ``device`` runs in unless told: bfloat16 on CUDA (its tensor cores'
+    format), float32 elsewhere (not every CPU multiplies 16-bit numbers natively)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def check_environment(device: torch.device | str) -> None:
+    """Raise a clear error for a bad setting of the backend's own environment variables, before
+    any weight loads (on a CPU, the time it may take to move the weights to huge pages)."""
+    if torch.device(device).type == "cpu":
+        from nanoengine.backends.cpu_platform import move_budget
+
+        move_budget()
+
+
+__all__ = ["Backend", "check_environment", "default_dtype", "select_backend"]

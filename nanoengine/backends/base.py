@@ -18,7 +18,7 @@ A backend owns five things:
    layer calls (``layers.attention.Attention`` never dispatches on the device).
 3. **The GEMM weights.** ``prepare_weights(model)`` may give each linear layer a
    ``linear_method`` of its own (a CPU prepacks the weights); ``weight_copy_bytes`` counts
-   any copies it made (``memory_report().packed_weight_bytes``).
+   any copies it made and ``weight_copies`` says what they are (``memory_report()`` reports both).
 4. **How the forward runs.** ``prepare_forward(runner)`` compiles or captures once the KV
    cache is bound; ``forward`` runs one step (eagerly, compiled or from a graph).
 5. **How logits are computed.** ``logits_rows_per_chunk`` says how many rows of logits the
@@ -74,10 +74,11 @@ class Backend:
     """The reference backend, and the interface every device backend implements."""
 
     name = "reference"
+    weight_copies = ""  # what prepare_weights copies the weights into, for the memory report ("": nothing)
 
     def __init__(self, device: torch.device, compile: bool = False) -> None:
         self.device = torch.device(device)
-        self.compile = compile  # torch.compile the small fused ops (engine.compilation)
+        self.compile = compile  # torch.compile the small fused ops (backends.compilation)
         self.attention: AttentionImpl = ReferenceAttention()
         self.weight_copy_bytes = 0  # bytes of weight copies made by prepare_weights
         self.num_prepared_weights = 0  # linear layers given a backend-specific linear_method
@@ -117,10 +118,10 @@ class Backend:
         """Compile or capture what later steps replay; called once, the KV cache bound.
 
         With ``compile=True`` the small fused ops are compiled and warmed up now, timed
-        (``runner.compilation``, ``engine.compilation``).
+        (``runner.compilation``, ``backends.compilation``).
         """
         if self.compile:
-            from nanoengine.engine.compilation import compile_runner
+            from nanoengine.backends.compilation import compile_runner
 
             runner.compilation = compile_runner(runner)
 
@@ -131,6 +132,10 @@ class Backend:
                 meta: AttentionMetadata) -> torch.Tensor:
         """One step's forward pass. -> (T, hidden) final hidden states."""
         return model(input_ids, positions, meta)
+
+    def synchronize(self) -> None:
+        """Wait until this device has finished the work launched so far (nothing to wait for by default:
+        the CPU computes each operator before it returns)."""
 
     # ------------------------------------------------------------ logits
     def logits_rows_per_chunk(self, num_rows: int, vocab_size: int, hidden_size: int) -> int:

@@ -6,7 +6,7 @@ cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here:
 
 * **Prepacked GEMM weights.** oneDNN multiplies fastest with weights reordered into its
   blocked layout; ``prepare_weights`` reorders every linear layer's weight once, at load
-  (``kernels.cpu_gemm``; a copy: ``memory_report().packed_weight_bytes``), and gives the
+  (``kernels.cpu_gemm``; a copy: ``memory_report().weight_copy_bytes``), and gives the
   layer a ``CpuLinearMethod``.
 * **A kernel of its own for a few rows.** Decoding one to a few sequences multiplies a few
   rows by every weight: a matrix-vector product whose speed is the memory bandwidth, which
@@ -42,13 +42,14 @@ cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here:
   layers then copy their keys and values with no host synchronisation.
 * **Reused host memory.** PyTorch's CUDA caching allocator keeps freed blocks for the next
   step; on a CPU glibc hands large blocks back to the kernel and faults them in again.
-  ``engine.host_memory.keep_freed_memory`` changes two malloc settings so they stay, and
-  ``bound_shape_caches`` keeps oneDNN's caches of per-shape primitives from growing for hours.
+  The backend's one call to the CPU platform (``backends.cpu_platform.tune_engine_process``)
+  changes two malloc settings so they stay, and bounds oneDNN's caches of per-shape
+  primitives, which would otherwise grow for hours.
 * **Weights in huge pages.** A decode step reads every weight once, page after 4 KiB page
   through the TLB; ``prepare_weights`` first moves the weights into memory advised to use
-  2 MiB pages (``engine.host_memory.move_to_huge_pages``): a lone sequence decodes faster
+  2 MiB pages (``cpu_platform.move_to_huge_pages``): a lone sequence decodes faster
   (results/README.md). Finding huge pages can take the kernel seconds where memory is
-  fragmented, so the move has a budget (``host_memory.move_budget``); what did not fit stays put.
+  fragmented, so the move has a budget (``cpu_platform.move_budget``); what did not fit stays put.
 * **Prefill attention in tiles, or in bfloat16 where the CPU has it.** The reference prefill
   calls PyTorch's SDPA once per sequence from Python, and SDPA splits each short sequence over
   the threads in small library calls, at a small fraction of the arithmetic rate the CPU's
@@ -75,7 +76,7 @@ import torch
 
 from nanoengine.backends import cpu_fused
 from nanoengine.backends.base import Backend
-from nanoengine.engine.host_memory import bound_shape_caches, keep_freed_memory, move_budget, move_to_huge_pages
+from nanoengine.backends.cpu_platform import move_budget, move_to_huge_pages, tune_engine_process
 from nanoengine.kernels import cpu_attention, cpu_gemm, cpu_native, reference
 from nanoengine.kernels.cpu_attention import DecodePlan
 from nanoengine.layers.attention import AttentionImpl, AttentionMetadata
@@ -83,7 +84,7 @@ from nanoengine.layers.layernorm import RMSNorm
 from nanoengine.layers.linear import GemmLayer
 from nanoengine.layers.rotary import RotaryEmbedding
 
-# A chunk's logits stay under glibc's 32 MiB mmap threshold (``engine.host_memory``), so
+# A chunk's logits stay under glibc's 32 MiB mmap threshold (``backends.cpu_platform``), so
 # they come from the reused heap.
 LOGITS_CHUNK_BYTES = 30 * 1024 * 1024
 
@@ -206,6 +207,7 @@ class CpuBackend(Backend):
     """Prepacked GEMMs, native few-row and decode kernels, fused decode layers, kept host memory, chunked logits."""
 
     name = "cpu"
+    weight_copies = "GEMM weights prepacked in oneDNN's blocked layout"
 
     def __init__(self, device: torch.device, compile: bool = False, compile_model: bool | None = False) -> None:
         super().__init__(device, compile)
@@ -226,8 +228,7 @@ class CpuBackend(Backend):
         self.huge_page_weight_bytes = 0  # weights moved to memory advised to use huge pages (``prepare_weights``)
         self.weight_bytes = 0  # all of the model's weights
         self.move_budget_s = move_budget()  # read (and checked) before any weight loads
-        keep_freed_memory()
-        bound_shape_caches()  # before this process's first oneDNN product, which reads them
+        tune_engine_process()  # the host's settings (backends.cpu_platform), before this process's first oneDNN product
 
     def describe(self) -> str:
         gemm = f"few-rows kernel up to {cpu_native.MAX_ROWS} rows, then oneDNN" if self.native_kernels else "oneDNN"

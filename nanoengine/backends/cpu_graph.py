@@ -57,7 +57,7 @@ CPU, or the same CPU told to use AVX2 only, never reuses kernels built for anoth
 NaN: ``scripts/test.sh``). An engine compiles while it is built (the warm-up, timed in
 ``runner.compilation``); later engines of the process with the same model reuse the graph.
 Without a C++ compiler the engine runs eagerly and warns once, naming why
-(``engine.compilation.compiler_problem``).
+(``backends.compilation.compiler_problem``).
 
 What it is worth, and why it is the default
 -------------------------------------------
@@ -199,7 +199,7 @@ def compile_model(runner, backend) -> "CompileReport":
     ``GraphLinearMethod``. Either way Dynamo sees each as one operator. On any failure the
     layers get their eager forward back, the engine warns once and runs eagerly.
     """
-    from nanoengine.engine.compilation import CompileFallbackWarning, CompileReport, compiler_problem
+    from nanoengine.backends.compilation import CompileFallbackWarning, CompileReport, compiler_problem
 
     use_machine_cache()  # before anything imports Inductor: its import fixes the folder it uses
     problem = compiler_problem(runner.device)

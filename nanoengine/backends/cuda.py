@@ -3,7 +3,7 @@
 On a GPU the PyTorch reference kernels would run as hundreds of small launches per layer;
 this backend runs the Triton kernels of ``kernels.triton_kernels`` instead (store-KV, paged
 decode attention, paged prefill attention), and replays decode-only steps from CUDA graphs
-(``engine.cuda_graphs``) unless ``enforce_eager`` is set. Weights stay as loaded:
+(``backends.cuda_graphs``) unless ``enforce_eager`` is set. Weights stay as loaded:
 cuBLAS packs its tiles on the fly, so ``F.linear`` is the GEMM. Without Triton the
 reference kernels run (correct, slow) and no graphs are captured.
 """
@@ -58,7 +58,7 @@ class CudaBackend(Backend):
         """Compile first (when asked), then capture: the graphs record the compiled kernels."""
         super().prepare_forward(runner)
         if self.cuda_graph_max_batch:
-            from nanoengine.engine.cuda_graphs import CudaGraphDecoder
+            from nanoengine.backends.cuda_graphs import CudaGraphDecoder
 
             max_len = self.max_model_len or runner.model_config.max_position_embeddings
             self.cuda_graphs = CudaGraphDecoder(runner.model, self.cuda_graph_max_batch, -(-max_len // self.block_size),
@@ -68,6 +68,9 @@ class CudaBackend(Backend):
     def forward_mode(self) -> str:
         mode = super().forward_mode()
         return f"{mode}, CUDA graphs for decode" if self.cuda_graph_max_batch else mode
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)  # kernels are launched asynchronously
 
     def forward(self, model, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):

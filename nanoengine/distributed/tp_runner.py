@@ -340,10 +340,11 @@ class TensorParallelRunner(SamplingRunner):
         """The plan is already what the workers receive: plain lists, pickled through the pipes."""
         return plan
 
-    def memory_usage(self) -> dict[str, int]:
-        """What the ranks reported after loading, added up."""
-        return {name: sum(report[name] for report in self.rank_memory)
-                for name in ("weight_bytes", "packed_weight_bytes", "kv_cache_bytes")}
+    def memory_usage(self) -> dict[str, int | str]:
+        """What the ranks reported after loading, added up (every rank's backend says the same of its copies)."""
+        return {**{name: sum(report[name] for report in self.rank_memory)
+                   for name in ("weight_bytes", "weight_copy_bytes", "kv_cache_bytes")},
+                "weight_copies": self.rank_memory[0]["weight_copies"]}
 
     def run_model(self, plan: BatchPlan) -> torch.Tensor:
         """Every rank runs the plan; rank 0's logits come back (the trip through the pipes included)."""

@@ -461,11 +461,12 @@ class LLMEngine:
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens)
 
     def memory_report(self) -> MemoryReport:
-        """Bytes of weights (and their packed CPU copies) and of the KV cache, and the KV sizes."""
+        """Bytes of weights (and any copies the backend made of them) and of the KV cache, and the KV sizes."""
         usage = self.runner.memory_usage()
         dtype = self.config.torch_dtype
         return MemoryReport(
-            weight_bytes=usage["weight_bytes"], packed_weight_bytes=usage["packed_weight_bytes"],
+            weight_bytes=usage["weight_bytes"], weight_copy_bytes=usage["weight_copy_bytes"],
+            weight_copies=usage["weight_copies"],
             kv_cache_bytes=usage["kv_cache_bytes"], num_kv_blocks=self.runner.num_blocks,
             block_size=self.config.block_size,
             kv_bytes_per_token=self.model_config.kv_bytes_per_token(torch.empty(0, dtype=dtype).element_size()),

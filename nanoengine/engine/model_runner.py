@@ -34,7 +34,7 @@ from torch import nn
 
 from nanoengine.backends import Backend, select_backend
 from nanoengine.engine.block_table import BlockTables
-from nanoengine.engine.compilation import CompileReport
+from nanoengine.backends.compilation import CompileReport
 from nanoengine.engine.profiler import NO_PROFILER, StepProfiler
 from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import SchedulerOutput
@@ -238,7 +238,7 @@ class SamplingRunner:
 
     sampler: Sampler
     generator: torch.Generator
-    compilation: CompileReport = CompileReport.not_requested()  # what compile=True did (engine.compilation)
+    compilation: CompileReport = CompileReport.not_requested()  # what compile=True did (backends.compilation)
 
     def prepare_inputs(self, plan: BatchPlan) -> object:
         """This step's model input, built from the plan."""
@@ -270,9 +270,13 @@ class SamplingRunner:
         with profiler.phase("model"):
             logits = self.run_model(prepared)
             if profiler.enabled:
-                _wait_for(logits)
+                self.synchronize()
         with profiler.phase("sample"):
             return ModelRunnerOutput.of(sampled, *self.sample_contained(logits, sampled, plan.sampled_drafts))
+
+    def synchronize(self) -> None:
+        """Wait until the device has finished the work launched so far, for a profiled step's
+        phases (``execute_model``): a no-op here, the device backend's wait in ``ModelRunner``."""
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampleResult:
         if not requests:
@@ -357,12 +361,6 @@ class SamplingRunner:
         return tokens, logprobs
 
 
-def _wait_for(tensor: torch.Tensor) -> None:
-    """Block until the kernels producing ``tensor`` have finished (a no-op off CUDA)."""
-    if tensor.is_cuda:
-        torch.cuda.synchronize(tensor.device)
-
-
 class ModelRunner(SamplingRunner):
     """Holds the model and the paged KV cache; prepares inputs, runs, samples.
 
@@ -401,9 +399,15 @@ class ModelRunner(SamplingRunner):
     def kv_cache_bytes(self) -> int:
         return _nbytes(self.kv_cache)
 
-    def memory_usage(self) -> dict[str, int]:
+    def synchronize(self) -> None:
+        """Wait until the device has finished the work launched so far (the backend knows how)."""
+        self.backend.synchronize()
+
+    def memory_usage(self) -> dict[str, int | str]:
+        """Bytes of the weights, of the backend's copies of them (and what those are), of the KV cache."""
         weights = sum(_nbytes(t) for t in self.model.parameters())  # tied embeddings counted once
-        return {"weight_bytes": weights, "packed_weight_bytes": self.backend.weight_copy_bytes,
+        return {"weight_bytes": weights, "weight_copy_bytes": self.backend.weight_copy_bytes,
+                "weight_copies": self.backend.weight_copies if self.backend.weight_copy_bytes else "",
                 "kv_cache_bytes": self.kv_cache_bytes}
 
     # -------------------------------------------------------------- inputs
@@ -453,7 +457,7 @@ class ModelRunner(SamplingRunner):
             with profiler.phase("model"):
                 logits = self.logits(hidden[rows])
                 if profiler.enabled:
-                    _wait_for(logits)
+                    self.synchronize()
             with profiler.phase("sample"):
                 chunk_tokens, chunk_logprobs, chunk_failed = self.sample_contained(logits, sampled[requests],
                                                                                    drafts[requests])

@@ -86,13 +86,14 @@ class MemoryReport:
     """Where an engine's memory goes (bytes, all tensor-parallel ranks together)."""
 
     weight_bytes: int  # the model's parameters (tied embeddings counted once)
-    packed_weight_bytes: int  # CPU GEMM copies of the weights in oneDNN's layout (kernels/cpu_gemm.py)
+    weight_copy_bytes: int  # copies of the weights the device backend made for its kernels (Backend.weight_copies)
     kv_cache_bytes: int  # the preallocated paged KV pool
     num_kv_blocks: int
     block_size: int
     kv_bytes_per_token: int  # K and V of one token in every layer
     dtype: str
     tensor_parallel_size: int
+    weight_copies: str = ""  # what those copies are, in the backend's words ("": none)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -105,4 +106,4 @@ class MemoryReport:
 
     @property
     def total_bytes(self) -> int:
-        return self.weight_bytes + self.packed_weight_bytes + self.kv_cache_bytes
+        return self.weight_bytes + self.weight_copy_bytes + self.kv_cache_bytes

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 
 # The most bytes of keys one group gathers: a group's copy stays in the CPU's caches while
-# its scores are computed, and under glibc's mmap threshold (``engine.host_memory``), so it
+# its scores are computed, and under glibc's mmap threshold (``backends.cpu_platform``), so it
 # is never mapped and faulted in afresh. A few dozen short sequences make one group.
 GATHER_BUDGET_BYTES = 8 * 1024 * 1024
 

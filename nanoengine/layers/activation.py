@@ -2,7 +2,7 @@
 
 The merged gate_up projection produces [gate | up]; the MLP output is silu(gate) * up.
 Eager PyTorch makes two passes (silu, then the product) and a temporary the size of the
-intermediate activations; with ``compile=True`` (``engine.compilation``) the module's
+intermediate activations; with ``compile=True`` (``backends.compilation``) the module's
 ``silu_and_mul_fn`` becomes one compiled loop that reads gate and up once.
 """
 
@@ -20,7 +20,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class SiluAndMul(nn.Module):
-    compilable = ("silu_and_mul_fn",)  # see engine.compilation; the class attribute is the eager one
+    compilable = ("silu_and_mul_fn",)  # see backends.compilation; the class attribute is the eager one
     silu_and_mul_fn = staticmethod(silu_and_mul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, 2*I) -> (T, I)

@@ -8,7 +8,7 @@ The math lives in two plain functions, ``rms_norm`` and ``add_rms_norm``; the mo
 calls them through ``norm_fn`` / ``add_norm_fn``. Eager PyTorch runs them op by op (add,
 pow, mean, add, rsqrt, mul, mul: a pass over the activations each). With
 ``compile=True`` the engine swaps in ``torch.compile``'d versions on this model's
-instances (``engine.compilation``): one generated loop that reads ``x`` and ``residual``
+instances (``backends.compilation``): one generated loop that reads ``x`` and ``residual``
 once and writes both outputs.
 """
 
@@ -37,7 +37,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 class RMSNorm(nn.Module):
-    # The functions ``forward`` calls; ``engine.compilation`` may replace them on one
+    # The functions ``forward`` calls; ``backends.compilation`` may replace them on one
     # instance with compiled versions. The class attributes are always the eager ones.
     compilable = ("norm_fn", "add_norm_fn")
     norm_fn = staticmethod(rms_norm)

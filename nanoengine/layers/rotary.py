@@ -14,7 +14,7 @@ gathers the rows once per step (``rows``) and hands them down, and each layer ro
 queries and keys in one call, as one (tokens, heads + kv_heads, head_dim) view.
 
 The math is the plain function ``rotate_half``. The module calls it through
-``rotate_fn``, which ``engine.compilation`` replaces with a ``torch.compile``'d version
+``rotate_fn``, which ``backends.compilation`` replaces with a ``torch.compile``'d version
 on one model's instances when the engine runs with ``compile=True``.
 """
 
@@ -39,7 +39,7 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 class RotaryEmbedding(nn.Module):
-    compilable = ("rotate_fn",)  # see engine.compilation; the class attribute is the eager one
+    compilable = ("rotate_fn",)  # see backends.compilation; the class attribute is the eager one
     rotate_fn = staticmethod(rotate_half)
 
     def __init__(self, head_dim: int, max_position: int, base: float,

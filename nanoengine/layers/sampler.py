@@ -29,7 +29,7 @@ that both paths give the same distribution.
 
 That whole-vocabulary path runs on (B, V) tensors with the per-row parameters as (B, 1)
 columns (``sampling_probs``), so ``torch.compile`` can fuse it when the engine runs with
-``compile=True`` (``engine.compilation`` swaps the sampler's ``probs_fn``). The draw itself
+``compile=True`` (``backends.compilation`` swaps the sampler's ``probs_fn``). The draw itself
 stays outside: a seeded row draws with its own generator, the unseeded rows together with
 the engine's. Greedy rows need only a max and never reach the filters.
 """
@@ -114,7 +114,7 @@ TOP_P_CANDIDATES = 1024
 class Sampler:
     """Samples one token per row, honouring each row's own parameters and generator."""
 
-    compilable = ("probs_fn",)  # see engine.compilation; the class attribute is the eager one
+    compilable = ("probs_fn",)  # see backends.compilation; the class attribute is the eager one
     probs_fn = staticmethod(sampling_probs)
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],

@@ -1,4 +1,4 @@
-"""``compile=True`` (``engine.compilation``): eager's greedy tokens, no recompiles, one warning on failure.
+"""``compile=True`` (``backends.compilation``): eager's greedy tokens, no recompiles, one warning on failure.
 
 The tiny Llama keeps compile time small; ``dynamic=True`` plus the runner's warm-up mean
 the batches below, of every size, compile nothing more. The compiled functions are shared
@@ -15,9 +15,9 @@ import torch
 
 from nanoengine import SamplingParams
 from nanoengine.config import EngineConfig
-from nanoengine.engine import compilation
+from nanoengine.backends import compilation
 from nanoengine.kernels import cpu_native
-from nanoengine.engine.compilation import (CPU_MIN_ROWS, CompileFallbackWarning, Compiler, compilable_objects,
+from nanoengine.backends.compilation import (CPU_MIN_ROWS, CompileFallbackWarning, Compiler, compilable_objects,
                                            compiler_problem, runs_compiled)
 from nanoengine.layers.sampler import Sampler, sampling_params_columns, sampling_probs
 

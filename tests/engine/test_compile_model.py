@@ -16,8 +16,8 @@ import torch
 from nanoengine import SamplingParams
 from nanoengine.backends import cpu_graph
 from nanoengine.config import EngineConfig
-from nanoengine.engine import compilation
-from nanoengine.engine.compilation import CompileFallbackWarning, compiler_problem
+from nanoengine.backends import compilation
+from nanoengine.backends.compilation import CompileFallbackWarning, compiler_problem
 import test_compile as compile_tests  # its helpers (tests/engine is on sys.path)
 from test_compile import compiled_graphs, tokens
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanoengine import LLMEngine, SamplingParams
-from nanoengine.engine.cuda_graphs import batch_buckets
+from nanoengine.backends.cuda_graphs import batch_buckets
 from nanoengine.loader.weights import random_model
 
 

@@ -55,7 +55,7 @@ def test_the_engine_never_imports_measure():
     loaded = _run(
         "import json, sys\n"
         "import nanoengine.llm, nanoengine.engine.llm_engine, nanoengine.backends.cpu\n"
-        "import nanoengine.engine.compilation, nanoengine.engine.cuda_graphs, nanoengine.loader.weights\n"
+        "import nanoengine.backends.compilation, nanoengine.backends.cuda_graphs, nanoengine.loader.weights\n"
         "import nanoengine.distributed.tp_runner, nanoengine.distributed.worker, nanoengine.models\n"
         "from nanoengine import LLMEngine, SamplingParams\n"
         "from nanoengine.events import StepFinished\n"

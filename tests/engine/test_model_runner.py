@@ -76,8 +76,9 @@ def test_memory_report_adds_up():
     assert report.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head_dim 16, fp32
     assert report.kv_capacity_tokens == 32 * 4 and report.dtype == "float32"
     packed = cpu_gemm.packing_available()
-    assert (report.packed_weight_bytes > 0) == packed
-    assert report.total_bytes == report.weight_bytes + report.packed_weight_bytes + report.kv_cache_bytes
+    assert (report.weight_copy_bytes > 0) == packed
+    assert report.weight_copies == ("GEMM weights prepacked in oneDNN's blocked layout" if packed else "")
+    assert report.total_bytes == report.weight_bytes + report.weight_copy_bytes + report.kv_cache_bytes
 
 
 
@@ -111,7 +112,7 @@ def test_the_backend_is_chosen_by_device_and_the_reference_one_runs_one_logits_c
     assert type(select_backend("meta")) is Backend  # any other device: the reference backend
     net = random_model("tiny-llama-eos", std=0.08)
     generic = ModelRunner(net, net.config, 16, 4, torch.device("cpu"), torch.float32, backend=Backend("cpu"))
-    assert generic.backend.num_prepared_weights == 0 and generic.memory_usage()["packed_weight_bytes"] == 0
+    assert generic.backend.num_prepared_weights == 0 and generic.memory_usage()["weight_copy_bytes"] == 0
     requests = [Request(f"r{i}", [5 + i, 9, 200, 31, 7], SamplingParams(temperature=0.0, max_tokens=1))
                 for i in range(3)]
     batch = SchedulerOutput()

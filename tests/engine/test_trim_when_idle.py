@@ -1,4 +1,4 @@
-"""Freed memory given back when the engine core goes idle (``host_memory.release_free_heap``,
+"""Freed memory given back when the engine core goes idle (``cpu_platform.release_free_heap``,
 ``trim_when_idle`` and the idle branch of ``engine_core.run_engine_core``), and when the
 async engine's thread does (``serve --engine-thread``, the notebooks' servers).
 
@@ -20,7 +20,7 @@ import time
 import pytest
 
 from nanoengine import LLMEngine, SamplingParams
-from nanoengine.engine import host_memory
+from nanoengine.backends import cpu_platform
 from nanoengine.entrypoints.openai import async_engine, engine_core
 from nanobench.soak import process_memory
 
@@ -32,31 +32,31 @@ MiB = 1024 * 1024
 @pytest.mark.parametrize("text, trim", [(None, True), ("1", True), ("0", False)])
 def test_trimming_is_on_unless_the_environment_says_0(monkeypatch, text, trim):
     if text is None:
-        monkeypatch.delenv(host_memory.TRIM_VARIABLE, raising=False)
+        monkeypatch.delenv(cpu_platform.TRIM_VARIABLE, raising=False)
     else:
-        monkeypatch.setenv(host_memory.TRIM_VARIABLE, text)
-    assert host_memory.trim_when_idle() is trim
+        monkeypatch.setenv(cpu_platform.TRIM_VARIABLE, text)
+    assert cpu_platform.trim_when_idle() is trim
 
 
 @pytest.mark.parametrize("text", ["yes", "false", "2", ""])
 def test_a_bad_setting_is_refused_by_name(monkeypatch, text):
-    monkeypatch.setenv(host_memory.TRIM_VARIABLE, text)
-    with pytest.raises(ValueError, match=f"{host_memory.TRIM_VARIABLE} must be 1 .* or 0"):
-        host_memory.trim_when_idle()
+    monkeypatch.setenv(cpu_platform.TRIM_VARIABLE, text)
+    with pytest.raises(ValueError, match=f"{cpu_platform.TRIM_VARIABLE} must be 1 .* or 0"):
+        cpu_platform.trim_when_idle()
 
 
 # ----------------------------------------------------------------- the trim
 def test_nothing_to_trim_off_glibc(monkeypatch):
-    monkeypatch.setattr(host_memory.platform, "libc_ver", lambda: ("musl", "1.2"))
-    assert host_memory.glibc.__wrapped__() is None
-    monkeypatch.setattr(host_memory, "glibc", lambda: None)
-    assert host_memory.release_free_heap() is False
+    monkeypatch.setattr(cpu_platform.platform, "libc_ver", lambda: ("musl", "1.2"))
+    assert cpu_platform.glibc.__wrapped__() is None
+    monkeypatch.setattr(cpu_platform, "glibc", lambda: None)
+    assert cpu_platform.release_free_heap() is False
 
 
-@pytest.mark.skipif(not host_memory.on_glibc(), reason="malloc_trim is glibc's")
+@pytest.mark.skipif(not cpu_platform.on_glibc(), reason="malloc_trim is glibc's")
 def test_the_holes_between_live_blocks_go_back_to_the_kernel():
     """Blocks freed below a live one stay resident after ``free``; the trim gives them back."""
-    libc = host_memory.glibc()
+    libc = cpu_platform.glibc()
     libc.malloc.restype = ctypes.c_void_p
     libc.free.argtypes = [ctypes.c_void_p]
     block = 64 * 1024  # below glibc's mmap threshold: from the heap
@@ -67,7 +67,7 @@ def test_the_holes_between_live_blocks_go_back_to_the_kernel():
     for address in blocks:
         libc.free(address)
     after_free = process_memory("self")["RssAnon"]
-    assert host_memory.release_free_heap() is True
+    assert cpu_platform.release_free_heap() is True
     after_trim = process_memory("self")["RssAnon"]
     libc.free(pin)
     assert after_free - after_trim > 50 * MiB
@@ -172,7 +172,7 @@ def wait_for(count: int, trims: list[float], settle_s: float = 0.5) -> int:
 
 
 def test_the_core_trims_once_per_idle_period_after_work(monkeypatch, tiny_llama_dir, trims):
-    monkeypatch.delenv(host_memory.TRIM_VARIABLE, raising=False)
+    monkeypatch.delenv(cpu_platform.TRIM_VARIABLE, raising=False)
     seen: list[int] = []
 
     def scenario(side: ServerSide) -> None:
@@ -190,7 +190,7 @@ def test_the_core_trims_once_per_idle_period_after_work(monkeypatch, tiny_llama_
 
 
 def test_no_trim_when_switched_off(monkeypatch, tiny_llama_dir, trims):
-    monkeypatch.setenv(host_memory.TRIM_VARIABLE, "0")
+    monkeypatch.setenv(cpu_platform.TRIM_VARIABLE, "0")
     seen: list[int] = []
 
     def scenario(side: ServerSide) -> None:
@@ -202,20 +202,20 @@ def test_no_trim_when_switched_off(monkeypatch, tiny_llama_dir, trims):
 
 
 def test_a_bad_setting_fails_the_start_before_the_engine_is_built(monkeypatch, sigint_restored):
-    monkeypatch.setenv(host_memory.TRIM_VARIABLE, "yes")
+    monkeypatch.setenv(cpu_platform.TRIM_VARIABLE, "yes")
     server_conn, core_conn = multiprocessing.Pipe()
     engine_core.run_engine_core(core_conn, lambda: pytest.fail("the engine was built"))
     kind, error = server_conn.recv()
-    assert kind == "failed" and isinstance(error, ValueError) and host_memory.TRIM_VARIABLE in str(error)
+    assert kind == "failed" and isinstance(error, ValueError) and cpu_platform.TRIM_VARIABLE in str(error)
 
 
 # ----------------------------------------------------------------- the async engine's thread
 @pytest.mark.parametrize("setting, expected", [(None, [0, 1, 1, 2]), ("0", [0, 0, 0, 0])])
 def test_the_async_engine_trims_once_per_idle_period_after_work(monkeypatch, tiny_llama_dir, setting, expected):
     if setting is None:
-        monkeypatch.delenv(host_memory.TRIM_VARIABLE, raising=False)
+        monkeypatch.delenv(cpu_platform.TRIM_VARIABLE, raising=False)
     else:
-        monkeypatch.setenv(host_memory.TRIM_VARIABLE, setting)
+        monkeypatch.setenv(cpu_platform.TRIM_VARIABLE, setting)
     trims: list[float] = []
     monkeypatch.setattr(async_engine, "release_free_heap", lambda: trims.append(time.monotonic()) or True)
     monkeypatch.setattr(async_engine, "TRIM_AFTER_IDLE_S", 0.05)
@@ -252,7 +252,7 @@ def test_the_async_engine_trims_once_per_idle_period_after_work(monkeypatch, tin
 def test_a_request_that_arrives_before_the_trim_is_served_at_once(monkeypatch, tiny_llama_dir):
     """The thread waits ``TRIM_AFTER_IDLE_S`` for work before trimming; work that arrives in that
     wait is stepped at once, and no trim comes between."""
-    monkeypatch.delenv(host_memory.TRIM_VARIABLE, raising=False)
+    monkeypatch.delenv(cpu_platform.TRIM_VARIABLE, raising=False)
     trims: list[float] = []
     monkeypatch.setattr(async_engine, "release_free_heap", lambda: trims.append(time.monotonic()) or True)
     monkeypatch.setattr(async_engine, "TRIM_AFTER_IDLE_S", 600.0)

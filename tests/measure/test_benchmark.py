@@ -10,7 +10,7 @@ from nanoengine.__main__ import main
 from nanobench.benchmark import (cb_config_for, compare_greedy, latency_summary, make_output_lens, make_workload,
                                  percentiles, poisson_arrivals, spread, static_computed_tokens,
                                  workload_flops)
-from nanoengine.engine.compilation import CPU_MIN_ROWS
+from nanoengine.backends.compilation import CPU_MIN_ROWS
 from nanoengine.models.presets import PRESETS
 
 

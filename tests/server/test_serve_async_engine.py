@@ -15,8 +15,8 @@ import time
 import pytest
 
 from nanoengine import LLMEngine, SamplingParams
-from nanoengine.entrypoints.openai.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError,
-                                                      build_on_a_passing_thread)
+from nanoengine.backends.cpu_platform import build_on_a_passing_thread
+from nanoengine.entrypoints.openai.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
 from nanoengine.loader.weights import random_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny model: see conftest
@@ -208,6 +208,7 @@ def test_a_failing_step_fails_every_request_and_stops_the_thread():
 def test_serve_exits_with_status_1_when_its_engine_has_failed(monkeypatch, tiny_llama_tok_dir, engine_thread):
     from types import SimpleNamespace
 
+    from nanoengine.backends import cpu_platform
     from nanoengine.entrypoints.openai import api_server
     from nanoengine.entrypoints.openai.cli_args import add_arguments
 
@@ -216,7 +217,7 @@ def test_serve_exits_with_status_1_when_its_engine_has_failed(monkeypatch, tiny_
     monkeypatch.setattr(api_server, "EngineCoreClient", lambda build: build())
     monkeypatch.setattr(api_server, "build_app",
                         lambda engine, *a, **k: SimpleNamespace(state=SimpleNamespace(engine=engine)))
-    monkeypatch.setattr(api_server.os, "nice", lambda increment: None)
+    monkeypatch.setattr(cpu_platform.os, "nice", lambda increment: None)
     monkeypatch.setattr(sys, "setswitchinterval", lambda seconds: None)
     monkeypatch.setattr(api_server, "run_server", lambda *a, **k: None)  # served until the engine failed
     parser = argparse.ArgumentParser()
@@ -340,6 +341,7 @@ def test_serve_sets_the_gil_interval_with_an_engine_thread_and_a_lower_priority_
         monkeypatch, tiny_llama_tok_dir, engine_thread):
     from types import SimpleNamespace
 
+    from nanoengine.backends import cpu_platform
     from nanoengine.entrypoints.openai import api_server
     from nanoengine.entrypoints.openai.cli_args import add_arguments
 
@@ -350,26 +352,26 @@ def test_serve_sets_the_gil_interval_with_an_engine_thread_and_a_lower_priority_
     monkeypatch.setattr(api_server, "build_app",
                         lambda engine, *a, **k: SimpleNamespace(state=SimpleNamespace(engine=engine)))
     monkeypatch.setattr(sys, "setswitchinterval", lambda seconds: seen.append(("set", seconds)))
-    monkeypatch.setattr(api_server.os, "nice", lambda increment: seen.append(("nice", increment)))
+    monkeypatch.setattr(cpu_platform.os, "nice", lambda increment: seen.append(("nice", increment)))
     monkeypatch.setattr(api_server, "run_server", lambda *a, **k: seen.append("served"))
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     api_server.serve_from_args(parser.parse_args(["--model", str(tiny_llama_tok_dir), "--port", "0"]
                                                  + ["--engine-thread"] * engine_thread))
     # the GIL's interval when the engine shares the process; a lower priority when it has its own
-    expected = [("set", 0.001)] if engine_thread else [("nice", api_server.FRONT_END_NICENESS)]
+    expected = [("set", 0.001)] if engine_thread else [("nice", cpu_platform.FRONT_END_NICENESS)]
     assert seen == expected + ["served", "shutdown"]
-    assert api_server.GIL_SWITCH_INTERVAL_S == 0.001 and api_server.FRONT_END_NICENESS == 5
+    assert api_server.GIL_SWITCH_INTERVAL_S == 0.001 and cpu_platform.FRONT_END_NICENESS == 5
 
 
 @pytest.mark.parametrize("own_budget", [None, "2"])
 def test_serve_passes_enforce_eager_and_waits_for_all_the_huge_pages_unless_told(monkeypatch, tiny_llama_tok_dir,
                                                                                  own_budget):
-    from nanoengine.engine import host_memory
+    from nanoengine.backends import cpu_platform
     from nanoengine.entrypoints.openai import api_server
     from nanoengine.entrypoints.openai.cli_args import add_arguments
 
-    variable = host_memory.MOVE_BUDGET_VARIABLE
+    variable = cpu_platform.MOVE_BUDGET_VARIABLE
     monkeypatch.setenv(variable, "undo me")  # recorded, so that whatever serve sets is undone after the test
     monkeypatch.delenv(variable)
     if own_budget is not None:

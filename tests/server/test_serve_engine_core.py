@@ -18,7 +18,8 @@ import pytest
 
 from nanoengine import LLMEngine, SamplingParams
 from nanoengine.entrypoints.openai.async_engine import EngineDeadError, QueueFullError
-from nanoengine.entrypoints.openai.engine_core import ENGINE_CORE_SPINCOUNT, EngineCoreClient
+from nanoengine.backends.cpu_platform import ENGINE_CORE_SPINCOUNT
+from nanoengine.entrypoints.openai.engine_core import EngineCoreClient
 
 pytestmark = pytest.mark.slow  # each test spawns the core's process (python and torch load in ~2 s)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

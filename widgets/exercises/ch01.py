@@ -33,7 +33,6 @@ import torch
 
 from nanoengine.engine.snapshots import MemoryReport
 from nanoengine.events import StepFinished
-from nanoengine.outputs import RequestOutput
 from widgets.exercises import CheckResult, todo, verdict
 from widgets.quiz import Question, make_question
 
@@ -179,7 +178,7 @@ def check_half_bytes(report: MemoryReport | None, num_parameters: int) -> CheckR
         "1.2", right,
         f"{report.dtype} weights take {report.weight_bytes:,} bytes, half of float32's {float32_bytes:,}: the "
         f"same {num_parameters:,} parameters at 2 bytes each. (A CPU engine may also keep a packed copy: "
-        f"memory_report().packed_weight_bytes; whether oneDNN packs this dtype depends on the CPU.)",
+        f"memory_report().weight_copy_bytes; whether oneDNN packs this dtype depends on the CPU.)",
         f"these weights take {report.weight_bytes:,} bytes, {report.weight_bytes / num_parameters:g} per "
         f"parameter; float32's take {float32_bytes:,}. Pick a number format of 2 bytes per value.")
 

@@ -53,7 +53,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import secrets
 import socket
 import sys
@@ -68,10 +67,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from nanoengine.engine import host_memory
+from nanoengine.backends import cpu_platform
 from nanoengine.engine.llm_engine import LLMEngine
-from nanoengine.entrypoints.openai.async_engine import (AsyncLLMEngine, EngineDeadError, build_on_a_passing_thread,
-                                                        checked_max_waiting)
+from nanoengine.entrypoints.openai.async_engine import AsyncLLMEngine, EngineDeadError, checked_max_waiting
 from nanoengine.entrypoints.openai.cli_args import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_HOST,
                                                     DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, engine_kwargs)
 from nanoengine.entrypoints.openai.engine_core import EngineCoreClient
@@ -433,16 +431,6 @@ def serve_in_background(engine: LLMEngine, served_model_name: str, host: str = D
 GIL_SWITCH_INTERVAL_S = 0.001
 
 
-# How much lower the server's own process runs than its engine core (``os.nice``; a higher
-# niceness is a smaller share of a contended CPU). The front end needs little CPU but wakes
-# for every step and every client; at equal priority each wake-up may take a core from the
-# engine's OpenMP team in the middle of an operator, and the team waits for it. One step lower
-# and the scheduler prefers to run it when the core leaves a core idle. 5 was chosen by
-# alternating two servers at 0 against 5, then 5 against 10 (results/README.md): at 5 lower
-# inter-token latency and a little more throughput than at 0; at 10 the front end starved.
-FRONT_END_NICENESS = 5
-
-
 def serve_from_args(args) -> None:
     """``python -m nanoengine serve`` once ``cli_args.check_arguments`` has passed: take the
     port, load the model, serve until Ctrl-C."""
@@ -450,7 +438,6 @@ def serve_from_args(args) -> None:
     from nanoengine.loader.weights import resolve_model_source
 
     source = resolve_model_source(args.model)  # FileNotFoundError names a missing path
-    host_memory.wait_for_all_huge_pages()  # the core's process inherits the setting
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else
                                       Path(args.model).stem if source.suffix == ".gguf" else source.name)
     sock = bind_socket(args.host, args.port)
@@ -458,12 +445,12 @@ def serve_from_args(args) -> None:
     try:
         print(f"loading {name} from {source}", flush=True)
         build = functools.partial(LLMEngine.from_pretrained, source, **engine_kwargs(args))
-        if args.engine_thread:
-            # loaded on a thread that ends, so that the engine thread's OpenMP team is the only one (async_engine)
-            engine = build_on_a_passing_thread(build)
-        else:
-            engine = EngineCoreClient(build)  # loaded and stepped by the main thread of a process of its own
-            os.nice(FRONT_END_NICENESS)  # after the core started: it keeps the priority it was born with
+        with cpu_platform.serving(engine_in_own_process=not args.engine_thread):  # the host's settings for a server
+            if args.engine_thread:
+                # loaded on a thread that ends, so that the engine thread's OpenMP team is the only one (async_engine)
+                engine = cpu_platform.build_on_a_passing_thread(build)
+            else:
+                engine = EngineCoreClient(build)  # loaded and stepped by the main thread of a process of its own
         app = build_app(engine, name, api_key=args.api_key, max_queue=args.max_queue,
                         max_body_bytes=args.max_body_bytes, body_timeout=args.body_timeout,
                         header_timeout=args.header_timeout)

@@ -37,16 +37,9 @@ read-only: that thread encodes, this one decodes (Hugging Face's fast tokenizers
 neither changes the tokenizer's truncation or padding state). Text prompts given here
 directly are still tokenized on the engine thread.
 
-One OpenMP team in the process. PyTorch's CPU kernels split their work over a team of
-OpenMP threads, and GNU OpenMP (the one PyTorch's wheels ship) gives every thread that
-starts parallel work a team of its own, kept until that thread ends. A model loaded on the
-main thread leaves the main thread's team behind when the engine thread starts stepping
-with another: more OpenMP threads than cores, and GNU OpenMP then stops spinning at its
-barriers and puts threads to sleep at every one instead, some hundreds of times a step.
-The bench workload ran clearly slower stepped on another thread than on the one that loaded
-the model, and as fast once the loading thread had ended (figures: ``results/README.md``).
-So ``python -m nanoengine serve --engine-thread`` loads the model on a thread that ends
-(``build_on_a_passing_thread``), and the engine thread's team is the only one. A server
+One OpenMP team in the process: ``python -m nanoengine serve --engine-thread`` loads the model
+on a thread that ends (``backends/cpu_platform.py``'s ``build_on_a_passing_thread`` says why),
+so the engine thread's team is the only one. A server
 started in a notebook (``serve_in_background``) steps a model the notebook's own thread
 loaded and keeps using, so it pays this (chapter 12 measures it). ``serve`` itself runs the
 engine core in a process of its own (``engine_core``, as vLLM v1 does) unless told
@@ -65,9 +58,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence
 
-from nanoengine.engine.host_memory import TRIM_AFTER_IDLE_S, release_free_heap, trim_when_idle
+from nanoengine.backends.cpu_platform import TRIM_AFTER_IDLE_S, release_free_heap, trim_when_idle
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.engine.output_router import OutputRouter
 from nanoengine.metrics import EngineStats
@@ -76,36 +69,12 @@ from nanoengine.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanoengine.serve")
 
-T = TypeVar("T")
 
 Prompt = str | list[int]
 # SamplingParams, or a function of the prompt's token count that returns them (the server
 # fits max_tokens to the context window, which needs the count; tokenizing is the engine
 # thread's job, so the function runs there).
 ParamsFor = SamplingParams | Callable[[int], SamplingParams]
-
-
-def build_on_a_passing_thread(build: Callable[[], T]) -> T:
-    """``build()`` on a thread that ends when it returns: its result, or its exception raised here.
-
-    Load a model this way when another thread will step it: the OpenMP team that loading
-    starts ends with the loading thread, so the stepping thread's team is the process's
-    only one (the module's docstring says why that matters).
-    """
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = build()
-        except BaseException as exc:  # handed to the caller, who sees it as if build() ran here
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, name="nanoengine-load")
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
 
 
 class QueueFullError(RuntimeError):

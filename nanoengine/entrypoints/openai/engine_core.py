@@ -25,21 +25,12 @@ splits them:
   reply, so a refused request (a bad prompt, a full queue) is an error before its
   response starts, exactly as with the thread.
 
-One setting differs from an engine in your own process: how long the core's OpenMP threads
-wait for work before they sleep. After each parallel operator GNU OpenMP keeps its threads
-spinning, by default for 300,000 rounds of a pause instruction, milliseconds on recent
-CPUs, so that the next operator starts without a wake-up. Alone on a machine that is what a
-step wants. Beside a server it is not: while the core runs a step's Python (scheduling,
-sampling: one thread), the other OpenMP thread spins on the second core, and the server's
-work and the clients' wait for it and later take a core from the team in the middle of a
-parallel operator, where its partner can only wait. So the core's process starts with
-``GOMP_SPINCOUNT`` at ``ENGINE_CORE_SPINCOUNT`` (unless you set it, or ``OMP_WAIT_POLICY``):
-spinning long enough to catch the next operator of a step, not through the step's Python.
-vLLM's CPU workers bound the wait too: with Intel OpenMP they set ``KMP_BLOCKTIME`` to 5 ms
-(``vllm/utils/ompmultiprocessing.py`` in vLLM 0.32), where Intel's default is 200 ms.
+One setting differs from an engine in your own process: the core's process starts with GNU
+OpenMP's spin count bounded (``backends/cpu_platform.py``'s ``engine_core_environment`` says
+why), so that its threads do not spin through a step's Python while the server needs a core.
 
 The core also gives freed memory back when it goes idle. glibc keeps what a step frees
-(``engine/host_memory.py``: the engine asks it to, so that the next step finds its pages in
+(``backends/cpu_platform.py``: the engine asks it to, so that the next step finds its pages in
 place), and over hours of steps of every shape the holes between live blocks add up to
 resident memory nobody uses. So once the engine has stepped and then had nothing to do for
 ``TRIM_AFTER_IDLE_S``, the core calls ``release_free_heap`` (glibc's ``malloc_trim``) once,
@@ -59,11 +50,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import itertools
 import logging
 import multiprocessing
-import os
 import pickle
 import signal
 import threading
@@ -72,8 +61,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Sequence
 
+from nanoengine.backends.cpu_platform import (TRIM_AFTER_IDLE_S, engine_core_environment, release_free_heap,
+                                              trim_when_idle)
 from nanoengine.config import EngineConfig
-from nanoengine.engine.host_memory import TRIM_AFTER_IDLE_S, release_free_heap, trim_when_idle
 from nanoengine.engine.input_processor import InputProcessor
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.entrypoints.openai.async_engine import (EngineDeadError, ParamsFor, Prompt, RequestStream,
@@ -83,11 +73,6 @@ from nanoengine.metrics import EngineStats
 from nanoengine.outputs import RequestOutput
 
 logger = logging.getLogger("nanoengine.serve")
-
-# GNU OpenMP's spin count for the engine core's threads (the module's docstring says why). Chosen
-# by alternating two servers, 10,000 against GNU's default 300,000 and against 1,000
-# (results/README.md): 10,000 a small gain in latency, 1,000 worse.
-ENGINE_CORE_SPINCOUNT = 10_000
 
 
 @dataclass(frozen=True)
@@ -176,25 +161,6 @@ def run_engine_core(conn: Connection, build: Callable[[], LLMEngine]) -> None:
     engine.shutdown()
 
 
-@contextlib.contextmanager
-def _environment_for_core():
-    """Start the core's process with GNU OpenMP's spin count set, unless the user chose one.
-
-    A spawned process inherits ``os.environ`` as it is when the process starts, and GNU
-    OpenMP reads its settings when it loads (the core imports torch after it starts), so
-    the variable is set only around ``Process.start``; this process's OpenMP, loaded long
-    before, keeps its own.
-    """
-    chosen = "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ
-    if not chosen:
-        os.environ["GOMP_SPINCOUNT"] = str(ENGINE_CORE_SPINCOUNT)
-    try:
-        yield
-    finally:
-        if not chosen:
-            del os.environ["GOMP_SPINCOUNT"]
-
-
 def _send_step(conn: Connection, replies: list, outputs: list[RequestOutput], stats: EngineStats) -> None:
     try:
         conn.send(("step", replies, outputs, stats))
@@ -234,7 +200,7 @@ class EngineCoreClient:
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(target=run_engine_core, args=(child_conn, build),
                                         name="nanoengine-engine-core")
-        with _environment_for_core():
+        with engine_core_environment():
             self._process.start()
         child_conn.close()  # the child holds its own copy; ours would keep the pipe open after it exits
         self._send_lock = threading.Lock()  # call() may come from any thread

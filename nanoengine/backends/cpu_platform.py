@@ -1,5 +1,16 @@
-"""Host memory for a CPU engine: freed memory kept, given back when idle, the weights in huge pages (chapter 10).
+"""The CPU platform: every host setting a CPU engine and its server make, in one module (chapter 10).
 
+vLLM keeps what it does to a CPU host in its CPU platform (``vllm/platforms/cpu.py``: thread
+binding, the allocator, the OpenMP settings of its workers); this engine keeps it here. Two
+calls apply it: the CPU backend calls ``tune_engine_process`` when it is built (freed memory
+kept, oneDNN's shape caches bounded), and ``serve`` builds its engine inside ``serving`` (every
+weight in huge pages, the front end's priority lowered once the engine core runs). The rest
+are the pieces they and the engine core use: the weights' move to huge pages (the backend's
+``prepare_weights``), the trim when idle (the engine core and the async engine) and the engine
+core's OpenMP spin count (``engine_core_environment``).
+
+Freed memory kept
+-----------------
 Every forward pass allocates the same large temporaries again (a 2,048-token prefill
 step makes tensors of 2-25 MB per layer). glibc's ``malloc`` serves blocks that large with
 ``mmap`` and returns them to the kernel on ``free``, so the next step faults every page
@@ -88,10 +99,46 @@ sets them when it is built, before its first one; in a process that ran a oneDNN
 earlier (transformers on a CPU, say) they keep their defaults. A bounded cache can forget a
 size that comes back, and building a primitive again costs about a millisecond, against
 steps of tens; the figures (memory and speed, with and without) are in ``results/README.md``.
+
+The engine core's OpenMP threads
+--------------------------------
+After each parallel operator GNU OpenMP keeps its threads spinning, by default for 300,000
+rounds of a pause instruction, milliseconds on recent CPUs, so that the next operator starts
+without a wake-up. Alone on a machine that is what a step wants. Beside a server it is not:
+while the core runs a step's Python (scheduling, sampling: one thread), the other OpenMP thread
+spins on the second core, and the server's work and the clients' wait for it and later take a
+core from the team in the middle of a parallel operator, where its partner can only wait. So
+the engine core's process starts with ``GOMP_SPINCOUNT`` at ``ENGINE_CORE_SPINCOUNT`` (unless
+you set it, or ``OMP_WAIT_POLICY``): spinning long enough to catch the next operator of a step,
+not through the step's Python. vLLM's CPU workers bound the wait too: with Intel OpenMP they set
+``KMP_BLOCKTIME`` to 5 ms (``vllm/utils/ompmultiprocessing.py`` in vLLM 0.32), where Intel's
+default is 200 ms.
+
+One OpenMP team in the process
+------------------------------
+One OpenMP team in the process. PyTorch's CPU kernels split their work over a team of
+OpenMP threads, and GNU OpenMP (the one PyTorch's wheels ship) gives every thread that
+starts parallel work a team of its own, kept until that thread ends. A model loaded on the
+main thread leaves the main thread's team behind when the engine thread starts stepping
+with another: more OpenMP threads than cores, and GNU OpenMP then stops spinning at its
+barriers and puts threads to sleep at every one instead, some hundreds of times a step.
+The bench workload ran clearly slower stepped on another thread than on the one that loaded
+the model, and as fast once the loading thread had ended (figures: ``results/README.md``).
+So ``python -m nanoengine serve --engine-thread`` loads the model on a thread that ends
+(``build_on_a_passing_thread``), and the engine thread's team is the only one.
+
+The server's own priority
+-------------------------
+The front end needs little CPU but wakes for every step and every client; at equal priority
+each wake-up may take a core from the engine's OpenMP team in the middle of an operator, and
+the team waits for it. ``serving`` lowers the server's own process by ``FRONT_END_NICENESS``
+once its engine core runs in a process of its own (which keeps the priority it was born with),
+so the scheduler runs the front end when the core leaves a core idle.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -99,10 +146,14 @@ import mmap
 import os
 import platform
 import re
+import threading
 import time
 from pathlib import Path
+from typing import Any, Callable, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -289,3 +340,77 @@ def huge_page_bytes() -> int:
         return 0
     found = re.search(r"AnonHugePages:\s+(\d+) kB", rollup)
     return int(found.group(1)) * 1024 if found else 0
+
+
+def tune_engine_process() -> None:
+    """The settings a CPU engine's process needs, applied by the CPU backend when it is built:
+    freed memory kept, and oneDNN's shape caches bounded before the process's first oneDNN
+    product (which reads them)."""
+    keep_freed_memory()
+    bound_shape_caches()
+
+
+# ----------------------------------------------------------------- the server's processes
+# GNU OpenMP's spin count for the engine core's threads (the module's docstring says why). Chosen
+# by alternating two servers, 10,000 against GNU's default 300,000 and against 1,000
+# (results/README.md): 10,000 a small gain in latency, 1,000 worse.
+ENGINE_CORE_SPINCOUNT = 10_000
+
+# How much lower the server's own process runs than its engine core (``os.nice``; a higher
+# niceness is a smaller share of a contended CPU). 5 was chosen by alternating two servers at 0
+# against 5, then 5 against 10 (results/README.md): at 5 lower inter-token latency and a little
+# more throughput than at 0; at 10 the front end starved.
+FRONT_END_NICENESS = 5
+
+
+@contextlib.contextmanager
+def engine_core_environment():
+    """Around starting the engine core's process: GNU OpenMP's spin count set, unless the user chose one.
+
+    A spawned process inherits ``os.environ`` as it is when the process starts, and GNU
+    OpenMP reads its settings when it loads (the core imports torch after it starts), so
+    the variable is set only around ``Process.start``; this process's OpenMP, loaded long
+    before, keeps its own.
+    """
+    chosen = "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ
+    if not chosen:
+        os.environ["GOMP_SPINCOUNT"] = str(ENGINE_CORE_SPINCOUNT)
+    try:
+        yield
+    finally:
+        if not chosen:
+            del os.environ["GOMP_SPINCOUNT"]
+
+
+def build_on_a_passing_thread(build: Callable[[], T]) -> T:
+    """``build()`` on a thread that ends when it returns: its result, or its exception raised here.
+
+    Load a model this way when another thread will step it: the OpenMP team that loading
+    starts ends with the loading thread, so the stepping thread's team is the process's
+    only one (the module's docstring says why that matters).
+    """
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["result"] = build()
+        except BaseException as exc:  # handed to the caller, who sees it as if build() ran here
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="nanoengine-load")
+    thread.start()
+    thread.join()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+@contextlib.contextmanager
+def serving(engine_in_own_process: bool):
+    """``serve``'s host settings, around building its engine: every weight moved to huge pages
+    however long it takes (the engine core's process inherits the setting), and once the engine
+    core runs in a process of its own, this process's priority lowered by ``FRONT_END_NICENESS``."""
+    wait_for_all_huge_pages()
+    yield
+    if engine_in_own_process:
+        os.nice(FRONT_END_NICENESS)
