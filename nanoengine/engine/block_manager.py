@@ -108,6 +108,12 @@ class BlockSnapshot:
         return self.block_hash.hex()[:8] if self.block_hash is not None else ""
 
 
+def gained_blocks(request: "Request", held: int) -> tuple[int, ...]:
+    """The blocks ``request`` gained since it held ``held`` of them: allocation only appends to
+    ``block_ids``, so they are its last ones (what a scheduled request's ``new_block_ids`` names)."""
+    return tuple(request.block_ids[held:])
+
+
 class InvariantError(AssertionError):
     """The block manager's bookkeeping is inconsistent (a bug, never user error)."""
 
@@ -315,10 +321,7 @@ class BlockManager:
                                          f"or cached (ref_count {block.ref_count})")
                 block.ref_count = 0
                 self.free_queue[block_id] = None
-            # A new list, never an edit of the old one: ``BlockTables`` copies only what a list it
-            # has seen gained at its end, so blocks removed in place and others appended before
-            # the next step would leave its row naming the blocks given back.
-            request.block_ids = request.block_ids[:keep]
+            del request.block_ids[keep:]  # the runner's row drops them when next told (``BlockTables.rows``)
             if self.events.wants(BlocksFreed):
                 self.events.emit(BlocksFreed(self.step, request.request_id, tuple(reversed(surplus))))
 

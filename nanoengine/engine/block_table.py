@@ -8,31 +8,36 @@ to the next almost nothing changes: a decoding request gains one block every
 ``block_size`` steps.
 
 ``BlockTables`` keeps one persistent int32 tensor with a row per request in flight. A step
-looks up each scheduled request's row, copies only the blocks it gained since it was last
-seen, and gathers the rows it needs with one ``index_select``. vLLM v1 keeps its block
-tables the same way (a persistent CPU tensor per worker, rows appended to, then copied to
-the GPU).
+hands it its scheduled requests, each with the blocks it gained for this step
+(``ScheduledRequest.new_block_ids``, the last of its ``block_ids``): the row keeps the
+entries before them and receives exactly those, and the step gathers the rows it needs with
+one ``index_select``. vLLM v1 keeps its block tables the same way (a persistent CPU tensor per
+worker; its scheduler output names each request's new block ids, and a request admitted or
+resumed sends them all).
 
-One map says which row is whose: request id -> ``_Row`` (its index in the tensor, its
-request, the list it mirrors and how much of it is copied). A row knows which list it
-mirrors (``Request.block_ids``): the block manager only ever appends to that list, and
-replaces it with a new one when it frees or forks. A new list (a preempted request
-admitted again, a forked sibling) means the row is written afresh. Rows of requests that
-are no longer running are taken back only when a new request needs one and none is
-free, so nothing has to tell this class that a request ended; a row refers to its
-request weakly, so it never keeps a finished request alive (it keeps at most its last
-block list, until the row is reused).
+A row is told, never guesses. A request seen for the first time (a new row) is written
+whole. When a request holds fewer blocks than its row (speculative decoding gave back the
+blocks only rejected drafts used: ``BlockManager.release_slots_after``), the row's surplus
+entries are cleared before the new ones land, so a block given back and another appended in
+its place are never confused. One map says which row is whose: request id -> ``_Row`` (its
+index in the tensor, its request, how many of its entries are written). Rows of requests
+that are no longer running are taken back only when a new request needs one and none is
+free, so nothing has to tell this class that a request ended; a row refers to its request
+weakly, so it never keeps a finished request alive.
 """
 
 from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from nanoengine.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from nanoengine.engine.scheduler import ScheduledRequest
 
 
 @dataclass
@@ -41,8 +46,7 @@ class _Row:
 
     index: int  # the row of ``BlockTables.table``
     owner: weakref.ref  # the request (weakly: a row never keeps a finished request alive)
-    source: list[int] | None = None  # the ``block_ids`` list the row mirrors (None: write afresh)
-    filled: int = 0  # entries of that list copied so far
+    filled: int = 0  # entries written: the request's first ``filled`` block ids
 
 
 class BlockTables:
@@ -60,45 +64,45 @@ class BlockTables:
     def capacity(self) -> int:
         return self.table.shape[0]
 
-    def rows(self, requests: Sequence[Request]) -> list[int]:
-        """Each request's row index, brought up to date with its block table (only new blocks are copied)."""
+    def rows(self, scheduled: Sequence[ScheduledRequest]) -> list[int]:
+        """Each scheduled request's row index, its blocks written: the step's ``new_block_ids``
+        appended after the ones it kept (a request seen for the first time: all of them)."""
         indices: list[int] = []
-        for request in requests:
+        for s in scheduled:
+            request, new = s.request, s.new_block_ids
+            ids = request.block_ids
+            if len(ids) > self.max_blocks_per_seq:
+                raise ValueError(f"request {request.request_id} holds {len(ids)} blocks, more than a row's "
+                                 f"{self.max_blocks_per_seq} (max_model_len / block_size)")
             row = self._rows.get(request.request_id)
             if row is None:
                 row = self._assign(request, indices)
             elif row.owner() is not request:  # the id belonged to a request that has ended: take its row over
-                row.owner, row.source = weakref.ref(request), None
-            ids = request.block_ids
-            if row.source is not ids or len(ids) < row.filled:  # a new list: write the row afresh
-                self._clear(row)
-                row.source = ids
-            if len(ids) > self.max_blocks_per_seq:
-                raise ValueError(f"request {request.request_id} holds {len(ids)} blocks, more than a row's "
-                                 f"{self.max_blocks_per_seq} (max_model_len / block_size)")
-            if len(ids) > row.filled:
-                self.table[row.index, row.filled:len(ids)] = torch.tensor(ids[row.filled:], dtype=torch.int32)
+                row.owner = weakref.ref(request)
+                self._clear(row, 0)
+            kept = 0 if row.filled == 0 else len(ids) - len(new)  # a new row is written whole
+            if kept > row.filled:
+                raise ValueError(f"request {request.request_id} holds {len(ids)} blocks but its row has "
+                                 f"{row.filled} and the step names {len(new)} new ones: the scheduler must "
+                                 f"name every block it allocates (ScheduledRequest.new_block_ids)")
+            self._clear(row, kept)  # entries past the kept ones: blocks given back since
+            if len(ids) > kept:
+                self.table[row.index, kept:len(ids)] = torch.tensor(ids[kept:], dtype=torch.int32)
                 row.filled = len(ids)
             indices.append(row.index)
         return indices
 
-    def check_mirrors(self, requests: Sequence[Request]) -> None:
-        """Raise ``AssertionError`` where a row no longer mirrors the list it was copied from.
-
-        ``rows`` copies only what a list gained since last time, trusting that a list it has
-        seen only grows at its end. A block manager that removed or replaced blocks inside a
-        list it kept (instead of handing the request a new one) would leave the row pointing
-        at blocks the request no longer holds, and attention would read another's KV.
-        """
+    def check_rows(self, requests: Sequence[Request]) -> None:
+        """Raise ``AssertionError`` where a request's row does not hold its block ids (the invariant
+        ``rows`` keeps: every block the scheduler allocated was named, every block given back cleared)."""
         for request in requests:
             row = self._rows.get(request.request_id)
-            if row is None or row.source is not request.block_ids:
-                continue  # not copied yet, or a new list: the next ``rows`` writes it afresh
-            seen = min(row.filled, len(request.block_ids))
-            if self.table[row.index, :seen].tolist() != request.block_ids[:seen]:
-                raise AssertionError(f"block table row of {request.request_id} holds "
-                                     f"{self.table[row.index, :seen].tolist()}, its blocks are "
-                                     f"{request.block_ids[:seen]}: a list was edited in place")
+            if row is None or row.owner() is not request:
+                continue  # not scheduled since it was admitted: the next ``rows`` writes it whole
+            ids = request.block_ids
+            held = self.table[row.index, :row.filled].tolist()
+            if held[:len(ids)] != ids:
+                raise AssertionError(f"block table row of {request.request_id} holds {held}, its blocks are {ids}")
 
     def gather(self, rows: list[int], width: int) -> torch.Tensor:
         """The given rows' first ``width`` entries, as a new (len(rows), width) tensor."""
@@ -113,10 +117,11 @@ class BlockTables:
         row = self._rows[request.request_id] = _Row(self._free.pop(), weakref.ref(request))
         return row
 
-    def _clear(self, row: _Row) -> None:
-        if row.filled:
-            self.table[row.index, :row.filled] = -1
-        row.source, row.filled = None, 0
+    def _clear(self, row: _Row, keep: int = 0) -> None:
+        """Entries past the first ``keep`` back to -1."""
+        if row.filled > keep:
+            self.table[row.index, keep:row.filled] = -1
+            row.filled = keep
 
     def _reclaim(self, in_use: set[int]) -> None:
         """Free the rows of requests that are not running (finished, waiting again, a probe)."""

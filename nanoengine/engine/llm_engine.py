@@ -290,6 +290,7 @@ class LLMEngine:
         return outputs + [self.abort(request_id) for request_id in aborted if self.has_request(request_id)]
 
     def _step(self) -> list[RequestOutput]:
+        """Schedule -> execute -> update -> outputs, as vLLM v1's engine core steps."""
         profiler = self.profiler
         profiler.start(enabled=self.events.wants(StepFinished))  # a step nobody watches reads no clock
         self.block_manager.step = self.scheduler.step = self.step_count
@@ -298,12 +299,18 @@ class LLMEngine:
         if sched.is_empty:
             return []
         with profiler.phase("prepare"):
-            plan, sampled = self._plan(sched)
+            plan, sampled = plan_batch(sched, self.config.block_size, self.block_tables)
         if self.events.wants(BatchPrepared, keep=False):  # a copy of every index list: only for someone watching
             self.events.emit(BatchPrepared(self.step_count, plan.rows()), keep=False)
         result = self.runner.execute_model(plan, sampled, profiler)
         with profiler.phase("update"):
-            outputs = self._update(sched, result)
+            produced = self.scheduler.update_from_output(sched, result, self.output_processor)
+            self._observe_drafts(sched, result)
+            for sibling in self.parents.after_update(produced):  # n > 1: the prompt is computed
+                self._queue(sibling)
+            if self.proposer is not None:
+                self.proposer.propose_drafts(produced, len(sched.scheduled))
+            outputs = self._outputs(produced, result.failed)
         if profiler.enabled:
             self.events.emit(StepFinished(self.step_count, sched.num_prefill_tokens, sched.num_decode_tokens,
                                           len(sched.scheduled), len(sched.preempted), sched.token_budget,
@@ -311,46 +318,12 @@ class LLMEngine:
         self.step_count += 1
         return outputs
 
-    def _plan(self, sched: SchedulerOutput):
-        """Date the newly scheduled requests and lay the batch out (``plan_batch``)."""
-        now = time.perf_counter()
-        for scheduled in sched.scheduled:
-            if scheduled.request.first_scheduled_time is None:
-                scheduled.request.first_scheduled_time = now
-        return plan_batch(sched, self.config.block_size, self.block_tables)
-
-    def _update(self, sched: SchedulerOutput, result) -> list[RequestOutput]:
-        """The step's third move: tokens into requests, the stop decision, outputs.
-
-        The detokenizer runs before the decision because a stop string is found in the
-        text; ``Scheduler.finish_if_stopped`` then decides, in one place, whether each
-        request has finished and why (``scheduler.check_stop`` states the precedence).
-        A request whose own work in the step raised (sampling, text, its output) is in
-        ``faults`` and ends with the error (``_fail``); the others go on.
-        """
-        faults = dict(result.failed)  # completion id -> what it raised
-        produced = self.scheduler.update_from_output(sched, result.sampled)
-        for sibling in self.parents.after_update(produced):  # n > 1: the prompt is computed
-            self._queue(sibling)
-        self._take_in(produced, result.logprobs, 0, faults)
-        if sched.num_draft_tokens:  # speculative decoding: the rest of each accepted run
-            self._take_in_accepted_runs(sched, produced, result, faults)
-        if self.proposer is not None:
-            self._propose(produced, self.proposer.config.tokens_for_batch(len(sched.scheduled)))
+    def _outputs(self, produced: list[Request], faults: dict[str, Exception]) -> list[RequestOutput]:
+        """The step's outputs: one per user request that progressed, then those its faults ended (``_fail``)."""
         if faults:
             produced = [r for r in produced if r.request_id not in faults]
         outputs = self.output_processor.make_outputs(produced, faults)
         return [self._forget(out) for out in outputs] + self._fail(faults)
-
-    def _take_in(self, requests: list[Request], logprobs: dict[str, list], index: int,
-                 faults: dict[str, Exception]) -> None:
-        """Detokenize each request's newest token (its ``index``-th of this step), then decide its stop."""
-        stop_strings = self.output_processor.detokenize(
-            requests, {r.request_id: logprobs[r.request_id][index] for r in requests if r.request_id in logprobs},
-            faults)
-        for request in requests:
-            if request.request_id not in faults:
-                self.scheduler.finish_if_stopped(request, stop_strings.get(request.request_id))
 
     def _fail(self, faults: dict[str, Exception]) -> list[RequestOutput]:
         """Finish each user request one of whose completions raised in this step, with
@@ -376,21 +349,11 @@ class LLMEngine:
             outputs.append(self._finish_all(state, RequestStatus.FINISHED_ERROR, error))
         return outputs
 
-    def _take_in_accepted_runs(self, sched: SchedulerOutput, produced: list[Request], result,
-                               faults: dict[str, Exception]) -> None:
-        """Speculating requests emitted up to k+1 tokens: take them one at a time, as plain
-        decoding would have, so a stop (EOS, a stop token or string, max_tokens) among them
-        ends the request there and nothing after it is emitted. Then the rejected drafts'
-        blocks go back, and the counts vLLM reports are kept (``SpecDecodeStats``)."""
-        now = time.perf_counter()
-        runs = [(r, result.sampled[r.request_id]) for r in produced if len(result.sampled[r.request_id]) > 1]
-        for index in range(1, max((len(tokens) for _, tokens in runs), default=0)):
-            batch = [r for r, tokens in runs if len(tokens) > index and not r.is_finished
-                     and r.request_id not in faults]
-            for request in batch:
-                self.scheduler.accept_token(request, result.sampled[request.request_id][index], now)
-            self._take_in(batch, result.logprobs, index, faults)
-        self.scheduler.release_rejected_slots(sched)
+    def _observe_drafts(self, sched: SchedulerOutput, result) -> None:
+        """Count what each verify pass accepted (``SpecDecodeStats``, the counts vLLM reports) and
+        announce it (``DraftsVerified``)."""
+        if not sched.num_draft_tokens:
+            return
         announce = self.events.wants(DraftsVerified)
         for s in sched.scheduled:
             if s.num_draft_tokens and s.request.request_id in result.sampled:
@@ -399,19 +362,6 @@ class LLMEngine:
                 if announce:
                     self.events.emit(DraftsVerified(self.step_count, s.request.request_id, s.draft_token_ids,
                                                     tuple(emitted)))
-
-    def _propose(self, produced: list[Request], k: int) -> None:
-        """Guess up to ``k`` next tokens of every decoding request that produced one (prompt lookup).
-
-        ``k`` is what the config's schedule gives this step's batch size (vLLM's dynamic
-        speculative decoding); 0 drafts nothing.
-        """
-        for request in produced:
-            if k == 0 or request.is_finished or request.num_tokens_to_compute != 1:
-                request.spec_token_ids = []
-                continue
-            left = request.sampling_params.max_tokens - request.num_output_tokens
-            request.spec_token_ids = self.proposer.propose(request.all_token_ids, left, k)
 
     def decode(self, token_ids: list[int]) -> str:
         """Token ids to text, special tokens included (for showing single tokens)."""
@@ -475,7 +425,7 @@ class LLMEngine:
     def check_invariants(self) -> None:
         """Raise if block bookkeeping is inconsistent (tests call this after every step)."""
         self.block_manager.check_invariants(self.scheduler.running)
-        self.block_tables.check_mirrors(self.scheduler.running)
+        self.block_tables.check_rows(self.scheduler.running)
         for request in self.scheduler.waiting:
             if request.block_ids:
                 raise AssertionError(f"waiting request {request.request_id} holds blocks {request.block_ids}")

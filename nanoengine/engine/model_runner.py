@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from nanoengine.backends import Backend, select_backend
-from nanoengine.engine.block_table import BlockTables
 from nanoengine.backends.compilation import CompileReport
+from nanoengine.engine.block_table import BlockTables
 from nanoengine.engine.profiler import NO_PROFILER, StepProfiler
 from nanoengine.engine.request import Request
 from nanoengine.engine.scheduler import SchedulerOutput
@@ -135,8 +135,8 @@ def plan_batch(out: SchedulerOutput, block_size: int,
     its own position (context length ``start + 1 + i``), which is exactly causal
     attention over the drafts, and each row runs through the same kernels as a plain
     decode, so the rows' logits are the ones plain decoding would compute.
-    ``block_tables`` is the engine's persistent ``BlockTables``: only blocks gained since
-    the last step are copied into it, and the slot of every token is computed from it with
+    ``block_tables`` is the engine's persistent ``BlockTables``: only the blocks each request
+    gained for this step (``new_block_ids``) are written into it, and the slot of every token is computed from it with
     tensor arithmetic, ``table[row, pos // B] * B + pos % B``. Without one (tests, tools),
     a temporary one is used.
     """
@@ -146,7 +146,7 @@ def plan_batch(out: SchedulerOutput, block_size: int,
     if block_tables is None:
         most = max((len(s.request.block_ids) for s in ordered), default=1)
         block_tables = BlockTables(max(most, 1), capacity=max(len(ordered), 1))
-    rows = block_tables.rows([s.request for s in ordered])
+    rows = block_tables.rows(ordered)
     input_ids, positions, logits_indices, sampled, drafts = [], [], [], [], []
     counts, cu_seqlens, query_start = [], [0], [0]
     decode_rows, decode_context_lens = [], []

@@ -25,10 +25,14 @@ decodes wait) and ``static`` (static batching, the baseline) are the other two.
 Whether a scheduled request is a *prefill* or a *decode* is decided here, once, and
 recorded in its ``ScheduledRequest``: a decode computes exactly one new token whose whole
 context is already in the cache (the decode kernel's case); anything else is a prefill
-chunk. The runner, the events and the step statistics all read that record.
+chunk. The record also names the blocks the request gained for this step
+(``new_block_ids``: all of them when it was admitted), as vLLM's scheduler output does, so
+the runner's block table appends exactly those (``engine/block_table.py``). The runner, the
+events and the step statistics all read that record.
 
 Whether a request has finished after a token (EOS, a stop token id, a stop string, its
-length) is decided in one function, ``check_stop``, with its precedence stated there.
+length) is decided in one function, ``check_stop``, with its precedence stated there, and
+applied in one place, ``update_from_output``, as in vLLM v1's scheduler.
 
 Speculative decoding (chapter 13): a decoding request that carries drafted tokens
 (``Request.spec_token_ids``, proposed after the previous step) is budgeted ``1 + k``
@@ -36,9 +40,10 @@ tokens, its last token and the k drafts, and gets KV slots for all of them; the 
 keeps the drafts (``ScheduledRequest.draft_token_ids``). It is still a decode: every one
 of its rows attends over the cache up to its own position. A request whose drafts do not
 fit the budget gets fewer of them, and one whose drafts would need a block the pool lacks
-decodes plainly rather than preempt anybody. After the step, the drafts the model agreed
-with are taken in one at a time (``accept_token``), and the blocks that only rejected
-drafts used go back to the pool (``release_rejected_slots``).
+decodes plainly rather than preempt anybody. After the step, ``update_from_output`` takes
+the drafts the model agreed with in one at a time (``accept_token``), so that a stop among
+them ends the request there, and gives the blocks that only rejected drafts used back to the
+pool (``release_rejected_slots``).
 """
 
 from __future__ import annotations
@@ -46,11 +51,23 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
-from nanoengine.engine.block_manager import BlockManager
+from nanoengine.engine.block_manager import BlockManager, gained_blocks
 from nanoengine.engine.request import Request, RequestStatus
 from nanoengine.engine.scheduling_policy import make_policy
 from nanoengine.events import EventBus, RequestFinished, RequestPreempted, RequestScheduled
+
+if TYPE_CHECKING:
+    from nanoengine.engine.model_runner import ModelRunnerOutput
+
+
+class TakesText(Protocol):
+    """What reads a round of new tokens (``OutputProcessor``): their logprobs and text, the stop string
+    found by request id; a request whose text raised is added to ``faults``."""
+
+    def detokenize(self, requests: list[Request], logprobs: dict[str, tuple],
+                   faults: dict[str, Exception]) -> dict[str, str]: ...
 
 
 @dataclass(frozen=True)
@@ -68,13 +85,16 @@ class ScheduledRequest:
     is_prefill: bool  # False: one new token (and its drafts) over a cached context (the decode kernel)
     samples: bool  # reaches the request's last known token, so a new token is sampled
     draft_token_ids: tuple[int, ...] = ()  # speculative tokens checked this step (counted in num_tokens)
+    new_block_ids: tuple[int, ...] = ()  # the last blocks of request.block_ids, gained for this step
 
     @classmethod
-    def make(cls, request: Request, num_tokens: int, draft_token_ids: tuple[int, ...] = ()) -> "ScheduledRequest":
+    def make(cls, request: Request, num_tokens: int, draft_token_ids: tuple[int, ...] = (),
+             new_block_ids: tuple[int, ...] = ()) -> "ScheduledRequest":
         start = request.num_computed_tokens
         known = num_tokens - len(draft_token_ids)  # tokens of the request itself, without the guesses
         return cls(request, num_tokens, start, is_prefill=not (known == 1 and start > 0),
-                   samples=start + known == request.num_tokens, draft_token_ids=draft_token_ids)
+                   samples=start + known == request.num_tokens, draft_token_ids=draft_token_ids,
+                   new_block_ids=new_block_ids)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -113,8 +133,11 @@ class SchedulerOutput:
     def num_draft_tokens(self) -> int:
         return sum(s.num_draft_tokens for s in self.scheduled)
 
-    def add(self, request: Request, num_tokens: int, draft_token_ids: tuple[int, ...] = ()) -> None:
-        self.scheduled.append(ScheduledRequest.make(request, num_tokens, draft_token_ids))
+    def add(self, request: Request, num_tokens: int, draft_token_ids: tuple[int, ...] = (),
+            new_block_ids: tuple[int, ...] = ()) -> None:
+        """Schedule ``num_tokens`` of ``request`` (``draft_token_ids`` among them); ``new_block_ids``: the
+        blocks allocated for them, the last of its ``block_ids`` (``gained_blocks``)."""
+        self.scheduled.append(ScheduledRequest.make(request, num_tokens, draft_token_ids, new_block_ids))
 
 
 class Scheduler:
@@ -167,6 +190,10 @@ class Scheduler:
         (``fcfs``: ``schedule_running``, then ``admit_waiting`` unless someone was preempted)."""
         out = SchedulerOutput(token_budget=self.max_num_batched_tokens)
         self.policy.schedule(self, out)
+        now = time.perf_counter()
+        for s in out.scheduled:  # the time a request is first scheduled (its queueing delay ends)
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
         return self._announce(out)
 
     def schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -174,10 +201,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            held = len(request.block_ids)
             num_new = min(request.num_tokens_to_compute, budget)
             drafts = self._fitting_drafts(request, budget)
             if drafts:  # its slots are allocated
-                out.add(request, num_new + len(drafts), drafts)
+                out.add(request, num_new + len(drafts), drafts, gained_blocks(request, held))
                 budget -= num_new + len(drafts)
                 i += 1
                 continue
@@ -187,7 +215,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.add(request, num_new)
+                out.add(request, num_new, new_block_ids=gained_blocks(request, held))
                 budget -= num_new
                 i += 1
         return budget
@@ -229,7 +257,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.add(request, num_new)
+            out.add(request, num_new, new_block_ids=tuple(request.block_ids))  # a waiting request held none
             budget -= num_new
         return budget
 
@@ -272,33 +300,52 @@ class Scheduler:
         return out
 
     # ------------------------------------------------------------- updating
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Advance progress, append each request's first new token.
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput,
+                           detokenizer: TakesText) -> list[Request]:
+        """The step's tokens into their requests, each stop decided; returns the requests that produced one.
 
-        ``sampled`` maps a request id to its new tokens; requests mid-prefill have none. A
-        request that checked drafts may have more than one: the drafts the model agreed
-        with and the token after them. Only the first is taken here, and a drafting
-        request's progress counts its own token only; the engine takes the others one at
-        a time (``accept_token``) so that a stop among them ends the request there.
-        Returns the requests that produced a token this step.
-        Whether one of them is now finished is decided afterwards, once its text is known
-        (``finish_if_stopped``, called by the engine after the detokenizer).
+        Progress advances by the tokens each request computed. The new tokens are then taken
+        in rounds, token i of every request in round i, as plain decoding would have taken
+        them: a request that checked drafts may have up to k+1, and the draft before each
+        token after the first was right (``accept_token``). After each round the output
+        processor reads the round's tokens (``detokenizer.detokenize``: logprobs, text, the
+        stop string found), and ``finish_if_stopped`` decides whether each request has
+        finished and why (``check_stop`` states the precedence). A request that finished
+        takes no more of its run, so nothing after a stop is emitted. Last, the blocks only
+        rejected drafts used go back to the pool (``release_rejected_slots``).
+        A request whose sampling or text raised is in ``result.failed`` (the detokenizer adds
+        those whose text raised): it takes nothing more and the engine ends it with the error.
         """
-        produced = []
         now = time.perf_counter()
+        produced = []
         for s in out.scheduled:
             request = s.request
             request.num_computed_tokens += s.num_tokens - s.num_draft_tokens
             self._cache_if_filled(request)
-            tokens = sampled.get(request.request_id)
-            if not tokens:
-                continue
-            request.append_output_token(tokens[0], now)
-            produced.append(request)
+            if result.sampled.get(request.request_id):
+                produced.append(request)
+        faults = result.failed
+        for index in range(max((len(result.sampled[r.request_id]) for r in produced), default=0)):
+            batch = [r for r in produced if len(result.sampled[r.request_id]) > index and not r.is_finished
+                     and r.request_id not in faults]
+            for request in batch:
+                token = result.sampled[request.request_id][index]
+                if index == 0:
+                    request.append_output_token(token, now)
+                else:
+                    self.accept_token(request, token, now)
+            logprobs = {r.request_id: result.logprobs[r.request_id][index] for r in batch
+                        if r.request_id in result.logprobs}
+            stop_strings = detokenizer.detokenize(batch, logprobs, faults)
+            for request in batch:
+                if request.request_id not in faults:
+                    self.finish_if_stopped(request, stop_strings.get(request.request_id))
+        if out.num_draft_tokens:
+            self.release_rejected_slots(out)
         return produced
 
     def accept_token(self, request: Request, token: int, now: float | None = None) -> None:
-        """One more token of an accepted run: the draft before it was right.
+        """One more token of an accepted run (after its first): the draft before it was right.
 
         That draft's KV, written by the verify pass, now holds the token the request really
         has at its position, so it counts as computed.

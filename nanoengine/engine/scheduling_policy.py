@@ -21,6 +21,8 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
+from nanoengine.engine.block_manager import gained_blocks
+
 if TYPE_CHECKING:
     from nanoengine.engine.request import Request
     from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
@@ -56,9 +58,9 @@ class PrefillFirst(FirstComeFirstServed):
             if budget == 0:
                 break
             if request.num_tokens_to_compute > 1 or request.num_output_tokens == 0:
-                num_new = min(request.num_tokens_to_compute, budget)
+                num_new, held = min(request.num_tokens_to_compute, budget), len(request.block_ids)
                 if scheduler.block_manager.allocate_slots(request, num_new):
-                    out.add(request, num_new)
+                    out.add(request, num_new, new_block_ids=gained_blocks(request, held))
                     budget -= num_new
         budget = scheduler.admit_waiting(out, budget)
         if not out.scheduled:  # no prefill work this step: the decodes get it

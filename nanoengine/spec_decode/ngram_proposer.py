@@ -15,10 +15,14 @@ numpy, which is as easy to read and fast enough for the contexts of this course.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from nanoengine.spec_decode.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from nanoengine.engine.request import Request
 
 
 def propose_ngram(token_ids: Sequence[int], k: int, max_n: int, min_n: int) -> list[int]:
@@ -63,3 +67,18 @@ class NgramProposer:
         if room < 1:
             return []
         return propose_ngram(token_ids, room, self.config.prompt_lookup_max, self.config.prompt_lookup_min)
+
+    def propose_drafts(self, requests: Sequence[Request], batch_size: int) -> None:
+        """After a step's update, draft for each request that produced a token and still decodes
+        (vLLM's ``propose_draft_token_ids``): its ``spec_token_ids``, [] for the others.
+
+        ``batch_size``: the step's scheduled requests, which choose this step's k
+        (``SpeculativeConfig.tokens_for_batch``: vLLM's dynamic speculative decoding; 0 drafts nothing).
+        """
+        k = self.config.tokens_for_batch(batch_size)
+        for request in requests:
+            if k == 0 or request.is_finished or request.num_tokens_to_compute != 1:
+                request.spec_token_ids = []
+                continue
+            left = request.sampling_params.max_tokens - request.num_output_tokens
+            request.spec_token_ids = self.propose(request.all_token_ids, left, k)
