@@ -41,7 +41,7 @@ def compare_compile(model_dir: Path, prompts: list[list[int]], output_len: int, 
     engines, build_seconds = {}, {}
     for name in SYSTEMS:
         start = time.perf_counter()
-        # "eager": the model not compiled whole either (a CPU's default), so the two differ only in compile=True
+        # "eager": the layers' Python forward, as compile=True runs them, so the two differ only in compile=True
         engines[name] = LLM(model_dir, compile=name == "compiled", enforce_eager=name == "eager", **engine_kwargs)
         build_seconds[name] = time.perf_counter() - start
     report = engines["compiled"].engine.runner.compilation

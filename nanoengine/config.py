@@ -50,19 +50,12 @@ class EngineConfig:
         or "static" (the static-batching baseline: a batch of up to max_num_seqs requests
         runs until all of it has finished before anyone new is admitted).
     tensor_parallel_size: processes the model is split over.
-    enforce_eager: run the model eagerly, operator by operator from Python: no CUDA graphs on a
-        GPU, and on a CPU no compiled model (vLLM's flag, with the same meaning).
+    enforce_eager: run the model operator by operator from Python: no CUDA graphs on a GPU, and
+        on a CPU the layers' Python forward rather than one native call per decoder layer (vLLM's
+        flag: the model as its code reads, what hooks and the chapters see).
     compile: torch.compile the small fused ops (RMSNorm + residual, rotary, SiLU-and-mul,
         the sampler's filters); on failure the engine warns once and stays eager. An explicit
         choice of its own: enforce_eager does not turn it off (``backends.compilation``).
-    compile_model: on a CPU, compile the model's forward whole, its GEMMs and attention as
-        opaque operators (``backends.cpu_graph``, as vLLM's CPU backend does). None (the
-        default): compiled wherever each decoder layer runs as one native call (SmolLM2 and
-        other plain Llama layers), where the graph is those calls in C++ with eager's bits,
-        and eager elsewhere (a Qwen3 graph would round differently and was no faster); never
-        with enforce_eager=True, compile=True, tensor parallelism or on a GPU. True: compile
-        any model; False: never. The compiled kernels are cached on disk per CPU, so only a
-        machine's first engine waits for the C++ compiler (``results/README.md``: the figures).
     seed: seeds the engine's generator for requests without a seed of their own.
     speculative_config: None (no speculation) or vLLM's dict, e.g. ``{"method": "ngram",
         "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``
@@ -83,7 +76,6 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
     compile: bool = False
-    compile_model: bool | None = None
     seed: int = 0
     speculative_config: SpeculativeConfig | dict | None = None
 
@@ -119,25 +111,9 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "enforce_eager", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.compile_model is not None and not isinstance(self.compile_model, bool):
-            raise ValueError(f"compile_model must be None (the CPU backend decides), True or False, "
-                             f"got {self.compile_model!r}")
-        for name in ("compile", "compile_model"):
-            if getattr(self, name) and self.tensor_parallel_size > 1:
-                raise ValueError(f"{name}=True runs in one process only; it is not supported with "
-                                 f"tensor_parallel_size > 1 (got {self.tensor_parallel_size})")
-        if self.compile_model is None and (self.enforce_eager or self.compile or self.tensor_parallel_size > 1
-                                           or self.torch_device.type != "cpu"):
-            self.compile_model = False  # the default compiles only a CPU model of one process, not eager
-        if self.compile_model:
-            clash = [name for name in ("compile", "enforce_eager") if getattr(self, name)]
-            if clash:
-                raise ValueError(f"compile_model=True compiles the whole model; it cannot be combined with "
-                                 f"{clash[0]}=True (compile=True compiles the small fused ops only, "
-                                 f"enforce_eager=True runs eagerly): choose one")
-            if self.torch_device.type != "cpu":
-                raise ValueError(f"compile_model=True is the CPU backend's; the device is "
-                                 f"{self.torch_device.type} (use compile=True there, with CUDA graphs)")
+        if self.compile and self.tensor_parallel_size > 1:
+            raise ValueError(f"compile=True runs in one process only; it is not supported with "
+                             f"tensor_parallel_size > 1 (got {self.tensor_parallel_size})")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) (torch.Generator's range), got {self.seed!r}")
         if self.speculative_config is not None:

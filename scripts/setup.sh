@@ -31,8 +31,6 @@ fi
 echo "[setup] default model: $(python -m nanoengine.default_model 2>/dev/null | tail -n 1)"
 # Without a C++ compiler this only warns: the engine then uses the GEMM libraries for every batch.
 echo "[setup] $(python -m nanoengine.kernels.cpu_native 2>&1 | tail -n 1)"
-# So that LLM() in a fresh process loads the compiled model from the cache, in seconds.
-echo "[setup] $(python -m nanoengine.backends.cpu_graph 2>&1 | tail -n 1)"
 
 if ! command -v chromium >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

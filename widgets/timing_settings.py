@@ -36,7 +36,7 @@ def run_settings(engine=None, *, batch: int | str, context: int | str, dtype: to
     threads = torch.get_num_threads() if threads is None else threads
     ctx = f"{context:,}" if isinstance(context, int) else str(context)
     if compiled is None and engine is not None:
-        mode = engine.forward_mode  # the backend's words: "compiled (whole model)", "eager (...)", ...
+        mode = engine.forward_mode  # the backend's words: "eager (one native call per decoder layer)", "eager", ...
     else:
         mode = "compiled (torch.compile on the fused ops)" if compiled else "eager"
     return f"batch {batch}, {ctx}-token context, {_dtype_name(dtype)}, {threads} thread{'s' * (threads != 1)}, {mode}"

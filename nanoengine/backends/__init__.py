@@ -13,21 +13,20 @@ import torch
 from nanoengine.backends.base import Backend
 
 
-def select_backend(device: torch.device | str, *, compile: bool = False, cuda_graph_max_batch: int = 0,
-                   max_model_len: int | None = None, compile_model: bool | None = False) -> Backend:
+def select_backend(device: torch.device | str, *, compile: bool = False, enforce_eager: bool = False,
+                   cuda_graph_max_batch: int = 0, max_model_len: int | None = None) -> Backend:
     """The backend for ``device``.
 
     compile: torch.compile the small fused ops (``backends.compilation``).
+    enforce_eager: on a CPU, the layers' Python forward rather than one native call per decoder layer.
     cuda_graph_max_batch: on CUDA, capture decode graphs up to this batch (0: never, enforce_eager).
     max_model_len: the longest sequence a graph's block tables must hold (CUDA).
-    compile_model: on a CPU, compile the model's forward whole (``backends.cpu_graph``); None: where its
-        decoder layers run as one native call each (``CpuBackend.prepare_forward``).
     """
     device = torch.device(device)
     if device.type == "cpu":
         from nanoengine.backends.cpu import CpuBackend
 
-        return CpuBackend(device, compile=compile, compile_model=compile_model)
+        return CpuBackend(device, compile=compile, fuse_layers=not enforce_eager)
     if device.type == "cuda":
         from nanoengine.backends.cuda import CudaBackend
 

@@ -55,13 +55,14 @@ engines in the same process stay eager.
   ``compile_runner`` from ``prepare_forward``; on CUDA it compiles before it captures CUDA
   graphs, so the graphs record the compiled kernels.
 
-Why not compile the whole decode step (the model's forward)? On a CPU the CPU backend does,
-by default where each decoder layer runs as one native call (``backends.cpu_graph``,
-``compile_model``): the packed GEMM and the paged attention become opaque custom operators,
-which removes the two blockers met when ``torch.compile(model.forward)`` was first tried
-here (Dynamo breaking the graph in every layer at store-KV's data-dependent check; Inductor
-failing to lower oneDNN's packed linear). ``compile=True`` is the other road, the small ops
-only, and the two do not combine.
+Why not compile the whole decode step (the model's forward)? The engine did, on a CPU, for a
+while: with the packed GEMM and the paged attention as opaque custom operators (the two
+blockers met when ``torch.compile(model.forward)`` was first tried here: Dynamo breaking the
+graph in every layer at store-KV's data-dependent check, Inductor failing to lower oneDNN's
+packed linear), and later with each decoder layer one native operator inside the graph.
+Measured against the same layers run eagerly, the graph bought nothing and tripled the time
+an engine takes to build, so the CPU backend runs its layers eagerly (results/README.md:
+engine v4's choice of one CPU fast path).
 """
 
 from __future__ import annotations

@@ -31,12 +31,10 @@ cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here:
   same calls once per step. Each Llama layer runs as one C++ operator that makes the same
   operator calls, in the same order, from C++ (``backends.cpu_fused``,
   ``kernels/csrc/llama_layer.cpp``): eager's bits, less time per decoded token and per lone
-  prompt (figures: results/README.md).
-* **The model compiled whole.** By default the forward is compiled once (``backends.cpu_graph``):
-  the embedding, the 30 layers' operators and the final norm, called from C++ code Inductor
-  writes, so a step leaves Python once rather than once per layer; eager's bits, a lone
-  sequence a little faster (results/README.md). ``enforce_eager=True`` runs the layers from
-  Python instead.
+  prompt (figures: results/README.md). ``enforce_eager=True`` runs the layers' Python
+  ``forward`` instead (``fuse_layers``). The model is not compiled whole: measured against these
+  layers eager, a compiled graph of them bought nothing and tripled ``LLM()``'s build time
+  (results/README.md, engine v4's choice of one CPU fast path).
 * **Store-KV without a check per layer.** Whether any token of the step has no slot (-1,
   a warm-up row) is decided once from the plan on the host (``all_slots_stored``); the
   layers then copy their keys and values with no host synchronisation.
@@ -182,14 +180,6 @@ class CpuLinearMethod:
         return self.product(x, layer.weight, bias)
 
 
-class GraphLinearMethod(CpuLinearMethod):
-    """``CpuLinearMethod`` called as one opaque operator, for the compiled model (``backends.cpu_graph``)."""
-
-    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        few_rows_max = cpu_native.MAX_ROWS if self.few_rows else 0
-        return torch.ops.nanoengine.cpu_linear(x, layer.weight, bias, self.packed, few_rows_max)
-
-
 def takes_few_rows(x: torch.Tensor, weight: torch.Tensor, few_rows: bool) -> bool:
     """Whether a product of ``x`` by ``weight`` goes to the few-rows kernel: at most MAX_ROWS rows."""
     return few_rows and x.numel() <= cpu_native.MAX_ROWS * x.shape[-1] and x.dtype == weight.dtype
@@ -209,22 +199,15 @@ class CpuBackend(Backend):
     name = "cpu"
     weight_copies = "GEMM weights prepacked in oneDNN's blocked layout"
 
-    def __init__(self, device: torch.device, compile: bool = False, compile_model: bool | None = False) -> None:
+    def __init__(self, device: torch.device, compile: bool = False, fuse_layers: bool = True) -> None:
         super().__init__(device, compile)
         self.native_kernels = cpu_native.load()  # built once per machine, loaded once per process
         self.attention = CpuAttention()
-        # Compile the model's forward whole (``backends.cpu_graph``): True, None (where the layers
-        # register: ``prepare_forward``) or False; the config refuses True together with compile=True
-        # (the small fused ops, chapter 10's lesson) and makes None False with it.
-        self.compile_model = compile_model
-        self.compiled_forward = None  # set by prepare_forward when compiling worked: (model, ids, positions, meta)
-        self.layer_caches: list = []  # each attention layer's (k_cache, v_cache), for the compiled graph
-        self.registered_model = None  # the fused layers registered with the native code, for the compiled graph
         self.fused_layers = 0  # decoder layers that can run as one native call each (``backends.cpu_fused``)
         self.unfused_reason: str | None = None  # why they cannot, when they cannot
         self.fused_modules: tuple = ()  # the modules inside the fused layers (``cpu_fused.hooked``)
-        self.fuse_layers = True  # False: every step runs the layers' Python forward (chapter 10 compares)
-        self.run_compiled = True  # False: a compiled model's steps run its eager layers (chapter 10 compares)
+        # False (enforce_eager=True): every step runs the layers' Python forward (chapter 10 compares both)
+        self.fuse_layers = fuse_layers
         self.huge_page_weight_bytes = 0  # weights moved to memory advised to use huge pages (``prepare_weights``)
         self.weight_bytes = 0  # all of the model's weights
         self.move_budget_s = move_budget()  # read (and checked) before any weight loads
@@ -277,40 +260,21 @@ class CpuBackend(Backend):
         self.weight_copy_bytes = copy_bytes
 
     def prepare_forward(self, runner) -> None:
-        """The model compiled whole where its decoder layers run as one native call each (the
-        default, ``compile_model=None``) or for any model (``compile_model=True``); else eager,
-        each decoder layer one native call where it can be; or the small fused ops compiled
-        (``compile=True``)."""
-        if self.compile and not self.compile_model:
+        """Each decoder layer one native call where it can be (``backends.cpu_fused``); or the small
+        fused ops compiled (``compile=True``), the layers' Python forward around them."""
+        if self.compile:
             super().prepare_forward(runner)
             return
         self.unfused_reason = cpu_fused.unfit_reason(runner.model, self)
-        compiling = self.compile_model or (self.compile_model is None and self.unfused_reason is None)
-        if compiling:  # the fused layers, or the attention and linear layers, as the graph's operators
-            from nanoengine.backends import cpu_graph
-
-            runner.compilation = cpu_graph.compile_model(runner, self)
-            if self.compiled_forward is not None or self.unfused_reason is not None:
-                return
         if self.unfused_reason is None:
             self.fused_layers = cpu_fused.install(runner.model)
             # every module a fused layer stands in for: a step with a hook on one of them is not fused
             self.fused_modules = tuple(m for layer in runner.model.model.layers for m in layer.modules())
 
     def forward_mode(self) -> str:
-        # (the registered layers' graph runs only fused steps: with fuse_layers off, the Python layers run)
-        if self.compiled_forward is not None and self.run_compiled and (self.registered_model is None
-                                                                       or self.fuse_layers):
-            return "compiled (whole model)"
         if self.fused_layers and self.fuse_layers:
             return "eager (one native call per decoder layer)"
         return super().forward_mode()
-
-    def forward(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        if self.compiled_forward is None or not self.run_compiled:
-            return model(input_ids, positions, meta)
-        return self.compiled_forward(model, input_ids, positions, meta)  # backends.cpu_graph's
 
     def build_metadata(self, plan) -> CpuAttentionMetadata:
         fields = self._metadata_fields(plan)

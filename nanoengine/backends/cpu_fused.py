@@ -7,11 +7,9 @@ since), store-KV, attention, four GEMMs, the activation), a few microseconds api
 prefill pays the same calls once per step, whatever its length: a noticeable part of a lone
 prompt's time, more the shorter the prompt (figures: results/README.md). GPU engines
 hide this behind CUDA graphs; vLLM's CPU backend compiles the model with ``torch.compile``.
-This engine's whole-model compile (``compile_model=True``, ``backends.cpu_graph``) measured
-no faster: its graph still calls attention through Python on every layer, and on a short
-prefill Inductor's generated code took longer than the eager operators it replaced
-(results/README.md). (It now calls these fused layers instead, one operator each, from C++,
-and is the default: ``backends.cpu_graph``.)
+This engine compiled its model whole too, for a while: with attention called through Python
+in every layer it was no faster than eager, and with these layers inside the graph, no faster
+than these layers eager, at three times the build time, so it went (results/README.md).
 
 So each ``LlamaDecoderLayer`` runs as one C++ operator, ``nanoengine::llama_layer``
 (``kernels/csrc/llama_layer.cpp``), which calls the same operators the eager layer calls, in

@@ -215,11 +215,11 @@ class LLMEngine:
 
     @property
     def forward_mode(self) -> str:
-        """How a step runs the model, in the backend's words: "compiled (whole model)" (a CPU's
-        default), "eager (one native call per decoder layer)" (``enforce_eager=True``), "eager with
-        compiled fused ops" (``compile=True``), "..., CUDA graphs for decode"; "eager" when the
-        model is split over processes (tensor parallelism). A step with a forward hook runs eagerly
-        whatever this says, so that the hook sees every layer."""
+        """How a step runs the model, in the backend's words: "eager (one native call per decoder
+        layer)" (a CPU's default), "eager" (the layers' Python forward: ``enforce_eager=True``, or
+        tensor parallelism), "eager with compiled fused ops" (``compile=True``), "..., CUDA graphs
+        for decode". A step with a forward hook runs the layers' Python forward whatever this says,
+        so that the hook sees every layer."""
         backend = getattr(self.runner, "backend", None)
         return backend.forward_mode() if backend is not None else "eager"
 
@@ -444,10 +444,10 @@ def _local_runner(net: torch.nn.Module, config: EngineConfig, max_model_len: int
     """A runner with the model in this process, on the backend for its device (chosen here, once).
 
     CUDA graphs unless enforce_eager (never on a CPU); compiled fused ops with compile=True; on a CPU
-    the model compiled whole unless enforce_eager (``EngineConfig.compile_model``).
+    one native call per decoder layer unless enforce_eager.
     """
-    backend = select_backend(config.torch_device, compile=config.compile, max_model_len=max_model_len,
-                             cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512),
-                             compile_model=config.compile_model)
+    backend = select_backend(config.torch_device, compile=config.compile, enforce_eager=config.enforce_eager,
+                             max_model_len=max_model_len,
+                             cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512))
     return ModelRunner(net, net.config, num_blocks, config.block_size, config.torch_device, config.torch_dtype,
                        config.seed, backend=backend)

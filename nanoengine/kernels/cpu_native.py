@@ -30,9 +30,7 @@ Four operations are poorly served by the libraries PyTorch calls, three of them 
 One more file, ``csrc/llama_layer.cpp``, adds no arithmetic of its own but the rotary
 embedding: it runs a whole Llama decoder layer's step (decode rows and prefill chunks),
 calling these operators (and oneDNN's, and ATen's silu) from C++, so that Python makes one
-call per layer instead of ~25 (``backends.cpu_fused``). ``csrc/registered_layers.cpp`` keeps each
-layer's weights and the step's metadata on the C++ side, so that the compiled model calls a
-layer with its hidden states alone (``backends.cpu_graph``).
+call per layer instead of ~25 (``backends.cpu_fused``).
 
 The kernels are C++ with AVX2 and FMA intrinsics (bfloat16 prefill attention calls PyTorch's own
 operators), registered as PyTorch operators (``torch.ops.nanoengine.*``) and run on PyTorch's
@@ -161,10 +159,6 @@ def _register_fakes() -> None:
     def _(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, widen):
         return torch.empty_like(query)
 
-    @torch.library.register_fake("nanoengine::cpu_linear")
-    def _(x, weight, bias, packed, few_rows_max):
-        return x.new_empty(*x.shape[:-1], weight.shape[0])
-
     @torch.library.register_fake("nanoengine::rotate_half")
     def _(x, cos, sin):
         return x.new_empty(x.shape)
@@ -176,10 +170,6 @@ def _register_fakes() -> None:
     @torch.library.register_fake("nanoengine::add_rms_norm")
     def _(x, residual, weight, eps):
         return torch.empty_like(x), torch.empty_like(x)
-
-    @torch.library.register_fake("nanoengine::registered_layer")
-    def _(hidden, residual, cos, sin, layer):
-        return torch.empty_like(hidden), torch.empty_like(hidden)
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -167,6 +167,6 @@ def test_step_settings_names_batch_context_dtype_threads_and_mode() -> None:
     assert ch11.step_settings(EngineConfig(device="cpu", compile=True), batch="b", context="c").endswith(
         "eager with compiled fused ops")
     assert ch11.step_settings(EngineConfig(device="cpu"), batch="b", context="c").endswith(
-        "the model compiled whole where its layers fuse")
-    engine = types.SimpleNamespace(config=EngineConfig(device="cpu"), forward_mode="compiled (whole model)")
-    assert ch11.step_settings(engine, batch="b", context="c").endswith(", compiled (whole model)")  # the engine's own
+        "eager (one native call per decoder layer where the layers fuse)")
+    engine = types.SimpleNamespace(config=EngineConfig(device="cpu"), forward_mode="eager, as the engine says")
+    assert ch11.step_settings(engine, batch="b", context="c").endswith(", eager, as the engine says")  # the engine's own

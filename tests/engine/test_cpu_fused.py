@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(cpu_native.unavailable_reason() is not None or not cpu_native.load(),
                                  reason="the native kernels cannot be built on this machine")]
 
-CONFIG = dict(device="cpu", max_model_len=256, num_kv_blocks=512, block_size=8, max_num_batched_tokens=64,
-              enforce_eager=True)  # the fused layers called from Python (compiled: test_compile_model)
+# The default: each decoder layer one native call (enforce_eager=True: the layers' Python forward).
+CONFIG = dict(device="cpu", max_model_len=256, num_kv_blocks=512, block_size=8, max_num_batched_tokens=64)
 
 
 def outputs(llm, batch, params) -> list:
@@ -101,6 +101,28 @@ def test_every_step_whose_tokens_have_slots_is_fused(build_tiny_llm):
     with unfused(backend):
         assert [fused for *_, fused in run()] == [False] * 3  # what the bit-for-bit comparisons run as "eager"
     assert not build(BatchPlan.dummy(2)).fused  # a warm-up step: its tokens have no slot
+
+
+def test_enforce_eager_runs_the_python_forward_with_the_same_bits(build_tiny_llm):
+    """The CPU's two forward modes: one native call per layer (the default) and the layers' Python
+    forward (``enforce_eager=True``); the same tokens and logits, not just close ones."""
+    default, eager = build_tiny_llm(CONFIG), build_tiny_llm({**CONFIG, "enforce_eager": True})
+    assert default.engine.forward_mode == "eager (one native call per decoder layer)"
+    assert eager.engine.forward_mode == "eager" and not eager.engine.runner.backend.fuse_layers
+    assert not default.engine.runner.compilation.requested and not eager.engine.runner.compilation.requested
+    prompt = list(range(3, 40))
+    assert torch.equal(default.engine.next_token_logits(prompt), eager.engine.next_token_logits(prompt))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    batch = [list(range(5, 5 + n)) for n in (3, 20, 70)]  # 70: longer than a step's budget, chunked
+    assert ([o.outputs[0].token_ids for o in default.generate(batch, params)]
+            == [o.outputs[0].token_ids for o in eager.generate(batch, params)])
+
+
+def test_the_model_compiled_whole_is_no_longer_an_option():
+    from nanoengine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"unknown engine option\(s\) \['compile_model'\]"):
+        EngineConfig.from_kwargs(compile_model=True)
 
 
 def test_the_layers_keep_their_python_forward_where_fusing_does_not_fit(build_tiny_llm, tiny_qwen3_dir):

@@ -94,22 +94,6 @@ def test_the_backend_sends_few_rows_to_the_kernel_and_more_to_the_library():
         assert torch.equal(layer(few[:1].reshape(1, 1, 48)), cpu_native.few_rows_linear(few[:1], layer.weight)[None])
 
 
-@needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(0, 64), (1, 64), (8, 64), (9, 64), (3, 13, 64)])  # 8: the last few-rows input
-def test_the_cpu_linear_operator_is_the_backends_product_bit_for_bit(dtype, shape):
-    """nanoengine::cpu_linear (what the compiled model calls) makes backends.cpu's choice, in C++."""
-    from nanoengine.backends.cpu import cpu_product
-
-    torch.manual_seed(len(shape))
-    x, weight, bias = torch.randn(shape, dtype=dtype), torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype)
-    packed = cpu_gemm.pack_weight(weight)
-    for few_rows, b, p in itertools.product((True, False), (None, bias), (packed, None)):
-        out = torch.ops.nanoengine.cpu_linear(x, weight, b, p, cpu_native.MAX_ROWS if few_rows else 0)
-        assert out.shape == (*shape[:-1], 96)
-        assert torch.equal(out, cpu_product(x, weight, b, p, few_rows)), (few_rows, b is None, p is None)
-
-
 def test_without_the_kernel_one_warning_names_why_and_the_libraries_compute(monkeypatch):
     monkeypatch.setattr(cpu_native, "unavailable_reason", lambda: "a test said so")
     cpu_native.load.cache_clear()

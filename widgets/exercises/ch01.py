@@ -51,7 +51,7 @@ def step_settings(engine, batch: int | str, context: tuple[int, int] | str) -> s
     dtype, torch's threads, and how the step ran the model (``LLMEngine.forward_mode``: compiled
     whole, eager, compiled fused ops; on a GPU also CUDA graphs).
     """
-    mode = engine.forward_mode  # e.g. "compiled (whole model)", "eager, CUDA graphs for decode"
+    mode = engine.forward_mode  # e.g. "eager (one native call per decoder layer)", "eager, CUDA graphs for decode"
     if isinstance(context, tuple):
         low, high = context
         context = f"{low} tokens" if low == high else f"{low}-{high} tokens"

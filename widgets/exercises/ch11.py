@@ -147,8 +147,8 @@ def check_ttft_slo(run, slo_ms) -> CheckResult:
 
 def step_settings(engine, *, batch: str, context: str, threads: int | None = None) -> str:
     """Under which settings a decode-step time or a TTFT was measured, in one line: batch, context,
-    dtype, device, CPU threads, and how the model ran (``LLMEngine.forward_mode``: on a CPU compiled
-    whole unless ``enforce_eager``, chapter 10; on CUDA, graphs unless ``enforce_eager``). ``engine`` is an ``LLM``, an ``LLMEngine`` or an ``EngineConfig``;
+    dtype, device, CPU threads, and how the model ran (``LLMEngine.forward_mode``: on a CPU one native
+    call per decoder layer unless ``enforce_eager``, chapter 10; on CUDA, graphs unless ``enforce_eager``). ``engine`` is an ``LLM``, an ``LLMEngine`` or an ``EngineConfig``;
     ``threads`` overrides torch's thread count (a tensor-parallel worker runs its own)."""
     import torch
 
@@ -158,8 +158,8 @@ def step_settings(engine, *, batch: str, context: str, threads: int | None = Non
     if hasattr(engine, "forward_mode"):  # an engine says how it runs its model (LLMEngine.forward_mode)
         mode = engine.forward_mode
     else:  # a configuration: what it asks for
-        mode = ("eager with compiled fused ops" if cfg.compile else "eager" if cfg.compile_model is False
-                else "the model compiled whole where its layers fuse")
+        mode = ("eager with compiled fused ops" if cfg.compile else "eager" if cfg.enforce_eager or device != "cpu"
+                else "eager (one native call per decoder layer where the layers fuse)")
         if device == "cuda":
             mode += ", no CUDA graphs" if cfg.enforce_eager else ", CUDA graphs"
     threads = torch.get_num_threads() if threads is None else threads

@@ -67,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--tensor-parallel-size", type=int, default=None)
     engine.add_argument("--seed", type=int, default=None)
     engine.add_argument("--enforce-eager", action="store_true", default=None,
-                        help="run the model eagerly: on a CPU not compiled whole, on CUDA without graphs (vLLM's flag)")
+                        help="run the model's Python forward: on a CPU not one native call per layer, on CUDA "
+                             "without graphs (vLLM's flag)")
     engine.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
                         help='speculative decoding, vLLM\'s form: \'{"method": "ngram", "num_speculative_tokens": 4, '
                              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')

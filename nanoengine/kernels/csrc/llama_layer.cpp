@@ -20,9 +20,6 @@
 // prefill attention, as CpuAttention.forward splits them. What it does not take: steps with a
 // token that has no cache slot, tensor parallelism, Qwen3's per-head norms, a bias on o_proj.
 // backends/cpu_fused.py checks those before it routes a step here.
-//
-// Also here: nanoengine::cpu_linear, the CPU backend's product as one operator, which the
-// compiled model (backends/cpu_graph.py) calls for each linear layer.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -99,19 +96,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptionalT
   if (x.size(0) <= few_rows_max) return few_rows_linear(x.contiguous(), weight, bias);
   if (packed.has_value() && packed->defined()) return packed_linear(x.contiguous(), *packed, bias);
   return at::linear(x, weight, bias);
-}
-
-// backends/cpu.py's cpu_product for x (..., in_features), as one registered operator: the
-// compiled model (backends/cpu_graph.py) calls its linear layers through it, so a product
-// costs one dispatch and no Python. few_rows_max is 0 where the few-rows kernel is not used.
-at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias,
-                      const OptionalTensor& packed, int64_t few_rows_max) {
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape.back() = weight.size(0);
-  if (x.scalar_type() != weight.scalar_type()) return at::linear(x, weight, bias);
-  const at::Tensor rows = x.reshape({-1, x.size(-1)});
-  if (rows.size(0) == 0) return x.new_empty(shape);  // oneDNN rejects empty inputs
-  return linear(rows, weight, packed, bias, few_rows_max).view(shape);
 }
 
 // ---------------------------------------------------------------- the rotary embedding
@@ -291,7 +275,6 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
 
 TORCH_LIBRARY_FRAGMENT(nanoengine, m) {
   m.def("rotate_half(Tensor x, Tensor cos, Tensor sin) -> Tensor");
-  m.def("cpu_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? packed, int few_rows_max) -> Tensor");
   m.def("llama_layer(Tensor hidden, Tensor? residual, Tensor input_norm, Tensor post_norm, float eps, "
         "Tensor qkv_weight, Tensor? qkv_packed, Tensor? qkv_bias, Tensor o_weight, Tensor? o_packed, "
         "Tensor gate_up_weight, Tensor? gate_up_packed, Tensor down_weight, Tensor? down_packed, int few_rows_max, "
@@ -303,7 +286,6 @@ TORCH_LIBRARY_FRAGMENT(nanoengine, m) {
 
 TORCH_LIBRARY_IMPL(nanoengine, CPU, m) {
   m.impl("rotate_half", &rotate_half_op);
-  m.impl("cpu_linear", &cpu_linear);
   m.impl("llama_layer", &llama_layer);
 }
 
@@ -311,5 +293,4 @@ TORCH_LIBRARY_IMPL(nanoengine, CPU, m) {
 // dispatches on that key, so the same function is registered for it.
 TORCH_LIBRARY_IMPL(nanoengine, MkldnnCPU, m) {
   m.impl("llama_layer", &llama_layer);
-  m.impl("cpu_linear", &cpu_linear);
 }
