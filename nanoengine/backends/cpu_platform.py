@@ -234,6 +234,30 @@ def release_free_heap() -> bool:
     return libc is not None and bool(libc.malloc_trim(0))
 
 
+class IdleTrim:
+    """When an engine's loop gives freed memory back: once per idle period, after it has stepped
+    and then had nothing to do for ``TRIM_AFTER_IDLE_S`` (the module's docstring says why). The
+    engine core and the async engine's thread both sleep through ``idle``.
+
+    Built where the loop starts: ``TRIM_VARIABLE`` is read once, and a bad value fails there.
+    """
+
+    def __init__(self) -> None:
+        self.enabled = trim_when_idle()
+        self.stepped = False  # the engine stepped since the last trim
+
+    def idle(self, wait_for_work: Callable[[float | None], bool]) -> None:
+        """Sleep until work may have arrived: ``wait_for_work(timeout)`` (None: no limit) returns
+        False when the timeout passed without any. Trims first if the engine stepped since the last
+        trim and the first ``TRIM_AFTER_IDLE_S`` pass without work."""
+        if self.enabled and self.stepped:
+            if wait_for_work(TRIM_AFTER_IDLE_S):
+                return
+            release_free_heap()
+            self.stepped = False
+        wait_for_work(None)
+
+
 HUGE_PAGE_BYTES = 2 * 1024 * 1024  # the size of a transparent huge page on x86-64
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 ALIGNMENT = 64  # each tensor's start in the region: a cache line (the kernels' vector loads)

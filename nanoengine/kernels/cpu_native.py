@@ -135,12 +135,35 @@ def _build_and_load(verbose: bool) -> None:
     # as a flag, so editing a header rebuilds too.
     header_hash = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
     flags = [*COMPILE_FLAGS, f"-DNANOENGINE_HEADERS_SHA={header_hash}"]
+    clear_stale_lock(directory)
     load_extension(build_name(), [str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                    build_directory=str(directory), is_python_module=False, verbose=verbose)
     if not built:
         print(f"nanoengine: compiled the native CPU kernels in {time.perf_counter() - start:.1f} s "
               f"(once; kept in {directory})", file=sys.stderr)
     _register_fakes()
+
+
+# A build takes under a minute; a lock file older than this was left by a process that stopped while
+# building (killed, or its machine restarted), and PyTorch's builder would wait for it forever.
+STALE_LOCK_S = 600.0
+
+
+def clear_stale_lock(directory: Path) -> bool:
+    """Remove the builder's lock file in ``directory`` if it is older than ``STALE_LOCK_S``, with a
+    warning naming it; True if one was removed. A younger lock is another process building now."""
+    lock = directory / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= STALE_LOCK_S:
+        return False
+    warnings.warn(f"removed {lock}, a build lock {age / 60:.0f} minutes old: a process stopped while building "
+                  f"the native kernels, and every later one would have waited for it", KernelBuildWarning,
+                  stacklevel=3)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 import warnings
 
 import pytest
@@ -92,6 +93,20 @@ def test_the_backend_sends_few_rows_to_the_kernel_and_more_to_the_library():
         assert torch.equal(layer(few), cpu_native.few_rows_linear(few, layer.weight))
         assert torch.equal(layer(many), cpu_gemm.linear(many, layer.weight, None, method.packed))
         assert torch.equal(layer(few[:1].reshape(1, 1, 48)), cpu_native.few_rows_linear(few[:1], layer.weight)[None])
+
+
+def test_a_stale_build_lock_is_removed_with_a_warning_and_a_fresh_one_kept(tmp_path):
+    import os
+
+    lock = tmp_path / "lock"
+    assert cpu_native.clear_stale_lock(tmp_path) is False  # no lock at all
+    lock.touch()  # another process building right now
+    assert cpu_native.clear_stale_lock(tmp_path) is False and lock.exists()
+    old = time.time() - cpu_native.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))  # left by a process that stopped while building
+    with pytest.warns(cpu_native.KernelBuildWarning, match=r"a build lock 11 minutes old"):
+        assert cpu_native.clear_stale_lock(tmp_path) is True
+    assert not lock.exists()
 
 
 def test_without_the_kernel_one_warning_names_why_and_the_libraries_compute(monkeypatch):

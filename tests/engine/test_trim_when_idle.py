@@ -1,5 +1,5 @@
 """Freed memory given back when the engine core goes idle (``cpu_platform.release_free_heap``,
-``trim_when_idle`` and the idle branch of ``engine_core.run_engine_core``), and when the
+``trim_when_idle``, ``IdleTrim`` as ``engine_core.run_engine_core`` sleeps through it), and when the
 async engine's thread does (``serve --engine-thread``, the notebooks' servers).
 
 The core's loop runs here on the test's main thread (it sets a signal handler), with a tiny
@@ -86,8 +86,8 @@ def sigint_restored():
 def trims(monkeypatch, sigint_restored) -> list[float]:
     """When the core trimmed (``release_free_heap`` recorded, not run), quiet for 0.05 s before it."""
     when: list[float] = []
-    monkeypatch.setattr(engine_core, "release_free_heap", lambda: when.append(time.monotonic()) or True)
-    monkeypatch.setattr(engine_core, "TRIM_AFTER_IDLE_S", 0.05)
+    monkeypatch.setattr(cpu_platform, "release_free_heap", lambda: when.append(time.monotonic()) or True)
+    monkeypatch.setattr(cpu_platform, "TRIM_AFTER_IDLE_S", 0.05)
     return when
 
 
@@ -217,8 +217,8 @@ def test_the_async_engine_trims_once_per_idle_period_after_work(monkeypatch, tin
     else:
         monkeypatch.setenv(cpu_platform.TRIM_VARIABLE, setting)
     trims: list[float] = []
-    monkeypatch.setattr(async_engine, "release_free_heap", lambda: trims.append(time.monotonic()) or True)
-    monkeypatch.setattr(async_engine, "TRIM_AFTER_IDLE_S", 0.05)
+    monkeypatch.setattr(cpu_platform, "release_free_heap", lambda: trims.append(time.monotonic()) or True)
+    monkeypatch.setattr(cpu_platform, "TRIM_AFTER_IDLE_S", 0.05)
 
     async def main() -> list[int]:
         ae = async_engine.AsyncLLMEngine(tiny_engine(tiny_llama_dir))
@@ -254,8 +254,8 @@ def test_a_request_that_arrives_before_the_trim_is_served_at_once(monkeypatch, t
     wait is stepped at once, and no trim comes between."""
     monkeypatch.delenv(cpu_platform.TRIM_VARIABLE, raising=False)
     trims: list[float] = []
-    monkeypatch.setattr(async_engine, "release_free_heap", lambda: trims.append(time.monotonic()) or True)
-    monkeypatch.setattr(async_engine, "TRIM_AFTER_IDLE_S", 600.0)
+    monkeypatch.setattr(cpu_platform, "release_free_heap", lambda: trims.append(time.monotonic()) or True)
+    monkeypatch.setattr(cpu_platform, "TRIM_AFTER_IDLE_S", 600.0)
 
     async def main() -> None:
         ae = async_engine.AsyncLLMEngine(tiny_engine(tiny_llama_dir))

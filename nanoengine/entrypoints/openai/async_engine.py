@@ -13,7 +13,7 @@ must keep answering other clients. So the work is split between two threads:
   codebase), which hands each to the sink its request was watched with. When there is
   nothing to do it sleeps on a condition variable instead of spinning, and a new
   command wakes it; after work, once it has had nothing to do for ``TRIM_AFTER_IDLE_S``,
-  it first gives freed memory back (``engine_core`` says why).
+  it first gives freed memory back (``cpu_platform.IdleTrim``; ``engine_core`` says why).
 * **the asyncio side** (the HTTP server's event loop) never touches the engine. It submits
   commands through a list guarded by that condition, and receives each request's outputs
   on its HTTP request's ``asyncio.Queue``. The router's sink for the request puts them
@@ -60,7 +60,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from nanoengine.backends.cpu_platform import TRIM_AFTER_IDLE_S, release_free_heap, trim_when_idle
+from nanoengine.backends.cpu_platform import IdleTrim
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.engine.output_router import OutputRouter
 from nanoengine.metrics import EngineStats
@@ -246,7 +246,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stats = EngineStats.of(engine)
         self.error: BaseException | None = None  # why the engine thread stopped, if it failed
-        self._trim = trim_when_idle()  # read once; a bad value fails here, with the variable's name
+        self._trim = IdleTrim()  # reads its variable once; a bad value fails here, with the variable's name
 
     # ----------------------------------------------------------- lifecycle
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -350,16 +350,10 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         """The engine thread: apply commands, step, deliver outputs; sleep when idle."""
         engine = self.engine
-        stepped_since_trim = False
         while True:
             with self._cond:
                 while not (self._commands or self._stopping or engine.has_unfinished_requests()):
-                    if self._trim and stepped_since_trim:
-                        if not self._cond.wait(TRIM_AFTER_IDLE_S):  # still idle: once per idle period,
-                            release_free_heap()  # as the engine core does
-                            stepped_since_trim = False
-                    else:
-                        self._cond.wait()  # idle: no spinning, no polling
+                    self._trim.idle(self._cond.wait)  # idle: no spinning, no polling; a trim first if due
                 if self._stopping:
                     break
                 commands, self._commands = self._commands, []
@@ -369,7 +363,7 @@ class AsyncLLMEngine:
                     commands.pop(0)
                 if engine.has_unfinished_requests():
                     self._deliver(engine.step())
-                    stepped_since_trim = True
+                    self._trim.stepped = True
                 self._stats = EngineStats.of(engine)
             except Exception as exc:  # a fault of the engine itself (a request's own is contained by step())
                 logger.exception("the engine failed; every request in flight gets an error")

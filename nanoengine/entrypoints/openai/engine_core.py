@@ -34,7 +34,7 @@ The core also gives freed memory back when it goes idle. glibc keeps what a step
 place), and over hours of steps of every shape the holes between live blocks add up to
 resident memory nobody uses. So once the engine has stepped and then had nothing to do for
 ``TRIM_AFTER_IDLE_S``, the core calls ``release_free_heap`` (glibc's ``malloc_trim``) once,
-before it sleeps on the pipe: no step waits for it, and a burst of requests with short gaps
+before it sleeps on the pipe (``cpu_platform.IdleTrim``, which the async engine's thread uses too): no step waits for it, and a burst of requests with short gaps
 between them does not trim at every gap. ``NANOENGINE_TRIM_WHEN_IDLE=0`` switches it off;
 ``python -m nanobench.soak`` measures what it changes.
 
@@ -61,8 +61,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Sequence
 
-from nanoengine.backends.cpu_platform import (TRIM_AFTER_IDLE_S, engine_core_environment, release_free_heap,
-                                              trim_when_idle)
+from nanoengine.backends.cpu_platform import IdleTrim, engine_core_environment
 from nanoengine.config import EngineConfig
 from nanoengine.engine.input_processor import InputProcessor
 from nanoengine.engine.llm_engine import LLMEngine
@@ -103,7 +102,7 @@ def run_engine_core(conn: Connection, build: Callable[[], LLMEngine]) -> None:
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's to handle; it sends "stop"
     try:
-        trim = trim_when_idle()  # read once; a bad value fails the start with the variable's name
+        trim = IdleTrim()  # reads its variable once; a bad value fails the start with the variable's name
         engine = build()
     except BaseException as exc:
         conn.send(("failed", _portable(exc)))
@@ -111,14 +110,10 @@ def run_engine_core(conn: Connection, build: Callable[[], LLMEngine]) -> None:
     conn.send(("ready", EngineFacts.of(engine)))
     error: BaseException | None = None
     max_waiting: int | None = None
-    stepped_since_trim = False
     try:
         while True:
             if not engine.has_unfinished_requests():
-                if trim and stepped_since_trim and not conn.poll(TRIM_AFTER_IDLE_S):
-                    release_free_heap()  # once per idle period, after the work that freed the memory
-                    stepped_since_trim = False
-                conn.poll(None)  # idle: sleep until a command arrives
+                trim.idle(conn.poll)  # sleep until a command arrives, giving freed memory back first if due
             replies: list[tuple[int, Any, BaseException | None]] = []
             outputs: list[RequestOutput] = []
             stop = False
@@ -143,7 +138,7 @@ def run_engine_core(conn: Connection, build: Callable[[], LLMEngine]) -> None:
                         replies.append((ticket, result, None))
             if not stop and engine.has_unfinished_requests():
                 outputs.extend(engine.step())
-                stepped_since_trim = True
+                trim.stepped = True
             if replies or outputs or not stop:
                 _send_step(conn, replies, outputs, EngineStats.of(engine))
             if stop:
