@@ -43,7 +43,7 @@ from nanoengine.engine.profiler import StepProfiler
 from nanoengine.engine.request import Request, RequestStatus
 from nanoengine.engine.scheduler import Scheduler, SchedulerOutput
 from nanoengine.engine.snapshots import EngineSnapshot, MemoryReport, RequestSnapshot
-from nanoengine.events import BatchPrepared, DraftsVerified, EventBus, RequestQueued, StepFinished
+from nanoengine.events import BatchPrepared, EventBus, RequestQueued, StepFinished
 from nanoengine.models.config import ModelConfig
 from nanoengine.outputs import RequestOutput
 from nanoengine.sampling_params import SamplingParams
@@ -68,9 +68,13 @@ class LLMEngine:
         self.profiler = StepProfiler()  # where each step's time goes, for StepFinished observers
         self.block_manager = BlockManager(runner.num_blocks, config.block_size,
                                           config.enable_prefix_caching, self.events, profiler=self.profiler)
+        # Speculative decoding (chapter 13): who proposes drafts, and how they fared (the scheduler counts).
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec, self.max_model_len) if spec is not None else None
+        self.spec_decode_stats = SpecDecodeStats(spec.num_speculative_tokens if spec is not None else 0)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill,
-                                   config.scheduling_policy, self.events)
+                                   config.scheduling_policy, self.events, self.spec_decode_stats)
         self.input_processor = InputProcessor(tokenizer, model_config.vocab_size, self.max_model_len,
                                               config.max_num_seqs)
         self.output_processor = OutputProcessor(tokenizer, profiler=self.profiler)
@@ -88,10 +92,6 @@ class LLMEngine:
         self.step_count = 0
         self._stepping = False  # inside step(): an abort must wait until the batch is done
         self._deferred_aborts: list[str] = []
-        # Speculative decoding (chapter 13): who proposes drafts, and how they fared.
-        spec = config.speculative_config
-        self.proposer = NgramProposer(spec, self.max_model_len) if spec is not None else None
-        self.spec_decode_stats = SpecDecodeStats(spec.num_speculative_tokens if spec is not None else 0)
 
     # ------------------------------------------------------------ creation
     @classmethod
@@ -305,7 +305,6 @@ class LLMEngine:
         result = self.runner.execute_model(plan, sampled, profiler)
         with profiler.phase("update"):
             produced = self.scheduler.update_from_output(sched, result, self.output_processor)
-            self._observe_drafts(sched, result)
             for sibling in self.parents.after_update(produced):  # n > 1: the prompt is computed
                 self._queue(sibling)
             if self.proposer is not None:
@@ -348,20 +347,6 @@ class LLMEngine:
                 request.status, request.error = RequestStatus.FINISHED_ERROR, error
             outputs.append(self._finish_all(state, RequestStatus.FINISHED_ERROR, error))
         return outputs
-
-    def _observe_drafts(self, sched: SchedulerOutput, result) -> None:
-        """Count what each verify pass accepted (``SpecDecodeStats``, the counts vLLM reports) and
-        announce it (``DraftsVerified``)."""
-        if not sched.num_draft_tokens:
-            return
-        announce = self.events.wants(DraftsVerified)
-        for s in sched.scheduled:
-            if s.num_draft_tokens and s.request.request_id in result.sampled:
-                emitted = result.sampled[s.request.request_id]
-                self.spec_decode_stats.observe(s.draft_token_ids, emitted)
-                if announce:
-                    self.events.emit(DraftsVerified(self.step_count, s.request.request_id, s.draft_token_ids,
-                                                    tuple(emitted)))
 
     def decode(self, token_ids: list[int]) -> str:
         """Token ids to text, special tokens included (for showing single tokens)."""

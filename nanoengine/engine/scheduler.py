@@ -56,7 +56,8 @@ from typing import TYPE_CHECKING, Protocol
 from nanoengine.engine.block_manager import BlockManager, gained_blocks
 from nanoengine.engine.request import Request, RequestStatus
 from nanoengine.engine.scheduling_policy import make_policy
-from nanoengine.events import EventBus, RequestFinished, RequestPreempted, RequestScheduled
+from nanoengine.events import DraftsVerified, EventBus, RequestFinished, RequestPreempted, RequestScheduled
+from nanoengine.spec_decode.metrics import SpecDecodeStats
 
 if TYPE_CHECKING:
     from nanoengine.engine.model_runner import ModelRunnerOutput
@@ -145,7 +146,7 @@ class Scheduler:
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, enable_chunked_prefill: bool = True, policy: str = "fcfs",
-                 events: EventBus | None = None) -> None:
+                 events: EventBus | None = None, spec_decode_stats: SpecDecodeStats | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -162,6 +163,9 @@ class Scheduler:
         # not a new query); hits are the prompt tokens its cached blocks cover.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # What each verify pass accepted (speculative decoding), counted in update_from_output as vLLM's
+        # scheduler counts it; the engine reads it (LLMEngine.spec_decode_stats is the same object).
+        self.spec_decode_stats = spec_decode_stats or SpecDecodeStats(0)
 
     # ------------------------------------------------------------ lifecycle
     def add_request(self, request: Request) -> None:
@@ -341,8 +345,20 @@ class Scheduler:
                 if request.request_id not in faults:
                     self.finish_if_stopped(request, stop_strings.get(request.request_id))
         if out.num_draft_tokens:
+            self._observe_drafts(out, result.sampled)
             self.release_rejected_slots(out)
         return produced
+
+    def _observe_drafts(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        """Count what each verify pass accepted (the counts vLLM reports) and announce it (``DraftsVerified``)."""
+        announce = self.events.wants(DraftsVerified)
+        for s in out.scheduled:
+            if s.num_draft_tokens and s.request.request_id in sampled:
+                emitted = sampled[s.request.request_id]
+                self.spec_decode_stats.observe(s.draft_token_ids, emitted)
+                if announce:
+                    self.events.emit(DraftsVerified(self.step, s.request.request_id, s.draft_token_ids,
+                                                    tuple(emitted)))
 
     def accept_token(self, request: Request, token: int, now: float | None = None) -> None:
         """One more token of an accepted run (after its first): the draft before it was right.
