@@ -261,7 +261,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.add(request, num_new, new_block_ids=tuple(request.block_ids))  # a waiting request held none
+            out.add(request, num_new, new_block_ids=gained_blocks(request, 0))  # a waiting request held none
             budget -= num_new
         return budget
 

@@ -141,7 +141,6 @@ def _build_and_load(verbose: bool) -> None:
     if not built:
         print(f"nanoengine: compiled the native CPU kernels in {time.perf_counter() - start:.1f} s "
               f"(once; kept in {directory})", file=sys.stderr)
-    _register_fakes()
 
 
 # A build takes under a minute; a lock file older than this was left by a process that stopped while
@@ -164,35 +163,6 @@ def clear_stale_lock(directory: Path) -> bool:
                   stacklevel=3)
     lock.unlink(missing_ok=True)
     return True
-
-
-@functools.lru_cache(maxsize=None)
-def _register_fakes() -> None:
-    """Output shapes for torch.compile: the operators are opaque to Dynamo and Inductor."""
-
-    @torch.library.register_fake("nanoengine::few_rows_linear")
-    def _(x, weight, bias=None):
-        return x.new_empty(x.shape[0], weight.shape[0])
-
-    @torch.library.register_fake("nanoengine::paged_decode_attention")
-    def _(query, k_cache, v_cache, block_tables, context_lens, scale, avx512=True):
-        return torch.empty_like(query)
-
-    @torch.library.register_fake("nanoengine::paged_prefill_attention")
-    def _(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, widen):
-        return torch.empty_like(query)
-
-    @torch.library.register_fake("nanoengine::rotate_half")
-    def _(x, cos, sin):
-        return x.new_empty(x.shape)
-
-    @torch.library.register_fake("nanoengine::rms_norm")
-    def _(x, weight, eps):
-        return torch.empty_like(x)
-
-    @torch.library.register_fake("nanoengine::add_rms_norm")
-    def _(x, residual, weight, eps):
-        return torch.empty_like(x), torch.empty_like(x)
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
