@@ -21,16 +21,18 @@ cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here:
   cache-row indices computed from the block tables (a ``DecodePlan``); the tables are the
   same in every layer, so ``build_metadata`` builds that plan once per step, as a field of
   the step's ``CpuAttentionMetadata``, and all 30 layers read it.
-* **Norms and rotary embeddings in one call.** With the native kernels, every ``RMSNorm`` calls
-  ``cpu_native.rms_norm`` / ``add_rms_norm`` (one pass per row, the residual add fused)
-  instead of five eager operators, and the rotary embedding ``cpu_native.rotate_half``
-  (one pass over a step's queries and keys, eager's bits, instead of six passes: most of
-  its time is prefill rows); ``compile=True`` puts its compiled ones in their place.
+* **Fewer calls from Python.** With the native kernels every ``RMSNorm`` calls
+  ``cpu_native.rms_norm`` / ``add_rms_norm`` (one pass per row, the residual add fused) instead
+  of five eager operators, the rotary embedding ``cpu_native.rotate_half`` (eager's six passes
+  as one), the MLP's activation ``cpu_native.silu_and_mul`` (ATen's silu and product called
+  from C++) and attention one ``cpu_native.paged_attention`` call a layer (store-KV, decode and
+  prefill: the calls ``AttentionImpl.forward`` makes): eager's bits in fewer calls.
+  ``compile=True`` puts its compiled small ops in place of the native ones.
 * **A decoder layer in one call.** Decoding one sequence, a step spent a large share of its
   time outside the GEMMs, calling ~25 operators a layer from Python, and a prefill pays the
   same calls once per step. Each Llama layer runs as one C++ operator that makes the same
-  operator calls, in the same order, from C++ (``backends.cpu_fused``,
-  ``kernels/csrc/llama_layer.cpp``): eager's bits, less time per decoded token and per lone
+  operator calls as the layer's Python ``forward``, in the same order, from C++
+  (``backends.cpu_fused``, ``kernels/csrc/llama_layer.cpp``): eager's bits, less time per decoded token and per lone
   prompt (figures: results/README.md). ``enforce_eager=True`` runs the layers' Python
   ``forward`` instead (``fuse_layers``). The model is not compiled whole: measured against these
   layers eager, a compiled graph of them bought nothing and tripled ``LLM()``'s build time
@@ -77,6 +79,7 @@ from nanoengine.backends.base import Backend
 from nanoengine.backends.cpu_platform import move_budget, move_to_huge_pages, tune_engine_process
 from nanoengine.kernels import cpu_attention, cpu_gemm, cpu_native, reference
 from nanoengine.kernels.cpu_attention import DecodePlan
+from nanoengine.layers.activation import SiluAndMul
 from nanoengine.layers.attention import AttentionImpl, AttentionMetadata
 from nanoengine.layers.layernorm import RMSNorm
 from nanoengine.layers.linear import GemmLayer
@@ -101,9 +104,10 @@ class CpuAttention(AttentionImpl):
     """Store-KV by row copy; decode by the native kernel (or the batched PyTorch version); prefill
     by the native kernel's tiles or SDPA (or the reference's calls from Python).
 
-    ``native``: decode runs ``cpu_native.paged_decode_attention`` and prefill
-    ``cpu_native.paged_prefill_attention`` (set by the backend when the native kernels are
-    loaded and the cache's dtype is one they take).
+    ``native``: a layer's step is one ``cpu_native.paged_attention`` call, which stores K/V and
+    runs ``paged_decode_attention`` and ``paged_prefill_attention`` as ``AttentionImpl.forward``
+    would (set by the backend when the native kernels are loaded and the cache's dtype is one
+    they take).
     """
 
     def __init__(self, native: bool = False) -> None:
@@ -118,6 +122,14 @@ class CpuAttention(AttentionImpl):
         if self.prefill_dtype is not None:
             prefill += f" in {str(self.prefill_dtype).removeprefix('torch.')}"
         return f"cpu ({'native paged' if self.native else 'batched'} decode, {prefill})"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
+        if self.native and meta.all_slots_stored:  # ``AttentionImpl.forward``'s calls, made from C++
+            return torch.ops.nanoengine.paged_attention(
+                q, k, v, k_cache, v_cache, meta.slot_mapping, meta.num_decode_tokens, meta.decode_block_tables,
+                meta.decode_context_lens, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+                meta.prefill_context_lens, scale, meta.widen_prefill)
+        return super().forward(q, k, v, k_cache, v_cache, meta, scale)
 
     def store_kv(self, key, value, k_cache, v_cache, meta: CpuAttentionMetadata) -> None:
         if not meta.all_slots_stored:  # a step with slot -1 rows: the reference skips them
@@ -169,28 +181,17 @@ class CpuLinearMethod:
         return f"few-rows kernel up to {cpu_native.MAX_ROWS} rows, then {many}" if self.few_rows else many
 
     def takes_few_rows(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether ``x`` goes to the few-rows kernel (else ``cpu_gemm.linear``)."""
-        return takes_few_rows(x, weight, self.few_rows)
+        """Whether ``x`` goes to the few-rows kernel (else ``cpu_gemm.linear``): at most MAX_ROWS rows."""
+        return self.few_rows and x.numel() <= cpu_native.MAX_ROWS * x.shape[-1] and x.dtype == weight.dtype
 
     def product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)``, the way this method computes it."""
-        return cpu_product(x, weight, bias, self.packed, self.few_rows)
+        if self.takes_few_rows(x, weight):
+            return cpu_native.few_rows_linear(x, weight, bias)
+        return cpu_gemm.linear(x, weight, bias, self.packed)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.product(x, layer.weight, bias)
-
-
-def takes_few_rows(x: torch.Tensor, weight: torch.Tensor, few_rows: bool) -> bool:
-    """Whether a product of ``x`` by ``weight`` goes to the few-rows kernel: at most MAX_ROWS rows."""
-    return few_rows and x.numel() <= cpu_native.MAX_ROWS * x.shape[-1] and x.dtype == weight.dtype
-
-
-def cpu_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None,
-                few_rows: bool) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` on a CPU: few rows by the native kernel, more by oneDNN (packed)."""
-    if takes_few_rows(x, weight, few_rows):
-        return cpu_native.few_rows_linear(x, weight, bias)
-    return cpu_gemm.linear(x, weight, bias, packed)
 
 
 class CpuBackend(Backend):
@@ -242,6 +243,8 @@ class CpuBackend(Backend):
                 if (isinstance(module, RMSNorm) and module.weight.dtype in cpu_native.DTYPES
                         and module.weight.is_contiguous()):
                     module.norm_fn, module.add_norm_fn = cpu_native.rms_norm, cpu_native.add_rms_norm
+                if isinstance(module, SiluAndMul):
+                    module.silu_and_mul_fn = cpu_native.silu_and_mul
                 if isinstance(module, RotaryEmbedding):
                     module.rotate_fn = cpu_native.rotate_half  # eager's bits in one pass (other dtypes: eager)
         layers = [m for m in model.modules() if isinstance(m, GemmLayer)]

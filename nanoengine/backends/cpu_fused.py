@@ -12,15 +12,14 @@ in every layer it was no faster than eager, and with these layers inside the gra
 than these layers eager, at three times the build time, so it went (results/README.md).
 
 So each ``LlamaDecoderLayer`` runs as one C++ operator, ``nanoengine::llama_layer``
-(``kernels/csrc/llama_layer.cpp``), which calls the same operators the eager layer calls, in
-the same order, from C++: the native norms, the few-rows kernel or oneDNN's packed GEMM (the
-same rule as ``CpuLinearMethod``), store-KV, the paged decode kernel for the step's decode
-rows and the native prefill attention for its prefill chunks (``CpuAttention.forward``'s
-split), ATen's silu and mul, and the rotary embedding written out with eager's arithmetic.
-The hidden states are the eager layer's, bit for bit (tests/engine/test_cpu_fused.py), so
-greedy tokens and logprobs do not change. Python still walks the 30 layers: the model's own
-``forward`` runs as written and calls each layer, whose ``forward`` the backend replaced with
-a ``FusedLayer`` that decides per step.
+(``kernels/csrc/llama_layer.cpp``), which makes the operator calls the layer's Python ``forward``
+makes (as the CPU backend runs it), in the same order, from C++: the native norms, the few-rows
+kernel or oneDNN's packed GEMM (the same rule as ``CpuLinearMethod``), the rotary embedding, one
+``paged_attention`` call (store-KV, the decode rows, the prefill chunks: ``CpuAttention.forward``)
+and ``silu_and_mul``. It has no arithmetic of its own, so the hidden states are the Python
+forward's, bit for bit (tests/engine/test_cpu_fused.py), and greedy tokens and logprobs do not
+change. Python still walks the 30 layers: the model's own ``forward`` runs as written and calls
+each layer, whose ``forward`` the backend replaced with a ``FusedLayer`` that decides per step.
 
 A layer runs its Python ``forward`` on a step where a forward hook is registered on it or any
 module inside it (or globally): fused, the hook would silently not be called. The backend

@@ -65,6 +65,8 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed with the packed weight. x (..., in_features)."""
+    if x.dim() == 2 and x.shape[0]:  # the model's activations: (tokens, features)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 0:  # oneDNN rejects empty inputs; the answer is empty anyway
         return x.new_empty(*x.shape[:-1], out_features)

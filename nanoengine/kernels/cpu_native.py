@@ -27,10 +27,15 @@ Four operations are poorly served by the libraries PyTorch calls, three of them 
   one call and one pass per row where eager PyTorch makes five calls; for one decoding
   sequence the calls, not the arithmetic, were the cost.
 
-One more file, ``csrc/llama_layer.cpp``, adds no arithmetic of its own but the rotary
-embedding: it runs a whole Llama decoder layer's step (decode rows and prefill chunks),
-calling these operators (and oneDNN's, and ATen's silu) from C++, so that Python makes one
-call per layer instead of ~25 (``backends.cpu_fused``).
+Three more files add no arithmetic of their own but the rotary embedding's: they make a layer's
+eager PyTorch calls from C++, one call from Python instead of several, with eager's bits (from
+Python, the calls and not the arithmetic were a one-sequence decode step's cost beside the GEMMs):
+``rotate_half`` (``csrc/rotary.cpp``: eager's six passes as one), ``silu_and_mul``
+(``csrc/silu_and_mul.cpp``: ATen's silu and product) and ``paged_attention``
+(``csrc/paged_attention.cpp``: a layer's store-KV, decode and prefill attention, the calls
+``AttentionImpl.forward`` makes; its schema declares the two caches it writes). And
+``csrc/llama_layer.cpp`` makes a whole Llama decoder layer's calls, these operators among them,
+so that Python makes one call per layer (``backends.cpu_fused``).
 
 The kernels are C++ with AVX2 and FMA intrinsics (bfloat16 prefill attention calls PyTorch's own
 operators), registered as PyTorch operators (``torch.ops.nanoengine.*``) and run on PyTorch's
@@ -170,6 +175,8 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
     ``load()`` must have returned True; weight (out_features, in_features) contiguous.
     """
+    if x.dim() == 2:  # the model's activations: (tokens, features)
+        return torch.ops.nanoengine.few_rows_linear(x.contiguous(), weight, bias)
     rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous()  # (M, K); -1 is ambiguous when K == 0
     out = torch.ops.nanoengine.few_rows_linear(rows, weight, bias)  # (M, N)
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -225,6 +232,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     """``layers.layernorm.add_rms_norm``, by the kernel: (normalised x + residual, x + residual)."""
     out, new_residual = torch.ops.nanoengine.add_rms_norm(x.contiguous(), residual.contiguous(), weight, eps)
     return out, new_residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``layers.activation.silu_and_mul``, ATen's calls made from C++: the same bits, one call."""
+    return torch.ops.nanoengine.silu_and_mul(x)
 
 
 def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from nanoengine.backends.cpu import CpuAttention, CpuBackend, CpuLinearMethod
 from nanoengine.kernels import cpu_gemm, cpu_native, reference
+from nanoengine.layers.attention import AttentionImpl
 from nanoengine.layers.linear import ReplicatedLinear
 
 needs_kernel = pytest.mark.skipif(cpu_native.unavailable_reason() is not None or not cpu_native.load(),
@@ -428,3 +429,82 @@ def test_native_prefill_attention_refuses_what_would_read_outside_the_cache():
         cpu_native.paged_prefill_attention(chunk, k_cache, v_cache, tables, torch.tensor([0, 5, 13]), context_lens, 1.0)
     with pytest.raises(ValueError, match="compute_dtype must be"):
         cpu_native.paged_prefill_attention(chunk, k_cache, v_cache, tables, cu, context_lens, 1.0, torch.float16)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("step", ["decodes", "prefills", "both"])
+def test_paged_attention_is_the_layers_python_calls_in_one(dtype, step):
+    """Store-KV, then decode rows and prefill chunks: ``AttentionImpl.forward`` as CpuAttention runs it
+    from Python, bit for bit, in the caches it writes and in what it returns."""
+    from nanoengine.backends.base import block_table_tensor
+    from nanoengine.backends.cpu import CpuAttentionMetadata
+
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, d, block_size, num_blocks = 6, 2, 64, 4, 32
+    decodes = [5, 9] if step != "prefills" else []  # context lengths of the decoding sequences
+    prefills = [(7, 7), (3, 10)] if step != "decodes" else []  # (this chunk's tokens, context incl. the chunk)
+    tokens = len(decodes) + sum(q for q, _ in prefills)
+    free = iter(torch.randperm(num_blocks, generator=gen).tolist())
+    tables = [[next(free) for _ in range((n + block_size - 1) // block_size)] for n in decodes + [c for _, c in prefills]]
+    slots = [tables[i][(n - 1) // block_size] * block_size + (n - 1) % block_size for i, n in enumerate(decodes)]
+    for j, (q_len, ctx) in enumerate(prefills):
+        table = tables[len(decodes) + j]
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx)]
+    cu = [0]
+    for q_len, _ in prefills:
+        cu.append(cu[-1] + q_len)
+    meta = CpuAttentionMetadata(
+        slot_mapping=torch.tensor(slots), num_decode_tokens=len(decodes),
+        decode_block_tables=block_table_tensor(tables[:len(decodes)], torch.device("cpu")),
+        decode_context_lens=torch.tensor(decodes, dtype=torch.int32),
+        prefill_block_tables=block_table_tensor(tables[len(decodes):], torch.device("cpu")),
+        prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
+        prefill_context_lens=torch.tensor([c for _, c in prefills], dtype=torch.int32),
+        widen_prefill=cpu_native.widens(dtype, None))  # as the backend builds it for CpuAttention's prefill_dtype None
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    q = qkv[:, :heads * d].view(tokens, heads, d)  # strided views of the projection, as the layer passes them
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(tokens, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:].view(tokens, kv_heads, d)
+    caches = torch.randn(2, num_blocks, block_size, kv_heads, d, generator=gen).to(dtype)
+    attention = CpuAttention(native=True)
+    native_caches = caches.clone()
+    out = attention.forward(q, k, v, native_caches[0], native_caches[1], meta, 0.125)  # the one native call
+    python_caches = caches.clone()
+    expected = AttentionImpl.forward(attention, q, k, v, python_caches[0], python_caches[1], meta, 0.125)
+    assert torch.equal(native_caches, python_caches) and not torch.equal(native_caches, caches)
+    assert torch.equal(out, expected)
+
+
+@needs_kernel
+def test_paged_attention_declares_the_caches_it_writes_and_refuses_a_step_that_does_not_add_up():
+    schema = torch.ops.nanoengine.paged_attention.default._schema
+    written = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    assert written == ["k_cache", "v_cache"]
+    q, kv, cache = torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.zeros(4, 4, 1, 8)
+    empty_table = torch.zeros(0, 1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="do not make the step's 3 tokens"):
+        torch.ops.nanoengine.paged_attention(q, kv, kv, cache, cache.clone(), torch.arange(3), 0, empty_table,
+                                             torch.zeros(0, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
+                                             torch.tensor([0, 2], dtype=torch.int32), torch.tensor([2], dtype=torch.int32),
+                                             1.0, False)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_has_eagers_bits(dtype):
+    from nanoengine.layers.activation import silu_and_mul
+
+    x = torch.randn(5, 2 * 1536).to(dtype)
+    assert torch.equal(cpu_native.silu_and_mul(x), silu_and_mul(x))
+    with pytest.raises(RuntimeError, match="2 \\* intermediate"):
+        cpu_native.silu_and_mul(torch.randn(2, 7))
+
+
+@needs_kernel
+def test_the_backend_gives_the_activation_the_native_kernel():
+    from nanoengine.layers.activation import SiluAndMul
+
+    model = torch.nn.ModuleList([SiluAndMul()])
+    CpuBackend("cpu").prepare_weights(model)
+    assert model[0].silu_and_mul_fn is cpu_native.silu_and_mul
