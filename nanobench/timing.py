@@ -333,6 +333,8 @@ def measure_gemm_peak(shapes: Sequence[tuple[int, int]], tokens: int = 1024, *, 
     "F.linear" always hands the plain weight to ``F.linear`` (MKL on a CPU, cuBLAS on a
     GPU). Each measurement records which path actually ran.
     """
+    from types import SimpleNamespace
+
     import torch
     import torch.nn.functional as F
 
@@ -353,7 +355,10 @@ def measure_gemm_peak(shapes: Sequence[tuple[int, int]], tokens: int = 1024, *, 
         w = torch.randn(n_out, n_in, generator=gen).to(dev, dtype)  # (out, in)
         for path in paths:
             native = dev.type == "cpu" and cpu_native.load()
-            method = CpuLinearMethod.for_weight(w, native) if path == "engine" else None
+            method = None
+            if path == "engine":  # the method a CPU model's linear layer gets, given this weight as if loaded
+                method = CpuLinearMethod(few_rows=native and dtype in cpu_native.DTYPES)
+                method.process_weights_after_loading(SimpleNamespace(weight=w))
             if method is not None and (method.packed is not None or method.takes_few_rows(x, w)):
                 def run(x=x, w=w, method=method):
                     return method.product(x, w)  # (tokens, out)

@@ -13,9 +13,10 @@ import torch
 from nanoengine.backends.base import Backend
 
 
-def select_backend(device: torch.device | str, *, compile: bool = False, enforce_eager: bool = False,
-                   cuda_graph_max_batch: int = 0, max_model_len: int | None = None) -> Backend:
-    """The backend for ``device``.
+def select_backend(device: torch.device | str, *, dtype: torch.dtype | None = None, compile: bool = False,
+                   enforce_eager: bool = False, cuda_graph_max_batch: int = 0,
+                   max_model_len: int | None = None) -> Backend:
+    """The backend for ``device`` and a model in ``dtype`` (None: ``default_dtype(device)``).
 
     compile: torch.compile the small fused ops (``backends.compilation``).
     enforce_eager: on a CPU, the layers' Python forward rather than one native call per decoder layer.
@@ -23,16 +24,17 @@ def select_backend(device: torch.device | str, *, compile: bool = False, enforce
     max_model_len: the longest sequence a graph's block tables must hold (CUDA).
     """
     device = torch.device(device)
+    dtype = dtype or default_dtype(device)
     if device.type == "cpu":
         from nanoengine.backends.cpu import CpuBackend
 
-        return CpuBackend(device, compile=compile, fuse_layers=not enforce_eager)
+        return CpuBackend(device, dtype, compile=compile, fuse_layers=not enforce_eager)
     if device.type == "cuda":
         from nanoengine.backends.cuda import CudaBackend
 
-        return CudaBackend(device, compile=compile, cuda_graph_max_batch=cuda_graph_max_batch,
+        return CudaBackend(device, dtype, compile=compile, cuda_graph_max_batch=cuda_graph_max_batch,
                            max_model_len=max_model_len)
-    return Backend(device, compile=compile)
+    return Backend(device, dtype, compile=compile)
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:

@@ -16,42 +16,33 @@ A backend owns five things:
    ``AttentionMetadata`` with fields of its own, derived once for all layers).
 2. **The attention kernels.** ``attention`` is the ``AttentionImpl`` every attention
    layer calls (``layers.attention.Attention`` never dispatches on the device).
-3. **The GEMM weights.** ``prepare_weights(model)`` may give each linear layer a
-   ``linear_method`` of its own (a CPU prepacks the weights); ``weight_copy_bytes`` counts
-   any copies it made and ``weight_copies`` says what they are (``memory_report()`` reports both).
+3. **The layers' kernels and weights.** ``kernels`` (a ``layers.kernels.LayerKernels``) is
+   what every layer of a model built for this backend calls: norms, rotary embedding,
+   activation, each GEMM layer's ``linear_method``, the attention implementation. The model is
+   built with them (``loader.build_model``): nothing is rewired once it is loaded.
+   ``place_weights(model)`` may move the parameters before they are filled (a CPU: huge
+   pages); ``process_weights_after_loading(model)`` lets each ``linear_method`` prepare its
+   weight (a CPU prepacks it); ``weight_copy_bytes`` counts the copies and ``weight_copies``
+   says what they are (``memory_report()`` reports both).
 4. **How the forward runs.** ``prepare_forward(runner)`` compiles or captures once the KV
    cache is bound; ``forward`` runs one step (eagerly, compiled or from a graph).
 5. **How logits are computed.** ``logits_rows_per_chunk`` says how many rows of logits the
    LM head computes at once (all of them, unless the backend says otherwise).
 
-This base class is the readable default: the PyTorch reference kernels, plain ``F.linear``,
-an eager forward, logits in one piece. It runs on any device and is what the tests
-compare the tuned backends with.
+This base class is the readable default: the layers' own PyTorch functions, the reference
+attention kernels, plain ``F.linear``, an eager forward, logits in one piece. It runs on any
+device and is what the tests compare the tuned backends with.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from nanoengine.kernels import reference
-from nanoengine.layers.attention import AttentionImpl, AttentionMetadata
-
-
-class ReferenceAttention(AttentionImpl):
-    """The specification kernels (``kernels.reference``): a loop over sequences, any device."""
-
-    name = "reference"
-
-    def store_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        reference.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
-
-    def decode(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return reference.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
-                                                meta.decode_context_lens, scale)
-
-    def prefill(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return reference.paged_prefill_attention(query, k_cache, v_cache, meta.prefill_block_tables,
-                                                 meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale)
+from nanoengine.layers.attention import AttentionImpl, AttentionMetadata, ReferenceAttention
+from nanoengine.backends.compilation import compiled_kernels
+from nanoengine.layers.kernels import LayerKernels
 
 
 def ints(values, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
@@ -74,22 +65,38 @@ class Backend:
     """The reference backend, and the interface every device backend implements."""
 
     name = "reference"
-    weight_copies = ""  # what prepare_weights copies the weights into, for the memory report ("": nothing)
+    weight_copies = ""  # what the linear methods copy the weights into, for the memory report ("": nothing)
 
-    def __init__(self, device: torch.device, compile: bool = False) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32, compile: bool = False) -> None:
         self.device = torch.device(device)
+        self.dtype = dtype  # of the weights, the activations and the KV cache
         self.compile = compile  # torch.compile the small fused ops (backends.compilation)
         self.attention: AttentionImpl = ReferenceAttention()
-        self.weight_copy_bytes = 0  # bytes of weight copies made by prepare_weights
-        self.num_prepared_weights = 0  # linear layers given a backend-specific linear_method
+        self.weight_copy_bytes = 0  # bytes of weight copies made by the linear methods
+        self.num_prepared_weights = 0  # linear layers whose method made a copy
+
+    @functools.cached_property
+    def kernels(self) -> LayerKernels:
+        """What the layers of a model built for this backend call (the reference: their own functions;
+        with ``compile=True``, those compiled: ``backends.compilation``)."""
+        kernels = LayerKernels(name=self.name, attention=self.attention)
+        return compiled_kernels(kernels) if self.compile else kernels
 
     def describe(self) -> str:
         """One line for a reader: the backend, its attention kernels, how the forward runs."""
         return f"{self.name} backend: {self.attention.name} attention, {self.forward_mode()} forward"
 
     # ------------------------------------------------------------ weights
-    def prepare_weights(self, model: torch.nn.Module) -> None:
-        """Lay the loaded weights out for this device's GEMMs. The default keeps ``F.linear``."""
+    def place_weights(self, model: torch.nn.Module) -> None:
+        """Where the parameters live, decided before they are filled (``loader.build_model``): as built by default."""
+
+    def process_weights_after_loading(self, model: torch.nn.Module) -> None:
+        """Once the weights are loaded: each GEMM layer's method prepares its weight (vLLM's hook of that name)."""
+        methods = [(m, m.linear_method) for m in model.modules() if hasattr(m, "linear_method")]
+        for module, method in methods:
+            method.process_weights_after_loading(module)
+        self.num_prepared_weights = sum(1 for _, method in methods if method.copy_bytes)
+        self.weight_copy_bytes = sum(method.copy_bytes for _, method in methods)
 
     # ------------------------------------------------------------ metadata
     def bind_kv_cache(self, block_size: int, num_kv_heads: int, num_heads: int, head_dim: int,

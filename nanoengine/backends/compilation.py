@@ -35,9 +35,10 @@ How it is wired
 Each layer keeps its math in a plain function and calls it through an attribute named in
 its class's ``compilable`` tuple: ``RMSNorm.norm_fn`` / ``add_norm_fn``,
 ``RotaryEmbedding.rotate_fn``, ``SiluAndMul.silu_and_mul_fn``, ``Sampler.probs_fn``. The
-class attribute is the eager function, the readable default. ``compile_runner`` sets an
-instance attribute of the same name on one runner's modules and sampler only, so other
-engines in the same process stay eager.
+class attribute is the eager function, the readable default. With ``compile=True`` the
+backend's kernels (``layers.kernels``) are ``compiled_kernels``: those functions compiled, so
+the layers of that engine's model take the compiled ones when they are built, and other
+engines in the same process stay as they were. ``compile_runner`` then warms them up.
 
 * One compiled version per function, shared by all layers and engines of the process
   (Dynamo's cache lives on the function's code anyway).
@@ -48,8 +49,8 @@ engines in the same process stay eager.
 * The warm-up runs when the runner is built and is timed (``CompileReport.seconds``);
   otherwise the first steps of a compiled engine would take seconds each.
 * Failure: Inductor needs a C++ compiler on a CPU (Triton on a GPU). If it is missing or
-  compiling fails, the engine warns once, naming the cause, and runs eagerly: it never
-  crashes for it and never warns per call.
+  compiling fails, the engine warns once, naming the cause, and every compiled function
+  runs its eager function from then on: it never crashes for it and never warns per call.
 * The GEMMs are not compiled: they keep calling oneDNN with the weights prepacked by
   the CPU backend (``backends/cpu.py``, ``kernels.cpu_gemm``). The device backend calls
   ``compile_runner`` from ``prepare_forward``; on CUDA it compiles before it captures CUDA
@@ -215,11 +216,35 @@ def compilable_objects(runner) -> list:
     return modules + [runner.sampler]
 
 
-def compile_runner(runner, compiler: Compiler | None = None) -> CompileReport:
-    """Swap compiled functions into ``runner``'s model and sampler, warm up, time it.
+# What compile=True compiles: the kernels' field, and the layer attribute that calls it.
+COMPILED_OPS = {"rms_norm": "RMSNorm.norm_fn", "add_rms_norm": "RMSNorm.add_norm_fn",
+                "rotate_half": "RotaryEmbedding.rotate_fn", "silu_and_mul": "SiluAndMul.silu_and_mul_fn",
+                "sampling_probs": "Sampler.probs_fn"}
 
-    ``runner`` is a ``ModelRunner`` whose KV cache is bound. On failure its objects get
-    their eager functions back and the report says why.
+
+def compiled_kernels(kernels, compiler: Compiler | None = None):
+    """``kernels`` with the small fused ops compiled (the layers' own eager functions, compiled):
+    the kernels of a backend built with ``compile=True``. The decoder layers keep their Python
+    forward (no one-call version): the compiled ops are what runs."""
+    import dataclasses
+
+    from nanoengine.layers.activation import silu_and_mul
+    from nanoengine.layers.layernorm import add_rms_norm, rms_norm
+    from nanoengine.layers.rotary import rotate_half
+    from nanoengine.layers.sampler import sampling_probs
+
+    compiler = compiler or COMPILER
+    eager = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rotate_half": rotate_half,
+             "silu_and_mul": silu_and_mul, "sampling_probs": sampling_probs}
+    return dataclasses.replace(kernels, name=f"{kernels.name}, compiled small ops", decoder_layer=None,
+                               **{field: compiler.compiled(fn) for field, fn in eager.items()})
+
+
+def compile_runner(runner, compiler: Compiler | None = None) -> CompileReport:
+    """Warm up the compiled functions ``runner``'s model and sampler were built with; time it.
+
+    ``runner`` is a ``ModelRunner`` whose KV cache is bound and whose backend's kernels are
+    ``compiled_kernels``. On failure the functions run eagerly and the report says why.
     """
     compiler = compiler or COMPILER
     problem = compiler_problem(runner.device)
@@ -228,25 +253,13 @@ def compile_runner(runner, compiler: Compiler | None = None) -> CompileReport:
     if compiler.failure is not None:
         return CompileReport(requested=True, compiled=False, seconds=0.0, ops=(), fallback_reason=compiler.failure)
     start = time.perf_counter()
-    targets = compilable_objects(runner)
-    names = set()
-    before = [(obj, attr, vars(obj).get(attr)) for obj in targets for attr in type(obj).compilable]
-    for obj in targets:
-        for attr in type(obj).compilable:
-            setattr(obj, attr, compiler.compiled(getattr(type(obj), attr)))
-            names.add(f"{type(obj).__name__}.{attr}")
     for num_tokens in warm_up_sizes(runner.device):  # compiles now, not in the first steps
         runner.warm_up(num_tokens)
     seconds = time.perf_counter() - start
     if compiler.failure is not None:
-        for obj, attr, previous in before:  # what ran before: a backend's own function, or the class's eager one
-            if previous is None:
-                delattr(obj, attr)
-            else:
-                setattr(obj, attr, previous)
         return CompileReport(requested=True, compiled=False, seconds=seconds, ops=(),
                              fallback_reason=compiler.failure)
-    return CompileReport(requested=True, compiled=True, seconds=seconds, ops=tuple(sorted(names)))
+    return CompileReport(requested=True, compiled=True, seconds=seconds, ops=tuple(sorted(COMPILED_OPS.values())))
 
 
 def _first_line(error: BaseException) -> str:

@@ -5,9 +5,9 @@ its CPU tricks in its CPU attention backend and platform (``vllm/v1/attention/ba
 cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here:
 
 * **Prepacked GEMM weights.** oneDNN multiplies fastest with weights reordered into its
-  blocked layout; ``prepare_weights`` reorders every linear layer's weight once, at load
-  (``kernels.cpu_gemm``; a copy: ``memory_report().weight_copy_bytes``), and gives the
-  layer a ``CpuLinearMethod``.
+  blocked layout: every linear layer's ``CpuLinearMethod`` (given to it when it is built)
+  reorders its weight once, when the weights are loaded (``process_weights_after_loading``,
+  ``kernels.cpu_gemm``; a copy: ``memory_report().weight_copy_bytes``).
 * **A kernel of its own for a few rows.** Decoding one to a few sequences multiplies a few
   rows by every weight: a matrix-vector product whose speed is the memory bandwidth, which
   the GEMM libraries use badly. Up to ``cpu_native.MAX_ROWS`` rows go to a hand-written AVX2
@@ -46,9 +46,9 @@ cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here:
   changes two malloc settings so they stay, and bounds oneDNN's caches of per-shape
   primitives, which would otherwise grow for hours.
 * **Weights in huge pages.** A decode step reads every weight once, page after 4 KiB page
-  through the TLB; ``prepare_weights`` first moves the weights into memory advised to use
-  2 MiB pages (``cpu_platform.move_to_huge_pages``): a lone sequence decodes faster
-  (results/README.md). Finding huge pages can take the kernel seconds where memory is
+  through the TLB; ``place_weights`` puts the parameters, as the model is built and before
+  they are filled, into memory advised to use 2 MiB pages (``cpu_platform.move_to_huge_pages``):
+  a lone sequence decodes faster (results/README.md). Finding huge pages can take the kernel seconds where memory is
   fragmented, so the move has a budget (``cpu_platform.move_budget``); what did not fit stays put.
 * **Prefill attention in tiles, or in bfloat16 where the CPU has it.** The reference prefill
   calls PyTorch's SDPA once per sequence from Python, and SDPA splits each short sequence over
@@ -70,20 +70,20 @@ cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from nanoengine.backends import cpu_fused
 from nanoengine.backends.base import Backend
-from nanoengine.backends.cpu_platform import move_budget, move_to_huge_pages, tune_engine_process
+from nanoengine.backends.compilation import compiled_kernels
+from nanoengine.backends.cpu_platform import (bytes_in_huge_page_regions, move_budget, move_to_huge_pages,
+                                                tune_engine_process)
 from nanoengine.kernels import cpu_attention, cpu_gemm, cpu_native, reference
 from nanoengine.kernels.cpu_attention import DecodePlan
-from nanoengine.layers.activation import SiluAndMul
 from nanoengine.layers.attention import AttentionImpl, AttentionMetadata
-from nanoengine.layers.layernorm import RMSNorm
-from nanoengine.layers.linear import GemmLayer
-from nanoengine.layers.rotary import RotaryEmbedding
+from nanoengine.layers.kernels import LayerKernels
 
 # A chunk's logits stay under glibc's 32 MiB mmap threshold (``backends.cpu_platform``), so
 # they come from the reused heap.
@@ -96,7 +96,6 @@ class CpuAttentionMetadata(AttentionMetadata):
 
     decode_plan: DecodePlan | None = None  # where each decode sequence's K/V rows are (None: no decodes)
     all_slots_stored: bool = True  # every token of the step has a cache slot (no -1 in slot_mapping)
-    fused: bool = False  # every token has a slot: the layers run fused (``backends.cpu_fused``)
     widen_prefill: bool = False  # prefill attention widens a 16-bit cache to float32 (``CpuAttention.prefill_dtype``)
 
 
@@ -110,11 +109,10 @@ class CpuAttention(AttentionImpl):
     they take).
     """
 
-    def __init__(self, native: bool = False) -> None:
+    def __init__(self, native: bool = False, prefill_dtype: torch.dtype | None = None) -> None:
         self.native = native
-        # The dtype prefill attention computes in (None: the reference's float32 for 16-bit caches);
-        # ``bind_kv_cache`` sets it.
-        self.prefill_dtype: torch.dtype | None = None
+        # The dtype prefill attention computes in (None: the reference's float32 for 16-bit caches).
+        self.prefill_dtype = prefill_dtype
 
     @property
     def name(self) -> str:
@@ -159,21 +157,23 @@ class CpuAttention(AttentionImpl):
 class CpuLinearMethod:
     """A linear layer's product on a CPU: few rows by the few-rows kernel, more by oneDNN.
 
-    ``packed``: the weight prepacked for oneDNN (``kernels.cpu_gemm``), or None where this
-    build or dtype cannot pack (then ``F.linear``). ``few_rows``: whether inputs of up to
-    ``cpu_native.MAX_ROWS`` rows take the hand-written kernel (``kernels.cpu_native``).
+    ``few_rows``: whether inputs of up to ``cpu_native.MAX_ROWS`` rows take the hand-written
+    kernel (``kernels.cpu_native``), decided by the backend for the model's dtype. ``packed``: the
+    weight prepacked for oneDNN (``kernels.cpu_gemm``) once it is loaded, or None where this build
+    or dtype cannot pack (then ``F.linear``).
     """
 
-    def __init__(self, packed: torch.Tensor | None, few_rows: bool) -> None:
-        self.packed = packed
+    def __init__(self, few_rows: bool) -> None:
         self.few_rows = few_rows
+        self.packed: torch.Tensor | None = None
+        self.copy_bytes = 0
 
-    @classmethod
-    def for_weight(cls, weight: torch.Tensor, native_kernels: bool) -> "CpuLinearMethod":
-        """The method for one weight: packed where oneDNN can, the few-rows kernel where it takes it."""
-        few_rows = (native_kernels and weight.dtype in cpu_native.DTYPES and weight.device.type == "cpu"
-                    and weight.is_contiguous())
-        return cls(cpu_gemm.pack_weight(weight), few_rows)
+    def process_weights_after_loading(self, layer) -> None:
+        """Pack the loaded weight: a copy (a tied LM head's too: it is the embedding's weight, packed apart)."""
+        weight = layer.weight
+        self.few_rows = self.few_rows and weight.device.type == "cpu" and weight.is_contiguous()
+        self.packed = cpu_gemm.pack_weight(weight)
+        self.copy_bytes = weight.numel() * weight.element_size() if self.packed is not None else 0
 
     @property
     def name(self) -> str:
@@ -200,19 +200,33 @@ class CpuBackend(Backend):
     name = "cpu"
     weight_copies = "GEMM weights prepacked in oneDNN's blocked layout"
 
-    def __init__(self, device: torch.device, compile: bool = False, fuse_layers: bool = True) -> None:
-        super().__init__(device, compile)
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32, compile: bool = False,
+                 fuse_layers: bool = True) -> None:
+        super().__init__(device, dtype, compile)
+        tune_engine_process()  # the host's settings (backends.cpu_platform), before this process's first oneDNN product
         self.native_kernels = cpu_native.load()  # built once per machine, loaded once per process
-        self.attention = CpuAttention()
+        native = self.native_kernels and dtype in cpu_native.DTYPES
+        # A bfloat16 cache on a CPU with bfloat16 instructions: prefill attention multiplies in
+        # bfloat16, as vLLM's CPU attention does, faster than widening K/V to float32 first
+        # (results/README.md). oneDNN answers (it honours ONEDNN_MAX_CPU_ISA, so the pinned
+        # numeric path says no).
+        prefill_dtype = torch.bfloat16 if dtype == torch.bfloat16 and cpu_gemm.packing_available(dtype) else None
+        self.attention = CpuAttention(native, prefill_dtype)
+        self._native_kernels = LayerKernels(
+            name=f"cpu, {'native kernels' if native else 'PyTorch libraries'}",
+            rms_norm=cpu_native.rms_norm if native else None, add_rms_norm=cpu_native.add_rms_norm if native else None,
+            rotate_half=cpu_native.rotate_half if native else None,
+            silu_and_mul=cpu_native.silu_and_mul if native else None,
+            linear_method=functools.partial(CpuLinearMethod, few_rows=native), attention=self.attention,
+            decoder_layer=cpu_fused.one_call if native else None)
         self.fused_layers = 0  # decoder layers that can run as one native call each (``backends.cpu_fused``)
         self.unfused_reason: str | None = None  # why they cannot, when they cannot
         self.fused_modules: tuple = ()  # the modules inside the fused layers (``cpu_fused.hooked``)
         # False (enforce_eager=True): every step runs the layers' Python forward (chapter 10 compares both)
         self.fuse_layers = fuse_layers
-        self.huge_page_weight_bytes = 0  # weights moved to memory advised to use huge pages (``prepare_weights``)
+        self.huge_page_weight_bytes = 0  # weights in memory advised to use huge pages (``place_weights``)
         self.weight_bytes = 0  # all of the model's weights
         self.move_budget_s = move_budget()  # read (and checked) before any weight loads
-        tune_engine_process()  # the host's settings (backends.cpu_platform), before this process's first oneDNN product
 
     def describe(self) -> str:
         gemm = f"few-rows kernel up to {cpu_native.MAX_ROWS} rows, then oneDNN" if self.native_kernels else "oneDNN"
@@ -221,46 +235,20 @@ class CpuBackend(Backend):
                  else f", {self.huge_page_weight_bytes / self.weight_bytes:.0%} of the weights in huge pages")
         return f"{super().describe()}, {gemm} GEMMs{pages}"
 
-    def bind_kv_cache(self, block_size: int, num_kv_heads: int, num_heads: int, head_dim: int,
-                      kv_dtype: torch.dtype) -> None:
-        super().bind_kv_cache(block_size, num_kv_heads, num_heads, head_dim, kv_dtype)
-        self.attention.native = self.native_kernels and kv_dtype in cpu_native.DTYPES
-        # A bfloat16 cache on a CPU with bfloat16 instructions: prefill attention multiplies in
-        # bfloat16, as vLLM's CPU attention does, faster than widening K/V to float32 first
-        # (results/README.md).
-        # oneDNN answers (it honours ONEDNN_MAX_CPU_ISA, so the pinned numeric path says no).
-        self.attention.prefill_dtype = (torch.bfloat16 if kv_dtype == torch.bfloat16
-                                        and cpu_gemm.packing_available(torch.bfloat16) else None)
+    @functools.cached_property
+    def kernels(self) -> LayerKernels:
+        return compiled_kernels(self._native_kernels) if self.compile else self._native_kernels
 
-    def prepare_weights(self, model: torch.nn.Module) -> None:
-        """Move the weights to huge pages; prepack every GEMM weight; route few-row products, the
-        norms and the rotary embedding to the native kernels."""
-        params = list(model.parameters())
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in params}.values())
-        self.huge_page_weight_bytes = move_to_huge_pages(params, budget_s=self.move_budget_s)
-        if self.native_kernels:
-            for module in model.modules():
-                if (isinstance(module, RMSNorm) and module.weight.dtype in cpu_native.DTYPES
-                        and module.weight.is_contiguous()):
-                    module.norm_fn, module.add_norm_fn = cpu_native.rms_norm, cpu_native.add_rms_norm
-                if isinstance(module, SiluAndMul):
-                    module.silu_and_mul_fn = cpu_native.silu_and_mul
-                if isinstance(module, RotaryEmbedding):
-                    module.rotate_fn = cpu_native.rotate_half  # eager's bits in one pass (other dtypes: eager)
-        layers = [m for m in model.modules() if isinstance(m, GemmLayer)]
-        num_packed = copy_bytes = 0
-        for module in layers:
-            weight = module.weight
-            method = CpuLinearMethod.for_weight(weight, self.native_kernels)
-            if method.packed is None and not method.few_rows:
-                continue  # the layer keeps plain F.linear
-            module.linear_method = method
-            if method.packed is not None:
-                num_packed += 1
-                # A tied LM head shares its weight with the embedding: each packed copy is its own.
-                copy_bytes += weight.numel() * weight.element_size()
-        self.num_prepared_weights = num_packed
-        self.weight_copy_bytes = copy_bytes
+    def place_weights(self, model: torch.nn.Module) -> None:
+        """Move the just-built parameters into huge pages (within the move's budget), before they are filled."""
+        move_to_huge_pages(list(model.parameters()), budget_s=self.move_budget_s)
+
+    def process_weights_after_loading(self, model: torch.nn.Module) -> None:
+        """Pack every GEMM weight (the linear methods); count the weights and those in huge pages."""
+        super().process_weights_after_loading(model)
+        params = {id(p): p for p in model.parameters()}.values()
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in params)
+        self.huge_page_weight_bytes = bytes_in_huge_page_regions(params)
 
     def prepare_forward(self, runner) -> None:
         """Each decoder layer one native call where it can be (``backends.cpu_fused``); or the small
@@ -268,11 +256,14 @@ class CpuBackend(Backend):
         if self.compile:
             super().prepare_forward(runner)
             return
-        self.unfused_reason = cpu_fused.unfit_reason(runner.model, self)
-        if self.unfused_reason is None:
-            self.fused_layers = cpu_fused.install(runner.model)
-            # every module a fused layer stands in for: a step with a hook on one of them is not fused
-            self.fused_modules = tuple(m for layer in runner.model.model.layers for m in layer.modules())
+        layers = getattr(getattr(runner.model, "model", None), "layers", ())
+        fused = [layer for layer in layers if getattr(layer, "one_call", None) is not None]
+        self.fused_layers = len(fused)
+        if layers and not fused:
+            self.unfused_reason = (cpu_fused.unfit_reason(layers[0])
+                                   or "the model was built without the native kernels")
+        # every module a fused layer stands in for: a step with a hook on one of them is not fused
+        self.fused_modules = tuple(m for layer in fused for m in layer.modules())
 
     def forward_mode(self) -> str:
         if self.fused_layers and self.fuse_layers:
@@ -288,11 +279,11 @@ class CpuBackend(Backend):
                                            torch.empty(0, dtype=self.kv_dtype).element_size())
         slots = plan.slot_mapping
         all_stored = bool((slots >= 0).all()) if isinstance(slots, torch.Tensor) else min(slots, default=0) >= 0
-        fused = (self.fuse_layers and self.fused_layers > 0 and all_stored
-                 and not cpu_fused.hooked(self.fused_modules))  # a hook must see the layers run
+        one_call = (self.fuse_layers and self.fused_layers > 0 and all_stored
+                    and not cpu_fused.hooked(self.fused_modules))  # a hook must see the layers run
         widen = cpu_native.widens(self.kv_dtype, self.attention.prefill_dtype)  # what CpuAttention.prefill does
-        return CpuAttentionMetadata(**fields, decode_plan=decode_plan, all_slots_stored=all_stored, fused=fused,
-                                    widen_prefill=widen)
+        return CpuAttentionMetadata(**fields, decode_plan=decode_plan, all_slots_stored=all_stored,
+                                    one_call_layers=one_call, widen_prefill=widen)
 
     def logits_rows_per_chunk(self, num_rows: int, vocab_size: int, hidden_size: int) -> int:
         """How many rows of logits one LM-head call computes.

@@ -19,7 +19,8 @@ kernel or oneDNN's packed GEMM (the same rule as ``CpuLinearMethod``), the rotar
 and ``silu_and_mul``. It has no arithmetic of its own, so the hidden states are the Python
 forward's, bit for bit (tests/engine/test_cpu_fused.py), and greedy tokens and logprobs do not
 change. Python still walks the 30 layers: the model's own ``forward`` runs as written and calls
-each layer, whose ``forward`` the backend replaced with a ``FusedLayer`` that decides per step.
+each layer, and the layer's ``forward`` makes this one call (its ``one_call``, a ``FusedLayer``
+given to it by the CPU backend's kernels when it was built) on the steps the backend says.
 
 A layer runs its Python ``forward`` on a step where a forward hook is registered on it or any
 module inside it (or globally): fused, the hook would silently not be called. The backend
@@ -40,73 +41,64 @@ from nanoengine.layers.attention import AttentionMetadata
 
 
 class FusedLayer:
-    """A ``LlamaDecoderLayer``'s forward: one native call on the steps the backend fuses, the layer's own otherwise.
+    """A ``LlamaDecoderLayer``'s step as one native call: the layer's ``one_call``, run on the steps the backend fuses.
 
-    Installed as the layer instance's ``forward`` by ``install``; ``eager`` is the class's
-    ``forward`` bound to the layer (what runs on any other step).
+    Made in the layer's constructor, before its weights are loaded: the weights, their packed
+    copies and the layer's KV cache are read at the first call and kept (the weights are final
+    once the runner has processed them, and so is the cache it bound).
     """
 
     def __init__(self, layer: torch.nn.Module) -> None:
-        attn = layer.self_attn
-        self.eager = type(layer).forward.__get__(layer)
-        self.rotary = attn.rotary_emb
-        self.attention = attn.attn
-        # The layer's constant arguments, gathered once: norms, each GEMM's weight and packed copy.
-        qkv, o, gate_up, down = ((m.weight, m.linear_method.packed) for m in linear_layers(layer))
-        self.weights = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
-                        *qkv, attn.qkv_proj.bias, *o, *gate_up, *down,
-                        cpu_native.MAX_ROWS)  # rows up to this take the few-rows kernel, as in CpuLinearMethod
-        self.shape = (attn.num_heads, attn.num_kv_heads, self.attention.scale)
+        self.layer = layer
+        self.arguments: tuple | None = None
 
-    def __call__(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                 meta: AttentionMetadata, rotary_rows=None):
-        if not getattr(meta, "fused", False):  # decided once per step by the backend's build_metadata
-            return self.eager(positions, hidden, residual, meta, rotary_rows)
-        cos, sin = rotary_rows or self.rotary.rows(positions)
+    def _gather(self) -> tuple:
+        layer = self.layer
+        attn = layer.self_attn
+        qkv, o, gate_up, down = ((m.weight, m.linear_method.packed) for m in linear_layers(layer))
+        weights = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
+                   *qkv, attn.qkv_proj.bias, *o, *gate_up, *down,
+                   cpu_native.MAX_ROWS)  # rows up to this take the few-rows kernel, as in CpuLinearMethod
+        return weights, (attn.attn.k_cache, attn.attn.v_cache), (attn.num_heads, attn.num_kv_heads, attn.attn.scale)
+
+    def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+                 rotary_rows: tuple[torch.Tensor, torch.Tensor]):
+        if self.arguments is None:
+            self.arguments = self._gather()
+        weights, caches, shape = self.arguments
         return torch.ops.nanoengine.llama_layer(
-            hidden, residual, *self.weights, cos, sin, self.attention.k_cache, self.attention.v_cache,
+            hidden, residual, *weights, *rotary_rows, *caches,
             meta.slot_mapping, meta.num_decode_tokens, meta.decode_block_tables, meta.decode_context_lens,
             meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
-            meta.widen_prefill, *self.shape)
+            meta.widen_prefill, *shape)
 
 
-def unfit_reason(model: torch.nn.Module, backend) -> str | None:
-    """Why this model's layers cannot run fused on this backend, or None when they can."""
+def unfit_reason(layer: torch.nn.Module) -> str | None:
+    """Why this just-built decoder layer cannot run as one call, or None when it can."""
     from nanoengine.backends.cpu import CpuLinearMethod
     from nanoengine.models.llama import LlamaDecoderLayer
 
-    if not backend.native_kernels or not backend.attention.native:
-        return "the native kernels are not loaded (or the KV cache's dtype is not one they take)"
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if not layers or not all(type(layer) is LlamaDecoderLayer for layer in layers):
-        return "the model's layers are not plain LlamaDecoderLayers"
-    first = layers[0]
-    if first.self_attn.o_proj.tp.size != 1:
+    if type(layer) is not LlamaDecoderLayer:
+        return f"{type(layer).__name__} is not a plain LlamaDecoderLayer"
+    if layer.self_attn.o_proj.tp.size != 1:
         return "tensor parallelism (each layer's output is all-reduced between ranks)"
-    if hasattr(first.self_attn, "q_norm"):
+    if hasattr(layer.self_attn, "q_norm"):
         return "per-head query and key norms (Qwen3)"
-    if first.self_attn.o_proj.bias is not None:
+    if layer.self_attn.o_proj.bias is not None:
         return "a bias on o_proj"
-    for layer in layers:
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if not all(norm.norm_fn is cpu_native.rms_norm and norm.add_norm_fn is cpu_native.add_rms_norm
-                   for norm in norms):
-            return "a norm without the native kernel (its dtype)"
-        if not all(isinstance(m.linear_method, CpuLinearMethod) and m.linear_method.few_rows
-                   for m in linear_layers(layer)):
-            return "a linear layer without the few-rows kernel"
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if not all(norm.norm_fn is cpu_native.rms_norm and norm.add_norm_fn is cpu_native.add_rms_norm for norm in norms):
+        return "a norm without the native kernel (its dtype)"
+    if not all(isinstance(m.linear_method, CpuLinearMethod) and m.linear_method.few_rows for m in linear_layers(layer)):
+        return "a linear layer without the few-rows kernel"
+    if not getattr(layer.self_attn.attn.impl, "native", False):
+        return "attention without the native kernels (the KV cache's dtype)"
     return None
 
 
-def install(model: torch.nn.Module) -> int:
-    """Give each decoder layer a ``FusedLayer`` as its forward; returns how many.
-
-    ``unfit_reason`` must have returned None.
-    """
-    layers = model.model.layers
-    for layer in layers:
-        layer.forward = FusedLayer(layer)
-    return len(layers)
+def one_call(layer: torch.nn.Module) -> FusedLayer | None:
+    """``LayerKernels.decoder_layer`` on a CPU: the layer's one call, or None where it does not fit."""
+    return FusedLayer(layer) if unfit_reason(layer) is None else None
 
 
 def hooked(modules: tuple[torch.nn.Module, ...]) -> bool:

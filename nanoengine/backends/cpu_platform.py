@@ -6,7 +6,7 @@ calls apply it: the CPU backend calls ``tune_engine_process`` when it is built (
 kept, oneDNN's shape caches bounded), and ``serve`` builds its engine inside ``serving`` (every
 weight in huge pages, the front end's priority lowered once the engine core runs). The rest
 are the pieces they and the engine core use: the weights' move to huge pages (the backend's
-``prepare_weights``), the trim when idle (the engine core and the async engine) and the engine
+``place_weights``), the trim when idle (the engine core and the async engine) and the engine
 core's OpenMP spin count (``engine_core_environment``).
 
 Freed memory kept
@@ -315,7 +315,22 @@ def huge_page_region(nbytes: int) -> torch.Tensor:
     mapping.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE_PAGE_BYTES
+    _REGION_SPANS.append((whole.data_ptr(), whole.data_ptr() + whole.numel()))
     return whole[start:start + nbytes]
+
+
+_REGION_SPANS: list[tuple[int, int]] = []  # the address ranges huge_page_region has mapped in this process
+
+
+def bytes_in_huge_page_regions(tensors) -> int:
+    """How many bytes of ``tensors`` start in a region advised to use huge pages (``huge_page_region``)."""
+    spans = list(_REGION_SPANS)
+    inside = 0
+    for t in tensors:
+        start = t.data_ptr()
+        if any(lo <= start < hi for lo, hi in spans):
+            inside += t.numel() * t.element_size()
+    return inside
 
 
 def move_to_huge_pages(tensors: list[torch.Tensor], budget_s: float | None = None) -> int:

@@ -44,9 +44,9 @@ class CudaBackend(Backend):
 
     name = "cuda"
 
-    def __init__(self, device: torch.device, compile: bool = False, cuda_graph_max_batch: int = 0,
-                 max_model_len: int | None = None) -> None:
-        super().__init__(device, compile)
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.bfloat16, compile: bool = False,
+                 cuda_graph_max_batch: int = 0, max_model_len: int | None = None) -> None:
+        super().__init__(device, dtype, compile)
         self.has_triton = triton_available()
         if self.has_triton:
             self.attention = TritonAttention()

@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from nanoengine.backends import select_backend
 from nanoengine.distributed.parallel_state import TPGroup
 from nanoengine.engine.model_runner import BatchPlan, ModelRunner
 from nanoengine.loader.weights import load_model
@@ -111,8 +112,10 @@ def _setup(rank: int, spec: WorkerSpec) -> ModelRunner:
                             timeout=datetime.timedelta(seconds=spec.collective_timeout_s))
     tp = TPGroup(rank, spec.world_size, dist.group.WORLD)
     dtype = getattr(torch, spec.dtype)
-    net = load_model(Path(spec.source), spec.model_config, device, dtype, max_position=spec.max_position, tp=tp)
-    return ModelRunner(net, spec.model_config, spec.num_blocks, spec.block_size, device, dtype, spec.seed)
+    backend = select_backend(device, dtype=dtype)  # first: the layers take their kernels from it
+    net = load_model(Path(spec.source), spec.model_config, device, dtype, max_position=spec.max_position, tp=tp,
+                     backend=backend)
+    return ModelRunner(net, spec.model_config, spec.num_blocks, spec.block_size, device, dtype, spec.seed, backend)
 
 
 def _serve(rank: int, conn: Connection, runner: ModelRunner) -> None:

@@ -35,7 +35,7 @@ from nanoengine.config import EngineConfig, resolve_max_model_len, resolve_num_k
 from nanoengine.engine import parallel_sampling
 from nanoengine.engine.block_manager import BlockManager
 from nanoengine.engine.block_table import BlockTables
-from nanoengine.backends import select_backend
+from nanoengine.backends import Backend, select_backend
 from nanoengine.engine.input_processor import InputProcessor, ProcessedPrompt, PromptInput
 from nanoengine.engine.model_runner import ModelRunner, SamplingRunner, plan_batch
 from nanoengine.engine.output_processor import LiveRequests, OutputProcessor, RequestState
@@ -108,8 +108,10 @@ class LLMEngine:
                 from nanoengine.distributed.tp_runner import TensorParallelRunner
 
                 return TensorParallelRunner(source, model_config, config, max_model_len, num_blocks)
-            net = load_model(source, model_config, config.torch_device, config.torch_dtype, max_position=max_model_len)
-            return _local_runner(net, config, max_model_len, num_blocks)
+            backend = _backend(config, max_model_len)  # first: the layers take their kernels from it
+            net = load_model(source, model_config, config.torch_device, config.torch_dtype, max_position=max_model_len,
+                             backend=backend)
+            return _local_runner(net, config, max_model_len, num_blocks, backend)
 
         return cls._build(config, model_config, make_runner, load_tokenizer(source))
 
@@ -425,14 +427,20 @@ class LLMEngine:
             close()
 
 
-def _local_runner(net: torch.nn.Module, config: EngineConfig, max_model_len: int, num_blocks: int) -> ModelRunner:
-    """A runner with the model in this process, on the backend for its device (chosen here, once).
+def _backend(config: EngineConfig, max_model_len: int) -> Backend:
+    """The backend for the engine's device and dtype (chosen here, once).
 
     CUDA graphs unless enforce_eager (never on a CPU); compiled fused ops with compile=True; on a CPU
     one native call per decoder layer unless enforce_eager.
     """
-    backend = select_backend(config.torch_device, compile=config.compile, enforce_eager=config.enforce_eager,
-                             max_model_len=max_model_len,
-                             cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512))
+    return select_backend(config.torch_device, dtype=config.torch_dtype, compile=config.compile,
+                          enforce_eager=config.enforce_eager, max_model_len=max_model_len,
+                          cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512))
+
+
+def _local_runner(net: torch.nn.Module, config: EngineConfig, max_model_len: int, num_blocks: int,
+                  backend: Backend | None = None) -> ModelRunner:
+    """A runner with the model in this process, on ``backend`` (the engine's, when not given)."""
+    backend = backend if backend is not None else _backend(config, max_model_len)
     return ModelRunner(net, net.config, num_blocks, config.block_size, config.torch_device, config.torch_dtype,
                        config.seed, backend=backend)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from nanoengine.backends import Backend, select_backend
+from nanoengine.layers.kernels import REFERENCE, building_with
 from nanoengine.backends.compilation import CompileReport
 from nanoengine.engine.block_table import BlockTables
 from nanoengine.engine.profiler import NO_PROFILER, StepProfiler
@@ -364,9 +365,10 @@ class SamplingRunner:
 class ModelRunner(SamplingRunner):
     """Holds the model and the paged KV cache; prepares inputs, runs, samples.
 
-    Built in this order: the device backend (``nanoengine.backends``, unless one is given),
-    the KV cache (bound to every attention layer with the backend's kernels), the weights
-    laid out for the backend's GEMMs, the sampler, then whatever the backend does to the
+    Built in this order: the device backend (``nanoengine.backends``, unless one is given; the
+    model must have been built with its kernels, ``loader.build_model``), the KV cache (a share
+    bound to every attention layer), the weights prepared by each layer's linear method
+    (``process_weights_after_loading``), the sampler, then whatever the backend does to the
     forward pass once (compiled ops warmed up now, CUDA graphs captured).
     """
 
@@ -378,8 +380,16 @@ class ModelRunner(SamplingRunner):
         self.num_blocks = num_blocks
         self.device = device
         self.dtype = dtype
-        self.backend = backend if backend is not None else select_backend(device)
+        self.backend = backend if backend is not None else select_backend(device, dtype=dtype)
+        built_for = getattr(model, "kernels", REFERENCE)  # a model constructed outside build_model: the reference
+        if built_for.name != self.backend.kernels.name:
+            raise ValueError(f"this model was built with the {built_for.name!r} kernels and this engine's backend "
+                             f"runs {self.backend.kernels.name!r}: build the model for the engine's backend "
+                             f"(loader.build_model(..., backend=...))")
         layers = model.attention_layers()
+        # The metadata the backend builds is for the attention kernels the layers hold (vLLM's runner,
+        # too, asks its layers for their attention backends): one object, whoever built the model.
+        self.backend.attention = layers[0].impl
         if layers[0].k_cache is not None:
             raise ValueError("this model is already bound to another engine's KV cache; two engines sharing "
                              "one model object would overwrite each other's cache: build a model per engine")
@@ -387,10 +397,11 @@ class ModelRunner(SamplingRunner):
         self.kv_cache = torch.zeros(2, len(layers), num_blocks, block_size, num_kv_heads,
                                     model_config.head_dim, dtype=dtype, device=device)
         for i, attn in enumerate(layers):
-            attn.bind(self.kv_cache[0, i], self.kv_cache[1, i], self.backend.attention)
+            attn.bind(self.kv_cache[0, i], self.kv_cache[1, i])
         self.backend.bind_kv_cache(block_size, num_kv_heads, layers[0].num_heads, model_config.head_dim, dtype)
-        self.backend.prepare_weights(model)
-        self.sampler = Sampler()
+        self.backend.process_weights_after_loading(model)
+        with building_with(self.backend.kernels):
+            self.sampler = Sampler()
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.compilation = CompileReport.not_requested()
         self.backend.prepare_forward(self)  # may compile (sets self.compilation) or capture graphs

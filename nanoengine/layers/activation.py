@@ -3,7 +3,8 @@
 The merged gate_up projection produces [gate | up]; the MLP output is silu(gate) * up.
 Eager PyTorch makes two passes (silu, then the product) and a temporary the size of the
 intermediate activations; with ``compile=True`` (``backends.compilation``) the module's
-``silu_and_mul_fn`` becomes one compiled loop that reads gate and up once.
+``silu_and_mul_fn`` becomes one compiled loop that reads gate and up once. The module takes
+its function from the device backend's kernels when it is built (``layers.kernels``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from nanoengine.layers.kernels import current_kernels
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -22,6 +25,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 class SiluAndMul(nn.Module):
     compilable = ("silu_and_mul_fn",)  # see backends.compilation; the class attribute is the eager one
     silu_and_mul_fn = staticmethod(silu_and_mul)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.silu_and_mul_fn = current_kernels().silu_and_mul or silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, 2*I) -> (T, I)
         return self.silu_and_mul_fn(x)

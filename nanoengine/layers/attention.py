@@ -10,8 +10,9 @@ sequence, then the query chunks of the *prefilling* sequences. The layer
 ``AttentionMetadata`` carries that layout. The device backend (``nanoengine.backends``)
 builds it once per step and passes it down the model explicitly (no global context); a
 backend may subclass it with fields of its own that every layer reuses (the CPU's decode
-plan). The kernels themselves are the backend's ``AttentionImpl``, bound to each layer
-with its KV cache: the layer never asks which device it runs on.
+plan). The kernels themselves are the backend's ``AttentionImpl``, which each layer takes
+when it is built (``layers.kernels``; the reference kernels by default); the runner then
+binds each layer to its share of the KV cache. The layer never asks which device it runs on.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from nanoengine.kernels import reference
+from nanoengine.layers.kernels import current_kernels
 
 
 @dataclass
@@ -31,6 +35,7 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor  # (num_prefills, max_blocks)
     prefill_cu_seqlens_q: torch.Tensor  # (num_prefills + 1,) chunk boundaries
     prefill_context_lens: torch.Tensor  # (num_prefills,) cached tokens incl. this chunk
+    one_call_layers: bool = False  # layers with a one-call version (LayerKernels.decoder_layer) run it this step
 
     @property
     def num_prefills(self) -> int:
@@ -72,20 +77,37 @@ class AttentionImpl:
         return torch.cat((decode, prefill), dim=0)
 
 
+class ReferenceAttention(AttentionImpl):
+    """The specification kernels (``kernels.reference``): a loop over sequences, any device."""
+
+    name = "reference"
+
+    def store_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        reference.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+
+    def decode(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return reference.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
+                                                meta.decode_context_lens, scale)
+
+    def prefill(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return reference.paged_prefill_attention(query, k_cache, v_cache, meta.prefill_block_tables,
+                                                 meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale)
+
+
 class Attention(nn.Module):
     """Scaled dot-product attention of already-projected q, k, v over the paged cache."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
-        # Bound by the model runner: views into the engine's one KV tensor, and the backend's kernels.
+        self.impl: AttentionImpl = current_kernels().attention or ReferenceAttention()
+        # Bound by the model runner: views into the engine's one KV tensor.
         self.k_cache: torch.Tensor | None = None  # (num_blocks, block_size, kv_heads, head_dim)
         self.v_cache: torch.Tensor | None = None
-        self.impl: AttentionImpl | None = None
 
-    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, impl: AttentionImpl) -> None:
-        """Give this layer its share of the KV cache and the kernels that read it."""
-        self.k_cache, self.v_cache, self.impl = k_cache, v_cache, impl
+    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Give this layer its share of the KV cache."""
+        self.k_cache, self.v_cache = k_cache, v_cache
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q (T, heads, d), k/v (T, kv_heads, d) -> (T, heads, d), by the backend's kernels."""

@@ -40,5 +40,9 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(GemmLayer, VocabParallelEmbedding):
     """hidden -> logits over the vocabulary; may share its weight with the embedding."""
 
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = TPGroup.single()) -> None:
+        super().__init__(vocab_size, hidden_size, tp)
+        self.make_linear_method()
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # (B, hidden) -> (B, vocab)
         return self.tp.all_gather_last_dim(self.linear_method.apply(self, hidden, None))

@@ -5,17 +5,21 @@ stream right before normalising it, so ``forward(x, residual)`` returns both the
 normalised sum and the new residual.
 
 The math lives in two plain functions, ``rms_norm`` and ``add_rms_norm``; the module
-calls them through ``norm_fn`` / ``add_norm_fn``. Eager PyTorch runs them op by op (add,
-pow, mean, add, rsqrt, mul, mul: a pass over the activations each). With
-``compile=True`` the engine swaps in ``torch.compile``'d versions on this model's
-instances (``backends.compilation``): one generated loop that reads ``x`` and ``residual``
-once and writes both outputs.
+calls them through ``norm_fn`` / ``add_norm_fn``, which it takes from the device backend's
+kernels when it is built (``layers.kernels``): these functions on their own, the CPU
+backend's native kernel (one pass per row). Eager PyTorch runs them op by op (add, pow,
+mean, add, rsqrt, mul, mul: a pass over the activations each). With ``compile=True`` the
+engine swaps in ``torch.compile``'d versions on this model's instances
+(``backends.compilation``): one generated loop that reads ``x`` and ``residual`` once and
+writes both outputs.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from nanoengine.layers.kernels import current_kernels
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -37,8 +41,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 class RMSNorm(nn.Module):
-    # The functions ``forward`` calls; ``backends.compilation`` may replace them on one
-    # instance with compiled versions. The class attributes are always the eager ones.
+    # The eager functions (what ``backends.compilation`` compiles); each instance calls the ones
+    # its kernels gave it.
     compilable = ("norm_fn", "add_norm_fn")
     norm_fn = staticmethod(rms_norm)
     add_norm_fn = staticmethod(add_rms_norm)
@@ -46,6 +50,9 @@ class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
+        kernels = current_kernels()
+        self.norm_fn = kernels.rms_norm or rms_norm
+        self.add_norm_fn = kernels.add_rms_norm or add_rms_norm
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):

@@ -12,9 +12,11 @@
 A column-parallel layer followed by a row-parallel one (attention's qkv -> o, the MLP's
 gate_up -> down) needs a single all-reduce per pair: the Megatron-LM layout.
 
-How the product itself is computed is the layer's ``linear_method`` (vLLM's name): plain
-``F.linear`` on the weight as loaded, unless the device backend gave the layer a method of
-its own when it prepared the weights (on a CPU, a prepacked copy: ``backends/cpu.py``).
+How the product itself is computed is the layer's ``linear_method`` (vLLM's name), made in
+the layer's constructor by the device backend's kernels (``layers.kernels``): plain
+``F.linear`` on the weight as loaded, or a method of the backend's own. Once the weights are
+loaded, the runner calls each method's ``process_weights_after_loading(layer)`` (vLLM's hook):
+the CPU's method keeps a prepacked copy of the weight then (``backends/cpu.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoengine.distributed.parallel_state import TPGroup
+from nanoengine.layers.kernels import current_kernels
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -32,7 +35,20 @@ def _divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-class UnquantizedLinearMethod:
+class LinearMethod:
+    """How a GEMM layer computes ``y = x W^T + b``: one object per layer, made by its constructor."""
+
+    name = "abstract"
+    copy_bytes = 0  # bytes of weight copies ``process_weights_after_loading`` made (the memory report)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Called once the layer's weight is loaded (and before any step): prepare what ``apply`` reads."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(LinearMethod):
     """``y = x W^T + b`` with ``F.linear`` on the layer's weight as loaded: every device's default."""
 
     name = "F.linear"
@@ -44,11 +60,12 @@ class UnquantizedLinearMethod:
 class GemmLayer:
     """Mixin for a module whose ``weight`` (out_features, in_features) feeds a GEMM.
 
-    ``linear_method`` computes the product; the class default is ``F.linear``, and a device
-    backend may set an instance's own once the weights are loaded (``Backend.prepare_weights``).
+    ``linear_method`` computes the product: made once, by the kernels the model is built with.
     """
 
-    linear_method = UnquantizedLinearMethod()
+    def make_linear_method(self) -> None:
+        make = current_kernels().linear_method
+        self.linear_method: LinearMethod = make() if make is not None else UnquantizedLinearMethod()
 
 
 class LinearBase(GemmLayer, nn.Module):
@@ -62,6 +79,7 @@ class LinearBase(GemmLayer, nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        self.make_linear_method()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_method.apply(self, x, self.bias)

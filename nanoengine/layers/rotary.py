@@ -13,9 +13,10 @@ are the same in every layer: the model keeps one ``RotaryEmbedding`` for all its
 gathers the rows once per step (``rows``) and hands them down, and each layer rotates its
 queries and keys in one call, as one (tokens, heads + kv_heads, head_dim) view.
 
-The math is the plain function ``rotate_half``. The module calls it through
-``rotate_fn``, which ``backends.compilation`` replaces with a ``torch.compile``'d version
-on one model's instances when the engine runs with ``compile=True``.
+The math is the plain function ``rotate_half``. The module calls it through ``rotate_fn``,
+taken from the device backend's kernels when it is built (``layers.kernels``: this
+function, or the CPU's native one pass); ``backends.compilation`` replaces it with a
+``torch.compile``'d version on one model's instances when the engine runs with ``compile=True``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import math
 
 import torch
 from torch import nn
+
+from nanoengine.layers.kernels import current_kernels
 
 
 def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -46,6 +49,7 @@ class RotaryEmbedding(nn.Module):
                  rope_scaling: dict | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.rotate_fn = current_kernels().rotate_half or rotate_half
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         if rope_scaling:
             inv_freq = _scale_inv_freq(inv_freq, rope_scaling)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoengine.layers.kernels import current_kernels
 from nanoengine.sampling_params import SamplingParams
 
 
@@ -116,6 +117,9 @@ class Sampler:
 
     compilable = ("probs_fn",)  # see backends.compilation; the class attribute is the eager one
     probs_fn = staticmethod(sampling_probs)
+
+    def __init__(self) -> None:
+        self.probs_fn = current_kernels().sampling_probs or sampling_probs  # compiled with compile=True
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from nanoengine.distributed.parallel_state import TPGroup
+from nanoengine.layers.kernels import building_with
 from nanoengine.models import MODEL_CLASSES, ModelConfig
 
 
@@ -85,13 +86,14 @@ def init_random_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> N
 
 
 def random_model(preset: str | ModelConfig = "tiny-llama", seed: int = 0, std: float = 0.02,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, **overrides) -> nn.Module:
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, backend=None,
+                 **overrides) -> nn.Module:
     """A model with deterministic random weights: the one factory for tests, widgets and scripts.
 
     ``preset`` names a shape in ``models.presets`` (``TINY_PRESETS`` first, then the
     published ``PRESETS``) or is a ``ModelConfig``; ``overrides`` replace config fields
     (e.g. ``vocab_size=512``). A larger ``std`` (0.08) gives peaked next-token
-    distributions, so greedy tests are not decided by near-ties.
+    distributions, so greedy tests are not decided by near-ties. ``backend``: as in ``build_model``.
     """
     import dataclasses
 
@@ -103,7 +105,7 @@ def random_model(preset: str | ModelConfig = "tiny-llama", seed: int = 0, std: f
             raise ValueError(f"unknown model preset {preset!r}; known: {sorted(known)}")
         preset = known[preset]
     config = dataclasses.replace(preset, **overrides)
-    model = build_model(config, torch.device(device), dtype)
+    model = build_model(config, torch.device(device), dtype, backend=backend)
     init_random_weights(model, seed=seed, std=std)
     return model
 
@@ -151,13 +153,25 @@ def save_pretrained(model: nn.Module, path: str | Path) -> Path:
 
 
 def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
-                max_position: int | None = None, tp: TPGroup = TPGroup.single()) -> nn.Module:
-    """The module tree for ``config`` on ``device``, parameters in ``dtype``, unfilled."""
+                max_position: int | None = None, tp: TPGroup = TPGroup.single(), backend=None) -> nn.Module:
+    """The module tree for ``config`` on ``device``, parameters in ``dtype``, unfilled.
+
+    Every layer takes its kernels from ``backend`` as it is constructed (``layers.kernels``;
+    None: the device's default backend, ``backends.select_backend``), and the backend decides
+    where the parameters live before anything fills them (``Backend.place_weights``). The model
+    keeps those kernels as ``model.kernels``: an engine runs it only with a backend whose
+    kernels have their name.
+    """
+    from nanoengine.backends import select_backend
+
+    backend = backend if backend is not None else select_backend(device, dtype=dtype)
     cls = MODEL_CLASSES[config.architecture]
-    with torch.device(device):
+    with building_with(backend.kernels), torch.device(device):
         model = cls(config, max_position, tp)
     for param in model.parameters():  # buffers (RoPE tables) stay float32
         param.data = param.data.to(dtype)
+    backend.place_weights(model)
+    model.kernels = backend.kernels
     return model.eval()
 
 
@@ -190,9 +204,9 @@ def load_model_config(source: Path) -> ModelConfig:
 
 
 def load_model(source: Path, config: ModelConfig, device: torch.device, dtype: torch.dtype,
-               max_position: int | None = None, tp: TPGroup = TPGroup.single()) -> nn.Module:
-    """Build the model for ``config`` and fill it from ``source`` (dir or .gguf)."""
-    model = build_model(config, device, dtype, max_position, tp)
+               max_position: int | None = None, tp: TPGroup = TPGroup.single(), backend=None) -> nn.Module:
+    """Build the model for ``config`` (with ``backend``'s kernels) and fill it from ``source`` (dir or .gguf)."""
+    model = build_model(config, device, dtype, max_position, tp, backend)
     if source.suffix == ".gguf":
         from nanoengine.loader.gguf import load_gguf_state_dict
 

@@ -19,6 +19,7 @@ from nanoengine.distributed.parallel_state import TPGroup
 from nanoengine.layers.activation import SiluAndMul
 from nanoengine.layers.attention import Attention, AttentionMetadata
 from nanoengine.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanoengine.layers.kernels import current_kernels
 from nanoengine.layers.layernorm import RMSNorm
 from nanoengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanoengine.layers.rotary import RotaryEmbedding
@@ -84,8 +85,14 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # The backend's version of this whole layer as one call, where it has one (on a CPU with the
+        # native kernels: backends.cpu_fused), else None. It makes the calls below, in their order.
+        make_one_call = current_kernels().decoder_layer
+        self.one_call = make_one_call(self) if make_one_call is not None else None
 
     def forward(self, positions, hidden, residual, meta, rotary_rows=None):
+        if self.one_call is not None and meta.one_call_layers:  # decided once per step by the backend
+            return self.one_call(hidden, residual, meta, rotary_rows or self.self_attn.rotary_emb.rows(positions))
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:

@@ -13,7 +13,7 @@ import torch
 
 from nanoengine import LLMEngine, SamplingParams
 from nanoengine.backends import Backend, select_backend
-from nanoengine.backends.base import ReferenceAttention
+from nanoengine.layers.attention import ReferenceAttention
 from nanoengine.backends.cpu import CpuAttentionMetadata, CpuBackend
 from nanoengine.config import EngineConfig
 from nanoengine.engine.model_runner import BatchPlan, ModelRunner, plan_batch
@@ -24,7 +24,7 @@ from nanoengine.loader.weights import random_model
 def _engine(backend: Backend | None = None) -> LLMEngine:
     """A tiny engine (always the same weights); ``backend`` replaces the one its device would pick."""
     torch.manual_seed(0)
-    net = random_model("tiny-llama-eos", std=0.08)
+    net = random_model("tiny-llama-eos", std=0.08, backend=backend)  # the layers take the backend's kernels
     config = EngineConfig.from_kwargs(device="cpu", num_kv_blocks=64, block_size=4, max_model_len=64)
     if backend is None:
         return LLMEngine.from_model(net, None, device="cpu", num_kv_blocks=64, block_size=4, max_model_len=64)
@@ -93,7 +93,7 @@ from nanoengine import SamplingParams
 
 def tokens(backend):
     torch.manual_seed(0)
-    net = random_model("tiny-llama-eos", std=0.08)
+    net = random_model("tiny-llama-eos", std=0.08, backend=backend)
     config = EngineConfig.from_kwargs(device="cpu", num_kv_blocks=32, block_size=4, max_model_len=48)
     engine = LLMEngine._build(config, net.config, lambda max_len, blocks: ModelRunner(
         net, net.config, blocks, 4, torch.device("cpu"), torch.float32, backend=backend), None)

@@ -94,13 +94,13 @@ def test_every_step_whose_tokens_have_slots_is_fused(build_tiny_llm):
         engine.add_request(list(range(5, 30)), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
-        return [(m.num_decode_tokens, m.num_prefills, m.fused) for m in seen]
+        return [(m.num_decode_tokens, m.num_prefills, m.one_call_layers) for m in seen]
 
     # a prefill, a decode beside the second prompt's prefill, a decode
     assert run() == [(0, 1, True), (1, 1, True), (1, 0, True)]
     with unfused(backend):
         assert [fused for *_, fused in run()] == [False] * 3  # what the bit-for-bit comparisons run as "eager"
-    assert not build(BatchPlan.dummy(2)).fused  # a warm-up step: its tokens have no slot
+    assert not build(BatchPlan.dummy(2)).one_call_layers  # a warm-up step: its tokens have no slot
 
 
 def test_enforce_eager_runs_the_python_forward_with_the_same_bits(build_tiny_llm):
@@ -134,14 +134,15 @@ def test_the_layers_keep_their_python_forward_where_fusing_does_not_fit(build_ti
     assert qwen3.fused_layers == 0 and qwen3.unfused_reason == "per-head query and key norms (Qwen3)"
 
 
-def test_the_reason_names_what_is_missing(build_tiny_llm):
-    runner = build_tiny_llm(CONFIG).engine.runner
-    backend = runner.backend
-    backend.native_kernels = False
-    try:
-        assert "native kernels are not loaded" in cpu_fused.unfit_reason(runner.model, backend)
-    finally:
-        backend.native_kernels = True
+def test_a_layer_gets_its_one_call_when_it_is_built_and_the_reason_names_what_is_missing():
+    from nanoengine.backends import Backend
+    from nanoengine.loader.weights import random_model
+
+    native = random_model("tiny-llama")  # the CPU backend's kernels
+    assert all(isinstance(layer.one_call, cpu_fused.FusedLayer) for layer in native.model.layers)
+    reference = random_model("tiny-llama", backend=Backend("cpu"))
+    assert all(layer.one_call is None for layer in reference.model.layers)
+    assert cpu_fused.unfit_reason(reference.model.layers[0]) == "a norm without the native kernel (its dtype)"
 
 
 def layer_call(tokens: int, num_decode_tokens: int, decode_rows: int, prefill_bounds: list[int],
@@ -188,7 +189,7 @@ def test_a_step_with_a_forward_hook_runs_the_python_forward_so_the_hook_sees_eve
     layers = engine.runner.model.model.layers
     params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=2)
     fused = outputs(llm, prompts(2, seed=3), params)
-    assert seen and all(m.fused for m in seen)
+    assert seen and all(m.one_call_layers for m in seen)
     for hook_on in (layers[1].self_attn.attn, layers[0].mlp):
         seen.clear()
         handle = hook_on.register_forward_pre_hook(lambda module, args: calls.append(module))
@@ -196,7 +197,7 @@ def test_a_step_with_a_forward_hook_runs_the_python_forward_so_the_hook_sees_eve
             assert outputs(llm, prompts(2, seed=3), params) == fused  # the same bits either way
         finally:
             handle.remove()
-        assert seen and not any(m.fused for m in seen)
+        assert seen and not any(m.one_call_layers for m in seen)
         assert calls.count(hook_on) == len(seen)  # once a step: a prefill and each decode
         calls.clear()
     seen.clear()
@@ -205,4 +206,4 @@ def test_a_step_with_a_forward_hook_runs_the_python_forward_so_the_hook_sees_eve
         outputs(llm, prompts(1, seed=3), params)
     finally:
         handle.remove()
-    assert seen and not any(m.fused for m in seen)
+    assert seen and not any(m.one_call_layers for m in seen)

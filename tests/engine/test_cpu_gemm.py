@@ -8,6 +8,7 @@ from nanoengine.backends.cpu import CpuBackend, CpuLinearMethod
 from nanoengine.kernels import cpu_gemm
 from nanoengine.layers.linear import UnquantizedLinearMethod
 from nanoengine.layers.embed_head import ParallelLMHead
+from nanoengine.layers.kernels import building_with
 from nanoengine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 needs_packing = pytest.mark.skipif(not cpu_gemm.packing_available(), reason="this torch build has no oneDNN packing")
@@ -65,17 +66,21 @@ def test_pack_weight_declines_what_it_cannot_pack():
 @needs_packing
 def test_parallel_layers_pack_and_compute_the_same():
     torch.manual_seed(0)
-    layers = [QKVParallelLinear(16, 4, 4, 2, bias=True), MergedColumnParallelLinear(16, [24, 24]),
-              RowParallelLinear(16, 10, bias=True), ParallelLMHead(50, 16)]
-    for layer in layers:
-        for p in layer.parameters():
-            p.data.normal_()
+    backend = CpuBackend("cpu")
+    makers = [lambda: QKVParallelLinear(16, 4, 4, 2, bias=True), lambda: MergedColumnParallelLinear(16, [24, 24]),
+              lambda: RowParallelLinear(16, 10, bias=True), lambda: ParallelLMHead(50, 16)]
+    for make in makers:
+        plain = make()  # built outside a backend: F.linear
+        with building_with(backend.kernels):  # as loader.build_model builds a model for the CPU
+            packed = make()
+        for p, q in zip(plain.parameters(), packed.parameters()):
+            q.data.copy_(p.data.normal_())
+        assert isinstance(plain.linear_method, UnquantizedLinearMethod)
+        assert isinstance(packed.linear_method, CpuLinearMethod) and packed.linear_method.packed is None
+        backend.process_weights_after_loading(packed)  # what the model runner does once the weights are loaded
+        assert packed.linear_method.packed is not None
         x = torch.randn(5, 16)
-        before = layer(x)
-        assert isinstance(layer.linear_method, UnquantizedLinearMethod)
-        CpuBackend("cpu").prepare_weights(layer)
-        assert isinstance(layer.linear_method, CpuLinearMethod)
-        torch.testing.assert_close(layer(x), before, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed(x), plain(x), rtol=1e-5, atol=1e-5)
 
 
 @needs_packing

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from nanoengine.backends.cpu import CpuAttention, CpuBackend, CpuLinearMethod
 from nanoengine.kernels import cpu_gemm, cpu_native, reference
 from nanoengine.layers.attention import AttentionImpl
+from nanoengine.layers.kernels import building_with
 from nanoengine.layers.linear import ReplicatedLinear
 
 needs_kernel = pytest.mark.skipif(cpu_native.unavailable_reason() is not None or not cpu_native.load(),
@@ -81,10 +82,11 @@ def test_bad_inputs_are_refused_with_what_was_wrong():
 @needs_kernel
 def test_the_backend_sends_few_rows_to_the_kernel_and_more_to_the_library():
     torch.manual_seed(0)
-    layer = ReplicatedLinear(48, 40)
-    torch.nn.init.normal_(layer.weight)
     backend = CpuBackend("cpu")
-    backend.prepare_weights(torch.nn.ModuleList([layer]))
+    with building_with(backend.kernels):
+        layer = ReplicatedLinear(48, 40)
+    torch.nn.init.normal_(layer.weight)
+    backend.process_weights_after_loading(torch.nn.ModuleList([layer]))
     method = layer.linear_method
     assert isinstance(method, CpuLinearMethod) and method.few_rows and backend.native_kernels
     assert "few-rows kernel" in backend.describe()
@@ -119,12 +121,13 @@ def test_without_the_kernel_one_warning_names_why_and_the_libraries_compute(monk
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the answer is kept: no second warning
             assert cpu_native.load() is False
-            layer = ReplicatedLinear(48, 40)
-            torch.nn.init.normal_(layer.weight)
             backend = CpuBackend("cpu")
-            backend.prepare_weights(torch.nn.ModuleList([layer]))
+            with building_with(backend.kernels):
+                layer = ReplicatedLinear(48, 40)
+            torch.nn.init.normal_(layer.weight)
+            backend.process_weights_after_loading(torch.nn.ModuleList([layer]))
         assert not backend.native_kernels and "few-rows" not in backend.describe()
-        backend.bind_kv_cache(16, 2, 4, 8, torch.float32)
+        assert backend.kernels.name == "cpu, PyTorch libraries" and backend.kernels.decoder_layer is None
         assert not backend.attention.native and "batched decode" in backend.attention.name
         x = torch.randn(1, 48)
         expected = (cpu_gemm.linear(x, layer.weight, None, layer.linear_method.packed)
@@ -214,18 +217,15 @@ def test_native_decode_attention_refuses_what_would_read_outside_the_cache():
 @needs_kernel
 def test_the_backend_decodes_with_the_native_kernel_and_builds_no_plan():
     backend = CpuBackend("cpu")
-    backend.bind_kv_cache(16, 3, 9, 64, torch.float32)
     assert isinstance(backend.attention, CpuAttention) and backend.attention.native
     assert "native paged decode" in backend.attention.name
-    backend.bind_kv_cache(16, 3, 9, 64, torch.float16)  # a dtype the kernels do not take: the PyTorch version
-    assert not backend.attention.native
+    assert backend.kernels.attention is backend.attention  # what the attention layers built for it call
+    assert not CpuBackend("cpu", torch.float16).attention.native  # a dtype the kernels do not take: PyTorch's
 
 
 def test_the_backend_prefills_bfloat16_in_bfloat16_only_where_the_cpu_has_the_instructions():
-    backend = CpuBackend("cpu")
-    backend.bind_kv_cache(16, 3, 9, 64, torch.float32)
-    assert backend.attention.prefill_dtype is None  # the reference's definition
-    backend.bind_kv_cache(16, 3, 9, 64, torch.bfloat16)
+    assert CpuBackend("cpu").attention.prefill_dtype is None  # the reference's definition
+    backend = CpuBackend("cpu", torch.bfloat16)
     has_instructions = cpu_gemm.packing_available(torch.bfloat16)
     assert backend.attention.prefill_dtype == (torch.bfloat16 if has_instructions else None)
     assert ("prefill in bfloat16" in backend.attention.name) == has_instructions
@@ -264,10 +264,12 @@ def test_native_rms_norm_refuses_mismatched_inputs():
 def test_the_backend_gives_every_norm_the_native_kernels():
     from nanoengine.layers.layernorm import RMSNorm
 
-    model = torch.nn.ModuleList([RMSNorm(16), RMSNorm(16)])
-    CpuBackend("cpu").prepare_weights(model)
+    with building_with(CpuBackend("cpu").kernels):  # as loader.build_model builds a model
+        model = torch.nn.ModuleList([RMSNorm(16), RMSNorm(16)])
     assert all(m.norm_fn is cpu_native.rms_norm and m.add_norm_fn is cpu_native.add_rms_norm for m in model)
     assert RMSNorm.norm_fn is not cpu_native.rms_norm  # the class keeps the eager definition
+    assert RMSNorm(16).norm_fn is RMSNorm.norm_fn  # built outside a backend: the layer's own function
+    assert CpuBackend("cpu", torch.float16).kernels.rms_norm is None  # a dtype the kernels do not take
 
 
 @needs_kernel
@@ -301,8 +303,8 @@ def test_rotate_half_leaves_what_it_cannot_walk_to_eager_and_refuses_bad_tables(
 def test_the_backend_gives_the_rotary_embedding_the_native_kernel():
     from nanoengine.layers.rotary import RotaryEmbedding
 
-    model = torch.nn.ModuleList([RotaryEmbedding(16, 32, 10000.0)])
-    CpuBackend("cpu").prepare_weights(model)
+    with building_with(CpuBackend("cpu").kernels):
+        model = torch.nn.ModuleList([RotaryEmbedding(16, 32, 10000.0)])
     assert model[0].rotate_fn is cpu_native.rotate_half and RotaryEmbedding.rotate_fn is not cpu_native.rotate_half
 
 
@@ -505,6 +507,6 @@ def test_silu_and_mul_has_eagers_bits(dtype):
 def test_the_backend_gives_the_activation_the_native_kernel():
     from nanoengine.layers.activation import SiluAndMul
 
-    model = torch.nn.ModuleList([SiluAndMul()])
-    CpuBackend("cpu").prepare_weights(model)
+    with building_with(CpuBackend("cpu").kernels):
+        model = torch.nn.ModuleList([SiluAndMul()])
     assert model[0].silu_and_mul_fn is cpu_native.silu_and_mul

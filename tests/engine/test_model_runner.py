@@ -107,11 +107,19 @@ def test_on_a_cpu_logits_come_in_chunks_and_every_row_is_sampled_as_one_chunk_wo
     assert times["prepare_time"] > 0 and times["model_time"] > 0 and times["sample_time"] > 0
 
 
+def test_a_model_runs_only_on_a_backend_whose_kernels_it_was_built_with():
+    net = random_model("tiny-llama-eos", std=0.08)  # the device's backend: the CPU's kernels
+    with pytest.raises(ValueError, match="built with the 'cpu, .*' kernels and this engine's backend runs 'reference'"):
+        ModelRunner(net, net.config, 16, 4, torch.device("cpu"), torch.float32, backend=Backend("cpu"))
+    assert net.model.layers[0].self_attn.attn.k_cache is None  # refused before anything was bound
+
+
 def test_the_backend_is_chosen_by_device_and_the_reference_one_runs_one_logits_call():
     assert type(select_backend("cpu")) is CpuBackend and type(select_backend(torch.device("cpu"))) is CpuBackend
     assert type(select_backend("meta")) is Backend  # any other device: the reference backend
-    net = random_model("tiny-llama-eos", std=0.08)
-    generic = ModelRunner(net, net.config, 16, 4, torch.device("cpu"), torch.float32, backend=Backend("cpu"))
+    reference = Backend("cpu")
+    net = random_model("tiny-llama-eos", std=0.08, backend=reference)
+    generic = ModelRunner(net, net.config, 16, 4, torch.device("cpu"), torch.float32, backend=reference)
     assert generic.backend.num_prepared_weights == 0 and generic.memory_usage()["weight_copy_bytes"] == 0
     requests = [Request(f"r{i}", [5 + i, 9, 200, 31, 7], SamplingParams(temperature=0.0, max_tokens=1))
                 for i in range(3)]

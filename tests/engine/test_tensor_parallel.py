@@ -250,6 +250,7 @@ def test_a_worker_that_raises_sends_its_traceback(tp2_llama):
     with pytest.raises(RuntimeError) as err:
         runner.run_plan(bad)
     message = str(err.value)
-    assert "raised IndexError" in message and "--- rank" in message and "store_kv" in message
+    assert "raised IndexError" in message and "--- rank" in message
+    assert "index_copy_" in message and "attention.py" in message  # the traceback reaches the layer's store-KV
     _assert_stopped(runner, before)
     tp2_llama.shutdown()  # a second shutdown is a no-op

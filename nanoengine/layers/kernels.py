@@ -1,0 +1,65 @@
+"""The kernels a model's layers call, chosen by the device backend before the model is built (chapter 10).
+
+vLLM decides how each layer computes when the layer is constructed: a linear layer asks the
+quantization config for its ``quant_method``, ``Attention`` asks for the platform's attention
+backend, a ``CustomOp`` picks its forward for the platform. This engine does the same with one
+object: the device backend's ``LayerKernels`` (``Backend.kernels``). ``loader.build_model``
+builds a model inside ``building_with(kernels)``; each layer reads ``current_kernels()`` in its
+``__init__`` and keeps what it will call. Nothing changes it afterwards: what a layer holds
+after its constructor is what runs (tests/engine/test_layer_kernels.py walks a built model).
+
+A field left None means the layer's own PyTorch function (``layernorm.rms_norm``,
+``rotary.rotate_half``, ``activation.silu_and_mul``, ``sampler.sampling_probs``), ``F.linear`` for the GEMMs and the
+reference attention: a model built outside any backend reads and runs like nano-vLLM's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+
+@dataclass(frozen=True)
+class LayerKernels:
+    """What a device backend gives the layers of a model built for it.
+
+    name: how these kernels are known (a model is run only by a backend whose kernels have its name).
+    rms_norm, add_rms_norm: ``RMSNorm``'s two functions (``layers.layernorm``'s signatures).
+    rotate_half: ``RotaryEmbedding``'s rotation (``layers.rotary.rotate_half``'s signature).
+    silu_and_mul: ``SiluAndMul``'s function.
+    sampling_probs: the ``Sampler``'s filters (``layers.sampler.sampling_probs``'s signature).
+    linear_method: makes each GEMM layer's ``linear_method`` (called once per layer, in its constructor).
+    attention: the ``AttentionImpl`` every ``Attention`` layer calls.
+    decoder_layer: given a just-built decoder layer, its one-call version, or None where it has none
+        (the CPU backend's ``backends.cpu_fused``).
+    """
+
+    name: str = "reference"
+    rms_norm: Callable | None = None
+    add_rms_norm: Callable | None = None
+    rotate_half: Callable | None = None
+    silu_and_mul: Callable | None = None
+    sampling_probs: Callable | None = None
+    linear_method: Callable | None = None
+    attention: object | None = None
+    decoder_layer: Callable | None = None
+
+
+REFERENCE = LayerKernels()
+_building: list[LayerKernels] = []  # the kernels of the models being built now, innermost last
+
+
+def current_kernels() -> LayerKernels:
+    """The kernels of the model being built (``REFERENCE`` outside ``building_with``)."""
+    return _building[-1] if _building else REFERENCE
+
+
+@contextlib.contextmanager
+def building_with(kernels: LayerKernels) -> Iterator[LayerKernels]:
+    """While inside, every layer constructed takes its kernels from ``kernels``."""
+    _building.append(kernels)
+    try:
+        yield kernels
+    finally:
+        _building.pop()
