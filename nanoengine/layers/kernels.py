@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
+
+if TYPE_CHECKING:
+    from nanoengine.layers.attention import AttentionImpl
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,7 @@ class LayerKernels:
     silu_and_mul: Callable | None = None
     sampling_probs: Callable | None = None
     linear_method: Callable | None = None
-    attention: object | None = None
+    attention: AttentionImpl | None = None
     decoder_layer: Callable | None = None
 
 
