@@ -387,12 +387,12 @@ class ModelRunner(SamplingRunner):
                              f"runs {self.backend.kernels.name!r}: build the model for the engine's backend "
                              f"(loader.build_model(..., backend=...))")
         layers = model.attention_layers()
-        # The metadata the backend builds is for the attention kernels the layers hold (vLLM's runner,
-        # too, asks its layers for their attention backends): one object, whoever built the model.
-        self.backend.attention = layers[0].impl
         if layers[0].k_cache is not None:
             raise ValueError("this model is already bound to another engine's KV cache; two engines sharing "
                              "one model object would overwrite each other's cache: build a model per engine")
+        # The metadata the backend builds is for the attention kernels the layers hold (vLLM's runner,
+        # too, asks its layers for their attention backends): one object, whoever built the model.
+        self.backend.attention = layers[0].impl
         num_kv_heads = layers[0].num_kv_heads  # this rank's share under tensor parallelism
         self.kv_cache = torch.zeros(2, len(layers), num_blocks, block_size, num_kv_heads,
                                     model_config.head_dim, dtype=dtype, device=device)

@@ -9,13 +9,15 @@ builds a model inside ``building_with(kernels)``; each layer reads ``current_ker
 after its constructor is what runs (tests/engine/test_layer_kernels.py walks a built model).
 
 A field left None means the layer's own PyTorch function (``layernorm.rms_norm``,
-``rotary.rotate_half``, ``activation.silu_and_mul``, ``sampler.sampling_probs``), ``F.linear`` for the GEMMs and the
-reference attention: a model built outside any backend reads and runs like nano-vLLM's.
+``rotary.rotate_half``, ``activation.silu_and_mul``, ``sampler.sampling_probs``), ``F.linear``
+for the GEMMs and the reference attention: a model built outside any backend reads and runs
+like nano-vLLM's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -50,19 +52,23 @@ class LayerKernels:
 
 
 REFERENCE = LayerKernels()
-_building: list[LayerKernels] = []  # the kernels of the models being built now, innermost last
+# The kernels of the models this thread is building now, innermost last (per thread: ``serve``
+# builds its engine on a thread of its own while the main thread goes on).
+_building = threading.local()
 
 
 def current_kernels() -> LayerKernels:
-    """The kernels of the model being built (``REFERENCE`` outside ``building_with``)."""
-    return _building[-1] if _building else REFERENCE
+    """The kernels of the model being built on this thread (``REFERENCE`` outside ``building_with``)."""
+    stack = getattr(_building, "stack", None)
+    return stack[-1] if stack else REFERENCE
 
 
 @contextlib.contextmanager
 def building_with(kernels: LayerKernels) -> Iterator[LayerKernels]:
-    """While inside, every layer constructed takes its kernels from ``kernels``."""
-    _building.append(kernels)
+    """While inside, every layer this thread constructs takes its kernels from ``kernels``."""
+    stack = _building.__dict__.setdefault("stack", [])
+    stack.append(kernels)
     try:
         yield kernels
     finally:
-        _building.pop()
+        stack.pop()

@@ -83,3 +83,18 @@ def test_a_model_built_for_one_backend_is_refused_by_another_before_anything_is_
     with pytest.raises(ValueError, match="built with the 'reference' kernels and this engine's backend runs 'cpu"):
         ModelRunner(net, net.config, 16, 4, torch.device("cpu"), torch.float32)
     assert all(layer.k_cache is None for layer in net.attention_layers())
+
+
+def test_each_thread_builds_with_its_own_kernels():
+    import threading
+
+    from nanoengine.layers.layernorm import RMSNorm, rms_norm
+
+    marker = LayerKernels(name="marker", rms_norm=lambda x, w, eps: x)
+    seen = {}
+    with building_with(marker):
+        worker = threading.Thread(target=lambda: seen.setdefault("norm_fn", RMSNorm(8).norm_fn))
+        worker.start()
+        worker.join()
+        assert RMSNorm(8).norm_fn is marker.rms_norm
+    assert seen["norm_fn"] is rms_norm  # another thread, building nothing: the reference
