@@ -77,10 +77,14 @@ class Backend:
 
     @functools.cached_property
     def kernels(self) -> LayerKernels:
-        """What the layers of a model built for this backend call (the reference: their own functions;
-        with ``compile=True``, those compiled: ``backends.compilation``)."""
-        kernels = LayerKernels(name=self.name, attention=self.attention)
+        """What the layers of a model built for this backend call: ``layer_kernels()``, with
+        ``compile=True`` its small ops compiled (``backends.compilation``)."""
+        kernels = self.layer_kernels()
         return compiled_kernels(kernels) if self.compile else kernels
+
+    def layer_kernels(self) -> LayerKernels:
+        """This device's kernels for the layers (the reference: their own functions, this backend's attention)."""
+        return LayerKernels(name=self.name, attention=self.attention)
 
     def describe(self) -> str:
         """One line for a reader: the backend, its attention kernels, how the forward runs."""

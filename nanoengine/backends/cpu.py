@@ -77,7 +77,6 @@ import torch
 
 from nanoengine.backends import cpu_fused
 from nanoengine.backends.base import Backend
-from nanoengine.backends.compilation import compiled_kernels
 from nanoengine.backends.cpu_platform import (bytes_in_huge_page_regions, move_budget, move_to_huge_pages,
                                                 tune_engine_process)
 from nanoengine.kernels import cpu_attention, cpu_gemm, cpu_native, reference
@@ -212,13 +211,6 @@ class CpuBackend(Backend):
         # numeric path says no).
         prefill_dtype = torch.bfloat16 if dtype == torch.bfloat16 and cpu_gemm.packing_available(dtype) else None
         self.attention = CpuAttention(native, prefill_dtype)
-        self._native_kernels = LayerKernels(
-            name=f"cpu, {'native kernels' if native else 'PyTorch libraries'}",
-            rms_norm=cpu_native.rms_norm if native else None, add_rms_norm=cpu_native.add_rms_norm if native else None,
-            rotate_half=cpu_native.rotate_half if native else None,
-            silu_and_mul=cpu_native.silu_and_mul if native else None,
-            linear_method=functools.partial(CpuLinearMethod, few_rows=native), attention=self.attention,
-            decoder_layer=cpu_fused.one_call if native else None)
         self.fused_layers = 0  # decoder layers that can run as one native call each (``backends.cpu_fused``)
         self.unfused_reason: str | None = None  # why they cannot, when they cannot
         self.fused_modules: tuple = ()  # the modules inside the fused layers (``cpu_fused.hooked``)
@@ -235,9 +227,16 @@ class CpuBackend(Backend):
                  else f", {self.huge_page_weight_bytes / self.weight_bytes:.0%} of the weights in huge pages")
         return f"{super().describe()}, {gemm} GEMMs{pages}"
 
-    @functools.cached_property
-    def kernels(self) -> LayerKernels:
-        return compiled_kernels(self._native_kernels) if self.compile else self._native_kernels
+    def layer_kernels(self) -> LayerKernels:
+        """The native kernels where they are loaded and take the model's dtype; else the layers' own
+        functions, oneDNN's GEMMs and the batched PyTorch attention."""
+        native = self.attention.native  # decided with the attention's: the kernels are loaded and take the dtype
+        ops = dict(rms_norm=cpu_native.rms_norm, add_rms_norm=cpu_native.add_rms_norm,
+                   rotate_half=cpu_native.rotate_half, silu_and_mul=cpu_native.silu_and_mul,
+                   decoder_layer=cpu_fused.one_call) if native else {}
+        return LayerKernels(name=f"cpu, {'native kernels' if native else 'PyTorch libraries'}",
+                            linear_method=functools.partial(CpuLinearMethod, few_rows=native),
+                            attention=self.attention, **ops)
 
     def place_weights(self, model: torch.nn.Module) -> None:
         """Move the just-built parameters into huge pages (within the move's budget), before they are filled."""

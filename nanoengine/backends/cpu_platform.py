@@ -324,11 +324,10 @@ _REGION_SPANS: list[tuple[int, int]] = []  # the address ranges huge_page_region
 
 def bytes_in_huge_page_regions(tensors) -> int:
     """How many bytes of ``tensors`` start in a region advised to use huge pages (``huge_page_region``)."""
-    spans = list(_REGION_SPANS)
     inside = 0
     for t in tensors:
         start = t.data_ptr()
-        if any(lo <= start < hi for lo, hi in spans):
+        if any(lo <= start < hi for lo, hi in _REGION_SPANS):
             inside += t.numel() * t.element_size()
     return inside
 

@@ -34,7 +34,8 @@ The core also gives freed memory back when it goes idle. glibc keeps what a step
 place), and over hours of steps of every shape the holes between live blocks add up to
 resident memory nobody uses. So once the engine has stepped and then had nothing to do for
 ``TRIM_AFTER_IDLE_S``, the core calls ``release_free_heap`` (glibc's ``malloc_trim``) once,
-before it sleeps on the pipe (``cpu_platform.IdleTrim``, which the async engine's thread uses too): no step waits for it, and a burst of requests with short gaps
+before it sleeps on the pipe (``cpu_platform.IdleTrim``, which the async engine's thread uses
+too): no step waits for it, and a burst of requests with short gaps
 between them does not trim at every gap. ``NANOENGINE_TRIM_WHEN_IDLE=0`` switches it off;
 ``python -m nanobench.soak`` measures what it changes.
 
