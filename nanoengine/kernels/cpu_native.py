@@ -13,13 +13,14 @@ Four operations are poorly served by the libraries PyTorch calls, three of them 
 * **Decode attention** (``paged_decode_attention``, ``csrc/paged_decode_attention.cpp``).
   The batched PyTorch version (``cpu_attention``) gathers keys and pays a dozen tensor ops
   per layer; this kernel walks each sequence's block table and reads every K/V row where it
-  lies in the cache, once per KV head. On CPUs with AVX-512 it runs sixteen lanes wide with
-  the AVX2 path's bits (functions compiled for AVX-512 alone, chosen at run time): a batch's
-  decode attention takes markedly less time so (results/README.md).
+  lies in the cache, once for all the query heads that share it. One source, written over a
+  small vector type (``csrc/cpu_vec.h``'s ``Vec``), runs eight lanes wide in the AVX2 build
+  and sixteen in the AVX-512 one, with the same bits (a batch's decode attention takes
+  markedly less time sixteen lanes wide: results/README.md).
 * **Prefill attention for a whole step** (``paged_prefill_attention``,
   ``csrc/paged_prefill_attention.cpp``). In float32 arithmetic, tiles written out: the keys
   packed once per sequence and KV head, the scores, the softmax and the weighted values as small
-  matrix products held in registers, AVX2 alone (sixteen lanes on AVX-512 bought under 10%,
+  matrix products held in registers, eight lanes wide in either build (sixteen bought under 10%,
   measured: results/README.md); PyTorch's SDPA runs a short float32 prompt much slower (figures: results/README.md). In
   bfloat16 arithmetic (oneDNN's AMX and AVX512-BF16 kernels behind SDPA), the reference's
   PyTorch calls made from C++, each thread taking the step's next sequence whole.
@@ -37,16 +38,16 @@ Python, the calls and not the arithmetic were a one-sequence decode step's cost 
 ``csrc/llama_layer.cpp`` makes a whole Llama decoder layer's calls, these operators among them,
 so that Python makes one call per layer (``backends.cpu_fused``).
 
-The kernels are C++ with AVX2 and FMA intrinsics (bfloat16 prefill attention calls PyTorch's own
-operators), registered as PyTorch operators (``torch.ops.nanoengine.*``) and run on PyTorch's
+The kernels are C++ with AVX2 and FMA intrinsics, and AVX-512 ones behind ``Vec`` (bfloat16
+prefill attention calls PyTorch's own operators), registered as PyTorch operators (``torch.ops.nanoengine.*``) and run on PyTorch's
 own thread pool. They are compiled the first time an engine needs them (about 20 s, said once
 on stderr) by PyTorch's extension builder, into ``~/.cache/nanoengine/kernels/`` under a name that carries the torch and Python versions
 and the instruction set, so another PyTorch never loads them; ``./course setup`` builds them
-ahead. They are compiled for AVX2 + FMA exactly (not ``-march=native``) and every sum's order
-is fixed by the source, not by the CPU, the thread count or the batch: every x86-64 machine
-with AVX2 computes the same bits, and a row gets the same bits alone or in a batch. (The
-decode attention kernel's AVX-512 functions are the one exception to "AVX2 exactly", and they
-compute the AVX2 functions' bits.)
+ahead. They are built for one of two instruction sets exactly (not ``-march=native``): AVX-512
+where PyTorch runs its own kernels with it (``torch.backends.cpu.get_cpu_capability()``, which
+``ATEN_CPU_CAPABILITY=avx2`` lowers), else AVX2 + FMA. Every sum's order is fixed by the source,
+not by the CPU, the build, the thread count or the batch: every x86-64 machine computes the same
+bits, and a row gets the same bits alone or in a batch.
 
 Without a C++ compiler, ninja, or AVX2 + FMA, ``load`` says why in one warning and returns
 False; the CPU backend then uses the libraries and the batched PyTorch attention.
@@ -68,12 +69,12 @@ import torch
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
 HEADERS = tuple(sorted(CSRC.glob("*.h")))
-# Compiled for exactly this instruction set (no -march=native): the same bits on any x86-64
-# CPU that has it.
-ISA = "avx2_fma"
-# -ffp-contract=off: the intrinsics' FMAs are written out; no scalar ``a * b + c`` is fused behind
-# our back, where another compiler version might decide otherwise.
-COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
+# The two builds, each for exactly its instruction set (no -march=native). -ffp-contract=off: the
+# intrinsics' FMAs are written out; no scalar ``a * b + c`` is fused behind our back, where another
+# compiler version might decide otherwise.
+ISA_FLAGS = {"avx2_fma": ["-mavx2", "-mfma"],
+             "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]}
+COMPILE_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 # Row counts up to this take the few-rows kernel; from about 16 rows on, each weight is reused
 # enough for a GEMM library's blocking to catch up (SmolLM2's shapes, measured by
 # scripts/measure_native_kernels.py: results/README.md).
@@ -85,10 +86,15 @@ class KernelBuildWarning(UserWarning):
     """The native kernels could not be built or loaded; the libraries are used instead."""
 
 
+def isa() -> str:
+    """The build this process uses: AVX-512 where PyTorch's own kernels use it, else AVX2."""
+    return "avx512" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "avx2_fma"
+
+
 def build_name() -> str:
     """The extension's name: what it is, for which PyTorch, Python and instruction set."""
     torch_version = torch.__version__.split("+")[0].replace(".", "_")
-    return f"nanoengine_cpu_kernels_torch{torch_version}_py{sys.version_info.major}{sys.version_info.minor}_{ISA}"
+    return f"nanoengine_cpu_kernels_torch{torch_version}_py{sys.version_info.major}{sys.version_info.minor}_{isa()}"
 
 
 def build_directory() -> Path:
@@ -139,7 +145,7 @@ def _build_and_load(verbose: bool) -> None:
     # PyTorch's builder hashes the sources and flags, not the headers: the headers' hash goes in
     # as a flag, so editing a header rebuilds too.
     header_hash = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
-    flags = [*COMPILE_FLAGS, f"-DNANOENGINE_HEADERS_SHA={header_hash}"]
+    flags = [*COMPILE_FLAGS, *ISA_FLAGS[isa()], f"-DNANOENGINE_HEADERS_SHA={header_hash}"]
     clear_stale_lock(directory)
     load_extension(build_name(), [str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                    build_directory=str(directory), is_python_module=False, verbose=verbose)
@@ -183,20 +189,16 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           avx512: bool = True) -> torch.Tensor:
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """``reference.paged_decode_attention``, by the kernel. ``load()`` must have returned True.
 
     query (seqs, heads, head_dim); caches (blocks, block_size, kv_heads, head_dim);
     block_tables (seqs, max_blocks) and context_lens (seqs,) of one integer dtype.
-    ``avx512``: on a CPU with AVX-512, head sizes 32, 64 and 128 run sixteen lanes wide, with
-    the bits of the AVX2 path (False runs that path: how the tests compare them).
     """
     if context_lens.dtype != block_tables.dtype:
         context_lens = context_lens.to(block_tables.dtype)
     return torch.ops.nanoengine.paged_decode_attention(query.contiguous(), k_cache, v_cache,
-                                                       block_tables.contiguous(), context_lens.contiguous(), scale,
-                                                       avx512)
+                                                       block_tables.contiguous(), context_lens.contiguous(), scale)
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -31,8 +31,8 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
   static auto op = operator_named("nanoengine::paged_decode_attention")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, double, bool)>();
-  return op.call(query, k_cache, v_cache, block_tables, context_lens, scale, /*avx512=*/true);
+                                         const at::Tensor&, double)>();
+  return op.call(query, k_cache, v_cache, block_tables, context_lens, scale);
 }
 
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,

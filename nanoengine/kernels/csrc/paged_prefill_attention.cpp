@@ -29,7 +29,7 @@
 #include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
-#include "avx2_vec.h"
+#include "cpu_vec.h"
 
 #include <immintrin.h>
 

@@ -12,7 +12,7 @@
 //
 // Numerics: sums of squares in float32, in an order fixed by this source; the normalised
 // value is rounded to x's dtype before the weight multiplies it, as Hugging Face's Llama does.
-// Eight values at a time, rounded to bfloat16 as PyTorch rounds one (avx2_vec.h): the bits of
+// Eight values at a time, rounded to bfloat16 as PyTorch rounds one (cpu_vec.h): the bits of
 // the scalar loop that handles the tail.
 
 #include <ATen/Parallel.h>
@@ -21,7 +21,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include "avx2_vec.h"
+#include "cpu_vec.h"
 
 #include <cmath>
 #include <cstdint>

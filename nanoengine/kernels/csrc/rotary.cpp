@@ -10,7 +10,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
-#include "avx2_vec.h"
+#include "cpu_vec.h"
 
 #include <cstdint>
 
