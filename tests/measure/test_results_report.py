@@ -26,6 +26,24 @@ def _bench_file(path, engine, static, batch=None, **extra):
     path.write_text(json.dumps(data))
 
 
+@pytest.mark.parametrize("folder", ["results", "results/archive"])
+def test_every_results_file_has_its_line_in_its_folders_readme(folder):
+    """results/README.md describes each file there; results/archive/README.md each superseded one."""
+    import re
+
+    directory = Path(__file__).resolve().parents[2] / folder
+    index = (directory / "README.md").read_text()
+    named = set()
+    for row in index.splitlines():
+        if row.startswith("| `"):
+            for name in re.findall(r"`([^`]+\.json)`", row.split("|")[1]):
+                prefix, _, rest = name.partition("{")  # `x-{before,after}-{1,2}.json` names a set
+                named.add(re.sub(r"\{[^}]*\}", "*", name) if rest else name)
+    files = sorted(p.name for p in directory.glob("*.json"))
+    missing = [f for f in files if not any(Path(f).match(n) for n in named)]
+    assert files and not missing, f"{folder}/README.md has no line for {missing}"
+
+
 def test_readme_results_section_is_current():
     """Fails when a results file was added or changed without running the report."""
     assert main(["--check"]) == 0
