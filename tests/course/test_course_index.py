@@ -1,5 +1,5 @@
-"""The course index (notebooks/README.md) and the root README say which chapters exist today,
-and every link in the index leads to a file. (The browser test follows a link for real.)"""
+"""The course index (notebooks/README.md) lists the chapters and their solutions for a learner,
+and every link in it leads to a file. (The browser test follows a link for real.)"""
 
 from __future__ import annotations
 
@@ -40,7 +40,13 @@ def test_the_index_table_links_written_chapters_and_marks_the_others_coming() ->
     assert "](widgets_demo.ipynb)" in index
 
 
-def test_both_readmes_say_which_chapters_are_written_today() -> None:
-    phrase = f"Written today: chapters 1-{len(written_chapters())}"
-    assert phrase in (NOTEBOOKS / "README.md").read_text()
-    assert phrase in (REPO / "README.md").read_text()
+def test_the_index_reads_as_a_course_not_a_draft() -> None:
+    """What a learner opens first lists every chapter's solutions and says nothing meant for authors
+    (the chapter template lives in docs/CHAPTER_TEMPLATE.md, linked from the root README)."""
+    index = (NOTEBOOKS / "README.md").read_text()
+    for chapter in written_chapters():
+        assert f"](solutions/{chapter.name})" in index, chapter.name
+    for draft in ("Written today", "For authors", "chapter template", "NBVAL"):
+        assert draft not in index, draft
+    assert "](docs/CHAPTER_TEMPLATE.md)" in (REPO / "README.md").read_text()
+    assert (REPO / "docs" / "CHAPTER_TEMPLATE.md").is_file()

@@ -1,6 +1,6 @@
 """Exercise checks: a scaffold cell, a check that says right or not yet, a worked solution.
 
-Every chapter ends with at least three exercises (template v2, notebooks/README.md). Each
+Every chapter ends with at least three exercises (template v2, docs/CHAPTER_TEMPLATE.md). Each
 is two cells in the chapter:
 
 * a **scaffold** the learner edits, with the value or line to change marked ``TODO``;
