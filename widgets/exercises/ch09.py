@@ -333,13 +333,16 @@ def gpu_results(results_dir) -> list[dict]:
     import json
     from pathlib import Path
 
+    from nanobench.results_report import command_today, revision_today
+
     rows = []
     for path in sorted(Path(results_dir).glob("gpu-*.json")):
         data = json.loads(path.read_text())
         env = data.get("environment", {})
         hardware = f"{env.get('gpu_count', 1)} x {env.get('gpu', 'unknown GPU')}, CPU {env.get('cpu_model', '?')}"
-        revision = env.get("nanoengine_revision") or data.get("source", "not recorded")
+        revision = revision_today(env.get("nanoengine_revision") or data.get("source", "not recorded"))
         figures = _find(data, "all_reduce") + _find(data, "allreduce")
         rows.append({"file": path.name, "hardware": hardware, "date": data.get("date", "not recorded"),
-                     "revision": revision, "command": data.get("command", "not recorded"), "allreduce": figures})
+                     "revision": revision, "command": command_today(data.get("command", "")) or "not recorded",
+                     "allreduce": figures})
     return rows
