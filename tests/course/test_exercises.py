@@ -45,3 +45,33 @@ def test_every_check_fails_on_the_scaffold_and_passes_on_the_solution(chapter: P
     solved = verdicts(solutions[0])
     assert set(solved) == set(found), f"the solution solves {sorted(solved)}, the chapter asks {sorted(found)}"
     assert all(v and set(v) == {"right."} for v in solved.values()), f"a solution does not pass: {solved}"
+
+
+RAW_ERRORS = ("Error", "got None", "unsupported operand", "Traceback", "object is not")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.name)
+def test_a_hint_on_the_untouched_scaffold_says_what_to_fill_in(chapter: Path):
+    """The first thing a learner sees from a check is what to do, never an exception's text."""
+    for cell in json.loads(chapter.read_text())["cells"]:
+        for output in cell.get("outputs", []):
+            text = output.get("text", "") or output.get("data", {}).get("text/plain", "")
+            text = "".join(text) if isinstance(text, list) else text
+            if "not yet." in text:
+                assert not any(raw in text for raw in RAW_ERRORS), f"{chapter.name}: {text.strip()[:300]}"
+
+
+def test_a_scaffold_function_is_still_todo_until_its_placeholder_is_filled(tmp_path):
+    import importlib.util
+
+    from widgets.exercises import todo
+
+    source = tmp_path / "scaffolds.py"
+    source.write_text("def untouched(x):\n    noise = ...  # TODO: noise\n    return x + noise\n\n"
+                      "def filled(x):\n    noise = 2 * x  # TODO: noise\n    return x[..., 0] + noise\n")
+    spec = importlib.util.spec_from_file_location("scaffolds", source)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert todo(...) and todo(None) and todo(module.untouched)
+    assert not todo(module.filled) and not todo(print) and not todo(0)

@@ -19,6 +19,8 @@ computed value), through the engine's public API, never the text of their code.
 
 from __future__ import annotations
 
+import inspect
+import re
 import textwrap
 from dataclasses import dataclass
 
@@ -63,5 +65,14 @@ def whole(value, low: int, high: int) -> int | None:
 
 
 def todo(value) -> bool:
-    """True while a scaffold value is still the placeholder ``...`` (Ellipsis) or None."""
-    return value is ... or value is None
+    """True while a scaffold value is still the placeholder ``...`` (Ellipsis) or None, or is a
+    function whose source still has the scaffold's ``...  # TODO`` line (not filled in yet)."""
+    if value is ... or value is None:
+        return True
+    if not inspect.isfunction(value):
+        return False
+    try:
+        source = inspect.getsource(value)
+    except (OSError, TypeError):  # defined where no source is kept
+        return False
+    return re.search(r"\.\.\.\s*#\s*TODO", source) is not None

@@ -151,8 +151,8 @@ def check_gumbel_draw(llm, draw) -> CheckResult:
     """8.3: a Gumbel-max draw: fits the softmax, reproducible, and coupled like an argmax of noise."""
     engine = _engine(llm)
     if todo(draw):
-        return verdict("8.3", False, "", "replace ... with a function draw(logits, generator) that returns one "
-                                         "token index per row, then run the cell again.")
+        return verdict("8.3", False, "", "fill in the line marked # TODO (noise = ...) so that draw(logits, "
+                                         "generator) returns one token index per row, then run the cell again.")
     if not callable(draw):
         return verdict("8.3", False, "", f"draw must be a function, got {type(draw).__name__}.")
     head = story_head_logits(engine)

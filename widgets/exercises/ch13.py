@@ -202,8 +202,8 @@ def _run_accept(accept, draft: int, seed: int, draws: int) -> list[list[int]]:
 def check_accept(accept) -> CheckResult:
     """13.3: a one-hot acceptance rule: the first token has p's distribution; accepted drafts get a bonus."""
     if todo(accept):
-        return verdict("13.3", False, "", "replace ... with a function accept(probs, draft, generator) that returns "
-                                          "the list of tokens emitted, then run the cell again.")
+        return verdict("13.3", False, "", "fill in the line marked # TODO so that accept(probs, draft, generator) "
+                                          "returns the list of tokens emitted, then run the cell again.")
     if not callable(accept):
         return verdict("13.3", False, "", f"accept must be a function, got {type(accept).__name__}.")
     p, bonus_row = ACCEPT_PROBS[0], ACCEPT_PROBS[1]
