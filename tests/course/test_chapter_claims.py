@@ -1,0 +1,60 @@
+"""What a chapter's prose says the engine has, checked against the engine (course v5: drift fails a
+test, not a reader). Chapter 11's "What this engine leaves out" table is the first such claim."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from nanoengine import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _engine_column(chapter: str, heading: str) -> dict[str, str]:
+    """feature -> this engine's cell, from the markdown table under ``heading`` in ``chapter``."""
+    nb = nbformat.read(ROOT / "notebooks" / chapter, as_version=4)
+    source = next(c.source for c in nb.cells if c.cell_type == "markdown" and heading in c.source)
+    rows = {}
+    for line in source.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0] not in ("feature", "---") and not set(cells[0]) <= set("-"):
+            rows[cells[0]] = cells[1]
+    return rows
+
+
+def _has_module(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def _sampling_field(name: str) -> bool:
+    return hasattr(SamplingParams(), name)
+
+
+# feature row -> does the engine have it?
+ENGINE_HAS = {
+    "speculative decoding": lambda: _has_module("nanoengine.spec_decode"),
+    "structured output (JSON schema, grammars)": lambda: _sampling_field("structured_outputs"),
+    "quantized weights and KV cache": lambda: any(_has_module(f"nanoengine.{m}") for m in
+                                                  ("quantization", "layers.quantization")),
+    "LoRA adapters": lambda: _has_module("nanoengine.lora"),
+    "tensor parallelism": lambda: _has_module("nanoengine.distributed.tp_runner"),
+    "serving": lambda: _has_module("nanoengine.entrypoints.openai.api_server"),
+    "kernels": lambda: any((ROOT / "nanoengine" / "kernels" / "csrc").glob("*.cpp")),
+}
+
+
+@pytest.mark.parametrize("feature", sorted(ENGINE_HAS))
+def test_chapter_11s_table_says_what_the_engine_has(feature):
+    column = _engine_column("11_benchmarks.ipynb", "## 9. What this engine leaves out")
+    assert feature in column, f"chapter 11's table has no row {feature!r}"
+    says_no = re.match(r"no\b", column[feature]) is not None
+    has = ENGINE_HAS[feature]()
+    assert says_no != has, (f"chapter 11 says the engine's {feature!r} is {column[feature]!r}, but the engine "
+                            f"{'has' if has else 'does not have'} it")
+    if feature == "kernels" and has:
+        assert "C++" in column[feature], "the engine has C++ kernels: the table should say so"
