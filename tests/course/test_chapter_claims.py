@@ -3,6 +3,7 @@ test, not a reader). Chapter 11's "What this engine leaves out" table is the fir
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import re
 from pathlib import Path
@@ -28,7 +29,10 @@ def _engine_column(chapter: str, heading: str) -> dict[str, str]:
 
 
 def _has_module(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent package that does not exist
+        return False
 
 
 def _sampling_field(name: str) -> bool:
@@ -58,3 +62,58 @@ def test_chapter_11s_table_says_what_the_engine_has(feature):
                             f"{'has' if has else 'does not have'} it")
     if feature == "kernels" and has:
         assert "C++" in column[feature], "the engine has C++ kernels: the table should say so"
+
+
+# What a chapter names that must exist today: repository paths, `python -m` modules, `./course`
+# commands and dotted `nanoengine.*` names, in its prose and in its saved outputs. Paths under
+# docs/ are checked only for this repository's own pages (vLLM's docs/... paths are cited too).
+_PATH = re.compile(r"(?<![\w/.-])((?:nanoengine|nanobench|widgets|scripts|tests|results|notebooks|labs|jupyter)"
+                   r"/[\w./-]*\w|docs/(?:[A-Z]|site_src)[\w./-]*\w)")
+_MODULE = re.compile(r"python -m ((?:nanoengine|nanobench|widgets|scripts)[\w.]*)")
+_COURSE = re.compile(r"\./course ([\w-]+)")
+_NAME = re.compile(r"`((?:nanoengine|nanobench|widgets)(?:\.\w+)+)`")
+_CHAPTERS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")) + \
+    sorted((ROOT / "notebooks" / "solutions").glob("[0-9][0-9]_*.ipynb"))
+
+
+def _texts(path: Path):
+    for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+        yield i, cell.source
+        for output in cell.get("outputs", []):
+            for text in (output.get("text", ""), output.get("data", {}).get("text/plain", "")):
+                yield i, "".join(text) if isinstance(text, list) else text
+
+
+def _resolves(name: str) -> bool:
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        module = ".".join(parts[:i])
+        if not _has_module(module):
+            continue
+        obj = importlib.import_module(module)
+        for attribute in parts[i:]:
+            if not hasattr(obj, attribute):
+                return False
+            obj = getattr(obj, attribute)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("chapter", _CHAPTERS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_path_command_and_name_a_chapter_gives_exists(chapter):
+    course = (ROOT / "course").read_text()
+    missing = set()
+    for cell, text in _texts(chapter):
+        for path in _PATH.findall(text):
+            if "*" not in path and not (ROOT / path).exists() and not (ROOT / "notebooks" / path).exists():
+                missing.add((cell, "file", path))
+        for module in _MODULE.findall(text):
+            if not _has_module(module.rstrip(".")):
+                missing.add((cell, "python -m", module))
+        for command in _COURSE.findall(text):
+            if f"  {command})" not in course:
+                missing.add((cell, "./course", command))
+        for name in _NAME.findall(text):
+            if not _resolves(name):
+                missing.add((cell, "name", name))
+    assert not missing, f"{chapter.name} names what does not exist (cell, kind, name): {sorted(missing)}"
