@@ -8,8 +8,11 @@ This runs each notebook top to bottom in a fresh kernel, with OpenMP's threads a
 learner's kernel gets them (spinning while idle; run it on a quiet machine: ``./course test``
 makes them sleep, for shared CI machines), then, before saving:
 
-* drops saved widget state (``metadata.widgets``): it is megabytes of JSON, and the
-  views it describes do not survive a kernel restart anyway;
+* replaces each simulator's widget view by the line the course's JupyterLab saves in its place
+  ("Run this cell to bring the simulator back", ``jupyter/course_hooks.py``) and drops saved
+  widget state (``metadata.widgets``): it is megabytes of JSON, and the views it describes do
+  not survive a kernel restart; opened before running, a chapter shows that line, not the
+  widget's Python repr;
 * records ``metadata.nanoengine``: the git revision the outputs come from, the date, the
   machine, and how long the run took (the 90 s budget of template v2);
 * refuses to save a notebook over 1 MB.
@@ -33,6 +36,16 @@ MAX_BYTES = 1_000_000
 SOURCE_DIRS = ("nanoengine", "nanobench", "widgets")  # what the outputs depend on
 
 
+def strip_widget_views_from_notebook(nb) -> int:
+    """``jupyter/course_hooks.py``'s function (the file the Jupyter server imports by path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("course_hooks", ROOT / "jupyter" / "course_hooks.py")
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    return hooks.strip_widget_views_from_notebook(nb)
+
+
 def git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
@@ -46,7 +59,7 @@ def execute(path: Path, revision: str, timeout: int) -> float:
     NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}},
                    record_timing=False).execute()
     seconds = time.perf_counter() - start
-    nb.metadata.pop("widgets", None)
+    strip_widget_views_from_notebook(nb)  # every widget cell is an NBVAL_IGNORE_OUTPUT cell (tests check it)
     from widgets.course import machine_description
 
     nb.metadata["nanoengine"] = {

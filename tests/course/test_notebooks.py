@@ -54,6 +54,19 @@ def test_notebook_is_small_and_has_no_widget_state(path: Path):
     assert "application/vnd.jupyter.widget-state+json" not in text
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_a_simulator_cell_opened_before_running_says_to_run_it(path: Path):
+    """Opened before running, a widget cell shows the course's 'run this cell' line (what the course's
+    JupyterLab saves in its place), never the widget's Python repr; and nbval never compares it."""
+    for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            assert "application/vnd.jupyter.widget-view+json" not in data, \
+                f"{path.name} cell {i} saved a widget view: re-execute it with scripts/execute_notebooks.py"
+            if "Run this cell to bring the simulator back" in "".join(data.get("text/plain", "")):
+                assert "".join(cell["source"]).lstrip().startswith("# NBVAL_IGNORE_OUTPUT"), f"{path.name} cell {i}"
+
+
 def _belongs_to_another_chapter(changed_file: str, notebook: Path) -> bool:
     """A chapter's own exercise checks and quiz (``widgets/exercises/chNN.py``,
     ``widgets/quizzes/chNN.json``) feed only chapter NN and its solution, so adding chapter
