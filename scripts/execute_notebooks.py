@@ -8,11 +8,12 @@ This runs each notebook top to bottom in a fresh kernel, with OpenMP's threads a
 learner's kernel gets them (spinning while idle; run it on a quiet machine: ``./course test``
 makes them sleep, for shared CI machines), then, before saving:
 
-* replaces each simulator's widget view by the line the course's JupyterLab saves in its place
-  ("Run this cell to bring the simulator back", ``jupyter/course_hooks.py``) and drops saved
-  widget state (``metadata.widgets``): it is megabytes of JSON, and the views it describes do
-  not survive a kernel restart; opened before running, a chapter shows that line, not the
-  widget's Python repr;
+* drops saved widget state (``metadata.widgets``): it is megabytes of JSON, and the views it
+  describes do not survive a kernel restart. Each simulator's output keeps its widget view (the
+  site's build draws a static card for it, named in the output's metadata) but its plain-text
+  fallback, what JupyterLab shows for it before the cell runs, becomes the line the course's
+  JupyterLab saves in its place ("Run this cell to bring the simulator back",
+  ``jupyter/course_hooks.py``), not the widget's Python repr;
 * records ``metadata.nanoengine``: the git revision the outputs come from, the date, the
   machine, and how long the run took (the 90 s budget of template v2);
 * refuses to save a notebook over 1 MB.
@@ -36,14 +37,27 @@ MAX_BYTES = 1_000_000
 SOURCE_DIRS = ("nanoengine", "nanobench", "widgets")  # what the outputs depend on
 
 
-def strip_widget_views_from_notebook(nb) -> int:
-    """``jupyter/course_hooks.py``'s function (the file the Jupyter server imports by path)."""
+def mark_widget_views(nb) -> int:
+    """Give each widget view's output the course's "run this cell" line as its plain text, and its
+    widget's class name as ``metadata.nanoengine_widget``; returns how many there were. Every such
+    cell is one nbval does not compare (tests/course/test_notebooks.py checks it)."""
     import importlib.util
+    import re
 
     spec = importlib.util.spec_from_file_location("course_hooks", ROOT / "jupyter" / "course_hooks.py")
     hooks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hooks)
-    return hooks.strip_widget_views_from_notebook(nb)
+    marked = 0
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            if hooks.WIDGET_VIEW in data:
+                text = data.get("text/plain", "")
+                name = re.match(r"\s*([A-Za-z_]\w*)\(", "".join(text) if isinstance(text, list) else text)
+                output.setdefault("metadata", {})["nanoengine_widget"] = name.group(1) if name else "widget"
+                data["text/plain"] = hooks.RERUN_NOTE
+                marked += 1
+    return marked
 
 
 def git(*args: str) -> str:
@@ -59,7 +73,8 @@ def execute(path: Path, revision: str, timeout: int) -> float:
     NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}},
                    record_timing=False).execute()
     seconds = time.perf_counter() - start
-    strip_widget_views_from_notebook(nb)  # every widget cell is an NBVAL_IGNORE_OUTPUT cell (tests check it)
+    nb.metadata.pop("widgets", None)
+    mark_widget_views(nb)
     from widgets.course import machine_description
 
     nb.metadata["nanoengine"] = {

@@ -55,16 +55,24 @@ def test_notebook_is_small_and_has_no_widget_state(path: Path):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_test_instructions_are_cell_tags_not_code_a_learner_reads(path: Path):
+    """nbval's instructions live in cell tags (``nbval-ignore-output``), not as a first line of code."""
+    for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+        assert "NBVAL" not in "".join(cell["source"]), f"{path.name} cell {i}: use the tag nbval-ignore-output"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_a_simulator_cell_opened_before_running_says_to_run_it(path: Path):
     """Opened before running, a widget cell shows the course's 'run this cell' line (what the course's
     JupyterLab saves in its place), never the widget's Python repr; and nbval never compares it."""
     for i, cell in enumerate(json.loads(path.read_text())["cells"]):
         for output in cell.get("outputs", []):
             data = output.get("data", {})
-            assert "application/vnd.jupyter.widget-view+json" not in data, \
-                f"{path.name} cell {i} saved a widget view: re-execute it with scripts/execute_notebooks.py"
-            if "Run this cell to bring the simulator back" in "".join(data.get("text/plain", "")):
-                assert "".join(cell["source"]).lstrip().startswith("# NBVAL_IGNORE_OUTPUT"), f"{path.name} cell {i}"
+            if "application/vnd.jupyter.widget-view+json" in data:
+                assert "Run this cell to bring the simulator back" in "".join(data.get("text/plain", "")), \
+                    f"{path.name} cell {i} saved its widget's repr: re-execute it with scripts/execute_notebooks.py"
+                assert output["metadata"].get("nanoengine_widget"), f"{path.name} cell {i}"
+                assert "nbval-ignore-output" in cell["metadata"].get("tags", []), f"{path.name} cell {i}"
 
 
 def _belongs_to_another_chapter(changed_file: str, notebook: Path) -> bool:
