@@ -22,6 +22,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanobench.provenance import command_today
+
 PEER_GLOB = "bench-vllm-*.json"
 HOW_TO_MEASURE = ("./course vllm-setup, then python -m nanoengine bench --vs-vllm --dtype float32 "
                   "(and --dtype bfloat16)")
@@ -157,7 +159,7 @@ def _times(ratio: float) -> str:
 def describe(c: PeerComparison) -> str:
     """Every figure of one comparison, with its provenance, as lines of text."""
     lines = [f"{c.file}: {c.date[:16].replace('T', ' ')} UTC, {c.machine}, engine revision {c.revision}",
-             f"    command: {c.command}",
+             f"    command: {command_today(c.command)}",
              f"    workload: {c.workload}; every system in {c.dtype}, alternating rounds",
              f"    {c.vllm_label}"
              + (f"; its model: {c.vllm_settings['compilation']}" if "compilation" in c.vllm_settings else "")
@@ -260,7 +262,7 @@ def profile_table(results_dir: Path) -> str:
     lines = [f"{name}: {str(data.get('date', ''))[:16].replace('T', ' ')} UTC, {machine_of(data)}, "
              f"engine revision {data.get('environment', {}).get('nanoengine_revision', 'unknown')}, "
              f"{data.get('dtype', '?')}",
-             f"    command: {data.get('command', '')}",
+             f"    command: {command_today(data.get('command', ''))}",
              f"    method: {profile.get('method', '?')}"]
     if vllm:
         lines.append(f"    vLLM {vllm.get('version')} with its engine core in the runner's process "

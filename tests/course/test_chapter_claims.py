@@ -117,3 +117,19 @@ def test_every_path_command_and_name_a_chapter_gives_exists(chapter):
             if not _resolves(name):
                 missing.add((cell, "name", name))
     assert not missing, f"{chapter.name} names what does not exist (cell, kind, name): {sorted(missing)}"
+
+
+AUTHORING_WORDS = ("+modified", "working-tree", "working tree", "one-off", "dirty", "/tmp/", "this session")
+
+
+@pytest.mark.parametrize("chapter", _CHAPTERS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_no_output_speaks_of_how_it_was_authored(chapter):
+    """A learner reads measurements, not the authors' working state: no saved output names an
+    uncommitted revision, a working tree, a scratch path or a script run once (course v5, drift item e)."""
+    found = set()
+    for i, cell in enumerate(nbformat.read(chapter, as_version=4).cells):
+        for output in cell.get("outputs", []):
+            for text in (output.get("text", ""), output.get("data", {}).get("text/plain", "")):
+                text = "".join(text) if isinstance(text, list) else text
+                found |= {(i, word) for word in AUTHORING_WORDS if word in text}
+    assert not found, f"{chapter.name} (cell, words): {sorted(found)}"

@@ -141,13 +141,15 @@ def test_a_vllm_race_without_transformers_is_in_the_vllm_table_only(tmp_path):
 
 
 def test_recorded_commands_and_revisions_are_printed_as_a_reader_can_use_them_today():
-    from nanobench.results_report import command_today, revision_today
+    from nanobench.provenance import command_today, revision_today
 
     assert command_today("python -m nanoengine.measure.gpu_check --quick") == "python -m nanobench.gpu_check --quick"
     assert command_today("python -m nanoengine bench --repeats 3") == "python -m nanoengine bench --repeats 3"
     assert command_today("./course gpu-check --quick") == "./course gpu-check --quick"
     assert "not kept in the repository" in command_today("python3 gpu_v2_smoke.py (a one-off script)")
     assert command_today("") == ""
+    assert command_today("python -m nanobench --speculative --out /tmp/runs/x.json --repeats 2") == \
+        "python -m nanobench --speculative --repeats 2"
     assert revision_today("e1a12bb+modified") == "e1a12bb with changes not yet committed"
     assert revision_today("main at 53084be (working-tree copy)") == "53084be with changes not yet committed"
     assert revision_today("b720795") == "b720795"
@@ -158,7 +160,7 @@ def test_every_command_the_results_files_record_runs_today():
     """Each results file's command, as printed, names a module or ./course command that exists."""
     import importlib.util
 
-    from nanobench.results_report import command_today
+    from nanobench.provenance import command_today
 
     root = Path(__file__).resolve().parents[2]
     course = (root / "course").read_text()

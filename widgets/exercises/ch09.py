@@ -333,7 +333,7 @@ def gpu_results(results_dir) -> list[dict]:
     import json
     from pathlib import Path
 
-    from nanobench.results_report import command_today, revision_today
+    from nanobench.provenance import command_today, revision_today
 
     rows = []
     for path in sorted(Path(results_dir).glob("gpu-*.json")):
