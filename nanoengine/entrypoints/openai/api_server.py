@@ -19,15 +19,12 @@ Routes (OpenAI's, as ``vllm serve`` has them):
 =========================  =============================================================
 
 Every error, including 404s and a missing API key, has OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``: 400 for a bad request (never a 422,
-and never a crash: a bad request is refused before it reaches the engine), 401 without
-the key, 408 for a body slower than ``body_timeout``, 413 for a body over
-``max_body_bytes``, 429 when more than ``max_queue`` requests wait for the engine, 500 for
-a request the engine finished with an error (a bug its data reached: ``LLMEngine._fail``; the
-others are served on), 503 once the engine has stopped. The engine stops only on a fault of
-its own; the command-line server (``run_server``) then exits with status 1, as vLLM's does,
-so that a supervisor starts a fresh one; a server in a thread (``serve_in_background``)
-keeps answering 503 until it is stopped.
+``{"error": {"message", "type", "param", "code"}}``, with a status ``_ERROR_MEANINGS`` explains
+(400 for a bad request: never a 422, and never a crash, as it is refused before it reaches the
+engine). The engine stops only on a fault of its own (a bug a request's data reached fails just
+that request, a 500: ``LLMEngine._fail``); the command-line server (``run_server``) then exits
+with status 1, as vLLM's does, so that a supervisor starts a fresh one; a server in a thread
+(``serve_in_background``) keeps answering 503 until it is stopped.
 
 The server listens on 127.0.0.1 unless told otherwise: a course machine should not offer
 its model to the network by accident. With ``api_key`` set, every request to ``/v1/...``
@@ -75,7 +72,7 @@ from nanoengine.entrypoints.openai.cli_args import (DEFAULT_BODY_TIMEOUT, DEFAUL
 from nanoengine.entrypoints.openai.engine_core import EngineCoreClient
 from nanoengine.entrypoints.openai.metrics import ServerMetrics
 from nanoengine.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
-                                                    ProtocolError, error_body)
+                                                    ProtocolError, engine_unavailable, error_body)
 from nanoengine.entrypoints.openai.serving import ClientGone, OpenAIServing
 
 logger = logging.getLogger("nanoengine.serve")
@@ -109,13 +106,11 @@ def build_app(engine: LLMEngine | EngineCoreClient, served_model_name: str, api_
             logger.error("the engine has stopped (%r): the server exits", async_engine.error)
             stop_serving()
 
-    if isinstance(engine, EngineCoreClient):  # serve: the engine core already runs in its own process
-        async_engine = engine
-        async_engine.max_waiting, async_engine.on_finished = checked_max_waiting(max_queue), metrics.observe_finished
-        async_engine.on_dead = engine_died
-    else:
-        async_engine = AsyncLLMEngine(engine, max_waiting=max_queue, on_finished=metrics.observe_finished,
-                                      on_dead=engine_died)
+    max_waiting = checked_max_waiting(max_queue)
+    # serve's engine core already runs in a process of its own; any other engine gets a thread here
+    async_engine = engine if isinstance(engine, EngineCoreClient) else AsyncLLMEngine(engine)
+    async_engine.max_waiting, async_engine.on_finished = max_waiting, metrics.observe_finished
+    async_engine.on_dead = engine_died
     fingerprint = system_fingerprint(async_engine, served_model_name)
     serving = OpenAIServing(async_engine, served_model_name, metrics, max_body_bytes=max_body_bytes,
                             body_timeout=body_timeout, system_fingerprint=fingerprint)
@@ -139,6 +134,10 @@ def build_app(engine: LLMEngine | EngineCoreClient, served_model_name: str, api_
     async def refused(_: Request, exc: ProtocolError) -> JSONResponse:
         headers = {"Retry-After": "1"} if exc.status == 429 else None
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:  # before a response started
+        return await refused(request, engine_unavailable(exc))
 
     @app.exception_handler(ClientGone)
     async def client_gone(_: Request, exc: ClientGone) -> Response:  # nobody reads it; no traceback in the log
@@ -177,18 +176,13 @@ def build_app(engine: LLMEngine | EngineCoreClient, served_model_name: str, api_
     @app.get("/health", responses=_errors(503))
     async def health() -> Response:
         if not async_engine.is_running:
-            return JSONResponse(error_body("the engine has stopped" + (f": {async_engine.error!r}" if
-                                           async_engine.error else ""), "server_error", code="engine_unavailable"),
-                                status_code=503)
+            why = f": {async_engine.error!r}" if async_engine.error else ""
+            return JSONResponse(engine_unavailable(f"the engine has stopped{why}").body(), status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.post("/reset_prefix_cache", responses=_errors(503))
     async def reset_prefix_cache() -> dict:  # benchmarks: a run must not be served from the previous one
-        try:
-            dropped = await asyncio.wrap_future(async_engine.call(_reset_prefix_cache))
-        except EngineDeadError as exc:
-            raise ProtocolError(str(exc), status=503, type="server_error", code="engine_unavailable") from None
-        return {"dropped_blocks": dropped}
+        return {"dropped_blocks": await asyncio.wrap_future(async_engine.call(_reset_prefix_cache))}
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
@@ -306,7 +300,7 @@ class _HeadTimeoutH11(H11Protocol):
     them exhaust the server. Here a timer starts when the connection opens and again when
     a response completes; if no complete request head has arrived when it fires, the
     client gets a 408 and the connection is closed. ``head_timeout`` is set per server
-    (``_protocol_class``)."""
+    (``_uvicorn`` makes a subclass)."""
 
     head_timeout: float = DEFAULT_HEADER_TIMEOUT
     _head_timer: asyncio.TimerHandle | None = None
@@ -341,15 +335,11 @@ class _HeadTimeoutH11(H11Protocol):
         self.transport.close()
 
 
-def _protocol_class(head_timeout: float) -> type[H11Protocol]:
-    return type("HeadTimeoutH11", (_HeadTimeoutH11,), {"head_timeout": float(head_timeout)})
-
-
 def _uvicorn(app: FastAPI, log_level: str, access_log: bool) -> uvicorn.Server:
-    config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
-                            timeout_graceful_shutdown=5, timeout_keep_alive=5,
-                            http=_protocol_class(getattr(app.state, "header_timeout", DEFAULT_HEADER_TIMEOUT)))
-    return uvicorn.Server(config)
+    head_timeout = float(getattr(app.state, "header_timeout", DEFAULT_HEADER_TIMEOUT))
+    http = type("HeadTimeoutH11", (_HeadTimeoutH11,), {"head_timeout": head_timeout})
+    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
+                                         timeout_graceful_shutdown=5, timeout_keep_alive=5, http=http))
 
 
 def run_server(app: FastAPI, sock: socket.socket, log_level: str = "info") -> None:
@@ -423,11 +413,9 @@ def serve_in_background(engine: LLMEngine, served_model_name: str, host: str = D
 # How often CPython asks the thread holding the GIL to hand it over (its default is 5 ms). The
 # server has two busy threads: the engine thread, which runs Python between its operators, and
 # the event loop, which takes each request in and each token out. At 5 ms a token that is ready
-# can wait most of a switch interval for the loop to get the GIL. 1 ms was chosen by alternating
-# two servers, 1 ms against 5 ms, on the bench workload at 2 and 4 requests/s (results/README.md):
-# lower inter-token latency at 2 requests/s, TTFT no worse, throughput a little higher. Only
-# ``serve --engine-thread`` sets it: the process is the server's, and without that flag the
-# engine steps in a process of its own (engine_core).
+# can wait most of a switch interval for the loop to get the GIL; 1 ms measured better on the
+# bench workload (results/README.md). Only ``serve --engine-thread`` sets it: the process is the
+# server's, and without that flag the engine steps in a process of its own (engine_core).
 GIL_SWITCH_INTERVAL_S = 0.001
 
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 import math
 from typing import Annotated, Literal
 
@@ -49,14 +48,9 @@ from nanoengine.outputs import TokenLogprob
 from nanoengine.sampling_params import SamplingParams
 
 
-
 def _integral(value):
     """A JSON number that is a whole number (``5.0``) as the integer it is; anything else
-    unchanged, for the strict integer check that follows to accept or refuse.
-
-    JSON has one number type: ``5`` and ``5.0`` are the same value, JSON Schema's
-    ``integer`` accepts both, and clients that build bodies from floats send the second.
-    ``5.5`` stays refused, and so do ``true`` and ``"5"`` (strict mode)."""
+    unchanged, for the strict integer check that follows to accept or refuse (``Int``)."""
     if isinstance(value, float):
         if math.isfinite(value) and value.is_integer():
             return int(value)
@@ -85,6 +79,11 @@ class ProtocolError(Exception):
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
+
+
+def engine_unavailable(why: object) -> ProtocolError:
+    """The 503 of an engine that has stopped (``why``: an ``EngineDeadError`` or a message)."""
+    return ProtocolError(str(why), status=503, type="server_error", code="engine_unavailable")
 
 
 # What a field must be, for messages about a value that matched none of its types.
@@ -268,9 +267,8 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: Int | None = None
-    # OpenAI fields for features this server does not have, which clients (langchain,
-    # litellm) send with their neutral value: the schema admits that value only, and any
-    # other is refused with a message saying what is allowed (``_NEUTRAL_ONLY``).
+    # OpenAI fields for features this server does not have: the schema admits only their
+    # neutral value (the module's docstring says why), any other is refused (``_NEUTRAL_ONLY``).
     response_format: ResponseFormat | None = None
     tools: Annotated[list[dict], Field(max_length=0)] | None = None
     tool_choice: Literal["none", "auto"] | None = None
@@ -312,7 +310,7 @@ def fit_to_context(params: SamplingParams, requested: int | None, num_prompt_tok
                    max_model_len: int) -> SamplingParams:
     """``params`` with ``max_tokens`` fitted to the context window, or a ValueError.
 
-    Called on the engine's thread once the prompt is tokenized: ``requested`` None means
+    Called once the prompt is tokenized (``serving``): ``requested`` None means
     "the rest of the window"; an explicit value that does not fit is refused, because the
     engine would silently cut the reply at ``max_model_len`` (finish_reason "length").
     """
@@ -337,9 +335,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion_logprobs(entries: tuple[tuple[TokenLogprob, ...], ...], text_offset: int = 0) -> dict:
+def completion_logprobs(entries: tuple[tuple[TokenLogprob, ...], ...] | None, text_offset: int = 0) -> dict | None:
     """Completions-style logprobs of some tokens (each entry: the sampled token first, then
-    the top N others, as ``CompletionOutput.logprobs`` holds them)."""
+    the top N others, as ``CompletionOutput.logprobs`` holds them); None without logprobs."""
+    if entries is None:
+        return None
     tokens, offsets = [e[0].text for e in entries], []
     for token in tokens:
         offsets.append(text_offset)
@@ -348,8 +348,11 @@ def completion_logprobs(entries: tuple[tuple[TokenLogprob, ...], ...], text_offs
             "top_logprobs": [{c.text: c.logprob for c in e} for e in entries], "text_offset": offsets}
 
 
-def chat_logprobs(entries: tuple[tuple[TokenLogprob, ...], ...], top_n: int) -> dict:
+def chat_logprobs(entries: tuple[tuple[TokenLogprob, ...], ...] | None, top_n: int) -> dict | None:
     """Chat-style logprobs: one record per token with its ``top_n`` most likely candidates."""
+    if entries is None:
+        return None
+
     def record(c: TokenLogprob) -> dict:
         return {"token": c.text, "logprob": c.logprob, "bytes": list(c.text.encode("utf-8"))}
 
@@ -389,11 +392,6 @@ def response(kind: str, response_id: str, created: int, model: str, choices: lis
     if usage_ is not None:
         body["usage"] = usage_
     return body
-
-
-def now() -> int:
-    """``created``: Unix seconds."""
-    return int(time.time())
 
 
 def sse(data: dict | str) -> str:

@@ -102,59 +102,53 @@ class OpenAIServing:
     # ------------------------------------------------------------ endpoints
     async def completions(self, raw: Request) -> Response:
         arrival = time.perf_counter()
-        request = parse_request(CompletionRequest, await self.read_body(raw))
-        self._check(request)
-        params = self._params(request)
+        request, params = await self._read_request(raw, CompletionRequest)
         prompts = request.prompts()
-        if any(isinstance(p, str) for p in prompts) and self.tokenizer is None:
+        texts = any(isinstance(p, str) for p in prompts)
+        if texts and self.tokenizer is None:
             raise ProtocolError("this model has no tokenizer: send the prompt as token ids", param="prompt")
         # A completion's text is tokenized as the tokenizer says (add_special_tokens: a BOS
         # where the model expects one), as vLLM's CompletionRequest.add_special_tokens
         # defaults to True (vllm/entrypoints/openai/protocol.py).
-        prepared = await self._prepare(lambda: [self._tokenize(p) for p in prompts], params,
-                                       request.max_tokens, request,
-                                       on_thread=any(isinstance(p, str) for p in prompts))
-        stream = await self._submit(f"cmpl-{uuid.uuid4().hex}", prepared, arrival, request)
-        context = _Context(stream, request, protocol.now())
-        if request.stream:
-            return EventStreamResponse(self._completion_events(context), headers=SSE_HEADERS)
-        finals = await _collect_unless_disconnected(stream, raw)
-        if finals is None:
-            return Response(status_code=499)  # the client is gone; nobody reads this
-        _raise_if_failed(finals)
-        choices = [protocol.completion_choice(
-            context.choice_index(out, c), c.text, c.finish_reason, c.stop_reason,
-            protocol.completion_logprobs(c.logprobs) if c.logprobs is not None else None)
-            for out in finals for c in out.outputs]
-        return JSONResponse(protocol.response("text_completion", context.response_id, context.created,
-                                              self.model_name, choices, _usage(finals), self.system_fingerprint))
+        prepared = await self._prepare(lambda: [self._tokenize(p) for p in prompts], params, request.max_tokens,
+                                       request, on_thread=texts)
+        return await self._respond(raw, request, "cmpl", prepared, arrival, "text_completion",
+                                   self._completion_events, _completion_choices)
 
     async def chat(self, raw: Request) -> Response:
         arrival = time.perf_counter()
-        request = parse_request(ChatCompletionRequest, await self.read_body(raw))
-        self._check(request)
-        params = self._params(request)
-        self._check_chat_template()
+        request, params = await self._read_request(raw, ChatCompletionRequest)
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ProtocolError("this model has no chat template; use /v1/completions", param="messages",
+                                code="no_chat_template")
         # The rendered conversation already holds the template's special tokens (its BOS
         # too): tokenized without adding more, as vLLM's ChatCompletionRequest does
         # (add_special_tokens defaults to False there).
         prepared = await self._prepare(lambda: [self._tokenize(self._render_chat(request), rendered_chat=True)],
-                                       params,
-                                       request.requested_max_tokens, request)
-        stream = await self._submit(f"chatcmpl-{uuid.uuid4().hex}", prepared, arrival, request)
-        context = _Context(stream, request, protocol.now())
+                                       params, request.requested_max_tokens, request)
+        return await self._respond(raw, request, "chatcmpl", prepared, arrival, "chat.completion",
+                                   self._chat_events, _chat_choices)
+
+    async def _respond(self, raw: Request, request, id_prefix: str, prepared: list[tuple[list[int], object]],
+                       arrival: float, kind: str, events: Callable[["_Context"], AsyncIterator[str]],
+                       choices: Callable[["_Context", RequestOutput], list[dict]]) -> Response:
+        """Steps 3 to 5, the same for both endpoints: submit, then stream ``events``, or
+        collect the final outputs into one ``kind`` response of their ``choices``."""
+        stream = await self._submit(f"{id_prefix}-{uuid.uuid4().hex}", prepared, arrival, request)
+        ctx = _Context(stream, request)
         if request.stream:
-            return EventStreamResponse(self._chat_events(context), headers=SSE_HEADERS)
+            return EventStreamResponse(events(ctx), headers=SSE_HEADERS)
         finals = await _collect_unless_disconnected(stream, raw)
         if finals is None:
-            return Response(status_code=499)
+            return Response(status_code=499)  # the client is gone; nobody reads this
         _raise_if_failed(finals)
-        top_n = request.top_logprobs or 0
-        choices = [protocol.chat_choice(c.index, c.text, c.finish_reason, c.stop_reason,
-                                        protocol.chat_logprobs(c.logprobs, top_n) if c.logprobs is not None else None)
-                   for c in finals[0].outputs]
-        return JSONResponse(protocol.response("chat.completion", context.response_id, context.created,
-                                              self.model_name, choices, _usage(finals), self.system_fingerprint))
+        return JSONResponse(self._body(ctx, kind, [choice for out in finals for choice in choices(ctx, out)],
+                                       _usage(finals)))
+
+    def _body(self, ctx: "_Context", kind: str, choices: list[dict], usage: dict | None = None) -> dict:
+        """A whole response or one streamed chunk of ``ctx``'s."""
+        return protocol.response(kind, ctx.response_id, ctx.created, self.model_name, choices, usage,
+                                 self.system_fingerprint)
 
     # ------------------------------------------------------------ the body
     async def read_body(self, raw: Request) -> bytes:
@@ -190,6 +184,22 @@ class OpenAIServing:
         if size > limit:
             raise too_large
         return b"".join(chunks)
+
+    async def _read_request(self, raw: Request, model: type[CompletionRequest | ChatCompletionRequest]):
+        """Step 1: the body parsed as ``model`` and validated, with its SamplingParams, which
+        the engine's own checks pass (n against max_num_seqs, stop token ids, ...) before any work."""
+        request = parse_request(model, await self.read_body(raw))
+        if request.model is not None and request.model != self.model_name:
+            raise ProtocolError(f"the model {request.model!r} does not exist: this server serves "
+                                f"{self.model_name!r} (GET /v1/models lists it)", param="model",
+                                code="model_not_found")
+        request.check_supported()
+        try:
+            params = self.input_processor.check_params(request.to_sampling_params())
+        except ValueError as exc:
+            raise protocol.value_error(exc, request) from None
+        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
+        return request, dataclasses.replace(params, output_kind=kind)
 
     # ---------------------------------------------------- the tokenizer thread
     async def _prepare(self, tokenize: Callable[[], list[list[int]]], params, requested_max_tokens: int | None,
@@ -237,27 +247,6 @@ class OpenAIServing:
                                 code="context_length_exceeded")
         return self.input_processor.encode(prompt, rendered_chat)
 
-    # ---------------------------------------------------------- validation
-    def _check(self, request: CompletionRequest | ChatCompletionRequest) -> None:
-        if request.model is not None and request.model != self.model_name:
-            raise ProtocolError(f"the model {request.model!r} does not exist: this server serves "
-                                f"{self.model_name!r} (GET /v1/models lists it)", param="model",
-                                code="model_not_found")
-        request.check_supported()
-
-    def _params(self, request: CompletionRequest | ChatCompletionRequest):
-        try:  # the engine's own checks (n against max_num_seqs, stop token ids, ...), before any work
-            params = self.input_processor.check_params(request.to_sampling_params())
-        except ValueError as exc:
-            raise protocol.value_error(exc, request) from None
-        kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
-        return dataclasses.replace(params, output_kind=kind)
-
-    def _check_chat_template(self) -> None:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ProtocolError("this model has no chat template; use /v1/completions", param="messages",
-                                code="no_chat_template")
-
     def _render_chat(self, request: ChatCompletionRequest) -> str:
         """The conversation through the model's chat template, as ``LLM.chat`` renders it
         (Jinja over the messages; on the tokenizer thread, as it is linear in their length)."""
@@ -268,7 +257,7 @@ class OpenAIServing:
 
     async def _submit(self, response_id: str, prepared: list[tuple[list[int], object]], arrival: float,
                       request) -> RequestStream:
-        """One engine request per prompt ("<response id>-<prompt index>"), all or none."""
+        """Step 3: one engine request per prompt ("<response id>-<prompt index>"), all or none."""
         try:
             return await self.engine.add_requests(
                 [(f"{response_id}-{i}", token_ids, params) for i, (token_ids, params) in enumerate(prepared)],
@@ -276,39 +265,23 @@ class OpenAIServing:
         except QueueFullError as exc:
             self.metrics.observe_rejected()
             raise ProtocolError(str(exc), status=429, type="rate_limit_error", code="queue_full") from None
-        except EngineDeadError as exc:
-            raise ProtocolError(str(exc), status=503, type="server_error", code="engine_unavailable") from None
         except ValueError as exc:  # the engine's checks: token ids outside the vocabulary...
             raise protocol.value_error(exc, request) from None
 
     # ----------------------------------------------------------- streaming
     def _completion_events(self, ctx: "_Context") -> AsyncIterator[str]:
-        def choices(out: RequestOutput) -> list[dict]:
-            return [protocol.completion_choice(
-                ctx.choice_index(out, c), c.delta, c.finish_reason, c.stop_reason,
-                None if c.logprobs is None else protocol.completion_logprobs(c.logprobs, ctx.text_offset(out, c)))
-                for c in ctx.new_parts(out)]
-
-        return self._events(ctx, "text_completion", [], choices)
+        return self._events(ctx, "text_completion", [], _completion_choices)
 
     def _chat_events(self, ctx: "_Context") -> AsyncIterator[str]:
-        top_n = ctx.request.top_logprobs or 0
         # OpenAI opens every choice with the role. It goes out with the first output, once
         # the prompt is prefilled and the first token sampled, as vLLM sends it
         # (serving_chat.py, chat_completion_stream_generator's first iteration): a client
         # that times the first event then measures the real time to first token.
         opening = [protocol.chat_chunk_choice(i, {"role": "assistant", "content": ""}) for i in range(ctx.request.n)]
-
-        def choices(out: RequestOutput) -> list[dict]:
-            return [protocol.chat_chunk_choice(c.index, {"content": c.delta} if c.delta else {}, c.finish_reason,
-                                               None if c.logprobs is None else protocol.chat_logprobs(c.logprobs, top_n),
-                                               c.stop_reason)
-                    for c in ctx.new_parts(out)]
-
-        return self._events(ctx, "chat.completion.chunk", opening, choices)
+        return self._events(ctx, "chat.completion.chunk", opening, _chat_chunk_choices)
 
     async def _events(self, ctx: "_Context", kind: str, opening: list[dict],
-                      choices: Callable[[RequestOutput], list[dict]]) -> AsyncIterator[str]:
+                      choices: Callable[["_Context", RequestOutput], list[dict]]) -> AsyncIterator[str]:
         """The server-sent events of one streamed response; ``opening`` goes out with the
         first output.
 
@@ -318,8 +291,7 @@ class OpenAIServing:
         KV blocks between two steps.
         """
         def chunk(parts: list[dict], usage: dict | None = None) -> str:
-            return protocol.sse(protocol.response(kind, ctx.response_id, ctx.created, self.model_name, parts, usage,
-                                                  self.system_fingerprint))
+            return protocol.sse(self._body(ctx, kind, parts, usage))
 
         try:
             async for out in ctx.stream:
@@ -328,7 +300,7 @@ class OpenAIServing:
                     opening = []
                 if out.finished:
                     ctx.finals.append(out)
-                parts = choices(out)
+                parts = choices(ctx, out)
                 if parts:
                     yield chunk(parts)
                 if out.finished:
@@ -337,7 +309,7 @@ class OpenAIServing:
                 yield chunk([], _usage(ctx.finals))
             yield protocol.DONE
         except EngineDeadError as exc:  # the response has started: the error travels as an event
-            yield protocol.sse(protocol.error_body(str(exc), "server_error", code="engine_unavailable"))
+            yield protocol.sse(protocol.engine_unavailable(exc).body())
         except ProtocolError as exc:  # one of this response's requests ended in an error (_raise_if_failed)
             yield protocol.sse(exc.body())
         finally:
@@ -362,13 +334,14 @@ class _Context:
     """One response: its stream, its request, and what each completion has sent so far.
 
     The engine hands a streamed request's outputs as deltas (``RequestOutputKind.DELTA``):
-    each completion's text, token ids and logprobs since its previous output."""
+    each completion's text, token ids and logprobs since its previous output. A plain
+    response's one final output per request (``FINAL_ONLY``) is new in full, just the same."""
 
-    def __init__(self, stream: RequestStream, request, created: int) -> None:
+    def __init__(self, stream: RequestStream, request) -> None:
         self.stream = stream
         self.request = request
         self.response_id = stream.request_ids[0].rsplit("-", 1)[0]
-        self.created = created
+        self.created = int(time.time())  # Unix seconds
         self.prompt_index = {request_id: i for i, request_id in enumerate(stream.request_ids)}
         self.sent_text: dict[tuple[str, int], int] = {}  # (request id, completion index) -> characters sent
         self.done: set[tuple[str, int]] = set()  # completions whose finish_reason was sent
@@ -379,21 +352,41 @@ class _Context:
 
     def text_offset(self, out: RequestOutput, c: CompletionOutput) -> int:
         """Where this chunk's text starts in the completion (after ``new_parts`` counted it)."""
-        return self.sent_text.get((out.request_id, c.index), 0) - len(c.delta)
+        return self.sent_text.get((out.request_id, c.index), 0) - len(c.text)
 
     def new_parts(self, out: RequestOutput):
-        """The completions of this (delta) output with something to send: new text, new
-        tokens with logprobs, or their finish (sent once: a finished completion of an
-        ``n > 1`` request stays in the outputs until its siblings finish)."""
+        """The completions of this output with something to send: new text, new tokens
+        with logprobs, or their finish (sent once: a finished completion of an ``n > 1``
+        request stays in the outputs until its siblings finish). Of a final output: all."""
         for c in out.outputs:
             key = (out.request_id, c.index)
             if key in self.done:
                 continue
-            self.sent_text[key] = self.sent_text.get(key, 0) + len(c.delta)
+            self.sent_text[key] = self.sent_text.get(key, 0) + len(c.text)
             if c.finish_reason is not None:
                 self.done.add(key)
-            if c.delta or c.logprobs or c.finish_reason is not None:
+            if c.text or c.logprobs or c.finish_reason is not None:
                 yield c
+
+
+# The choices of one output (``_Context.new_parts``): a streamed delta's, or a final output's.
+def _completion_choices(ctx: _Context, out: RequestOutput) -> list[dict]:
+    return [protocol.completion_choice(ctx.choice_index(out, c), c.text, c.finish_reason, c.stop_reason,
+                                       protocol.completion_logprobs(c.logprobs, ctx.text_offset(out, c)))
+            for c in ctx.new_parts(out)]
+
+
+def _chat_choices(ctx: _Context, out: RequestOutput) -> list[dict]:
+    return [protocol.chat_choice(c.index, c.text, c.finish_reason, c.stop_reason,
+                                 protocol.chat_logprobs(c.logprobs, ctx.request.top_logprobs or 0))
+            for c in ctx.new_parts(out)]
+
+
+def _chat_chunk_choices(ctx: _Context, out: RequestOutput) -> list[dict]:
+    return [protocol.chat_chunk_choice(c.index, {"content": c.text} if c.text else {}, c.finish_reason,
+                                       protocol.chat_logprobs(c.logprobs, ctx.request.top_logprobs or 0),
+                                       c.stop_reason)
+            for c in ctx.new_parts(out)]
 
 
 def _raise_if_failed(finals: list[RequestOutput]) -> None:
@@ -483,9 +476,4 @@ async def _collect_unless_disconnected(stream: RequestStream, raw: Request) -> l
         if gone:
             work.cancel()
             stream.abort()
-    if gone:
-        return None
-    try:
-        return work.result()
-    except EngineDeadError as exc:
-        raise ProtocolError(str(exc), status=503, type="server_error", code="engine_unavailable") from None
+    return None if gone else work.result()  # an EngineDeadError is answered 503 (api_server)
