@@ -68,7 +68,8 @@ from nanoengine.backends import cpu_platform
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.entrypoints.openai.async_engine import AsyncLLMEngine, EngineDeadError, checked_max_waiting
 from nanoengine.entrypoints.openai.cli_args import (DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT, DEFAULT_HOST,
-                                                    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, engine_kwargs)
+                                                    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, check_limits,
+                                                    engine_kwargs)
 from nanoengine.entrypoints.openai.engine_core import EngineCoreClient
 from nanoengine.entrypoints.openai.metrics import ServerMetrics
 from nanoengine.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ErrorResponse,
@@ -93,11 +94,7 @@ def build_app(engine: LLMEngine | EngineCoreClient, served_model_name: str, api_
         raise ValueError(f"served_model_name must be a non-empty string, got {served_model_name!r}")
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError("api_key must be None (no key) or a non-empty string")
-    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
-        raise ValueError(f"max_body_bytes must be an integer >= 1, got {max_body_bytes!r}")
-    for name, value in (("body_timeout", body_timeout), ("header_timeout", header_timeout)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-            raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
+    check_limits(max_body_bytes, header_timeout, body_timeout)
     metrics = ServerMetrics(served_model_name)
 
     def engine_died() -> None:  # on the event loop, once: a step failed and the engine stopped

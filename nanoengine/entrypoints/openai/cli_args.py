@@ -115,14 +115,18 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise ValueError(f"port must be in [0, 65535] (0 picks a free one), got {args.port}")
     if args.max_queue < 1:
         raise ValueError(f"max_queue must be an integer >= 1 (requests waiting for the engine), got {args.max_queue}")
-    if args.max_body_bytes < 1:
-        raise ValueError(f"max_body_bytes must be an integer >= 1, got {args.max_body_bytes}")
-    for name in ("header_timeout", "body_timeout"):
-        value = getattr(args, name)
-        if not 0 < value < float("inf"):  # also refuses nan
-            raise ValueError(f"{name} must be a number of seconds > 0, got {value}")
+    check_limits(args.max_body_bytes, args.header_timeout, args.body_timeout)
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("api_key is empty: give a key, or leave --api-key out to serve without one")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ValueError("served_model_name is empty: give a name or leave it out")
     EngineConfig.from_kwargs(**engine_kwargs(args))  # every engine value, checked without loading anything
+
+
+def check_limits(max_body_bytes: int, header_timeout: float, body_timeout: float) -> None:
+    """The request limits, for ``check_arguments`` and ``build_app``: a ValueError names a bad one."""
+    if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be an integer >= 1, got {max_body_bytes!r}")
+    for name, value in (("header_timeout", header_timeout), ("body_timeout", body_timeout)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):  # nan too
+            raise ValueError(f"{name} must be a number of seconds > 0, got {value!r}")
