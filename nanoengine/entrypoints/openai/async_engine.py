@@ -13,7 +13,7 @@ must keep answering other clients. So the work is split between two threads:
   codebase), which hands each to the sink its request was watched with. When there is
   nothing to do it sleeps on a condition variable instead of spinning, and a new
   command wakes it; after work, once it has had nothing to do for ``TRIM_AFTER_IDLE_S``,
-  it first gives freed memory back (``cpu_platform.IdleTrim``; ``engine_core`` says why).
+  it first gives freed memory back (``cpu_platform.IdleTrim``; its module says why).
 * **the asyncio side** (the HTTP server's event loop) never touches the engine. It submits
   commands through a list guarded by that condition, and receives each request's outputs
   on its HTTP request's ``asyncio.Queue``. The router's sink for the request puts them
@@ -38,12 +38,11 @@ neither changes the tokenizer's truncation or padding state). Text prompts given
 directly are still tokenized on the engine thread.
 
 One OpenMP team in the process: ``python -m nanoengine serve --engine-thread`` loads the model
-on a thread that ends (``backends/cpu_platform.py``'s ``build_on_a_passing_thread`` says why),
-so the engine thread's team is the only one. A server
-started in a notebook (``serve_in_background``) steps a model the notebook's own thread
-loaded and keeps using, so it pays this (chapter 12 measures it). ``serve`` itself runs the
-engine core in a process of its own (``engine_core``, as vLLM v1 does) unless told
-``--engine-thread``; this module is then what the notebooks and tests serve with.
+on a thread that ends (``cpu_platform.build_on_a_passing_thread`` says why), so the engine
+thread's team is the only one; a server started in a notebook (``serve_in_background``) steps
+a model the notebook's own thread loaded and keeps using, so it pays this (chapter 12 measures
+it). ``serve`` itself runs the engine core in a process of its own (``engine_core``, as vLLM
+v1 does) unless told ``--engine-thread``; this module is what the notebooks and tests serve with.
 
 Because commands are applied only between steps, a request arriving mid-step waits for
 that step to end: its TTFT (measured from its arrival) includes that wait, as it would in
@@ -244,9 +243,12 @@ class AsyncLLMEngine:
         self.router = OutputRouter(engine)  # request id -> the sink of its stream; engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._stats = EngineStats.of(engine)
+        self.stats = EngineStats.of(engine)  # the latest, published after every step (read without waiting)
         self.error: BaseException | None = None  # why the engine thread stopped, if it failed
         self._trim = IdleTrim()  # reads its variable once; a bad value fails here, with the variable's name
+        # What the server reads once, before serving: these never change while the engine runs.
+        self.config, self.max_model_len, self.num_blocks = engine.config, engine.max_model_len, engine.runner.num_blocks
+        self.tokenizer, self.input_processor = engine.tokenizer, engine.input_processor
 
     # ----------------------------------------------------------- lifecycle
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -271,32 +273,6 @@ class AsyncLLMEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
-
-    @property
-    def stats(self) -> EngineStats:
-        """The latest ``EngineStats`` (published after every step; no waiting)."""
-        return self._stats
-
-    # What the server reads once, before serving: these never change while the engine runs.
-    @property
-    def config(self):
-        return self.engine.config
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
-
-    @property
-    def num_blocks(self) -> int:
-        return self.engine.runner.num_blocks
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def input_processor(self):
-        return self.engine.input_processor
 
     # ----------------------------------------------------- the asyncio side
     async def add_requests(self, requests: Sequence[tuple[str, Prompt, ParamsFor]],
@@ -364,7 +340,7 @@ class AsyncLLMEngine:
                 if engine.has_unfinished_requests():
                     self._deliver(engine.step())
                     self._trim.stepped = True
-                self._stats = EngineStats.of(engine)
+                self.stats = EngineStats.of(engine)
             except Exception as exc:  # a fault of the engine itself (a request's own is contained by step())
                 logger.exception("the engine failed; every request in flight gets an error")
                 self.error = exc
@@ -373,7 +349,7 @@ class AsyncLLMEngine:
                 break
         self._stop_everything()
         if self.error is not None and self.on_dead is not None:
-            self._call_soon(self.on_dead)
+            call_on_loop(self._loop, self.on_dead)
 
     def _apply(self, command: _Add | _Abort | _Call) -> None:
         if isinstance(command, _Abort):
@@ -392,7 +368,7 @@ class AsyncLLMEngine:
 
     def _add(self, command: _Add) -> None:
         add_all_or_none(self.engine, command.requests, command.arrival_time, self.max_waiting)
-        sink = _StreamSink(self, command.queue)
+        sink = _StreamSink(self._loop, command.queue)
         for request_id, _, _ in command.requests:
             self.router.watch(request_id, sink=sink)
 
@@ -402,9 +378,6 @@ class AsyncLLMEngine:
             if out.finished:
                 notify_finished(self.on_finished, out)
         self.router.route(outputs)
-
-    def _call_soon(self, fn: Callable, *args) -> None:
-        call_on_loop(self._loop, fn, *args)
 
     def _stop_everything(self) -> None:
         """On the way out: abort what is unfinished, fail waiting commands and streams."""
@@ -419,9 +392,9 @@ class AsyncLLMEngine:
         for out in abort_all(self.engine, sinks):
             notify_finished(self.on_finished, out)
         for queue in {sink.queue for sink in sinks.values() if isinstance(sink, _StreamSink)}:
-            self._call_soon(queue.put_nowait, error)  # once per stream: it ends at the first error
+            call_on_loop(self._loop, queue.put_nowait, error)  # once per stream: it ends at the first error
         try:
-            self._stats = EngineStats.of(self.engine)
+            self.stats = EngineStats.of(self.engine)
         except Exception:
             pass
 
@@ -433,9 +406,8 @@ class _StreamSink:
     allowed to touch an ``asyncio.Queue``). The prompts of one HTTP request share a queue.
     """
 
-    def __init__(self, owner: AsyncLLMEngine, queue: asyncio.Queue) -> None:
-        self._owner = owner
-        self.queue = queue
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
+        self.loop, self.queue = loop, queue
 
     def __call__(self, out: RequestOutput) -> None:
-        self._owner._call_soon(self.queue.put_nowait, out)
+        call_on_loop(self.loop, self.queue.put_nowait, out)

@@ -29,22 +29,16 @@ One setting differs from an engine in your own process: the core's process start
 OpenMP's spin count bounded (``backends/cpu_platform.py``'s ``engine_core_environment`` says
 why), so that its threads do not spin through a step's Python while the server needs a core.
 
-The core also gives freed memory back when it goes idle. glibc keeps what a step frees
-(``backends/cpu_platform.py``: the engine asks it to, so that the next step finds its pages in
-place), and over hours of steps of every shape the holes between live blocks add up to
-resident memory nobody uses. So once the engine has stepped and then had nothing to do for
-``TRIM_AFTER_IDLE_S``, the core calls ``release_free_heap`` (glibc's ``malloc_trim``) once,
-before it sleeps on the pipe (``cpu_platform.IdleTrim``, which the async engine's thread uses
-too): no step waits for it, and a burst of requests with short gaps
-between them does not trim at every gap. ``NANOENGINE_TRIM_WHEN_IDLE=0`` switches it off;
-``python -m nanobench.soak`` measures what it changes.
+The core also gives freed memory back when it goes idle: once the engine has stepped and then
+had nothing to do for ``TRIM_AFTER_IDLE_S``, it calls ``release_free_heap`` (glibc's
+``malloc_trim``) once, before it sleeps on the pipe, so that no step waits for it
+(``cpu_platform.IdleTrim``, which the async engine's thread uses too; that module says why).
 
 The price is a copy: every step's ``RequestOutput`` objects are pickled and read back, a
-small cost beside the step itself (figures: results/README.md). Arrival
-times need no translation: ``time.perf_counter`` reads the same monotonic clock in every
-process of the machine.
-A function given to ``call`` runs in the core's process, so it must be importable there
-(a module-level function, not a lambda); its result comes back pickled.
+small cost beside the step itself (figures: results/README.md). Arrival times need no
+translation: ``time.perf_counter`` reads the same monotonic clock in every process of the
+machine. A function given to ``call`` runs in the core's process, so it must be importable
+there (a module-level function, not a lambda); its result comes back pickled.
 """
 
 from __future__ import annotations
@@ -211,7 +205,7 @@ class EngineCoreClient:
         self.config, self.max_model_len, self.num_blocks = facts.config, facts.max_model_len, facts.num_blocks
         self.input_processor = facts.input_processor
         self.tokenizer = facts.input_processor.tokenizer
-        self._stats = facts.stats
+        self.stats = facts.stats  # the latest the core sent (after every step; read without waiting)
 
     def _wait_until_ready(self, timeout: float) -> EngineFacts:
         deadline = time.monotonic() + timeout
@@ -264,11 +258,6 @@ class EngineCoreClient:
     @property
     def is_running(self) -> bool:
         return self._loop is not None and not self._stopped and self._process.is_alive()
-
-    @property
-    def stats(self) -> EngineStats:
-        """The latest ``EngineStats`` the core sent (after every step; no waiting)."""
-        return self._stats
 
     # ----------------------------------------------------- the asyncio side
     async def add_requests(self, requests: Sequence[tuple[str, Prompt, ParamsFor]],
@@ -356,7 +345,7 @@ class EngineCoreClient:
             self._close(self._why_dead())
 
     def _on_step(self, replies: list, outputs: list[RequestOutput], stats: EngineStats) -> None:
-        self._stats = stats
+        self.stats = stats
         for ticket, result, error in replies:
             with self._pending_lock:
                 done = self._pending.pop(ticket, None)
@@ -398,10 +387,6 @@ class EngineCoreClient:
                 done.set_exception(error)
         streams, self._streams = self._streams, {}
         for queue in {id(q): q for q in streams.values()}.values():  # once per stream: it ends at the first error
-            self._put(queue, error)
+            call_on_loop(self._loop, queue.put_nowait, error)  # from any thread: shutdown may run off the loop
         if first and self.error is not None and self.on_dead is not None and self._loop is not None:
             call_on_loop(self._loop, self.on_dead)
-
-    def _put(self, queue: asyncio.Queue, item) -> None:
-        """Put on a queue from any thread (shutdown may run off the loop)."""
-        call_on_loop(self._loop, queue.put_nowait, item)
