@@ -55,21 +55,14 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _params(args):
-    from nanoengine import SamplingParams
-
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                          max_tokens=args.max_tokens, seed=args.seed)
-
-
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     try:
         if args.command == "bench":
             from nanobench.benchmark import run_from_args
 
-            words = sys.argv[1:] if argv is None else argv
-            args.command_line = "python -m nanoengine " + " ".join(words)  # recorded in the results
+            args.command_line = "python -m nanoengine " + " ".join(argv)  # recorded in the results
             run_from_args(args)
             return 0
         if args.command == "serve":
@@ -77,9 +70,10 @@ def main(argv: list[str] | None = None) -> int:
 
             serve(args)
             return 0
-        from nanoengine import LLM
+        from nanoengine import LLM, SamplingParams
 
-        params = _params(args)
+        params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                                max_tokens=args.max_tokens, seed=args.seed)
         llm = LLM(args.model, device=args.device)
         if args.command == "generate":
             prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt  # a conversation

@@ -10,6 +10,8 @@ One concept per module, in the order a request meets them:
   events or collect one response, abort on disconnect;
 * ``async_engine``: the bridge between asyncio and the engine: one thread owns the
   ``LLMEngine`` and steps it while requests arrive;
+* ``engine_core``: the same interface with the engine in a process of its own, which
+  ``serve`` runs by default (as vLLM v1 does);
 * ``metrics``: the Prometheus text behind ``GET /metrics``.
 
 vLLM's ``vllm/entrypoints/openai/`` has the same split (``api_server.py``, ``protocol.py``,
