@@ -77,6 +77,7 @@ from nanoengine.entrypoints.openai.protocol import (ChatCompletionRequest, Compl
 from nanoengine.entrypoints.openai.serving import ClientGone, OpenAIServing
 
 logger = logging.getLogger("nanoengine.serve")
+logger.addHandler(logging.NullHandler())
 
 def build_app(engine: LLMEngine | EngineCoreClient, served_model_name: str, api_key: str | None = None,
               max_queue: int | None = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -460,6 +461,3 @@ def serve_from_args(args) -> None:
         print(f"the engine failed and stopped ({app.state.engine.error!r}); exiting with status 1", file=sys.stderr,
               flush=True)
         raise SystemExit(1)
-
-
-logger.addHandler(logging.NullHandler())

@@ -68,11 +68,9 @@ from nanoengine.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanoengine.serve")
 
-
 Prompt = str | list[int]
-# SamplingParams, or a function of the prompt's token count that returns them (the server
-# fits max_tokens to the context window, which needs the count; tokenizing is the engine
-# thread's job, so the function runs there).
+# SamplingParams, or a function of the prompt's token count that returns them, called once a
+# text prompt is tokenized on the engine thread (e.g. to fit max_tokens to the context window).
 ParamsFor = SamplingParams | Callable[[int], SamplingParams]
 
 
