@@ -561,18 +561,38 @@ def parse_token_ids(text: str) -> list[int]:
                          f"got {text!r:.60}") from None
 
 
+def _has_chat_template(engine: LLMEngine) -> bool:
+    return engine.tokenizer is not None and bool(getattr(engine.tokenizer, "chat_template", None))
+
+
+def _as_chat(engine: LLMEngine, message: str) -> str:
+    """``message`` as one user turn through the engine's chat template (the prompt ``LLM.chat`` sends)."""
+    if not message.strip():
+        raise ValueError("prompt is empty: type some text")
+    if not _has_chat_template(engine):
+        raise ValueError("this engine's tokenizer has no chat template: untick 'chat template' and type the prompt")
+    return engine.input_processor.apply_chat_template([{"role": "user", "content": message}])
+
+
 class SpecDecodeStepper(ControllerView, W.VBox):
     """Step / Run to end / Reset over one request: text, the last step's drafts, the next ones, totals."""
 
     def __init__(self, engine: LLMEngine | None = None, prompt: str | list[int] | None = None, max_tokens: int = 32,
                  controller: SpecDecodeStepperController | None = None, shared_with: str | None = None,
-                 **controller_kwargs) -> None:
-        """``shared_with`` names another simulator that drives the same engine; the view then says so."""
+                 chat: bool = False, **controller_kwargs) -> None:
+        """``shared_with`` names another simulator that drives the same engine; the view then says so.
+        ``chat``: ``prompt`` is a user's message, and the request is the model's chat template over
+        it (an instruction-tuned model answers a message; a bare question often just ends); the
+        prompt box then holds the message, and a checkbox turns the template off."""
         if controller is None:
             if prompt is None:
                 raise ValueError("give a prompt (text, or token ids for an engine without a tokenizer)")
-            controller = SpecDecodeStepperController(engine, prompt, max_tokens, **controller_kwargs)
+            if chat and not isinstance(prompt, str):
+                raise ValueError(f"chat=True takes the user's message as text, got {type(prompt).__name__}")
+            request = _as_chat(engine, prompt) if chat else prompt
+            controller = SpecDecodeStepperController(engine, request, max_tokens, **controller_kwargs)
         self.controller = controller
+        self.message_text = prompt if chat else None  # what the prompt box shows when the template is on
         show = self.show_message
         self.message = W.HTML()
         self.shared_note = W.HTML(shared_engine_note(shared_with))
@@ -580,8 +600,11 @@ class SpecDecodeStepper(ControllerView, W.VBox):
         self.run_button = W.Button(description="Run to end")
         self.reset_button = W.Button(description="Reset", button_style="warning",
                                      tooltip="a new request with the prompt and max tokens below")
-        prompt_text = (controller.prompt if isinstance(controller.prompt, str)
+        prompt_text = (self.message_text if chat else controller.prompt if isinstance(controller.prompt, str)
                        else " ".join(str(t) for t in controller.prompt))
+        self.chat = W.Checkbox(value=chat, description="chat template", indent=False, layout=W.Layout(width="130px"),
+                               disabled=not _has_chat_template(controller.engine),
+                               tooltip="wrap the prompt box's text as a user's message in the model's chat template")
         placeholder = "text" if controller.engine.tokenizer is not None else "token ids: 101 102 103"
         self.prompt = W.Text(value=prompt_text, description="prompt", layout=W.Layout(width="520px"),
                              placeholder=placeholder)
@@ -621,7 +644,7 @@ class SpecDecodeStepper(ControllerView, W.VBox):
         self.reset_button.on_click(on_reset)
         super().__init__([
             self.shared_note, W.HBox([self.step_button, self.run_button, self.reset_button]),
-            W.HBox([self.prompt, self.max_tokens]), self.status, self.message,
+            W.HBox([self.prompt, self.chat, self.max_tokens]), self.status, self.message,
             W.HTML("<b>The request so far</b>"), self.text,
             W.HTML("<b>Last step: draft → verify → accept/reject</b>"), self.last_step,
             W.HTML("<b>Next step's drafts (prompt lookup)</b>"), self.lookup, W.HTML("<b>Totals</b>"), self.totals])
@@ -638,6 +661,8 @@ class SpecDecodeStepper(ControllerView, W.VBox):
     def _prompt_value(self) -> str | list[int]:
         if self.controller.engine.tokenizer is None:
             return parse_token_ids(self.prompt.value)
+        if self.chat.value:
+            return _as_chat(self.controller.engine, self.prompt.value)
         return self.prompt.value
 
     def refresh(self, text: str | None = None, kind: str = "info") -> None:

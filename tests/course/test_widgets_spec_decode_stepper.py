@@ -301,3 +301,31 @@ def test_sampling_parameters_reach_the_request() -> None:
     assert c.num_output_tokens == 9 and c.stats.as_dict() == engine.spec_decode_stats.as_dict()
     with pytest.raises(ValueError, match="params.n must be 1"):
         SpecDecodeStepperController(make_engine(), PROMPT, params=SamplingParams(n=2))
+
+
+def test_chat_needs_text_and_a_chat_template():
+    with pytest.raises(ValueError, match="chat=True takes the user's message as text"):
+        SpecDecodeStepper(make_engine(), PROMPT, chat=True)
+    with pytest.raises(ValueError, match="has no chat template"):  # the tiny engine has no tokenizer
+        SpecDecodeStepper(make_engine(), "repeat after me", chat=True)
+
+
+@pytest.mark.slow
+def test_a_message_typed_in_the_box_is_answered_through_the_chat_template():
+    """The prompt box holds the user's message; the request is the model's chat template over it, so
+    the instruction-tuned default model answers (a bare question often ends after a token)."""
+    from nanoengine import LLM
+
+    llm = LLM(speculative_config=dict(NGRAM), max_model_len=256, num_kv_blocks=64)
+    message = "Repeat exactly: the cat sat on the mat, the cat sat on the mat."
+    view = SpecDecodeStepper(llm.engine, message, max_tokens=24, chat=True)
+    assert view.prompt.value == message and view.chat.value and not view.chat.disabled
+    assert view.controller.prompt == llm.apply_chat_template([{"role": "user", "content": message}])
+    view.controller.run_to_end()
+    assert view.controller.num_output_tokens > 4
+    view.prompt.value = "Say hello."
+    view.reset_button.click()
+    assert view.controller.prompt == llm.apply_chat_template([{"role": "user", "content": "Say hello."}])
+    view.chat.value = False  # the box's text as the whole prompt
+    view.reset_button.click()
+    assert view.controller.prompt == "Say hello."
