@@ -84,10 +84,6 @@ class LLMEngine:
         self.block_tables = BlockTables(-(-self.max_model_len // config.block_size),
                                         capacity=config.max_num_seqs + 1)
         self._next_id = 0  # automatic request ids are "0", "1", ...
-        # Every id an unfinished request holds (the user's and its completions'), kept as
-        # requests come and go, so checking a new id costs the same at 10 or 10,000 requests.
-        self._live_ids: set[str] = set()
-        self._ids_of: dict[str, tuple[str, ...]] = {}  # user request id -> the ids it holds
         self._probe_ids = itertools.count()  # next_token_logits' private requests
         self.step_count = 0
         self._stepping = False  # inside step(): an abort must wait until the batch is done
@@ -165,9 +161,6 @@ class LLMEngine:
                            parent_id=request_id, index=index)
 
         parent = parallel_sampling.ParentRequest(request_id, params, make)
-        ids = (request_id, *(c.request_id for c in parent.children))
-        self._ids_of[request_id] = ids
-        self._live_ids.update(ids)
         self.output_processor.add_request(RequestState(request_id, processed.prompt, parent.children,
                                                        self.tokenizer, params.stop))
         self.parents.add(parent)
@@ -181,14 +174,8 @@ class LLMEngine:
 
     def _id_taken(self, request_id: str, n: int) -> bool:
         """Whether ``request_id`` (or one of its completions' ids) names an unfinished request."""
-        live = self._live_ids
-        return request_id in live or (n > 1 and any(i in live for i in parallel_sampling.completion_ids(request_id, n)))
-
-    def _forget(self, output: RequestOutput) -> RequestOutput:
-        """A request's final output is out: its ids are free again."""
-        if output.finished:
-            self._live_ids.difference_update(self._ids_of.pop(output.request_id, ()))
-        return output
+        in_use = self.output_processor.id_in_use
+        return in_use(request_id) or (n > 1 and any(in_use(i) for i in parallel_sampling.completion_ids(request_id, n)))
 
     @staticmethod
     def _check_arrival_time(arrival_time: float | None) -> float:
@@ -261,7 +248,7 @@ class LLMEngine:
             if not request.is_finished:
                 request.error = error
                 self.scheduler.finish_request(request, status)
-        return self._forget(self.output_processor.make_output(state))
+        return self.output_processor.make_output(state)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -323,8 +310,7 @@ class LLMEngine:
         """The step's outputs: one per user request that progressed, then those its faults ended (``_fail``)."""
         if faults:
             produced = [r for r in produced if r.request_id not in faults]
-        outputs = self.output_processor.make_outputs(produced, faults)
-        return [self._forget(out) for out in outputs] + self._fail(faults)
+        return self.output_processor.make_outputs(produced, faults) + self._fail(faults)
 
     def _fail(self, faults: dict[str, Exception]) -> list[RequestOutput]:
         """Finish each user request one of whose completions raised in this step, with
@@ -416,9 +402,6 @@ class LLMEngine:
         for request in self.scheduler.waiting:
             if request.block_ids:
                 raise AssertionError(f"waiting request {request.request_id} holds blocks {request.block_ids}")
-        if set(self.output_processor.states) != set(self._ids_of):
-            raise AssertionError(f"live request ids {sorted(self._ids_of)[:10]} disagree with the output "
-                                 f"processor's {sorted(self.output_processor.states)[:10]}")
 
     def shutdown(self) -> None:
         """Release worker processes (tensor parallelism); a no-op for a single process."""

@@ -104,6 +104,12 @@ class OutputProcessor:
         self.states[state.request_id] = state
         self.completions_by_id.update((c.request_id, c) for c in state.completions)
 
+    def id_in_use(self, request_id: str) -> bool:
+        """Whether an unfinished user request or one of its completions has this id (two dict
+        lookups, however many requests are in flight); it is free again once the request's
+        final output is made."""
+        return request_id in self.states or request_id in self.completions_by_id
+
     def detokenize(self, produced: list[Request], logprobs: dict[str, tuple],
                    faults: dict[str, Exception]) -> dict[str, str]:
         """Take in this step's tokens; returns the stop string found, by request id.

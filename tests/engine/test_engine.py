@@ -254,7 +254,7 @@ def test_add_request_checks_ids_without_walking_the_live_requests():
     while engine.has_unfinished_requests():
         engine.step()
         engine.check_invariants()
-    assert not engine._live_ids  # every id was given back when its request finished
+    assert not engine.output_processor.completions_by_id  # every id was given back when its request finished
     engine.add_request([3], SamplingParams(max_tokens=1), request_id="r7")  # free again
     engine.abort("r7")
-    assert not engine._live_ids
+    assert not engine.output_processor.id_in_use("r7")
