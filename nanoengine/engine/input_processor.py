@@ -55,10 +55,6 @@ class ProcessedPrompt:
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
 
 class InputProcessor:
     """Tokenizes, renders and checks prompts for one engine's limits."""
