@@ -277,12 +277,8 @@ def _last_line(text: str) -> str:
 def _exit_reason(exitcode: int | None) -> str:
     if exitcode is None:
         return "(still running)"
-    if exitcode < 0:
-        try:
-            return f"with exit code {exitcode} (killed by {signal.Signals(-exitcode).name})"
-        except ValueError:
-            return f"with exit code {exitcode}"
-    return f"with exit code {exitcode}"
+    killer = {s.value: s.name for s in signal.Signals}.get(-exitcode)  # a negative exit code names the signal
+    return f"with exit code {exitcode}" + (f" (killed by {killer})" if killer else "")
 
 
 # ------------------------------------------------------------------ the runner
@@ -336,6 +332,8 @@ class TensorParallelRunner(SamplingRunner):
         logits = self._workers.receive_logits(self._step_id, self.step_timeout_s)
         return torch.from_numpy(logits)
 
+    run_model = run_plan  # what ``SamplingRunner`` runs a prepared step with: the trip through the pipes included
+
     def prepare_inputs(self, plan: BatchPlan) -> BatchPlan:
         """The plan is already what the workers receive: plain lists, pickled through the pipes."""
         return plan
@@ -345,10 +343,6 @@ class TensorParallelRunner(SamplingRunner):
         return {**{name: sum(report[name] for report in self.rank_memory)
                    for name in ("weight_bytes", "weight_copy_bytes", "kv_cache_bytes")},
                 "weight_copies": self.rank_memory[0]["weight_copies"]}
-
-    def run_model(self, plan: BatchPlan) -> torch.Tensor:
-        """Every rank runs the plan; rank 0's logits come back (the trip through the pipes included)."""
-        return self.run_plan(plan)
 
     def shutdown(self) -> None:
         """Stop the workers and remove the rendezvous folder (safe to call more than once)."""
