@@ -154,15 +154,10 @@ class BatchPrepared(Event):
 class StepFinished(Event):
     """One engine step: its batch and where its time went (seconds).
 
-    The phases do not overlap: ``schedule_time`` is the scheduler's own decisions,
-    ``block_manager_time`` every block-manager call of the step (allocating while
-    scheduling, registering full blocks and freeing while updating), ``prepare_time``
-    planning the batch and building its tensors, ``model_time`` the forward pass and
-    logits, ``sample_time`` the sampler, ``update_time`` appending tokens, stop checks and
-    building outputs, ``detokenize_time`` turning token ids into text. What ``total_time``
-    holds beyond their sum is the engine's own bookkeeping (events, timestamps).
-    Everything except ``model_time`` is *host* time: Python and small tensor work that a
-    GPU waits on.
+    A ``*_time`` per phase of ``engine/profiler.py`` (its docstring says what each holds);
+    the phases do not overlap, and what ``total_time`` holds beyond their sum is the
+    engine's own bookkeeping. Everything except ``model_time`` is *host* time: Python and
+    small tensor work that a GPU waits on.
     """
 
     num_prefill_tokens: int

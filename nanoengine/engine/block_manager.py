@@ -12,20 +12,17 @@ physical blocks (their reference count goes up) and skips computing them.
 
 Why a cryptographic digest: a 64-bit hash such as Python's ``hash`` can be made to collide
 on purpose, and a collision would serve one request another's KV. vLLM's CVE-2025-25183 was
-that: from Python 3.12 ``hash(None)``, the start of its chain, is a known constant. The fix
-(vLLM PR #12621) randomised the chain's start; SHA-256 became an option in vLLM 0.8.3 and
-the default in 0.10.2. Two more checks make a hit safe even if digests did
-collide: the block's stored token ids must equal the request's, and the block must have
-been computed after the very block matched just before it in the chain (each cached block
+that: from Python 3.12 ``hash(None)``, the start of its chain, is a known constant (vLLM now
+chains SHA-256 by default). Two more checks make a hit safe even if digests did collide:
+the block's stored token ids must equal the request's, and the block must have been
+computed after the very block matched just before it in the chain (each cached block
 records the *cache serial* of its parent, a number no other cached block ever gets).
 
-Parallel sampling (``SamplingParams(n=...)``, chapter 8) needs nothing of its own here.
-The siblings of a completion find its prompt blocks in the prefix cache like any request
-with the same prompt; with the cache off, the scheduler hands them the blocks to share
-itself (``allocate_slots``'s ``forked_from``; ``parallel_sampling`` tells the story). This
-class never holds a request between calls, nor reads another request's progress. vLLM
-v1's ``KVCacheManager`` has no fork at all: its children share a prompt through the
-prefix cache only, and with caching off each computes the prompt itself.
+Parallel sampling (``SamplingParams(n=...)``, chapter 8) needs nothing of its own here:
+siblings find the prompt's blocks in the prefix cache like any request with the same
+prompt, or, with the cache off, the scheduler hands them over (``allocate_slots``'s
+``forked_from``; ``parallel_sampling`` tells the story). This class never holds a request
+between calls, nor reads another request's progress.
 
 Freed blocks go to the back of an LRU free queue but keep their hash, so a later request
 can still hit them; a block is only forgotten when the queue hands it out again for new

@@ -17,10 +17,8 @@ is *preempted*: its blocks are freed, its progress reset, and it goes back to th
 the waiting queue to be recomputed later (recompute preemption). A step that preempted
 admits nobody new.
 
-That order is the ``fcfs`` policy's. The policy, an object beside the scheduler
-(``engine/scheduling_policy.py``), decides the order in which a step uses the queues, the
-budget and the blocks, and whom it may admit: ``prefill_first`` (prefill work first, the
-decodes wait) and ``static`` (static batching, the baseline) are the other two.
+That order is the ``fcfs`` policy's; ``engine/scheduling_policy.py`` says what a policy
+decides, and has the other two (``prefill_first``, ``static``).
 
 Whether a scheduled request is a *prefill* or a *decode* is decided here, once, and
 recorded in its ``ScheduledRequest``: a decode computes exactly one new token whose whole
@@ -36,14 +34,11 @@ applied in one place, ``update_from_output``, as in vLLM v1's scheduler.
 
 Speculative decoding (chapter 13): a decoding request that carries drafted tokens
 (``Request.spec_token_ids``, proposed after the previous step) is budgeted ``1 + k``
-tokens, its last token and the k drafts, and gets KV slots for all of them; the record
-keeps the drafts (``ScheduledRequest.draft_token_ids``). It is still a decode: every one
-of its rows attends over the cache up to its own position. A request whose drafts do not
-fit the budget gets fewer of them, and one whose drafts would need a block the pool lacks
-decodes plainly rather than preempt anybody. After the step, ``update_from_output`` takes
-the drafts the model agreed with in one at a time (``accept_token``), so that a stop among
-them ends the request there, and gives the blocks that only rejected drafts used back to the
-pool (``release_rejected_slots``).
+tokens, its last token and the k drafts, and gets KV slots for all of them
+(``_fitting_drafts``); the record keeps the drafts (``ScheduledRequest.draft_token_ids``).
+It is still a decode: every one of its rows attends over the cache up to its own position.
+After the step, ``update_from_output`` takes in the drafts the model agreed with one at a
+time, so that a stop among them ends the request there.
 """
 
 from __future__ import annotations
@@ -51,7 +46,7 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from nanoengine.engine.block_manager import BlockManager, gained_blocks
 from nanoengine.engine.request import Request, RequestStatus
@@ -61,14 +56,7 @@ from nanoengine.spec_decode.metrics import SpecDecodeStats
 
 if TYPE_CHECKING:
     from nanoengine.engine.model_runner import ModelRunnerOutput
-
-
-class TakesText(Protocol):
-    """What reads a round of new tokens (``OutputProcessor``): their logprobs and text, the stop string
-    found by request id; a request whose text raised is added to ``faults``."""
-
-    def detokenize(self, requests: list[Request], logprobs: dict[str, tuple],
-                   faults: dict[str, Exception]) -> dict[str, str]: ...
+    from nanoengine.engine.output_processor import OutputProcessor
 
 
 @dataclass(frozen=True)
@@ -305,7 +293,7 @@ class Scheduler:
 
     # ------------------------------------------------------------- updating
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput,
-                           detokenizer: TakesText) -> list[Request]:
+                           detokenizer: OutputProcessor) -> list[Request]:
         """The step's tokens into their requests, each stop decided; returns the requests that produced one.
 
         Progress advances by the tokens each request computed. The new tokens are then taken
