@@ -195,20 +195,15 @@ class Scheduler:
             request = self.running[i]
             held = len(request.block_ids)
             num_new = min(request.num_tokens_to_compute, budget)
-            drafts = self._fitting_drafts(request, budget)
-            if drafts:  # its slots are allocated
-                out.add(request, num_new + len(drafts), drafts, gained_blocks(request, held))
-                budget -= num_new + len(drafts)
-                i += 1
-                continue
-            while not self.block_manager.allocate_slots(request, num_new):
+            drafts = self._fitting_drafts(request, budget)  # if any, their slots (and its token's) are allocated
+            while not drafts and not self.block_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()  # the newest running request
                 self._preempt(victim, out)
                 if victim is request:
                     break
             else:
-                out.add(request, num_new, new_block_ids=gained_blocks(request, held))
-                budget -= num_new
+                out.add(request, num_new + len(drafts), drafts, gained_blocks(request, held))
+                budget -= num_new + len(drafts)
                 i += 1
         return budget
 
