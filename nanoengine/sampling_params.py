@@ -84,9 +84,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", _as_tuple("stop", self.stop, "a string or a list of strings"))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        object.__setattr__(self, "stop", _as_tuple("stop", stop, "a string or a list of strings"))
         object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids,
                                                              "a list of token ids"))
         _check_number("temperature", self.temperature, float)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 METHODS = ("ngram",)
@@ -73,8 +73,7 @@ class SpeculativeConfig:
             return values
         if not isinstance(values, dict):
             raise ValueError(f"speculative_config must be a dict, got {type(values).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                 "num_speculative_tokens_per_batch_size"}
+        known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; allowed: {sorted(known)}")
