@@ -32,27 +32,14 @@ returns one shared do-nothing context manager.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 _clock = time.perf_counter  # the profiler's only clock (tests replace it to count its reads)
 
 PHASES = ("schedule", "block_manager", "prepare", "model", "sample", "update", "detokenize")
 _KNOWN = frozenset(PHASES)
-
-
-class _NoPhase:
-    """What ``phase`` returns while profiling is off: enters and exits, measures nothing."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc) -> bool:
-        return False
-
-
-_NO_PHASE = _NoPhase()
+_NO_PHASE = contextlib.nullcontext()  # what ``phase`` returns while profiling is off: measures nothing
 
 
 class _Phase:
