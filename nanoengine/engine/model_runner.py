@@ -403,7 +403,6 @@ class ModelRunner(SamplingRunner):
         with building_with(self.backend.kernels):
             self.sampler = Sampler()
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.compilation = CompileReport.not_requested()
         self.backend.prepare_forward(self)  # may compile (sets self.compilation) or capture graphs
 
     @property
