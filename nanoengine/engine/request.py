@@ -70,15 +70,11 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []  # the block table: logical block i -> physical block
         self.block_hashes: list[bytes] = []  # chained digests of its full, computed blocks
-        # Chained digests of its full blocks of tokens, each computed once (the block manager's
-        # ``token_digests``): tokens never change, so preemption and retries keep them.
-        self.token_block_digests: list[bytes] = []
+        self.token_block_digests: list[bytes] = []  # of its full blocks of tokens (``BlockManager.token_digests``)
         self.block_serials: list[int | None] = []  # which cached content each of them is (prefix cache)
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
-        # Parallel sampling with the prefix cache off (chapter 8, ``parallel_sampling``): the
-        # completion that computed this sibling's prompt and how many of its full blocks the
-        # sibling may share when admitted, if that completion still holds them computed then
-        # (``Scheduler.computed_blocks``). None otherwise, and once the sibling is admitted or ends.
+        # n > 1 with the prefix cache off: the completion that computed this sibling's prompt and how
+        # many of its full blocks to share at admission (``Scheduler.computed_blocks``); else None.
         self.fork_source: tuple[Request, int] | None = None
         # Speculative decoding (chapter 13): tokens the proposer guessed after the last one,
         # checked by the next step; never part of ``all_token_ids`` until accepted.
