@@ -69,9 +69,7 @@ def _split_sizes(model_config: ModelConfig) -> dict[str, int]:
 
 def allowed_tensor_parallel_sizes(model_config: ModelConfig) -> list[int]:
     """The sizes that divide heads, KV heads, vocabulary and MLP width: their common divisors."""
-    common = 0
-    for value in _split_sizes(model_config).values():
-        common = math.gcd(common, value)
+    common = math.gcd(*_split_sizes(model_config).values())
     return [d for d in range(1, common + 1) if common % d == 0]
 
 
