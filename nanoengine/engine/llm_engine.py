@@ -161,8 +161,7 @@ class LLMEngine:
                            parent_id=request_id, index=index)
 
         parent = parallel_sampling.ParentRequest(request_id, params, make)
-        self.output_processor.add_request(RequestState(request_id, processed.prompt, parent.children,
-                                                       self.tokenizer, params.stop))
+        self.output_processor.add_request(RequestState(request_id, processed.prompt, parent.children, self.tokenizer))
         self.parents.add(parent)
         self._queue(parent.first)
         return request_id

@@ -40,13 +40,12 @@ from nanoengine.sampling_params import RequestOutputKind
 class RequestState:
     """One user request: its prompt and its completions (n of them) with their detokenizers."""
 
-    def __init__(self, request_id: str, prompt: str | None, completions: list[Request], tokenizer,
-                 stop: tuple[str, ...]) -> None:
+    def __init__(self, request_id: str, prompt: str | None, completions: list[Request], tokenizer) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.completions = completions  # index order; completion i has index i
-        self.stop = stop
-        self.detokenizers = [IncrementalDetokenizer(tokenizer, stop) for _ in completions]
+        self.stop = completions[0].sampling_params.stop  # the same for every completion
+        self.detokenizers = [IncrementalDetokenizer(tokenizer, self.stop) for _ in completions]
         self.pending_deltas = [""] * len(completions)  # text not yet handed out
         self.kind = completions[0].sampling_params.output_kind
         # CUMULATIVE and DELTA: an output (and so text) every step; FINAL_ONLY: only the final one.
@@ -93,7 +92,6 @@ class OutputProcessor:
     """Detokenizes, finds stop strings and builds ``RequestOutput`` objects."""
 
     def __init__(self, tokenizer, profiler: StepProfiler = NO_PROFILER) -> None:
-        self.tokenizer = tokenizer
         self._decode_ids = None if tokenizer is None else token_decoder(tokenizer)
         self.states: dict[str, RequestState] = {}  # unfinished user requests by id
         # their completions by completion id (a finished one stays until its whole request ends)
