@@ -121,11 +121,6 @@ class ModelInput:
     logits_indices: torch.Tensor  # (S,) rows of the flat batch to compute logits for
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    """Bytes of a tensor's elements."""
-    return tensor.numel() * tensor.element_size()
-
-
 def plan_batch(out: SchedulerOutput, block_size: int,
                block_tables: BlockTables | None = None) -> tuple[BatchPlan, list[Request]]:
     """Flatten the scheduled requests into one batch: decodes first, then prefill chunks.
@@ -407,7 +402,7 @@ class ModelRunner(SamplingRunner):
 
     @property
     def kv_cache_bytes(self) -> int:
-        return _nbytes(self.kv_cache)
+        return self.kv_cache.nbytes
 
     def synchronize(self) -> None:
         """Wait until the device has finished the work launched so far (the backend knows how)."""
@@ -415,7 +410,7 @@ class ModelRunner(SamplingRunner):
 
     def memory_usage(self) -> dict[str, int | str]:
         """Bytes of the weights, of the backend's copies of them (and what those are), of the KV cache."""
-        weights = sum(_nbytes(t) for t in self.model.parameters())  # tied embeddings counted once
+        weights = sum(t.nbytes for t in self.model.parameters())  # tied embeddings counted once
         return {"weight_bytes": weights, "weight_copy_bytes": self.backend.weight_copy_bytes,
                 "weight_copies": self.backend.weight_copies if self.backend.weight_copy_bytes else "",
                 "kv_cache_bytes": self.kv_cache_bytes}
