@@ -325,13 +325,10 @@ class BlockManager:
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash of a free block; returns how many were dropped."""
         with self.profiler.phase("block_manager"):
-            dropped = 0
-            for block_id in list(self.free_queue):
-                block = self.blocks[block_id]
-                if block.block_hash is not None:
-                    self._evict(block)
-                    dropped += 1
-            return dropped
+            cached = [self.blocks[b] for b in self.free_queue if self.blocks[b].block_hash is not None]
+            for block in cached:
+                self._evict(block)
+            return len(cached)
 
     # --------------------------------------------------------------- checking
     def snapshot(self) -> tuple[BlockSnapshot, ...]:
