@@ -292,7 +292,6 @@ class TensorParallelRunner(SamplingRunner):
         device = config.torch_device
         check_tensor_parallel_size(model_config, tp_size, device)
         self.model_config = model_config
-        self.tensor_parallel_size = tp_size
         self.block_size = config.block_size
         self.num_blocks = num_blocks  # per rank, the same block ids everywhere
         self.device = torch.device("cpu")  # the driver's: requests' generators and the sampler live here
