@@ -291,7 +291,7 @@ class SamplingRunner:
         error in ``failed`` and no tokens; the others get their tokens. A fault no single
         request reproduces, or one that every request of a batch of several reproduces, is
         the engine's own, and is raised. The happy path pays one ``get_state`` per seeded
-        request (about a microsecond each), and none when every request is greedy.
+        request, and none when every request is greedy.
         """
         sampled = [r for r in requests if not r.sampling_params.greedy]  # greedy rows draw nothing
         candidates = (self.generator, *(r.generator for r in sampled)) if sampled else ()
