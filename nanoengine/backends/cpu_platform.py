@@ -1,139 +1,101 @@
 """The CPU platform: every host setting a CPU engine and its server make, in one module (chapter 10).
 
 vLLM keeps what it does to a CPU host in its CPU platform (``vllm/platforms/cpu.py``: thread
-binding, the allocator, the OpenMP settings of its workers); this engine keeps it here. Two
-calls apply it: the CPU backend calls ``tune_engine_process`` when it is built (freed memory
-kept, oneDNN's shape caches bounded), and ``serve`` builds its engine inside ``serving`` (every
-weight in huge pages, the front end's priority lowered once the engine core runs). The rest
-are the pieces they and the engine core use: the weights' move to huge pages (the backend's
-``place_weights``), the trim when idle (the engine core and the async engine) and the engine
-core's OpenMP spin count (``engine_core_environment``).
+binding, the allocator, the OpenMP settings of its workers); this engine keeps it here. The CPU
+backend calls ``tune_engine_process`` when it is built and moves its weights with
+``move_to_huge_pages`` (``place_weights``); ``serve`` builds its engine inside ``serving``; the
+engine core trims when idle (``IdleTrim``) and starts inside ``engine_core_environment``. What each
+setting bought was measured: ``results/README.md``, whose rows name this module.
 
 Freed memory kept
 -----------------
-Every forward pass allocates the same large temporaries again (a 2,048-token prefill
-step makes tensors of 2-25 MB per layer). glibc's ``malloc`` serves blocks that large with
-``mmap`` and returns them to the kernel on ``free``, so the next step faults every page
-back in, and a page fault is expensive (on a VM even more so). GPU engines avoid the same cost with
-PyTorch's caching allocator; on a CPU the fix is two ``mallopt`` settings:
+Every forward pass allocates the same large temporaries again (a 2,048-token prefill step makes
+tensors of 2-25 MB per layer). glibc's ``malloc`` serves blocks that large with ``mmap`` and returns
+them to the kernel on ``free``, so the next step faults every page back in, and a page fault is
+expensive (on a VM even more so). GPU engines avoid the same cost with PyTorch's caching
+allocator; on a CPU the fix is two ``mallopt`` settings:
 
-* ``M_MMAP_THRESHOLD`` = 32 MiB (glibc's maximum): blocks up to that size come from the
-  heap, which is reused, instead of fresh ``mmap`` regions;
+* ``M_MMAP_THRESHOLD`` = 32 MiB (glibc's maximum): blocks up to that size come from the heap,
+  which is reused, instead of fresh ``mmap`` regions;
 * ``M_TRIM_THRESHOLD`` = 1 GiB: freed heap memory stays with the process instead of being
   handed back after every step.
 
-With them, a prefill step faults in a few percent of the pages it did without, and runs
-measurably faster (the figures: ``results/README.md``). The cost is that the process
-keeps up to its peak working set of freed memory. The settings are
-process-wide, so they are applied once, only on Linux with glibc, and never over a
-choice the user made with glibc's own ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``
-environment variables.
+The cost is that the process keeps up to its peak working set of freed memory. The settings are
+process-wide, so they are applied once, only on Linux with glibc, and never over a choice the
+user made with glibc's own ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` variables.
 
 Weights in huge pages
 ---------------------
-Decoding one sequence reads every weight once per token, 540 MB of SmolLM2 in float32, and
-the CPU must translate every 4 KiB page of it through its TLB, a cache of a few thousand
-page translations: 130,000 pages a token, most of them a miss and a walk of the page
-tables. With 2 MiB pages the same weights are 270 pages. Linux backs memory with
-*transparent huge pages* where a program asks (``madvise(MADV_HUGEPAGE)``, the default mode
-``[madvise]`` of ``/sys/kernel/mm/transparent_hugepage/enabled``) or everywhere (``[always]``).
-PyTorch's allocator does not ask, so ``move_to_huge_pages`` copies the weights once, at
-load, into one region that does: 2 MiB-aligned, ``MADV_HUGEPAGE`` before the first touch.
+Decoding one sequence reads every weight once per token, 540 MB of SmolLM2 in float32, and the
+CPU must translate every 4 KiB page of it through its TLB, a cache of a few thousand page
+translations: 130,000 pages a token, most of them a miss and a walk of the page tables. With
+2 MiB pages the same weights are 270 pages. Linux backs memory with *transparent huge pages*
+where a program asks (``madvise(MADV_HUGEPAGE)``, the default mode ``[madvise]`` of
+``/sys/kernel/mm/transparent_hugepage/enabled``) or everywhere (``[always]``). PyTorch's allocator
+does not ask, so where it happens to put the weights decides how much of them the kernel backs
+with huge pages. ``move_to_huge_pages`` copies them once, at load, into one region that asks:
+2 MiB-aligned, ``MADV_HUGEPAGE`` before the first touch (``huge_page_bytes`` says how much of the
+process the kernel really backs with huge pages). Without transparent huge pages (not Linux, or
+``[never]``) the weights stay where they are.
 
-A lone sequence decoded faster with the weights moved than where PyTorch put them; and the
-same model loaded twice in one process had decoded at two different speeds, because where
-the allocator happened to put each copy decided how much of it the kernel could back with
-huge pages (figures: results/README.md). The move makes the faster speed the rule rather
-than luck. Where the machine has no transparent huge pages (not Linux, or ``[never]``) the
-weights stay where they are; ``huge_page_bytes`` says how much of the process's memory the
-kernel really backs with huge pages.
-
-What the move costs
--------------------
-A huge page must be 2 MiB of *contiguous* physical memory. Where the kernel has such blocks
-free, the first write of each costs a fraction of a millisecond (zeroing it); where free
-memory is fragmented into 4 KiB pieces, the kernel first compacts (moves other pages out of
-the way, the ``[madvise]`` setting of ``.../transparent_hugepage/defrag``), and each huge
-page then costs far more. Moving SmolLM2's 513 MiB took a fraction of a second in one process
-and several seconds in the next, depending only on what earlier processes had left in memory.
-A compacted page saves a little time on every token of a lone sequence, so it pays for itself
-only after many tokens (figures: ``results/README.md``): worth it for a server, not for a
-notebook cell that generates twenty. So the CPU backend gives the move a time budget
-(``move_budget``, 1 s unless ``NANOENGINE_HUGE_PAGE_SECONDS`` says otherwise; ``serve`` and
-the benchmark wait as long as it takes): tensors are moved smallest first, and once the budget
-is spent the rest stay where they are (``CpuBackend.describe`` says what share moved).
+A huge page must be 2 MiB of *contiguous* physical memory: where free memory is fragmented the
+kernel first compacts it, and the move can take seconds instead of a fraction of one, which a
+lone sequence repays only after many tokens: worth it for a server, not for a notebook cell that
+generates twenty. So the move has a time budget (``move_budget``: 1 s unless
+``NANOENGINE_HUGE_PAGE_SECONDS`` says otherwise; ``serve`` and the benchmark wait as long as it
+takes): tensors move smallest first, and once the budget is spent the rest stay where they are
+(``CpuBackend.describe`` says what share moved).
 
 Giving freed memory back when idle
 ----------------------------------
-Keeping freed memory has a second cost in a process that runs for days. PyTorch's CPU
-allocator caches nothing: every tensor's memory comes from ``malloc`` and goes back with
-``free``, to glibc, which keeps it in its arenas (the main heap, and more for the threads
-that allocate). ``M_TRIM_THRESHOLD`` only hands back the free space at the very top of the
-main heap; a free block between two live ones stays with the process, resident, until
-something is allocated into it. Steps of ever-different shapes (prompts of every length,
-batches of every size) leave such holes of every size, and a server's resident memory
-creeps up for hours, made of memory the process does not use.
-
-``release_free_heap`` calls glibc's ``malloc_trim(0)``: it walks every arena and gives each
-whole free page back to the kernel (``madvise(MADV_DONTNEED)``), the holes included. It
-takes longer the larger the heap, and the next step faults the pages it needs back in, so
-the engine core (``entrypoints/openai/engine_core.py``) calls it once per idle period: when
-the engine has stepped since the last trim and then stayed without work for a moment, so
-that no step waits for it. ``NANOENGINE_TRIM_WHEN_IDLE=0`` switches that off
-(``trim_when_idle``); ``nanobench/soak.py`` measures resident memory over an hour of mixed
-load with and without it.
+PyTorch's CPU allocator caches nothing: every tensor's memory comes from ``malloc`` and goes back
+to glibc, which keeps it in its arenas. ``M_TRIM_THRESHOLD`` only hands back the free space at
+the very top of the main heap; a free block between two live ones stays resident. Steps of
+ever-different shapes leave such holes of every size, and a server's resident memory creeps up
+for hours, made of memory the process does not use. ``release_free_heap`` calls glibc's
+``malloc_trim(0)``, which gives every whole free page of every arena back to the kernel. The next
+step faults back the pages it needs, so the engine core calls it once per idle period
+(``IdleTrim``), never in a step's way; ``NANOENGINE_TRIM_WHEN_IDLE=0`` switches that off, and
+``nanobench/soak.py`` measures resident memory over an hour with and without it.
 
 Caches keyed by shape
 ---------------------
-Trimming gives back memory nobody uses; the rest of a server's creep was memory somebody
-does use. The prepacked products (``kernels/cpu_gemm.py``) run through oneDNN, which builds a
-*primitive* (a kernel made for one problem size) for every new row count it sees, and keeps it
-in two caches so that the next step of that size reuses it: oneDNN's own primitive cache and
-PyTorch's cache of oneDNN descriptors (ideep's). Each holds 1,024 entries by default, and a
-server meets a new row count with nearly every prefill, so for hours both only grow: a
-heap profile of a long run shows them as the one growing allocation. ``bound_shape_caches``
-sets both to ``SHAPE_CACHE_ENTRIES`` entries through their environment variables
-(``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` and ``LRU_CACHE_CAPACITY``), leaving any value the user
-set. The caches read them once, at the process's first oneDNN product, so the CPU backend
-sets them when it is built, before its first one; in a process that ran a oneDNN product
-earlier (transformers on a CPU, say) they keep their defaults. A bounded cache can forget a
-size that comes back, and building a primitive again costs about a millisecond, against
-steps of tens; the figures (memory and speed, with and without) are in ``results/README.md``.
+The prepacked products (``kernels/cpu_gemm.py``) run through oneDNN, which builds a *primitive*
+(a kernel made for one problem size) for every new row count it sees and keeps it in two caches:
+oneDNN's own primitive cache and PyTorch's (ideep's) cache of oneDNN descriptors, 1,024 entries
+each by default. A server meets a new row count with nearly every prefill, so for hours both only
+grow. ``bound_shape_caches`` sets both to ``SHAPE_CACHE_ENTRIES`` entries through their
+environment variables (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, ``LRU_CACHE_CAPACITY``), leaving any
+value the user set. The caches read them at the process's first oneDNN product, so the CPU backend
+sets them when it is built (in a process that ran a oneDNN product earlier they keep their
+defaults). A size that left the cache and comes back costs about a millisecond to build again,
+against steps of tens.
 
 The engine core's OpenMP threads
 --------------------------------
-After each parallel operator GNU OpenMP keeps its threads spinning, by default for 300,000
-rounds of a pause instruction, milliseconds on recent CPUs, so that the next operator starts
-without a wake-up. Alone on a machine that is what a step wants. Beside a server it is not:
-while the core runs a step's Python (scheduling, sampling: one thread), the other OpenMP thread
-spins on the second core, and the server's work and the clients' wait for it and later take a
-core from the team in the middle of a parallel operator, where its partner can only wait. So
-the engine core's process starts with ``GOMP_SPINCOUNT`` at ``ENGINE_CORE_SPINCOUNT`` (unless
-you set it, or ``OMP_WAIT_POLICY``): spinning long enough to catch the next operator of a step,
-not through the step's Python. vLLM's CPU workers bound the wait too: with Intel OpenMP they set
-``KMP_BLOCKTIME`` to 5 ms (``vllm/utils/ompmultiprocessing.py`` in vLLM 0.32), where Intel's
-default is 200 ms.
+After each parallel operator GNU OpenMP keeps its threads spinning, by default for 300,000 rounds
+of a pause instruction (milliseconds), so that the next operator starts without a wake-up. Beside
+a server that is wrong: while the core runs a step's Python (one thread), the other OpenMP thread
+spins on the second core, and the server's work and the clients' later take a core from the team
+in the middle of a parallel operator. So the engine core's process starts with ``GOMP_SPINCOUNT``
+at ``ENGINE_CORE_SPINCOUNT`` (unless you set it, or ``OMP_WAIT_POLICY``): spinning long enough to
+catch the next operator of a step, not through the step's Python. vLLM's CPU workers bound the
+wait too, with Intel OpenMP's ``KMP_BLOCKTIME``.
 
 One OpenMP team in the process
 ------------------------------
-One OpenMP team in the process. PyTorch's CPU kernels split their work over a team of
-OpenMP threads, and GNU OpenMP (the one PyTorch's wheels ship) gives every thread that
-starts parallel work a team of its own, kept until that thread ends. A model loaded on the
-main thread leaves the main thread's team behind when the engine thread starts stepping
-with another: more OpenMP threads than cores, and GNU OpenMP then stops spinning at its
-barriers and puts threads to sleep at every one instead, some hundreds of times a step.
-The bench workload ran clearly slower stepped on another thread than on the one that loaded
-the model, and as fast once the loading thread had ended (figures: ``results/README.md``).
-So ``python -m nanoengine serve --engine-thread`` loads the model on a thread that ends
-(``build_on_a_passing_thread``), and the engine thread's team is the only one.
+GNU OpenMP (the one PyTorch's wheels ship) gives every thread that starts parallel work a team of
+its own, kept until that thread ends. A model loaded on the main thread and stepped on another
+leaves two teams: more OpenMP threads than cores, and GNU OpenMP then puts threads to sleep at
+every barrier instead of spinning, hundreds of times a step. So ``python -m nanoengine serve
+--engine-thread`` loads the model on a thread that ends (``build_on_a_passing_thread``).
 
 The server's own priority
 -------------------------
-The front end needs little CPU but wakes for every step and every client; at equal priority
-each wake-up may take a core from the engine's OpenMP team in the middle of an operator, and
-the team waits for it. ``serving`` lowers the server's own process by ``FRONT_END_NICENESS``
-once its engine core runs in a process of its own (which keeps the priority it was born with),
-so the scheduler runs the front end when the core leaves a core idle.
+The front end needs little CPU but wakes for every step and every client; at equal priority each
+wake-up may take a core from the engine's OpenMP team in the middle of an operator. ``serving``
+lowers the server's own process by ``FRONT_END_NICENESS`` once its engine core runs in a process
+of its own (which keeps the priority it was born with).
 """
 
 from __future__ import annotations
@@ -158,7 +120,7 @@ T = TypeVar("T")
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # glibc's maximum on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
-# A round figure far above what a step frees, so no step trims (no other value is recorded).
+# A round figure far above what a step frees, so no step trims.
 TRIM_THRESHOLD_BYTES = 1024 * 1024 * 1024
 USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
@@ -207,10 +169,8 @@ def keep_freed_memory() -> bool:
 
 
 TRIM_VARIABLE = "NANOENGINE_TRIM_WHEN_IDLE"
-# How long a server's engine must have had nothing to do before it gives freed memory back: long
-# enough that the short gaps between a client's requests do not trim, and the step after a trim,
-# which faults its pages back in, comes once per idle period. Set by that rule (no sweep is
-# recorded); what a trim costs the next request was measured (``soak-trim-cost``, results/README.md).
+# How long a server's engine must have had nothing to do before it gives freed memory back: longer
+# than the gaps between a client's requests (what a trim costs the next request: results/README.md).
 TRIM_AFTER_IDLE_S = 1.0
 
 
@@ -261,10 +221,8 @@ class IdleTrim:
 HUGE_PAGE_BYTES = 2 * 1024 * 1024  # the size of a transparent huge page on x86-64
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 ALIGNMENT = 64  # each tensor's start in the region: a cache line (the kernels' vector loads)
-# How long the CPU backend lets the move take at load (the module's docstring says why there is a
-# limit), unless the environment variable says otherwise: seconds, or "inf" for no limit. A server
-# and the benchmark set "inf" for their engines: they run long enough to repay any wait. 1 s was
-# measured against no limit, load time against a lone sequence's speed (results/README.md).
+# How long the CPU backend lets the move take at load unless the environment variable says otherwise:
+# seconds, or "inf" for no limit (``wait_for_all_huge_pages``). Chosen by measurement: results/README.md.
 MOVE_BUDGET_S = 1.0
 MOVE_BUDGET_VARIABLE = "NANOENGINE_HUGE_PAGE_SECONDS"
 
@@ -389,15 +347,12 @@ def tune_engine_process() -> None:
 
 
 # ----------------------------------------------------------------- the server's processes
-# GNU OpenMP's spin count for the engine core's threads (the module's docstring says why). Chosen
-# by alternating two servers, 10,000 against GNU's default 300,000 and against 1,000
-# (results/README.md): 10,000 a small gain in latency, 1,000 worse.
+# GNU OpenMP's spin count for the engine core's threads (the module's docstring says why), chosen
+# by alternating two servers against GNU's default 300,000 and against 1,000 (results/README.md).
 ENGINE_CORE_SPINCOUNT = 10_000
 
 # How much lower the server's own process runs than its engine core (``os.nice``; a higher
-# niceness is a smaller share of a contended CPU). 5 was chosen by alternating two servers at 0
-# against 5, then 5 against 10 (results/README.md): at 5 lower inter-token latency and a little
-# more throughput than at 0; at 10 the front end starved.
+# niceness is a smaller share of a contended CPU), chosen against 0 and 10 (results/README.md).
 FRONT_END_NICENESS = 5
 
 
