@@ -20,13 +20,11 @@ cache. A decode step spends its time streaming the weights through the matrix mu
 (memory-bound, chapter 6) and in attention; the ops fused here touch a few kilobytes per
 token. Fusion can save at most the time these ops take, and a compiled call adds its own
 fixed cost: on every call Dynamo checks its guards (are the inputs still of the kind it
-compiled for?) before the generated code runs. Measured per op (the figures:
-``results/README.md``), that fixed cost made a compiled call several times slower than
-eager at 1 row; around 64 rows the fused loop caught up, and at 512 rows it was clearly
-ahead. So on a CPU a
-compiled function runs its compiled code only for inputs of at least ``CPU_MIN_ROWS`` rows
-(prefill chunks, large decode batches) and calls the eager function below that. On CUDA
-the compiled code always runs: CUDA graphs replay it without any Python at all.
+compiled for?) before the generated code runs. Measured per op (``results/README.md``), that
+fixed cost made a compiled call several times slower than eager at 1 row, and the fused loop
+caught up around 64 rows. So on a CPU a compiled function runs its compiled code only for inputs
+of at least ``CPU_MIN_ROWS`` rows (prefill chunks, large decode batches) and calls the eager
+function below that. On CUDA the compiled code always runs: CUDA graphs replay it without any Python.
 ``python -m nanoengine bench --compile`` measures both engines in one run and the share of
 a step these ops take (fields in ``results/README.md``).
 
@@ -56,13 +54,9 @@ engines in the same process stay as they were. ``compile_runner`` then warms the
   ``compile_runner`` from ``prepare_forward``; on CUDA it compiles before it captures CUDA
   graphs, so the graphs record the compiled kernels.
 
-Why not compile the whole decode step (the model's forward)? The engine did, on a CPU, for a
-while: with the packed GEMM and the paged attention as opaque custom operators (the two
-blockers met when ``torch.compile(model.forward)`` was first tried here: Dynamo breaking the
-graph in every layer at store-KV's data-dependent check, Inductor failing to lower oneDNN's
-packed linear), and later with each decoder layer one native operator inside the graph.
-Measured against the same layers run eagerly, the graph bought nothing and tripled the time
-an engine takes to build, so the CPU backend runs its layers eagerly (results/README.md:
+Why not compile the whole decode step (the model's forward) on a CPU? Measured against the
+CPU backend's layers run eagerly, one native call each (``backends.cpu_fused``), a compiled
+graph of them bought nothing and tripled the time an engine takes to build (results/README.md:
 engine v4's choice of one CPU fast path).
 """
 
@@ -250,15 +244,14 @@ def compile_runner(runner, compiler: Compiler | None = None) -> CompileReport:
     problem = compiler_problem(runner.device)
     if problem is not None:
         compiler.fail(problem)
+    seconds = 0.0
+    if compiler.failure is None:
+        start = time.perf_counter()
+        for num_tokens in warm_up_sizes(runner.device):  # compiles now, not in the first steps
+            runner.warm_up(num_tokens)
+        seconds = time.perf_counter() - start
     if compiler.failure is not None:
-        return CompileReport(requested=True, compiled=False, seconds=0.0, ops=(), fallback_reason=compiler.failure)
-    start = time.perf_counter()
-    for num_tokens in warm_up_sizes(runner.device):  # compiles now, not in the first steps
-        runner.warm_up(num_tokens)
-    seconds = time.perf_counter() - start
-    if compiler.failure is not None:
-        return CompileReport(requested=True, compiled=False, seconds=seconds, ops=(),
-                             fallback_reason=compiler.failure)
+        return CompileReport(requested=True, compiled=False, seconds=seconds, ops=(), fallback_reason=compiler.failure)
     return CompileReport(requested=True, compiled=True, seconds=seconds, ops=tuple(sorted(COMPILED_OPS.values())))
 
 

@@ -2,70 +2,39 @@
 
 A GPU engine gets several things for free that a CPU engine must arrange itself. vLLM keeps
 its CPU tricks in its CPU attention backend and platform (``vllm/v1/attention/backends/
-cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here:
+cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here, each explained in the
+module it names (what each bought: ``results/README.md``):
 
-* **Prepacked GEMM weights.** oneDNN multiplies fastest with weights reordered into its
-  blocked layout: every linear layer's ``CpuLinearMethod`` (given to it when it is built)
-  reorders its weight once, when the weights are loaded (``process_weights_after_loading``,
-  ``kernels.cpu_gemm``; a copy: ``memory_report().weight_copy_bytes``).
-* **A kernel of its own for a few rows.** Decoding one to a few sequences multiplies a few
-  rows by every weight: a matrix-vector product whose speed is the memory bandwidth, which
-  the GEMM libraries use badly. Up to ``cpu_native.MAX_ROWS`` rows go to a hand-written AVX2
-  kernel (``kernels.cpu_native``, compiled once per machine and cached) that streams each
-  weight once on all threads; its bits do not depend on the CPU, the threads or the batch.
-  The rule is fixed, not timed, so two engines built alike compute alike.
-* **Decode attention that reads the cache where it lies.** The native kernel
-  (``kernels.cpu_native.paged_decode_attention``) walks each sequence's block table and
-  reads every K/V row once, with no gather and a single call per layer. Without the native
-  kernels, the batched PyTorch version (``kernels.cpu_attention``) gathers keys through
-  cache-row indices computed from the block tables (a ``DecodePlan``); the tables are the
-  same in every layer, so ``build_metadata`` builds that plan once per step, as a field of
-  the step's ``CpuAttentionMetadata``, and all 30 layers read it.
-* **Fewer calls from Python.** With the native kernels every ``RMSNorm`` calls
-  ``cpu_native.rms_norm`` / ``add_rms_norm`` (one pass per row, the residual add fused) instead
-  of five eager operators, the rotary embedding ``cpu_native.rotate_half`` (eager's six passes
-  as one), the MLP's activation ``cpu_native.silu_and_mul`` (ATen's silu and product called
-  from C++) and attention one ``cpu_native.paged_attention`` call a layer (store-KV, decode and
-  prefill: the calls ``AttentionImpl.forward`` makes): eager's bits in fewer calls.
+* **Prepacked GEMM weights** (``kernels.cpu_gemm``). Every linear layer's ``CpuLinearMethod``
+  (given to it when it is built) reorders its weight into oneDNN's blocked layout once, when the
+  weights are loaded (``process_weights_after_loading``; a copy: ``memory_report().weight_copy_bytes``).
+* **Kernels of its own** (``kernels.cpu_native``, C++ compiled once per machine and cached). Up
+  to ``cpu_native.MAX_ROWS`` rows of a product take the few-rows kernel: a fixed rule, not timed,
+  so two engines built alike compute alike. Decode attention reads each K/V row where it lies in
+  the paged cache; float32 prefill attention runs in tiles of its own (a bfloat16 cache on a CPU
+  with bfloat16 instructions: SDPA in bfloat16, ``prefill_dtype``). The norms, the rotary
+  embedding, the activation and a layer's attention (``paged_attention``: store-KV, decode and
+  prefill, the calls ``AttentionImpl.forward`` makes) are one call each, with eager's bits.
   ``compile=True`` puts its compiled small ops in place of the native ones.
-* **A decoder layer in one call.** Decoding one sequence, a step spent a large share of its
-  time outside the GEMMs, calling ~25 operators a layer from Python, and a prefill pays the
-  same calls once per step. Each Llama layer runs as one C++ operator that makes the same
-  operator calls as the layer's Python ``forward``, in the same order, from C++
-  (``backends.cpu_fused``, ``kernels/csrc/llama_layer.cpp``): eager's bits, less time per decoded token and per lone
-  prompt (figures: results/README.md). ``enforce_eager=True`` runs the layers' Python
-  ``forward`` instead (``fuse_layers``). The model is not compiled whole: measured against these
-  layers eager, a compiled graph of them bought nothing and tripled ``LLM()``'s build time
-  (results/README.md, engine v4's choice of one CPU fast path).
+* **A decoder layer in one call** (``backends.cpu_fused``). Each Llama layer runs as one C++
+  operator that makes the layer's own calls, in the same order: eager's bits, most of a step's
+  Python gone. ``enforce_eager=True`` runs the layers' Python ``forward`` instead (``fuse_layers``).
+* **A decode plan per step.** Without the native kernels, the batched PyTorch decode attention
+  (``kernels.cpu_attention``) gathers keys through cache-row indices computed from the block
+  tables (a ``DecodePlan``); the tables are the same in every layer, so ``build_metadata`` builds
+  that plan once per step, as a field of the step's ``CpuAttentionMetadata``, and all 30 layers read it.
 * **Store-KV without a check per layer.** Whether any token of the step has no slot (-1,
   a warm-up row) is decided once from the plan on the host (``all_slots_stored``); the
   layers then copy their keys and values with no host synchronisation.
-* **Reused host memory.** PyTorch's CUDA caching allocator keeps freed blocks for the next
-  step; on a CPU glibc hands large blocks back to the kernel and faults them in again.
-  The backend's one call to the CPU platform (``backends.cpu_platform.tune_engine_process``)
-  changes two malloc settings so they stay, and bounds oneDNN's caches of per-shape
-  primitives, which would otherwise grow for hours.
-* **Weights in huge pages.** A decode step reads every weight once, page after 4 KiB page
-  through the TLB; ``place_weights`` puts the parameters, as the model is built and before
-  they are filled, into memory advised to use 2 MiB pages (``cpu_platform.move_to_huge_pages``):
-  a lone sequence decodes faster (results/README.md). Finding huge pages can take the kernel seconds where memory is
-  fragmented, so the move has a budget (``cpu_platform.move_budget``); what did not fit stays put.
-* **Prefill attention in tiles, or in bfloat16 where the CPU has it.** The reference prefill
-  calls PyTorch's SDPA once per sequence from Python, and SDPA splits each short sequence over
-  the threads in small library calls, at a small fraction of the arithmetic rate the CPU's
-  GEMMs reach. ``cpu_native.paged_prefill_attention`` computes float32 attention (and a
-  bfloat16 cache widened) as tiles of its own, packed keys and register-held products, much
-  faster than SDPA on a short prompt, within float32 rounding of the reference, with bits that
-  do not depend on the CPU, the threads or the batch. On a CPU with bfloat16 instructions
-  (AVX512-BF16, AMX) a bfloat16 cache is not widened: SDPA multiplies in bfloat16 with float32
-  accumulators on oneDNN's kernels, faster still, called from C++ with each thread taking the
-  step's next sequence whole (the reference's bits) (results/README.md).
+* **The host's settings** (``backends.cpu_platform``). When the backend is built, two malloc
+  settings keep freed memory for the next step and oneDNN's per-shape caches are bounded
+  (``tune_engine_process``); ``place_weights`` moves the parameters, before they are filled, into
+  memory advised to use 2 MiB pages, within a time budget (``move_budget``).
 * **Logits in chunks.** A step's logits are (rows, vocab) float32: 256 rows of a
   49,152-token vocabulary are 50 MB, more than glibc's largest heap block (32 MiB), so they
-  would be mapped fresh every step, faulted in by the LM head and unmapped when freed
-  (the overhead benchmark's 256-row decode step was measured much slower in one chunk:
-  ``results/README.md``). So the LM head runs on chunks of rows of at most
-  ``LOGITS_CHUNK_BYTES`` and each chunk is sampled before the next is computed.
+  would be mapped fresh every step, faulted in by the LM head and unmapped when freed. So the
+  LM head runs on chunks of rows of at most ``LOGITS_CHUNK_BYTES`` and each chunk is sampled
+  before the next is computed.
 """
 
 from __future__ import annotations

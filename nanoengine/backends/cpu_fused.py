@@ -1,15 +1,11 @@
 """A step's decoder layers, one call each (the CPU backend; chapter 10).
 
-Measured on SmolLM2-135M decoding one sequence: most of a step was the GEMMs reading the
-weights, and the rest was almost all calls from Python: 30 layers of about 25 operators each
-(module calls, views, two norms, seven operators of rotary embedding (one native call
-since), store-KV, attention, four GEMMs, the activation), a few microseconds apiece. A
-prefill pays the same calls once per step, whatever its length: a noticeable part of a lone
-prompt's time, more the shorter the prompt (figures: results/README.md). GPU engines
-hide this behind CUDA graphs; vLLM's CPU backend compiles the model with ``torch.compile``.
-This engine compiled its model whole too, for a while: with attention called through Python
-in every layer it was no faster than eager, and with these layers inside the graph, no faster
-than these layers eager, at three times the build time, so it went (results/README.md).
+Decoding one sequence, most of a step is the GEMMs reading the weights, and the rest was almost
+all calls from Python: 30 layers of about 25 operators each (module calls, views, two norms, the
+rotary embedding, store-KV, attention, four GEMMs, the activation), a few microseconds apiece. A
+prefill pays the same calls once per step, whatever its length (figures: results/README.md). GPU
+engines hide this behind CUDA graphs, vLLM's CPU backend behind ``torch.compile`` (why this
+engine does not compile its model whole: ``backends.compilation``).
 
 So each ``LlamaDecoderLayer`` runs as one C++ operator, ``nanoengine::llama_layer``
 (``kernels/csrc/llama_layer.cpp``), which makes the operator calls the layer's Python ``forward``
@@ -17,19 +13,16 @@ makes (as the CPU backend runs it), in the same order, from C++: the native norm
 kernel or oneDNN's packed GEMM (the same rule as ``CpuLinearMethod``), the rotary embedding, one
 ``paged_attention`` call (store-KV, the decode rows, the prefill chunks: ``CpuAttention.forward``)
 and ``silu_and_mul``. It has no arithmetic of its own, so the hidden states are the Python
-forward's, bit for bit (tests/engine/test_cpu_fused.py), and greedy tokens and logprobs do not
-change. Python still walks the 30 layers: the model's own ``forward`` runs as written and calls
-each layer, and the layer's ``forward`` makes this one call (its ``one_call``, a ``FusedLayer``
-given to it by the CPU backend's kernels when it was built) on the steps the backend says.
+forward's, bit for bit (tests/engine/test_cpu_fused.py). Python still walks the 30 layers: the
+model's ``forward`` runs as written, and each layer's ``forward`` makes this one call (its
+``one_call``, a ``FusedLayer`` given to it by the CPU backend's kernels when it was built) on the
+steps the backend says.
 
 A layer runs its Python ``forward`` on a step where a forward hook is registered on it or any
-module inside it (or globally): fused, the hook would silently not be called. The backend
-asks ``hooked`` once per step (SmolLM2's layers hold 360 modules: a small cost, measured;
-results/README.md).
-
-A step with a token that has no cache slot (a warm-up row), and models this does not cover
-(tensor parallelism, Qwen3's per-head norms, a bias on o_proj, a dtype the kernels do not
-take) run the layer's Python ``forward``.
+module inside it (or globally): fused, the hook would silently not be called (``hooked``, asked
+once per step). So do a step with a token that has no cache slot (a warm-up row), and models this
+does not cover (``unfit_reason``: tensor parallelism, Qwen3's per-head norms, a bias on o_proj, a
+dtype the kernels do not take).
 """
 
 from __future__ import annotations
