@@ -52,14 +52,10 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
     return cpu_attention.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
 
 
-def paged_prefill_attention(
-    query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
-):
+def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale):
     """Chunked/prefix-aware prefill attention (see ``reference.paged_prefill_attention``)."""
     impl = _triton_for(query) or reference
-    return impl.paged_prefill_attention(
-        query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
-    )
+    return impl.paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
 
 
 __all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "triton_available"]

@@ -33,13 +33,8 @@ import torch
 import torch.nn.functional as F
 
 
-def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
     """Write ``key``/``value`` (num_tokens, num_kv_heads, head_dim) into their slots.
 
     ``slot_mapping`` (num_tokens,) holds each token's flat slot; ``-1`` means "do not
@@ -57,9 +52,7 @@ def store_kv(
         flat_v[slot_mapping[keep]] = value[keep]
 
 
-def gather_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, context_len: int
-) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
     """The first ``context_len`` cached vectors of one sequence, in token order.
 
     Returns (context_len, num_kv_heads, head_dim). This is the "virtual memory" view of
@@ -72,14 +65,8 @@ def gather_kv(
     return blocks.flatten(0, 1)[:context_len]
 
 
-def paged_decode_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One query token per sequence against its paged context: the plain definition.
 
     query (num_seqs, num_heads, head_dim) -> output of the same shape. For each sequence:
@@ -103,16 +90,9 @@ def paged_decode_attention(
     return out
 
 
-def paged_prefill_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    compute_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
+def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                            scale: float, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Causal attention for variable-length query chunks over a paged context.
 
     query (total_q_tokens, num_heads, head_dim), sequences packed back to back with
@@ -148,9 +128,7 @@ def paged_prefill_attention(
             q_pos = torch.arange(context_len - q_len, context_len, device=query.device)
             k_pos = torch.arange(context_len, device=query.device)
             mask, causal = k_pos[None, :] <= q_pos[:, None], False  # (q_len, ctx)
-        attn = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-            enable_gqa=num_heads != num_kv_heads,
-        )  # (1, h, q_len, d)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                              enable_gqa=num_heads != num_kv_heads)  # (1, h, q_len, d)
         out[q_start:q_end] = attn[0].transpose(0, 1).to(query.dtype)
     return out

@@ -279,16 +279,12 @@ def _check_is_tensor(name: str, value) -> None:
 
 def _check_ndim(name: str, tensor: torch.Tensor, ndim: int, layout: str) -> None:
     if tensor.dim() != ndim:
-        raise ValueError(
-            f"{name} must be {ndim}-D {layout}, got shape {tuple(tensor.shape)}"
-        )
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(tensor.shape)}")
 
 
 def _check_float(name: str, tensor: torch.Tensor) -> None:
     if tensor.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"{name} has dtype {tensor.dtype}; allowed: float32, float16, bfloat16"
-        )
+        raise TypeError(f"{name} has dtype {tensor.dtype}; allowed: float32, float16, bfloat16")
 
 
 def _check_index(name: str, tensor: torch.Tensor, ndim: int, layout: str) -> None:
@@ -297,18 +293,14 @@ def _check_index(name: str, tensor: torch.Tensor, ndim: int, layout: str) -> Non
     if tensor.dtype not in INDEX_DTYPES:
         raise TypeError(f"{name} has dtype {tensor.dtype}; allowed: int32, int64")
     if tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
-        raise ValueError(
-            f"{name} must be contiguous in its last dimension, got strides {tensor.stride()}"
-        )
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tensor.stride()}")
 
 
 def _check_last_dim_contiguous(name: str, tensor: torch.Tensor) -> None:
     # The kernels address head_dim as ``ptr + offs_d``: the last stride must be 1.
     if tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
-        raise ValueError(
-            f"{name} must be contiguous in its last (head_dim) dimension, got strides "
-            f"{tensor.stride()}; call .contiguous() first"
-        )
+        raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension, got strides "
+                         f"{tensor.stride()}; call .contiguous() first")
 
 
 def _check_same_device(**tensors: torch.Tensor) -> None:
@@ -327,15 +319,10 @@ def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         _check_float(name, cache)
         _check_last_dim_contiguous(name, cache)
     if k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} "
-            f"and {tuple(v_cache.shape)}"
-        )
+        raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")
     if k_cache.dtype != v_cache.dtype:
-        raise TypeError(
-            f"k_cache and v_cache must have the same dtype, got {k_cache.dtype} and "
-            f"{v_cache.dtype}"
-        )
+        raise TypeError(f"k_cache and v_cache must have the same dtype, got {k_cache.dtype} and {v_cache.dtype}")
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     if block_size < 1 or num_kv_heads < 1:
         raise ValueError(f"k_cache has an empty dimension: shape {tuple(k_cache.shape)}")
@@ -350,20 +337,14 @@ def _check_query(query: torch.Tensor, k_cache: torch.Tensor, layout: str) -> int
     _check_float("query", query)
     _check_last_dim_contiguous("query", query)
     if query.dtype != k_cache.dtype:
-        raise TypeError(
-            f"query has dtype {query.dtype} but the cache has {k_cache.dtype}; they must match"
-        )
+        raise TypeError(f"query has dtype {query.dtype} but the cache has {k_cache.dtype}; they must match")
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, cache_head_dim = k_cache.shape[2], k_cache.shape[3]
     if head_dim != cache_head_dim:
-        raise ValueError(
-            f"query head_dim {head_dim} does not match the cache's head_dim {cache_head_dim}"
-        )
+        raise ValueError(f"query head_dim {head_dim} does not match the cache's head_dim {cache_head_dim}")
     if num_heads < 1 or num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"query has {num_heads} heads, which must be a positive multiple of the cache's "
-            f"num_kv_heads={num_kv_heads} (each KV head serves a whole group of query heads)"
-        )
+        raise ValueError(f"query has {num_heads} heads, which must be a positive multiple of the cache's "
+                         f"num_kv_heads={num_kv_heads} (each KV head serves a whole group of query heads)")
     return num_heads // num_kv_heads
 
 
@@ -397,43 +378,28 @@ def check_store_kv_args(key, value, k_cache, v_cache, slot_mapping) -> None:
         _check_float(name, tensor)
         _check_last_dim_contiguous(name, tensor)
         if tuple(tensor.shape[1:]) != expected:
-            raise ValueError(
-                f"{name} has shape {tuple(tensor.shape)}; expected (num_tokens, {expected[0]}, "
-                f"{expected[1]}) to match the cache's (num_kv_heads, head_dim)"
-            )
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected (num_tokens, {expected[0]}, "
+                             f"{expected[1]}) to match the cache's (num_kv_heads, head_dim)")
         if tensor.dtype != k_cache.dtype:
-            raise TypeError(
-                f"{name} has dtype {tensor.dtype} but the cache has {k_cache.dtype}; "
-                "they must match"
-            )
+            raise TypeError(f"{name} has dtype {tensor.dtype} but the cache has {k_cache.dtype}; they must match")
     if key.shape != value.shape:
-        raise ValueError(
-            f"key and value must have the same shape, got {tuple(key.shape)} and "
-            f"{tuple(value.shape)}"
-        )
+        raise ValueError(f"key and value must have the same shape, got {tuple(key.shape)} and {tuple(value.shape)}")
     _check_index("slot_mapping", slot_mapping, 1, "(num_tokens,)")
     if slot_mapping.shape[0] != key.shape[0]:
-        raise ValueError(
-            f"slot_mapping has {slot_mapping.shape[0]} entries but key has "
-            f"{key.shape[0]} tokens; need one slot per token"
-        )
-    _check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache,
-                       slot_mapping=slot_mapping)
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries but key has "
+                         f"{key.shape[0]} tokens; need one slot per token")
+    _check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
 
 
 def _check_tables(block_tables, context_lens, num_seqs: int) -> None:
     _check_index("block_tables", block_tables, 2, "(num_seqs, max_blocks_per_seq)")
     _check_index("context_lens", context_lens, 1, "(num_seqs,)")
     if block_tables.shape[0] != num_seqs:
-        raise ValueError(
-            f"block_tables has {block_tables.shape[0]} rows but there are {num_seqs} "
-            "sequences; need one row per sequence"
-        )
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but there are {num_seqs} "
+                         "sequences; need one row per sequence")
     if context_lens.shape[0] != num_seqs:
-        raise ValueError(
-            f"context_lens has {context_lens.shape[0]} entries but there are {num_seqs} "
-            "sequences; need one per sequence"
-        )
+        raise ValueError(f"context_lens has {context_lens.shape[0]} entries but there are {num_seqs} "
+                         "sequences; need one per sequence")
 
 
 def check_decode_args(query, k_cache, v_cache, block_tables, context_lens, scale) -> None:
@@ -447,14 +413,12 @@ def check_decode_args(query, k_cache, v_cache, block_tables, context_lens, scale
     _check_query(query, k_cache, "(num_seqs, num_heads, head_dim)")
     _check_tables(block_tables, context_lens, query.shape[0])
     _check_scale(scale)
-    _check_same_device(query=query, k_cache=k_cache, v_cache=v_cache,
-                       block_tables=block_tables, context_lens=context_lens)
+    _check_same_device(query=query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                       context_lens=context_lens)
 
 
-def check_prefill_lengths(
-    q_lens: list[int], context_lens: list[int], total_q_tokens: int, block_size: int,
-    max_blocks_per_seq: int,
-) -> None:
+def check_prefill_lengths(q_lens: list[int], context_lens: list[int], total_q_tokens: int, block_size: int,
+                          max_blocks_per_seq: int) -> None:
     """Validate the host-side lengths of a prefill batch (plain ints, no tensors).
 
     Each chunk must fit in its context (``q_len <= context_len``: the chunk's own K/V is
@@ -462,32 +426,21 @@ def check_prefill_lengths(
     row must have enough columns for its context.
     """
     if sum(q_lens) != total_q_tokens:
-        raise ValueError(
-            f"cu_seqlens_q ends at {sum(q_lens)} but query has {total_q_tokens} tokens; "
-            "cu_seqlens_q[-1] must equal query.shape[0]"
-        )
+        raise ValueError(f"cu_seqlens_q ends at {sum(q_lens)} but query has {total_q_tokens} tokens; "
+                         "cu_seqlens_q[-1] must equal query.shape[0]")
     for seq, (q_len, context_len) in enumerate(zip(q_lens, context_lens)):
         if q_len < 0:
-            raise ValueError(
-                f"cu_seqlens_q must be non-decreasing, but sequence {seq} has q_len {q_len}"
-            )
+            raise ValueError(f"cu_seqlens_q must be non-decreasing, but sequence {seq} has q_len {q_len}")
         if context_len < q_len:
-            raise ValueError(
-                f"context_lens[{seq}] = {context_len} is smaller than that sequence's "
-                f"q_len {q_len}; context_lens counts cached tokens including this chunk, "
-                "so context_len >= q_len"
-            )
+            raise ValueError(f"context_lens[{seq}] = {context_len} is smaller than that sequence's q_len {q_len}; "
+                             "context_lens counts cached tokens including this chunk, so context_len >= q_len")
         needed = -(-context_len // block_size)
         if needed > max_blocks_per_seq:
-            raise ValueError(
-                f"context_lens[{seq}] = {context_len} needs {needed} blocks of "
-                f"{block_size} but block_tables has only {max_blocks_per_seq} columns"
-            )
+            raise ValueError(f"context_lens[{seq}] = {context_len} needs {needed} blocks of "
+                             f"{block_size} but block_tables has only {max_blocks_per_seq} columns")
 
 
-def check_prefill_args(
-    query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
-) -> list[int]:
+def check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale) -> list[int]:
     """Validate ``paged_prefill_attention``'s arguments; returns each sequence's q_len.
 
     Besides shapes, dtypes, strides and devices this reads ``cu_seqlens_q`` and
@@ -502,22 +455,17 @@ def check_prefill_args(
     num_seqs = cu_seqlens_q.shape[0] - 1
     _check_index("context_lens", context_lens, 1, "(num_seqs,)")
     if context_lens.shape[0] != num_seqs:
-        raise ValueError(
-            f"cu_seqlens_q has {num_seqs + 1} entries (so {num_seqs} sequences) but "
-            f"context_lens has {context_lens.shape[0]}; need len(cu_seqlens_q) == "
-            "len(context_lens) + 1"
-        )
+        raise ValueError(f"cu_seqlens_q has {num_seqs + 1} entries (so {num_seqs} sequences) but context_lens has "
+                         f"{context_lens.shape[0]}; need len(cu_seqlens_q) == len(context_lens) + 1")
     _check_tables(block_tables, context_lens, num_seqs)
     _check_scale(scale)
-    _check_same_device(query=query, k_cache=k_cache, v_cache=v_cache,
-                       block_tables=block_tables, cu_seqlens_q=cu_seqlens_q,
-                       context_lens=context_lens)
+    _check_same_device(query=query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                       cu_seqlens_q=cu_seqlens_q, context_lens=context_lens)
     starts = cu_seqlens_q.tolist()
     if starts[0] != 0:
         raise ValueError(f"cu_seqlens_q must start at 0, got {starts[0]}")
     q_lens = [end - begin for begin, end in zip(starts[:-1], starts[1:])]
-    check_prefill_lengths(q_lens, context_lens.tolist(), query.shape[0], k_cache.shape[1],
-                          block_tables.shape[1])
+    check_prefill_lengths(q_lens, context_lens.tolist(), query.shape[0], k_cache.shape[1], block_tables.shape[1])
     return q_lens
 
 
@@ -536,13 +484,8 @@ def _upcast(dtype: torch.dtype) -> bool:
     return INTERPRETED and dtype == torch.bfloat16
 
 
-def store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
     """Write ``key``/``value`` (num_tokens, num_kv_heads, head_dim) into their slots.
 
     Same contract as ``reference.store_kv``: slot ``-1`` means "do not store".
@@ -565,14 +508,8 @@ def store_kv(
     )
 
 
-def paged_decode_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One query token per sequence against its paged context (``reference`` contract).
 
     query (num_seqs, num_heads, head_dim) -> output of the same shape and dtype. No host
@@ -601,22 +538,15 @@ def paged_decode_attention(
     return out
 
 
-def paged_prefill_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
+                            scale: float) -> torch.Tensor:
     """Causal attention for variable-length query chunks over a paged context.
 
     Same contract as ``reference.paged_prefill_attention``: query (total_q_tokens,
     num_heads, head_dim) packed by ``cu_seqlens_q``; the chunk's K/V already stored.
     """
-    q_lens = check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                context_lens, scale)
+    q_lens = check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
     check_device_supported(query.device)
     total_q_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -640,14 +570,5 @@ def paged_prefill_attention(
     return out
 
 
-__all__ = [
-    "store_kv",
-    "paged_decode_attention",
-    "paged_prefill_attention",
-    "check_store_kv_args",
-    "check_decode_args",
-    "check_prefill_args",
-    "check_prefill_lengths",
-    "check_device_supported",
-    "INTERPRETED",
-]
+__all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "check_store_kv_args", "check_decode_args",
+           "check_prefill_args", "check_prefill_lengths", "check_device_supported", "INTERPRETED"]
