@@ -1,24 +1,15 @@
 """Decode attention tuned for the CPU (chapter 10: the same arithmetic, fewer passes over memory).
 
-``reference.paged_decode_attention`` is the definition: a loop over sequences, each
-gathering its keys and values through its block table. This module computes exactly that
-for the whole batch at once, in the way that is fast on a CPU, where decode attention is
-limited by memory traffic:
-
-* a ``DecodePlan`` turns the block tables into cache-row indices once per step, and every
-  layer of that step reuses it (the tables are the same in all layers: the CPU backend
-  builds it with the step's metadata, ``backends/cpu.py``);
-* keys are gathered straight into the layout of one batched matmul, a bounded group of
-  sequences at a time (hundreds of long sequences would otherwise copy hundreds of
-  megabytes of keys per layer, most of it padding);
-* values are never copied: ``embedding_bag`` with per-sample weights is a gather fused
-  with a weighted sum, which is what "probabilities times values" is.
-
-Both choices made a decode step faster than gathering the values for SDPA, the
-``embedding_bag`` values most (the A/B figures: ``results/README.md``).
-The CPU backend (``backends/cpu.py``) runs this path where its native decode kernel
-(``cpu_native.paged_decode_attention``, C++ that reads each K/V row where it lies, with no
-gather) cannot be built; tests compare both with the reference.
+``reference.paged_decode_attention`` is the definition: a loop over sequences, each gathering
+its keys and values through its block table. ``paged_decode_attention`` here computes exactly
+that for the whole batch at once, the way that is fast on a CPU, where decode attention is
+limited by memory traffic: a ``DecodePlan`` turns the block tables into cache-row indices once
+per step (the CPU backend builds it with the step's metadata and every layer reuses it), keys are
+gathered a bounded group of sequences at a time, and values are never copied (the function's
+docstring says how; the A/B figures: ``results/README.md``). The CPU backend (``backends/cpu.py``)
+runs this path where its native decode kernel (``cpu_native.paged_decode_attention``, C++ that
+reads each K/V row where it lies, with no gather) cannot be built; tests compare both with the
+reference.
 """
 
 from __future__ import annotations
@@ -95,15 +86,9 @@ class DecodePlan:
         return DecodeGroup(seqs, rows, bags, past_end)
 
 
-def paged_decode_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    plan: DecodePlan | None = None,
-) -> torch.Tensor:
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           plan: DecodePlan | None = None) -> torch.Tensor:
     """One query token per sequence against its paged context (``reference.paged_decode_attention``).
 
     query (num_seqs, num_heads, head_dim) -> output of the same shape. Batched, so a step

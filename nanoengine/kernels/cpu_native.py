@@ -1,36 +1,34 @@
 """The CPU backend's own kernels, in C++ (chapter 10: when the libraries are not enough).
 
-Four operations are poorly served by the libraries PyTorch calls, three of them a decode step's:
+Four operations are poorly served by the libraries PyTorch calls (the figures, and the scripts
+that measured them: ``results/README.md``):
 
 * **A few rows times a weight** (``few_rows_linear``, ``csrc/few_rows_linear.cpp``). When
   one to a few sequences decode, each linear layer multiplies a few rows of activations by
   its whole weight matrix: two flops per weight read, so the step's speed is how fast the
-  weights stream from memory. MKL and oneDNN are tuned for many rows: for one row both read
-  SmolLM2's weights well below the speed at which the CPU copies memory (MKL slower with two
-  threads than one); this kernel, splitting each weight's rows between the threads and
-  streaming them once, reads them faster than either, and it stays ahead up to 8 rows
-  (``MAX_ROWS``; the figures and the command: ``results/README.md``).
+  weights stream from memory. MKL and oneDNN are tuned for many rows and read the weights of
+  one row's product well below the speed at which the CPU copies memory; this kernel splits
+  each weight's rows between the threads and streams them once, and stays ahead up to
+  ``MAX_ROWS`` rows.
 * **Decode attention** (``paged_decode_attention``, ``csrc/paged_decode_attention.cpp``).
   The batched PyTorch version (``cpu_attention``) gathers keys and pays a dozen tensor ops
   per layer; this kernel walks each sequence's block table and reads every K/V row where it
   lies in the cache, once for all the query heads that share it. One source, written over a
   small vector type (``csrc/cpu_vec.h``'s ``Vec``), runs eight lanes wide in the AVX2 build
-  and sixteen in the AVX-512 one, with the same bits (a batch's decode attention takes
-  markedly less time sixteen lanes wide: results/README.md).
+  and sixteen in the AVX-512 one, with the same bits.
 * **Prefill attention for a whole step** (``paged_prefill_attention``,
   ``csrc/paged_prefill_attention.cpp``). In float32 arithmetic, tiles written out: the keys
-  packed once per sequence and KV head, the scores, the softmax and the weighted values as small
-  matrix products held in registers, eight lanes wide in either build (sixteen bought under 10%,
-  measured: results/README.md); PyTorch's SDPA runs a short float32 prompt much slower (figures: results/README.md). In
-  bfloat16 arithmetic (oneDNN's AMX and AVX512-BF16 kernels behind SDPA), the reference's
-  PyTorch calls made from C++, each thread taking the step's next sequence whole.
+  packed once per sequence and KV head, the scores, the softmax and the weighted values as
+  small matrix products held in registers, eight lanes wide in either build, much faster than
+  PyTorch's SDPA on a short prompt. In bfloat16 arithmetic (oneDNN's AMX and AVX512-BF16
+  kernels behind SDPA), the reference's PyTorch calls made from C++, each thread taking the
+  step's next sequence whole.
 * **RMSNorm with its residual add** (``rms_norm``, ``add_rms_norm``, ``csrc/rms_norm.cpp``):
   one call and one pass per row where eager PyTorch makes five calls; for one decoding
   sequence the calls, not the arithmetic, were the cost.
 
 Three more files add no arithmetic of their own but the rotary embedding's: they make a layer's
-eager PyTorch calls from C++, one call from Python instead of several, with eager's bits (from
-Python, the calls and not the arithmetic were a one-sequence decode step's cost beside the GEMMs):
+eager PyTorch calls from C++, one call from Python instead of several, with eager's bits:
 ``rotate_half`` (``csrc/rotary.cpp``: eager's six passes as one), ``silu_and_mul``
 (``csrc/silu_and_mul.cpp``: ATen's silu and product) and ``paged_attention``
 (``csrc/paged_attention.cpp``: a layer's store-KV, decode and prefill attention, the calls
@@ -38,13 +36,13 @@ Python, the calls and not the arithmetic were a one-sequence decode step's cost 
 ``csrc/llama_layer.cpp`` makes a whole Llama decoder layer's calls, these operators among them,
 so that Python makes one call per layer (``backends.cpu_fused``).
 
-The kernels are C++ with AVX2 and FMA intrinsics, and AVX-512 ones behind ``Vec`` (bfloat16
-prefill attention calls PyTorch's own operators), registered as PyTorch operators (``torch.ops.nanoengine.*``) and run on PyTorch's
-own thread pool. They are compiled the first time an engine needs them (about 20 s, said once
-on stderr) by PyTorch's extension builder, into ``~/.cache/nanoengine/kernels/`` under a name that carries the torch and Python versions
-and the instruction set, so another PyTorch never loads them; ``./course setup`` builds them
-ahead. They are built for one of two instruction sets exactly (not ``-march=native``): AVX-512
-where PyTorch runs its own kernels with it (``torch.backends.cpu.get_cpu_capability()``, which
+The kernels are C++ with AVX2 and FMA intrinsics, and AVX-512 ones behind ``Vec``, registered as
+PyTorch operators (``torch.ops.nanoengine.*``) and run on PyTorch's own thread pool. They are
+compiled the first time an engine needs them (said once on stderr) by PyTorch's extension builder,
+into ``~/.cache/nanoengine/kernels/`` under a name that carries the torch and Python versions and
+the instruction set, so another PyTorch never loads them; ``./course setup`` builds them ahead.
+They are built for one of two instruction sets exactly (not ``-march=native``): AVX-512 where
+PyTorch runs its own kernels with it (``torch.backends.cpu.get_cpu_capability()``, which
 ``ATEN_CPU_CAPABILITY=avx2`` lowers), else AVX2 + FMA. Every sum's order is fixed by the source,
 not by the CPU, the build, the thread count or the batch: every x86-64 machine computes the same
 bits, and a row gets the same bits alone or in a batch.
@@ -76,8 +74,7 @@ ISA_FLAGS = {"avx2_fma": ["-mavx2", "-mfma"],
              "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]}
 COMPILE_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 # Row counts up to this take the few-rows kernel; from about 16 rows on, each weight is reused
-# enough for a GEMM library's blocking to catch up (SmolLM2's shapes, measured by
-# scripts/measure_native_kernels.py: results/README.md).
+# enough for a GEMM library's blocking to catch up (measured: results/README.md).
 MAX_ROWS = 8
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -140,10 +137,8 @@ def _build_and_load(verbose: bool) -> None:
     built = (directory / f"{build_name()}.so").exists()
     directory.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    # PyTorch's builder recompiles only when a source or a flag changed, and takes a lock in
-    # the directory so two processes never build at once.
-    # PyTorch's builder hashes the sources and flags, not the headers: the headers' hash goes in
-    # as a flag, so editing a header rebuilds too.
+    # PyTorch's builder recompiles only when a source or a flag changed (not a header: the headers'
+    # hash goes in as a flag), and takes a lock in the directory so two processes never build at once.
     header_hash = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
     flags = [*COMPILE_FLAGS, *ISA_FLAGS[isa()], f"-DNANOENGINE_HEADERS_SHA={header_hash}"]
     clear_stale_lock(directory)
@@ -232,8 +227,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``layers.layernorm.add_rms_norm``, by the kernel: (normalised x + residual, x + residual)."""
-    out, new_residual = torch.ops.nanoengine.add_rms_norm(x.contiguous(), residual.contiguous(), weight, eps)
-    return out, new_residual
+    return torch.ops.nanoengine.add_rms_norm(x.contiguous(), residual.contiguous(), weight, eps)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
