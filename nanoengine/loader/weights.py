@@ -64,12 +64,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) 
         else:
             loader(param, tensor, shard_id)
         filled[target] += 1
-    missing = []
-    for pname in params:
-        packed_name = pname.split(".")[-2]
-        expected = shards_expected.get(packed_name, 1)
-        if filled[pname] < expected:
-            missing.append(pname)
+    # A packed parameter (``...qkv_proj.weight``) is filled once per shard, any other once.
+    missing = [pname for pname in params if filled[pname] < shards_expected.get(pname.split(".")[-2], 1)]
     if missing:
         raise ValueError(f"checkpoint lacks {len(missing)} parameter(s), e.g. {missing[:5]}")
 
