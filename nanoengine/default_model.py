@@ -46,15 +46,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = [
-    "DEFAULT_MODEL_NAME",
-    "DefaultModelError",
-    "cache_root",
-    "default_gguf_path",
-    "default_model_dir",
-    "convert_gguf_to_hf_dir",
-    "validate_model_dir",
-]
+__all__ = ["DEFAULT_MODEL_NAME", "DefaultModelError", "cache_root", "default_gguf_path", "default_model_dir",
+           "convert_gguf_to_hf_dir", "validate_model_dir"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -108,9 +101,7 @@ def default_gguf_path() -> Path:
     return path
 
 
-# --------------------------------------------------------------------------------------
-# Conversion
-# --------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------- Conversion
 
 
 def _sha256(path: Path) -> str:
@@ -174,9 +165,7 @@ def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathL
     return manifest
 
 
-# --------------------------------------------------------------------------------------
-# Validation
-# --------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------- Validation
 
 
 def _damaged(model_dir: Path, name: str, why: str) -> DefaultModelError:
@@ -255,9 +244,7 @@ def validate_model_dir(model_dir: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-# --------------------------------------------------------------------------------------
-# The entry point
-# --------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------- The entry point
 
 
 @contextlib.contextmanager

@@ -58,9 +58,7 @@ PREFILL_BLOCK_N = 64  # context tokens per step of the prefill loop
 MIN_DOT_DIM = 16
 
 
-# --------------------------------------------------------------------------------------
-# Kernels
-# --------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------ Kernels
 
 
 @triton.jit
@@ -267,9 +265,7 @@ def _paged_prefill_kernel(
 INTERPRETED: bool = type(_store_kv_kernel).__name__ == "InterpretedFunction"
 
 
-# --------------------------------------------------------------------------------------
-# Input validation (plain Python: callable on CPU without launching anything)
-# --------------------------------------------------------------------------------------
+# ---------------------- Input validation (plain Python: callable on CPU without launching anything)
 
 
 def _check_is_tensor(name: str, value) -> None:
@@ -469,9 +465,7 @@ def check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, cont
     return q_lens
 
 
-# --------------------------------------------------------------------------------------
-# Wrappers (the public API; same signatures as reference.py)
-# --------------------------------------------------------------------------------------
+# --------------------------------------- Wrappers (the public API; same signatures as reference.py)
 
 
 def _dot_dim(extent: int) -> int:

@@ -46,16 +46,8 @@ from tqdm.auto import tqdm
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-__all__ = [
-    "SUPPORTED_ARCHITECTURES",
-    "read_gguf_metadata",
-    "read_gguf_config",
-    "iter_gguf_weights",
-    "load_gguf_state_dict",
-    "unpermute_rotary",
-    "build_gguf_tokenizer",
-    "gguf_tokenizer_files",
-]
+__all__ = ["SUPPORTED_ARCHITECTURES", "read_gguf_metadata", "read_gguf_config", "iter_gguf_weights",
+           "load_gguf_state_dict", "unpermute_rotary", "build_gguf_tokenizer", "gguf_tokenizer_files"]
 
 PathLike = str | os.PathLike
 
@@ -86,9 +78,7 @@ _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
 
-# --------------------------------------------------------------------------------------
-# Metadata and config
-# --------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------ Metadata and config
 
 
 def _open(path: PathLike | GGUFReader) -> GGUFReader:
@@ -201,9 +191,7 @@ def read_gguf_config(path: PathLike | GGUFReader) -> dict[str, Any]:
     return _config_from_metadata(meta, {t.name for t in reader.tensors}, path)
 
 
-# --------------------------------------------------------------------------------------
-# Weights
-# --------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------ Weights
 
 
 def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -287,9 +275,7 @@ def load_gguf_state_dict(path: PathLike | GGUFReader, progress: bool = True) -> 
     return state
 
 
-# --------------------------------------------------------------------------------------
-# Tokenizer
-# --------------------------------------------------------------------------------------
+# ---------------------------------------------------------------------------------------- Tokenizer
 
 
 def build_gguf_tokenizer(path: PathLike | GGUFReader) -> Tokenizer:
