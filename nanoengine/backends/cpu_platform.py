@@ -2,100 +2,68 @@
 
 vLLM keeps what it does to a CPU host in its CPU platform (``vllm/platforms/cpu.py``: thread
 binding, the allocator, the OpenMP settings of its workers); this engine keeps it here. The CPU
-backend calls ``tune_engine_process`` when it is built and moves its weights with
-``move_to_huge_pages`` (``place_weights``); ``serve`` builds its engine inside ``serving``; the
-engine core trims when idle (``IdleTrim``) and starts inside ``engine_core_environment``. What each
-setting bought was measured: ``results/README.md``, whose rows name this module.
+backend calls ``tune_engine_process`` when it is built and ``move_to_huge_pages`` in
+``place_weights``; ``serve`` builds its engine inside ``serving``; the engine core trims when idle
+(``IdleTrim``) and starts inside ``engine_core_environment``. What each setting bought was
+measured: ``results/README.md``, whose rows name this module.
 
-Freed memory kept
------------------
-Every forward pass allocates the same large temporaries again (a 2,048-token prefill step makes
-tensors of 2-25 MB per layer). glibc's ``malloc`` serves blocks that large with ``mmap`` and returns
-them to the kernel on ``free``, so the next step faults every page back in, and a page fault is
-expensive (on a VM even more so). GPU engines avoid the same cost with PyTorch's caching
-allocator; on a CPU the fix is two ``mallopt`` settings:
+Freed memory kept. Every forward pass allocates the same large temporaries again (a 2,048-token
+prefill step makes tensors of 2-25 MB per layer). glibc's ``malloc`` serves blocks that large with
+``mmap`` and returns them to the kernel on ``free``, so the next step faults every page back in
+(GPU engines avoid that with PyTorch's caching allocator). Two ``mallopt`` settings keep them:
+``M_MMAP_THRESHOLD`` = 32 MiB (glibc's maximum: blocks up to that size come from the heap, which is
+reused) and ``M_TRIM_THRESHOLD`` = 1 GiB (freed heap memory stays with the process). The cost: the
+process keeps up to its peak working set. They are process-wide, so they are applied once, only on
+Linux with glibc, and never over the user's own ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``.
 
-* ``M_MMAP_THRESHOLD`` = 32 MiB (glibc's maximum): blocks up to that size come from the heap,
-  which is reused, instead of fresh ``mmap`` regions;
-* ``M_TRIM_THRESHOLD`` = 1 GiB: freed heap memory stays with the process instead of being
-  handed back after every step.
+Weights in huge pages. Decoding one sequence reads every weight once per token (540 MB of SmolLM2
+in float32), and the CPU translates every 4 KiB page of it through its TLB, a cache of a few
+thousand translations: 130,000 pages a token, most of them a miss. With 2 MiB pages the same
+weights are 270 pages. Linux backs memory with *transparent huge pages* where a program asks
+(``madvise(MADV_HUGEPAGE)``, under the default ``[madvise]`` of
+``/sys/kernel/mm/transparent_hugepage/enabled``); PyTorch's allocator does not ask, so where it
+happens to put the weights decides how much of them get huge pages. ``move_to_huge_pages`` copies
+them once, at load, into one 2 MiB-aligned region advised ``MADV_HUGEPAGE`` before the first touch
+(``huge_page_bytes`` says how much the kernel really backs). A huge page is 2 MiB of *contiguous*
+physical memory: where free memory is fragmented the kernel compacts first, and the move can take
+seconds, which a lone sequence repays only after many tokens. So the move has a budget
+(``move_budget``: 1 s unless ``NANOENGINE_HUGE_PAGE_SECONDS`` says otherwise; ``serve`` and the
+benchmark wait as long as it takes): tensors move smallest first, the rest stay where they are.
 
-The cost is that the process keeps up to its peak working set of freed memory. The settings are
-process-wide, so they are applied once, only on Linux with glibc, and never over a choice the
-user made with glibc's own ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` variables.
+Freed memory given back when idle. glibc keeps freed memory in its arenas, and
+``M_TRIM_THRESHOLD`` only hands back the free space at the top of the main heap: a free block
+between live ones stays resident. Steps of ever-different shapes leave such holes, and a server's
+resident memory creeps up for hours. ``release_free_heap`` calls ``malloc_trim(0)``, which gives
+every whole free page of every arena back to the kernel; the next step faults back what it needs,
+so the engine core trims once per idle period (``IdleTrim``), never in a step's way.
+``NANOENGINE_TRIM_WHEN_IDLE=0`` switches it off; ``nanobench/soak.py`` measures the difference.
 
-Weights in huge pages
----------------------
-Decoding one sequence reads every weight once per token, 540 MB of SmolLM2 in float32, and the
-CPU must translate every 4 KiB page of it through its TLB, a cache of a few thousand page
-translations: 130,000 pages a token, most of them a miss and a walk of the page tables. With
-2 MiB pages the same weights are 270 pages. Linux backs memory with *transparent huge pages*
-where a program asks (``madvise(MADV_HUGEPAGE)``, the default mode ``[madvise]`` of
-``/sys/kernel/mm/transparent_hugepage/enabled``) or everywhere (``[always]``). PyTorch's allocator
-does not ask, so where it happens to put the weights decides how much of them the kernel backs
-with huge pages. ``move_to_huge_pages`` copies them once, at load, into one region that asks:
-2 MiB-aligned, ``MADV_HUGEPAGE`` before the first touch (``huge_page_bytes`` says how much of the
-process the kernel really backs with huge pages). Without transparent huge pages (not Linux, or
-``[never]``) the weights stay where they are.
+Caches keyed by shape. The prepacked products (``kernels/cpu_gemm.py``) run through oneDNN, which
+builds a *primitive* (a kernel for one problem size) for every new row count and keeps it in two
+caches (its own and PyTorch's ideep descriptor cache), 1,024 entries each by default. A server
+meets a new row count with nearly every prefill, so both grow for hours. ``bound_shape_caches``
+sets both to ``SHAPE_CACHE_ENTRIES`` through their environment variables, leaving a value the user
+set; the caches read them at the process's first oneDNN product, so the CPU backend sets them when
+it is built. A size that comes back after leaving the cache costs about a millisecond to rebuild.
 
-A huge page must be 2 MiB of *contiguous* physical memory: where free memory is fragmented the
-kernel first compacts it, and the move can take seconds instead of a fraction of one, which a
-lone sequence repays only after many tokens: worth it for a server, not for a notebook cell that
-generates twenty. So the move has a time budget (``move_budget``: 1 s unless
-``NANOENGINE_HUGE_PAGE_SECONDS`` says otherwise; ``serve`` and the benchmark wait as long as it
-takes): tensors move smallest first, and once the budget is spent the rest stay where they are
-(``CpuBackend.describe`` says what share moved).
+The engine core's OpenMP threads. After each parallel operator GNU OpenMP keeps its threads
+spinning (300,000 rounds by default, milliseconds) so that the next operator starts without a
+wake-up. Beside a server, that spin takes a core while the engine core runs a step's Python, and
+the server then takes a core from the team in the middle of an operator. So the engine core's
+process starts with ``GOMP_SPINCOUNT`` at ``ENGINE_CORE_SPINCOUNT`` (unless you set it, or
+``OMP_WAIT_POLICY``): long enough to catch a step's next operator, not through its Python.
+vLLM's CPU workers bound the wait too (Intel OpenMP's ``KMP_BLOCKTIME``).
 
-Giving freed memory back when idle
-----------------------------------
-PyTorch's CPU allocator caches nothing: every tensor's memory comes from ``malloc`` and goes back
-to glibc, which keeps it in its arenas. ``M_TRIM_THRESHOLD`` only hands back the free space at
-the very top of the main heap; a free block between two live ones stays resident. Steps of
-ever-different shapes leave such holes of every size, and a server's resident memory creeps up
-for hours, made of memory the process does not use. ``release_free_heap`` calls glibc's
-``malloc_trim(0)``, which gives every whole free page of every arena back to the kernel. The next
-step faults back the pages it needs, so the engine core calls it once per idle period
-(``IdleTrim``), never in a step's way; ``NANOENGINE_TRIM_WHEN_IDLE=0`` switches that off, and
-``nanobench/soak.py`` measures resident memory over an hour with and without it.
+One OpenMP team in the process. GNU OpenMP gives every thread that starts parallel work a team of
+its own, kept until that thread ends. A model loaded on one thread and stepped on another leaves
+two teams, more threads than cores, and GNU OpenMP then sleeps at every barrier instead of
+spinning. So ``serve --engine-thread`` loads the model on a thread that ends
+(``build_on_a_passing_thread``).
 
-Caches keyed by shape
----------------------
-The prepacked products (``kernels/cpu_gemm.py``) run through oneDNN, which builds a *primitive*
-(a kernel made for one problem size) for every new row count it sees and keeps it in two caches:
-oneDNN's own primitive cache and PyTorch's (ideep's) cache of oneDNN descriptors, 1,024 entries
-each by default. A server meets a new row count with nearly every prefill, so for hours both only
-grow. ``bound_shape_caches`` sets both to ``SHAPE_CACHE_ENTRIES`` entries through their
-environment variables (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, ``LRU_CACHE_CAPACITY``), leaving any
-value the user set. The caches read them at the process's first oneDNN product, so the CPU backend
-sets them when it is built (in a process that ran a oneDNN product earlier they keep their
-defaults). A size that left the cache and comes back costs about a millisecond to build again,
-against steps of tens.
-
-The engine core's OpenMP threads
---------------------------------
-After each parallel operator GNU OpenMP keeps its threads spinning, by default for 300,000 rounds
-of a pause instruction (milliseconds), so that the next operator starts without a wake-up. Beside
-a server that is wrong: while the core runs a step's Python (one thread), the other OpenMP thread
-spins on the second core, and the server's work and the clients' later take a core from the team
-in the middle of a parallel operator. So the engine core's process starts with ``GOMP_SPINCOUNT``
-at ``ENGINE_CORE_SPINCOUNT`` (unless you set it, or ``OMP_WAIT_POLICY``): spinning long enough to
-catch the next operator of a step, not through the step's Python. vLLM's CPU workers bound the
-wait too, with Intel OpenMP's ``KMP_BLOCKTIME``.
-
-One OpenMP team in the process
-------------------------------
-GNU OpenMP (the one PyTorch's wheels ship) gives every thread that starts parallel work a team of
-its own, kept until that thread ends. A model loaded on the main thread and stepped on another
-leaves two teams: more OpenMP threads than cores, and GNU OpenMP then puts threads to sleep at
-every barrier instead of spinning, hundreds of times a step. So ``python -m nanoengine serve
---engine-thread`` loads the model on a thread that ends (``build_on_a_passing_thread``).
-
-The server's own priority
--------------------------
-The front end needs little CPU but wakes for every step and every client; at equal priority each
-wake-up may take a core from the engine's OpenMP team in the middle of an operator. ``serving``
-lowers the server's own process by ``FRONT_END_NICENESS`` once its engine core runs in a process
-of its own (which keeps the priority it was born with).
+The server's own priority. The front end needs little CPU but wakes for every step and every
+client, and at equal priority each wake-up may take a core from the engine's OpenMP team
+mid-operator. ``serving`` lowers the server's process by ``FRONT_END_NICENESS`` once its engine
+core runs in a process of its own (which keeps the priority it was born with).
 """
 
 from __future__ import annotations

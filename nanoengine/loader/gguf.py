@@ -334,16 +334,9 @@ def gguf_tokenizer_files(path: PathLike | GGUFReader) -> dict[str, Any]:
         idx = meta.get(f"tokenizer.ggml.{key}_token_id")
         return None if idx is None else tokens[int(idx)]
 
-    special = {
-        name: text
-        for name, text in (
-            ("bos_token", token_text("bos")),
-            ("eos_token", token_text("eos")),
-            ("unk_token", token_text("unknown")),
-            ("pad_token", token_text("padding")),
-        )
-        if text is not None
-    }
+    named = {"bos_token": token_text("bos"), "eos_token": token_text("eos"), "unk_token": token_text("unknown"),
+             "pad_token": token_text("padding")}
+    special = {name: text for name, text in named.items() if text is not None}
     extra = [tokens[i] for i, t in enumerate(types) if t == _TOKEN_TYPE_CONTROL and tokens[i] not in special.values()]
     arch = meta.get("general.architecture")
     config: dict[str, Any] = {
