@@ -1,8 +1,8 @@
 """A step's decoder layers, one call each (the CPU backend; chapter 10).
 
-Decoding one sequence, most of a step is the GEMMs reading the weights, and the rest was almost
-all calls from Python: 30 layers of about 25 operators each (module calls, views, two norms, the
-rotary embedding, store-KV, attention, four GEMMs, the activation), a few microseconds apiece. A
+Decoding one sequence, a step run from Python spends most of its time in the GEMMs reading the
+weights and the rest almost all in calls: 30 layers of about 25 operators each (module calls,
+views, two norms, the rotary embedding, store-KV, attention, four GEMMs, the activation). A
 prefill pays the same calls once per step, whatever its length (figures: results/README.md). GPU
 engines hide this behind CUDA graphs, vLLM's CPU backend behind ``torch.compile`` (why this
 engine does not compile its model whole: ``backends.compilation``).
