@@ -4,14 +4,11 @@ RMSNorm(x) = x / sqrt(mean(x^2) + eps) * weight. Transformer blocks add the resi
 stream right before normalising it, so ``forward(x, residual)`` returns both the
 normalised sum and the new residual.
 
-The math lives in two plain functions, ``rms_norm`` and ``add_rms_norm``; the module
-calls them through ``norm_fn`` / ``add_norm_fn``, which it takes from the device backend's
-kernels when it is built (``layers.kernels``): these functions on their own, the CPU
-backend's native kernel (one pass per row). Eager PyTorch runs them op by op (add, pow,
-mean, add, rsqrt, mul, mul: a pass over the activations each). With ``compile=True`` the
-engine swaps in ``torch.compile``'d versions on this model's instances
-(``backends.compilation``): one generated loop that reads ``x`` and ``residual`` once and
-writes both outputs.
+The math lives in two plain functions, ``rms_norm`` and ``add_rms_norm``, which eager
+PyTorch runs op by op (add, pow, mean, add, rsqrt, mul, mul: a pass over the activations
+each). The module calls them through ``norm_fn`` / ``add_norm_fn``, taken from the device
+backend's kernels when it is built (``layers.kernels``): these functions, the CPU's native
+kernel (one pass per row) or, with ``compile=True``, their compiled versions (``backends.compilation``).
 """
 
 from __future__ import annotations

@@ -14,9 +14,8 @@ gathers the rows once per step (``rows``) and hands them down, and each layer ro
 queries and keys in one call, as one (tokens, heads + kv_heads, head_dim) view.
 
 The math is the plain function ``rotate_half``. The module calls it through ``rotate_fn``,
-taken from the device backend's kernels when it is built (``layers.kernels``: this
-function, or the CPU's native one pass); ``backends.compilation`` replaces it with a
-``torch.compile``'d version on one model's instances when the engine runs with ``compile=True``.
+taken from the device backend's kernels when it is built (``layers.kernels``): this function,
+the CPU's native one pass or, with ``compile=True``, its compiled version (``backends.compilation``).
 """
 
 from __future__ import annotations
