@@ -250,12 +250,8 @@ _REGION_SPANS: list[tuple[int, int]] = []  # the address ranges huge_page_region
 
 def bytes_in_huge_page_regions(tensors) -> int:
     """How many bytes of ``tensors`` start in a region advised to use huge pages (``huge_page_region``)."""
-    inside = 0
-    for t in tensors:
-        start = t.data_ptr()
-        if any(lo <= start < hi for lo, hi in _REGION_SPANS):
-            inside += t.numel() * t.element_size()
-    return inside
+    return sum(t.numel() * t.element_size() for t in tensors
+               if any(lo <= t.data_ptr() < hi for lo, hi in _REGION_SPANS))
 
 
 def move_to_huge_pages(tensors: list[torch.Tensor], budget_s: float | None = None) -> int:
