@@ -53,9 +53,11 @@ False; the CPU backend then uses the libraries and the batched PyTorch attention
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import math
+import os
 import platform
 import sys
 import time
@@ -142,11 +144,32 @@ def _build_and_load(verbose: bool) -> None:
     header_hash = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
     flags = [*COMPILE_FLAGS, *ISA_FLAGS[isa()], f"-DNANOENGINE_HEADERS_SHA={header_hash}"]
     clear_stale_lock(directory)
-    load_extension(build_name(), [str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                   build_directory=str(directory), is_python_module=False, verbose=verbose)
+    with pinned_ninja():
+        load_extension(build_name(), [str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                       build_directory=str(directory), is_python_module=False, verbose=verbose)
     if not built:
         print(f"nanoengine: compiled the native CPU kernels in {time.perf_counter() - start:.1f} s "
               f"(once; kept in {directory})", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def pinned_ninja():
+    """Build with the ninja installed beside this Python (requirements.txt pins it), whatever PATH says.
+
+    PyTorch's builder runs the first ``ninja`` on PATH. A shell with .venv activated finds the pinned
+    one, a Jupyter kernel or ``.venv/bin/python`` run directly may find the system's, and two ninja
+    versions do not read each other's build log: each rebuilt every kernel (~40 s) for the other.
+    """
+    here = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "")
+    if not (Path(here) / "ninja").exists() or path.split(os.pathsep)[0] == here:
+        yield
+        return
+    os.environ["PATH"] = here + os.pathsep + path
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
 
 
 # A build takes under a minute; a lock file older than this was left by a process that stopped while

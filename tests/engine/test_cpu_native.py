@@ -525,3 +525,21 @@ def test_the_backend_gives_the_activation_the_native_kernel():
     with building_with(CpuBackend("cpu").kernels):
         model = torch.nn.ModuleList([SiluAndMul()])
     assert model[0].silu_and_mul_fn is cpu_native.silu_and_mul
+
+
+def test_the_build_uses_the_ninja_beside_this_python_whatever_path_says(tmp_path, monkeypatch):
+    """Two ninja versions read each other's build log as stale and rebuild everything: the build runs
+    the one installed beside the interpreter (the pinned one in .venv/bin) first on PATH, then PATH
+    is as it was."""
+    import os
+    import sys
+
+    (tmp_path / "ninja").write_text("")
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    monkeypatch.setenv("PATH", "/usr/bin")
+    with cpu_native.pinned_ninja():
+        assert os.environ["PATH"].split(os.pathsep) == [str(tmp_path), "/usr/bin"]
+    assert os.environ["PATH"] == "/usr/bin"
+    (tmp_path / "ninja").unlink()  # no ninja beside it: PATH untouched
+    with cpu_native.pinned_ninja():
+        assert os.environ["PATH"] == "/usr/bin"
