@@ -1,8 +1,8 @@
-"""The paged-KV kernels: a PyTorch reference, a CPU-tuned path and Triton for CUDA.
+"""The paged-KV kernels: a PyTorch reference, the CPU's native C++ kernels and Triton for CUDA.
 
-Each operation has a PyTorch reference (``reference.py``, the specification) and a
-Triton kernel (``triton_kernels.py``, the CUDA path); decode attention also has a
-CPU-tuned version (``cpu_attention.py``) beside the CPU GEMM path (``cpu_gemm.py``).
+Each operation has a PyTorch reference (``reference.py``, the specification), a Triton kernel
+(``triton_kernels.py``, the CUDA path) and, for attention, the CPU's native kernels
+(``cpu_native.py``; where they cannot be built, a batched PyTorch decode, ``cpu_attention.py``).
 The engine never picks among them per call: its device backend (``nanoengine.backends``)
 chooses the kernels once, when the engine is built. The three functions below are for
 tools and notebooks that hold tensors and want "the path the engine would take for
@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from nanoengine.kernels import cpu_attention, reference
+from nanoengine.kernels import cpu_attention, cpu_native, reference
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,13 +49,20 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
     triton = _triton_for(query)
     if triton is not None:
         return triton.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+    if runs_native(query):
+        return cpu_native.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
     return cpu_attention.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale):
     """Chunked/prefix-aware prefill attention (see ``reference.paged_prefill_attention``)."""
-    impl = _triton_for(query) or reference
+    impl = _triton_for(query) or (cpu_native if runs_native(query) else reference)
     return impl.paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
 
 
-__all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "triton_available"]
+def runs_native(tensor: torch.Tensor) -> bool:
+    """Whether the CPU engine would run its native kernels on ``tensor`` (built here, its dtype one they take)."""
+    return tensor.device.type == "cpu" and tensor.dtype in cpu_native.DTYPES and cpu_native.load()
+
+
+__all__ = ["store_kv", "paged_decode_attention", "paged_prefill_attention", "runs_native", "triton_available"]

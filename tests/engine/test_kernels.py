@@ -249,11 +249,19 @@ def test_store_kv_skips_minus_one_slots():
         assert torch.all(v_cache[block, offset] == 2 * expect)
 
 
-def test_dispatch_keeps_cpu_tensors_off_triton(monkeypatch):
-    """CPU tensors never reach Triton: store-KV and prefill run the reference, decode the CPU path."""
+@pytest.mark.parametrize("native", [True, False], ids=["native kernels built", "no native kernels"])
+def test_dispatch_keeps_cpu_tensors_off_triton(monkeypatch, native):
+    """CPU tensors never reach Triton: store-KV runs the reference; attention runs what the CPU
+    engine runs, the native kernels where they are built (else the batched decode and the reference)."""
+    from nanoengine.kernels import cpu_native
+
+    if native and not cpu_native.load():
+        pytest.skip("the native kernels cannot be built here")
+    monkeypatch.setattr(kernels, "runs_native", lambda tensor: native)
+    attention = cpu_native if native else None
     calls = []
-    for module, name in ((reference, "store_kv"), (cpu_attention, "paged_decode_attention"),
-                         (reference, "paged_prefill_attention")):
+    for module, name in ((reference, "store_kv"), (attention or cpu_attention, "paged_decode_attention"),
+                         (attention or reference, "paged_prefill_attention")):
         original = getattr(module, name)
 
         def spy(*args, _name=name, _original=original):
