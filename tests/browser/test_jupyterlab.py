@@ -294,7 +294,7 @@ def _count(locator) -> int:
 
 def test_1_the_index_opens_rendered_and_its_links_open_chapters(lab, page) -> None:
     page.goto(f"{lab.url}/?token={TOKEN}", wait_until="domcontentloaded")  # the server's front door
-    rendered = page.locator(".jp-RenderedMarkdown", has_text="Written today")
+    rendered = page.locator(".jp-RenderedMarkdown", has_text="Every chapter comes with worked solutions")
     rendered.wait_for(timeout=90_000)
     assert page.locator(".jp-FileEditor").count() == 0, "the index opened in the text editor"
     time.sleep(3)  # the news question, when asked, comes a moment after start-up
