@@ -217,8 +217,9 @@ def plotly_html(figure: dict, div_id: str) -> str:
             f"Plotly.newPlot('{div_id}',s.data,s.layout,s.config);}})();</script>")
 
 
-def _widget_name(output: dict) -> str:
-    """The widget's class: recorded by scripts/execute_notebooks.py, else read from its repr."""
+def widget_name(output: dict) -> str:
+    """A widget view's class: recorded by scripts/execute_notebooks.py, else read from its repr
+    (``Quiz(children=...)``); "widget" for one whose repr names none (a progress bar's)."""
     if output.get("metadata", {}).get("nanoengine_widget"):
         return output["metadata"]["nanoengine_widget"]
     text = output.get("data", {}).get("text/plain", "")
@@ -248,7 +249,7 @@ def stage_notebook(root: Path, path: Path, docs: dict[str, str]) -> dict:
         for k, output in enumerate(cell.get("outputs", [])):
             data = output.get("data", {})
             if WIDGET_VIEW in data:
-                name = _widget_name(output)
+                name = widget_name(output)
                 match = re.search(r"\bQuiz\(\s*(\d+)", source)
                 if name == "Quiz" and match:
                     outputs.append(_html_output(quiz_view(int(match.group(1)), source, path, title, root)))

@@ -38,11 +38,14 @@ SOURCE_DIRS = ("nanoengine", "nanobench", "widgets")  # what the outputs depend 
 
 
 def mark_widget_views(nb) -> int:
-    """Give each widget view's output the course's "run this cell" line as its plain text, and its
-    widget's class name as ``metadata.nanoengine_widget``; returns how many there were. Every such
-    cell is one nbval does not compare (tests/course/test_notebooks.py checks it)."""
+    """Give each simulator's widget view the course's "run this cell" line as its plain text, and its
+    class name (read by ``build_site.widget_name``) as ``metadata.nanoengine_widget``; returns how
+    many there were. A view whose repr names no class (a library's progress bar) keeps its text,
+    which the site describes. Every such cell is one nbval does not compare
+    (tests/course/test_notebooks.py checks it)."""
     import importlib.util
-    import re
+
+    from build_site import widget_name
 
     spec = importlib.util.spec_from_file_location("course_hooks", ROOT / "jupyter" / "course_hooks.py")
     hooks = importlib.util.module_from_spec(spec)
@@ -51,10 +54,8 @@ def mark_widget_views(nb) -> int:
     for cell in nb.cells:
         for output in cell.get("outputs", []):
             data = output.get("data", {})
-            if hooks.WIDGET_VIEW in data:
-                text = data.get("text/plain", "")
-                name = re.match(r"\s*([A-Za-z_]\w*)\(", "".join(text) if isinstance(text, list) else text)
-                output.setdefault("metadata", {})["nanoengine_widget"] = name.group(1) if name else "widget"
+            if hooks.WIDGET_VIEW in data and (name := widget_name(output)) != "widget":
+                output.setdefault("metadata", {})["nanoengine_widget"] = name
                 data["text/plain"] = hooks.RERUN_NOTE
                 marked += 1
     return marked
@@ -107,5 +108,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT))  # and scripts/ is sys.path[0], for build_site
     raise SystemExit(main())

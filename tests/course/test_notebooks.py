@@ -69,9 +69,12 @@ def test_a_simulator_cell_opened_before_running_says_to_run_it(path: Path):
         for output in cell.get("outputs", []):
             data = output.get("data", {})
             if "application/vnd.jupyter.widget-view+json" in data:
-                assert "Run this cell to bring the simulator back" in "".join(data.get("text/plain", "")), \
-                    f"{path.name} cell {i} saved its widget's repr: re-execute it with scripts/execute_notebooks.py"
-                assert output["metadata"].get("nanoengine_widget"), f"{path.name} cell {i}"
+                text = "".join(data.get("text/plain", ""))
+                if not output.get("metadata", {}).get("nanoengine_widget"):  # only a library's progress bar
+                    assert not re.match(r"\s*[A-Za-z_]\w*\(", text), \
+                        f"{path.name} cell {i} saved its widget's repr: re-execute it with scripts/execute_notebooks.py"
+                else:
+                    assert "Run this cell to bring the simulator back" in text, f"{path.name} cell {i}"
                 assert "nbval-ignore-output" in cell["metadata"].get("tags", []), f"{path.name} cell {i}"
 
 
