@@ -9,6 +9,7 @@
 #   pop-up; widget state is not saved.
 # * The server listens on 127.0.0.1 only.
 import importlib.util
+import warnings
 from pathlib import Path
 
 _here = Path(__file__).resolve().parent
@@ -18,6 +19,12 @@ _spec.loader.exec_module(_hooks)
 
 c = get_config()  # noqa: F821 (defined by Jupyter's config loader)
 c.ContentsManager.pre_save_hook = _hooks.strip_widget_views
+# The server applies its configuration to the contents manager twice, and traitlets warns each
+# time a hook replaces one, even the same hook ("Overriding existing pre_save_hook
+# (strip_widget_views) with a new one (strip_widget_views)"). Only that case is silenced: a
+# different hook replacing this one still warns.
+warnings.filterwarnings("ignore", message=r"Overriding existing pre_save_hook \(strip_widget_views\) "
+                        r"with a new one \(strip_widget_views\)")
 c.LabApp.app_settings_dir = str(_here.parent / "lab-settings")
 c.LabApp.check_for_updates_class = "jupyterlab.NeverCheckForUpdate"
 c.ServerApp.ip = "127.0.0.1"

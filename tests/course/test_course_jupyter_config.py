@@ -88,6 +88,23 @@ def test_the_server_config_installs_the_hook_the_settings_and_localhost() -> Non
     assert (Path(config.LabApp.app_settings_dir) / "overrides.json").is_file()
 
 
+def test_applying_the_config_again_as_the_server_does_warns_nothing() -> None:
+    """The server hands its configuration to the contents manager twice; traitlets warned
+    "Overriding existing pre_save_hook" at every launch for the same hook (course v5)."""
+    import warnings
+
+    from jupyter_server.services.contents.manager import ContentsManager
+
+    config = load_server_config()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        load_server_config()  # the config file's filter in place, as in the server's process
+        manager = ContentsManager(config=config)
+        manager.update_config(config)
+    assert manager.pre_save_hook.__name__ == "strip_widget_views"
+    assert not [w for w in caught if "pre_save_hook" in str(w.message)], [str(w.message) for w in caught]
+
+
 def test_course_lab_points_jupyter_at_the_course_config_and_binds_localhost() -> None:
     script = (REPO / "course").read_text()
     lab = script[script.index("  lab)"):script.index("  test)")]
