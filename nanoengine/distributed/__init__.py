@@ -1,0 +1,1 @@
+"""Tensor parallelism: one model split over several worker processes (chapter 9)."""
