@@ -147,20 +147,12 @@ def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathL
     _write_json(out / "special_tokens_map.json", tokenizer_files["special_tokens_map.json"])
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
 
-    manifest = {
-        "model": DEFAULT_MODEL_NAME,
-        "converter_version": CONVERTER_VERSION,
-        "source": {
-            "package": SOURCE_PACKAGE,
-            "package_version": _installed_version(),
-            "file": gguf_path.name,
-            "size": gguf_path.stat().st_size,
-            "sha256": _sha256(gguf_path),
-        },
-        "num_tensors": len(state),
-        "files": {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.name != MANIFEST},
-        "conversion_seconds": round(time.perf_counter() - start, 2),
-    }
+    source = {"package": SOURCE_PACKAGE, "package_version": _installed_version(), "file": gguf_path.name,
+              "size": gguf_path.stat().st_size, "sha256": _sha256(gguf_path)}
+    manifest = {"model": DEFAULT_MODEL_NAME, "converter_version": CONVERTER_VERSION, "source": source,
+                "num_tensors": len(state),
+                "files": {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.name != MANIFEST},
+                "conversion_seconds": round(time.perf_counter() - start, 2)}
     _write_json(out / MANIFEST, manifest)
     return manifest
 

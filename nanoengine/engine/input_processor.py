@@ -170,5 +170,4 @@ class InputProcessor:
 def is_conversation(prompt: object) -> bool:
     """True for a non-empty list of ``{'role': str, 'content': str}`` messages."""
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in prompt)
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
