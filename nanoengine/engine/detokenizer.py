@@ -53,10 +53,8 @@ def token_decoder(tokenizer) -> Decoder:
             and getattr(tokenizer.decode, "__func__", None) is PreTrainedTokenizerFast.decode \
             and getattr(tokenizer._decode, "__func__", None) is PreTrainedTokenizerFast._decode \
             and backend is not None:
-        return lambda token_ids, skip_special_tokens: backend.decode(token_ids,
-                                                                     skip_special_tokens=skip_special_tokens)
-    return lambda token_ids, skip_special_tokens: tokenizer.decode(
-        token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+        return lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+    return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
 
 
 class IncrementalDetokenizer:

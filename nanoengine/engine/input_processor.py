@@ -28,8 +28,7 @@ vLLM v1 splits its engine the same way (vllm/v1/engine/processor.py turns prompt
 The processor reads only its tokenizer and fixed limits, none of the engine's state
 (queues, blocks, request ids), so a server may call it on a thread other than the one
 stepping the engine, tokenizing a large prompt while the engine keeps serving others (the
-tokenizer is then shared by that thread and the engine's detokenizer). ``process_tokens``
-is the entry for prompts that are already token ids.
+tokenizer is then shared by that thread and the engine's detokenizer).
 """
 
 from __future__ import annotations
@@ -170,5 +169,4 @@ class InputProcessor:
 def is_conversation(prompt: object) -> bool:
     """True for a non-empty list of ``{'role': str, 'content': str}`` messages."""
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-        for m in prompt)
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)

@@ -212,6 +212,4 @@ class OutputProcessor:
         return tuple(TokenLogprob(t, lp, self.decode([t])) for t, lp in pairs)
 
     def decode(self, token_ids: list[int]) -> str:
-        if self._decode_ids is None:
-            return ""
-        return self._decode_ids(token_ids, False)
+        return "" if self._decode_ids is None else self._decode_ids(token_ids, False)

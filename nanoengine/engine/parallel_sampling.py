@@ -153,11 +153,7 @@ class ParentRequests:
 
 
 def gather_metrics(completions: list[Request]) -> RequestMetrics:
-    """One request's timings over all its completions.
-
-    The first token is the earliest of any, the finish the last, and ``token_times``
-    holds every completion's tokens in time order.
-    """
+    """One request's timings over all its completions, as ``RequestMetrics`` describes them."""
     if len(completions) == 1:  # the usual case, built every step of a stream: read straight off
         c = completions[0]
         return RequestMetrics(

@@ -43,18 +43,9 @@ _FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHE
 class Request:
     """One generation request: tokens, progress, KV location, sampling state, timings."""
 
-    def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        prompt: str | None = None,
-        eos_token_ids: tuple[int, ...] = (),
-        arrival_time: float | None = None,
-        device: torch.device | str = "cpu",
-        parent_id: str | None = None,
-        index: int = 0,
-    ) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 prompt: str | None = None, eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None,
+                 device: torch.device | str = "cpu", parent_id: str | None = None, index: int = 0) -> None:
         self.request_id = request_id
         # Parallel sampling: the n completions of one user request are n requests here,
         # named "{index}_{parent_id}" (vLLM's naming); with n=1 the ids are equal.

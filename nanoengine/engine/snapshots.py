@@ -32,10 +32,9 @@ class RequestSnapshot:
 
     @classmethod
     def of(cls, r: Request) -> "RequestSnapshot":
-        return cls(r.request_id, r.status.value, r.num_prompt_tokens, r.num_output_tokens,
-                   r.num_computed_tokens, r.num_tokens, r.sampling_params.max_tokens,
-                   tuple(r.block_ids), r.num_cached_tokens, r.num_preemptions, r.parent_id,
-                   tuple(r.spec_token_ids))
+        return cls(r.request_id, r.status.value, r.num_prompt_tokens, r.num_output_tokens, r.num_computed_tokens,
+                   r.num_tokens, r.sampling_params.max_tokens, tuple(r.block_ids), r.num_cached_tokens,
+                   r.num_preemptions, r.parent_id, tuple(r.spec_token_ids))
 
 
 @dataclass(frozen=True)

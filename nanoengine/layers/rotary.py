@@ -44,8 +44,7 @@ class RotaryEmbedding(nn.Module):
     compilable = ("rotate_fn",)  # see backends.compilation; the class attribute is the eager one
     rotate_fn = staticmethod(rotate_half)
 
-    def __init__(self, head_dim: int, max_position: int, base: float,
-                 rope_scaling: dict | None = None) -> None:
+    def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rotate_fn = current_kernels().rotate_half or rotate_half

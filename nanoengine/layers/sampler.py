@@ -209,8 +209,7 @@ class Sampler:
         top_p_cut = (total.gather(1, last) >= top_p) & (top_p < 1.0)
         min_p_cut = ~keep.gather(1, last) & (min_p > 0.0) & ~top_p_cut
         exact = has_top_k | (width == vocab) | top_p_cut | min_p_cut
-        return (torch.softmax(values.masked_fill(~keep, float("-inf")), dim=-1), candidates, widths,
-                exact[:, 0])
+        return torch.softmax(values.masked_fill(~keep, float("-inf")), dim=-1), candidates, widths, exact[:, 0]
 
     @staticmethod
     def _draw(probs: torch.Tensor, generators: list, default_generator: torch.Generator | None,

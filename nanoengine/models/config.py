@@ -68,23 +68,16 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         heads = d["num_attention_heads"]
         return cls(
-            architecture=archs[0],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=heads,
+            architecture=archs[0], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            vocab_size=d["vocab_size"],
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads, vocab_size=d["vocab_size"],
             rms_norm_eps=d.get("rms_norm_eps", 1e-5),
             rope_theta=d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=d.get("rope_scaling"),
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            rope_scaling=d.get("rope_scaling"), max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
+            bos_token_id=d.get("bos_token_id"), eos_token_ids=eos_ids)
 
     def to_dict(self) -> dict:
         """A Hugging Face ``config.json`` for this shape (the inverse of ``from_dict``)."""
@@ -99,8 +92,7 @@ class ModelConfig:
             "rope_scaling": self.rope_scaling, "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings, "attention_bias": self.attention_bias,
             "bos_token_id": self.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
-            "hidden_act": "silu",
-        }
+            "hidden_act": "silu"}
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
