@@ -36,30 +36,58 @@ class PeerRunnerError(RuntimeError):
     """A peer's runner answered an error, or stopped, or did not answer in time."""
 
 
+class PeerSetupError(FileNotFoundError):
+    """A peer's virtualenv is missing: its ``./course <peer>-setup`` makes it."""
+
+
+def virtualenv_python(venv: Path | str, error_class: type[PeerSetupError], needed_by: str, setup_command: str,
+                      what_setup_does: str) -> Path:
+    """The interpreter of a peer's virtualenv, checked to exist (nothing is started); if it does
+    not, ``error_class`` saying who needs it (``needed_by``) and which command makes it."""
+    python = Path(venv) / "bin" / "python"
+    if not python.exists():
+        raise error_class(f"{needed_by} at {venv}, which is missing: run `{setup_command}` first ({what_setup_does})")
+    return python
+
+
 class RunnerProcess:
     """One runner, started once, taking commands one at a time.
 
-    ``python`` and ``runner``: the interpreter (the peer's virtualenv's) and the script; the
-    tests give a stand-in that speaks the same protocol. Subclasses set ``label`` (the
-    engine's name in messages), ``error_class`` and ``log_prefix``.
+    ``settings``: the peer's settings, with ``runner_config()`` (the JSON the runner is
+    started with) and ``venv`` (its virtualenv). ``python`` and ``runner``: the interpreter
+    and the script, by default the virtualenv's (:meth:`virtualenv_python`) and the
+    subclass's ``default_runner``; the tests give a stand-in that speaks the same protocol.
+    Subclasses also set ``label`` (the engine's name in messages), ``error_class``,
+    ``log_prefix`` and the default timeouts.
     """
 
     label = "the peer"
     error_class: type[PeerRunnerError] = PeerRunnerError
     log_prefix = "peer-runner-"
+    default_runner: Path
+    default_load_timeout_s = 600.0
+    default_run_timeout_s = 1800.0
 
-    def __init__(self, python: Path | str, runner: Path | str, load_timeout_s: float, run_timeout_s: float) -> None:
-        self.python, self.runner = Path(python), Path(runner)
-        self.load_timeout_s, self.run_timeout_s = load_timeout_s, run_timeout_s
+    def __init__(self, settings, python: Path | str | None = None, runner: Path | str | None = None,
+                 load_timeout_s: float | None = None, run_timeout_s: float | None = None) -> None:
+        self.settings = settings
+        self.python = Path(python) if python is not None else self.virtualenv_python(settings.venv)
+        self.runner = Path(runner) if runner is not None else self.default_runner
+        self.load_timeout_s = self.default_load_timeout_s if load_timeout_s is None else load_timeout_s
+        self.run_timeout_s = self.default_run_timeout_s if run_timeout_s is None else run_timeout_s
         self.process: subprocess.Popen | None = None
         self.ready: dict | None = None
         self._lines: queue.Queue = queue.Queue()
         self.log_path: Path | None = None
 
     # ------------------------------------------------------- what subclasses say
-    def runner_arguments(self) -> list[str]:
-        """The runner's command-line arguments (after the script's path)."""
+    def virtualenv_python(self, venv: Path | str) -> Path:
+        """The peer's interpreter in ``venv``, checked to exist (an error naming its set-up if not)."""
         raise NotImplementedError
+
+    def runner_arguments(self) -> list[str]:
+        """The runner's command-line arguments (after the script's path): its config, as JSON."""
+        return [json.dumps(self.settings.runner_config())]
 
     def runner_environment(self) -> dict:
         """The runner's environment variables (all of them: it gets exactly these)."""
@@ -156,4 +184,4 @@ class RunnerProcess:
         return self.error_class(what + tail)
 
 
-__all__ = ["PeerRunnerError", "REPO_ROOT", "RunnerProcess"]
+__all__ = ["PeerRunnerError", "PeerSetupError", "REPO_ROOT", "RunnerProcess", "virtualenv_python"]

@@ -25,12 +25,11 @@ No model hub is reached: vLLM reads the course's cached model directory, with
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nanobench.peer_process import REPO_ROOT, PeerRunnerError, RunnerProcess
+from nanobench.peer_process import REPO_ROOT, PeerRunnerError, PeerSetupError, RunnerProcess, virtualenv_python
 
 DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
 RUNNER = Path(__file__).with_name("vllm_runner.py")
@@ -51,7 +50,7 @@ PROFILE_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CUSTOM_SCOPE
                        "TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE": "1"}
 
 
-class VllmSetupError(FileNotFoundError):
+class VllmSetupError(PeerSetupError):
     """vLLM's virtualenv is missing or incomplete: ``./course vllm-setup`` makes it."""
 
 
@@ -61,11 +60,8 @@ class VllmRunnerError(PeerRunnerError):
 
 def vllm_python(venv: Path | str = DEFAULT_VENV) -> Path:
     """The interpreter of vLLM's virtualenv, checked to exist (nothing is started)."""
-    python = Path(venv) / "bin" / "python"
-    if not python.exists():
-        raise VllmSetupError(f"--vs-vllm needs vLLM's own virtualenv at {venv}, which is missing: run "
-                             f"`{SETUP_COMMAND}` first (it creates it from PyPI with pinned versions)")
-    return python
+    return virtualenv_python(venv, VllmSetupError, "--vs-vllm needs vLLM's own virtualenv", SETUP_COMMAND,
+                             "it creates it from PyPI with pinned versions")
 
 
 def format_cpu_list(cpus) -> str:
@@ -176,15 +172,13 @@ class VllmPeer(RunnerProcess):
     label = "vLLM"
     error_class = VllmRunnerError
     log_prefix = "vllm-runner-"
+    default_runner = RUNNER
+    default_load_timeout_s = LOAD_TIMEOUT_S
+    default_run_timeout_s = RUN_TIMEOUT_S
+    settings: VllmSettings
 
-    def __init__(self, settings: VllmSettings, python: Path | str | None = None, runner: Path | str = RUNNER,
-                 load_timeout_s: float = LOAD_TIMEOUT_S, run_timeout_s: float = RUN_TIMEOUT_S) -> None:
-        super().__init__(python if python is not None else vllm_python(settings.venv), runner, load_timeout_s,
-                         run_timeout_s)
-        self.settings = settings
-
-    def runner_arguments(self) -> list[str]:
-        return [json.dumps(self.settings.runner_config())]
+    def virtualenv_python(self, venv: Path | str) -> Path:
+        return vllm_python(venv)
 
     def runner_environment(self) -> dict:
         return self.settings.environment()[0]
