@@ -15,6 +15,13 @@ figures and backs ``tests/engine/test_load.py``; ``timing`` is the one measuring
 chapters use; ``results_report`` (``python -m nanobench.results_report``) builds the README's
 "Results" table and plot from the results files.
 
+The engines the benchmark races against each live in a virtualenv of their own and answer
+from a subprocess: vLLM (``vllm_peer`` drives ``vllm_runner``, ``bench --vs-vllm``) and
+llama.cpp (``llamacpp_peer`` drives ``llamacpp_runner``, ``bench --vs-llamacpp``), both
+through ``peer_process`` (the driver's side of their JSON-lines protocol) and
+``runner_protocol`` (the runner's side); ``gguf_export`` writes the engine's own weights as
+GGUF files, so that llama.cpp computes with the same numbers.
+
 The names below are the surface the chapters and ``widgets/`` use; they load on first use
 (PEP 562), so ``from nanobench import prepare_environment`` imports neither torch nor the
 benchmark, and ``prepare_environment()`` can still choose OpenMP's wait policy before torch

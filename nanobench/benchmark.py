@@ -39,6 +39,10 @@ Options beyond the default offline race:
   its greedy tokens on the first prompts are compared with the engine's, and with
   ``--online-rates`` both servers are started and raced through the same client
   (``vllm_peer``, ``vllm_runner``, ``server_race``).
+* ``--vs-llamacpp``: instead, one stream: the engine against llama.cpp (llama-cpp-python from
+  its own virtualenv, ``./course llamacpp-setup``) on GGUF files of the engine's own weights
+  at its dtype, the same prompt and tokens, alternating rounds: time to first token, decode
+  rate and the greedy tokens compared (``llamacpp_peer``, ``llamacpp_runner``, ``gguf_export``).
 * ``--profile``: the engine's steps under ``torch.profiler``, at batch 1 and at the
   workload's batch, cut into GEMMs, attention, other ops, sampling and host work; with
   ``--vs-vllm`` vLLM's steps too, in a runner of its own (``step_profile``). CPU only.
@@ -59,6 +63,7 @@ idle machine passive waiting made the default workload measurably slower
     python -m nanoengine bench --device cuda --dtype bfloat16    # on a GPU
     python -m nanoengine bench --vs-vllm --dtype bfloat16        # with vLLM's CPU build (./course vllm-setup)
     python -m nanoengine bench --vs-vllm --profile --skip-hf     # and where each engine spends its step
+    python -m nanoengine bench --vs-llamacpp --output-len 128    # one stream against llama.cpp (./course llamacpp-setup)
 """
 
 from __future__ import annotations
@@ -141,6 +146,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --vs-vllm: run vLLM eagerly (by default it compiles its model, as its CPU build does)")
     p.add_argument("--vllm-compare-prompts", type=int, default=8,
                    help="with --vs-vllm: greedy tokens of this many first prompts compared with the engine's")
+    from nanobench.llamacpp_peer import add_arguments as add_llamacpp_arguments
+
+    add_llamacpp_arguments(p)
     p.add_argument("--speculative", action="store_true",
                    help="speculative decoding (prompt lookup) against plain decoding, alternating rounds, on a "
                         "copying and an open workload (nanobench/speculative.py)")
@@ -157,7 +165,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "torch.profiler, at batch 1 and at the workload's batch: ms per step and the shares of GEMMs, "
                         "attention, other ops, sampling and host work (nanobench/step_profile.py); CPU only")
     p.add_argument("--out", default=None, help="results JSON (default: results/bench-<device>-<date>.json; with "
-                   "--vs-vllm results/bench-vllm-<device>-<date>-<dtype>.json)")
+                   "--vs-vllm results/bench-vllm-<device>-<date>-<dtype>.json, with --vs-llamacpp "
+                   "results/bench-llamacpp-cpu-<date>-<dtype>.json)")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -207,6 +216,10 @@ def check_arguments(args: argparse.Namespace) -> None:
                           num_speculative_tokens_per_batch_size=args.spec_tokens_per_batch_size)
     if getattr(args, "profile", False):
         check_profile_arguments(args)
+    if getattr(args, "vs_llamacpp", False):  # first: it names the options it cannot take, --vs-vllm among them
+        from nanobench.llamacpp_peer import check_arguments as check_llamacpp_arguments
+
+        check_llamacpp_arguments(args)
     if getattr(args, "vs_vllm", False):
         check_vllm_arguments(args)
 
@@ -235,17 +248,22 @@ def _json_schedule(text: str) -> list:
         raise argparse.ArgumentTypeError(f"not JSON ({exc.msg}): {text!r}; e.g. '[[1, 1, 7], [2, 256, 0]]'") from exc
 
 
+def check_cpu_peer(args: argparse.Namespace, flag: str, peer: str, dtypes: tuple[str, ...], why: str) -> None:
+    """A CPU peer's first checks: the bench on a CPU (``--device cpu``, or ``auto`` where there is
+    no CUDA) and ``--dtype`` one of ``dtypes`` (``why``: the peer's reason for them)."""
+    if args.device not in ("auto", "cpu") or (args.device == "auto" and torch.cuda.is_available()):
+        raise ValueError(f"{flag} compares with {peer}'s CPU build: run it with --device cpu, got --device "
+                         f"{args.device}" + (" (auto picks CUDA here)" if args.device == "auto" else ""))
+    if args.dtype not in ("auto", *dtypes):
+        raise ValueError(f"{flag} runs both engines in {' or '.join(dtypes)} ({why}), got --dtype {args.dtype}")
+
+
 def check_vllm_arguments(args: argparse.Namespace) -> None:
     """``--vs-vllm``'s own checks, before anything loads: vLLM's CPU build runs on a CPU in
     float32 or bfloat16, and its virtualenv must exist (``./course vllm-setup``)."""
     from nanobench.vllm_peer import DEFAULT_VENV, DTYPES, vllm_python
 
-    if args.device not in ("auto", "cpu") or (args.device == "auto" and torch.cuda.is_available()):
-        raise ValueError(f"--vs-vllm compares with vLLM's CPU build: run it with --device cpu, got --device "
-                         f"{args.device}" + (" (auto picks CUDA here)" if args.device == "auto" else ""))
-    if args.dtype not in ("auto", *DTYPES):
-        raise ValueError(f"--vs-vllm runs both engines in float32 or bfloat16 (vLLM's CPU dtypes), got "
-                         f"--dtype {args.dtype}")
+    check_cpu_peer(args, "--vs-vllm", "vLLM", DTYPES, "vLLM's CPU dtypes")
     if isinstance(args.vllm_kvcache_gib, bool) or not isinstance(args.vllm_kvcache_gib, int) \
             or args.vllm_kvcache_gib < 1:
         raise ValueError(f"vllm_kvcache_gib must be a whole number of GiB >= 1, got {args.vllm_kvcache_gib!r}")
@@ -817,6 +835,10 @@ def run_from_args(args: argparse.Namespace) -> dict:
 
     check_arguments(args)
     cpu_platform.wait_for_all_huge_pages()  # a benchmark wants the engines' full speed, every run
+    if getattr(args, "vs_llamacpp", False):
+        from nanobench.llamacpp_peer import race_llamacpp
+
+        return race_llamacpp(args)
     if args.speculative:
         from nanobench.speculative import run_speculative
 

@@ -25,16 +25,12 @@ No model hub is reached: vLLM reads the course's cached model directory, with
 
 from __future__ import annotations
 
-import json
 import os
-import queue
-import subprocess
-import tempfile
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from nanobench.peer_process import REPO_ROOT, PeerRunnerError, PeerSetupError, RunnerProcess, virtualenv_python
+
 DEFAULT_VENV = REPO_ROOT / ".venv-vllm"
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 SETUP_COMMAND = "./course vllm-setup"
@@ -43,7 +39,6 @@ DEFAULT_KVCACHE_GIB = 4  # vLLM reads a whole number of GiB
 DTYPES = ("float32", "bfloat16")  # what vLLM's CPU backend runs and the engine runs on a CPU
 LOAD_TIMEOUT_S = 1200.0  # compiling on two busy cores can take minutes
 RUN_TIMEOUT_S = 1800.0
-LOG_TAIL_LINES = 30
 #: A profiling runner's environment (``VllmSettings(profile=True)``): vLLM's engine core in the
 #: runner's process, so a profiler there sees the model (by default it runs in a process of
 #: its own, ``vllm/v1/engine/core_client.py``); vLLM's ``record_function`` scopes on, among
@@ -55,21 +50,18 @@ PROFILE_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CUSTOM_SCOPE
                        "TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE": "1"}
 
 
-class VllmSetupError(FileNotFoundError):
+class VllmSetupError(PeerSetupError):
     """vLLM's virtualenv is missing or incomplete: ``./course vllm-setup`` makes it."""
 
 
-class VllmRunnerError(RuntimeError):
+class VllmRunnerError(PeerRunnerError):
     """The vLLM runner answered an error, or stopped, or did not answer in time."""
 
 
 def vllm_python(venv: Path | str = DEFAULT_VENV) -> Path:
     """The interpreter of vLLM's virtualenv, checked to exist (nothing is started)."""
-    python = Path(venv) / "bin" / "python"
-    if not python.exists():
-        raise VllmSetupError(f"--vs-vllm needs vLLM's own virtualenv at {venv}, which is missing: run "
-                             f"`{SETUP_COMMAND}` first (it creates it from PyPI with pinned versions)")
-    return python
+    return virtualenv_python(venv, VllmSetupError, "--vs-vllm needs vLLM's own virtualenv", SETUP_COMMAND,
+                             "it creates it from PyPI with pinned versions")
 
 
 def format_cpu_list(cpus) -> str:
@@ -169,78 +161,27 @@ class VllmSettings:
                 "speculative_config": self.speculative_config, "profile": self.profile}
 
 
-class VllmPeer:
+class VllmPeer(RunnerProcess):
     """vLLM loaded once in its runner process, taking timed runs one at a time.
 
     ``python`` and ``runner`` are the interpreter and the script (the tests give a stand-in
     that speaks the same protocol). The runner's log (everything vLLM prints) goes to a
-    file, whose last lines come with any error.
+    file, whose last lines come with any error (``peer_process.RunnerProcess``).
     """
 
-    def __init__(self, settings: VllmSettings, python: Path | str | None = None, runner: Path | str = RUNNER,
-                 load_timeout_s: float = LOAD_TIMEOUT_S, run_timeout_s: float = RUN_TIMEOUT_S) -> None:
-        self.settings = settings
-        self.python = Path(python) if python is not None else vllm_python(settings.venv)
-        self.runner = Path(runner)
-        self.load_timeout_s, self.run_timeout_s = load_timeout_s, run_timeout_s
-        self.process: subprocess.Popen | None = None
-        self.ready: dict | None = None
-        self._lines: queue.Queue = queue.Queue()
-        self.log_path: Path | None = None
+    label = "vLLM"
+    error_class = VllmRunnerError
+    log_prefix = "vllm-runner-"
+    default_runner = RUNNER
+    default_load_timeout_s = LOAD_TIMEOUT_S
+    default_run_timeout_s = RUN_TIMEOUT_S
+    settings: VllmSettings
 
-    # -------------------------------------------------------------- lifecycle
-    def start(self) -> None:
-        """Start the runner; it loads vLLM in the background (``wait_ready`` waits for it)."""
-        if self.process is not None:
-            raise RuntimeError("this vLLM peer is already started")
-        env, _ = self.settings.environment()
-        log = tempfile.NamedTemporaryFile("w", prefix="vllm-runner-", suffix=".log", delete=False)
-        self.log_path = Path(log.name)
-        command = [str(self.python), str(self.runner), json.dumps(self.settings.runner_config())]
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                                        env=env, cwd=str(REPO_ROOT))
-        log.close()  # the child holds its own descriptor
-        threading.Thread(target=self._read_lines, daemon=True).start()
+    def virtualenv_python(self, venv: Path | str) -> Path:
+        return vllm_python(venv)
 
-    def _read_lines(self) -> None:
-        for line in self.process.stdout:
-            self._lines.put(line)
-        self._lines.put(None)  # the runner closed its side: it exited
-
-    def wait_ready(self) -> dict:
-        """Block until vLLM is loaded; its ``ready`` message (versions, settings, environment)."""
-        if self.ready is None:
-            if self.process is None:
-                self.start()
-            message = self._answer(self.load_timeout_s, "loading vLLM")
-            if message.get("event") != "ready":
-                raise self._error(f"the runner sent {message!r} instead of 'ready'")
-            self.ready = message
-        return self.ready
-
-    def close(self) -> None:
-        """Ask the runner to quit; kill it if it does not within a minute."""
-        if self.process is None:
-            return
-        process, self.process = self.process, None
-        try:
-            if process.poll() is None:
-                process.stdin.write(json.dumps({"command": "quit"}) + "\n")
-                process.stdin.flush()
-        except (BrokenPipeError, OSError):
-            pass
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-    def __enter__(self) -> VllmPeer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def runner_environment(self) -> dict:
+        return self.settings.environment()[0]
 
     # ----------------------------------------------------------------- runs
     def run(self, prompts: list[list[int]], max_tokens: list[int], keep_tokens: int = 0) -> dict:
@@ -269,42 +210,6 @@ class VllmPeer:
         """``run(k)``: vLLM generates ``k`` greedy tokens for ``prompt`` (for ``decode_rates``)."""
         return lambda k: self.run([prompt], [k])
 
-    # -------------------------------------------------------------- helpers
-    def _ask(self, command: dict, event: str, doing: str) -> dict:
-        """Send one command and wait for its answer, which must be ``event``."""
-        self.wait_ready()
-        try:
-            self.process.stdin.write(json.dumps(command) + "\n")
-            self.process.stdin.flush()
-        except (BrokenPipeError, OSError) as exc:
-            raise self._error(f"could not send {doing} to the runner ({exc})") from exc
-        message = self._answer(self.run_timeout_s, doing)
-        if message.get("event") != event:
-            raise self._error(f"the runner sent {message!r} instead of a {event} answer")
-        return message
-
-    def _answer(self, timeout_s: float, doing: str) -> dict:
-        try:
-            line = self._lines.get(timeout=timeout_s)
-        except queue.Empty:
-            raise self._error(f"no answer from the runner after {timeout_s:.0f} s of {doing}") from None
-        if line is None:
-            code = self.process.wait() if self.process is not None else None
-            raise self._error(f"the runner exited (code {code}) during {doing}")
-        try:
-            message = json.loads(line)
-        except json.JSONDecodeError:
-            raise self._error(f"the runner sent a line that is not JSON: {line[:200]!r}") from None
-        if message.get("event") == "error":
-            raise self._error(f"the runner failed during {doing}: {message.get('message')}")
-        return message
-
-    def _error(self, what: str) -> VllmRunnerError:
-        tail = ""
-        if self.log_path is not None and self.log_path.exists():
-            lines = self.log_path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
-            tail = f"\nlast lines of its log ({self.log_path}):\n" + "\n".join(lines)
-        return VllmRunnerError(what + tail)
 
 
 def start_peer(args, model_dir: Path, prompts: list[list[int]], output_lens: list[int], dtype: str,

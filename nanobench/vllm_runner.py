@@ -40,12 +40,12 @@ Anything wrong is answered by ``{"event": "error", "message": ...}``; a command 
 leaves the process ready for the next. The answers travel on the process's original
 standard output, which is kept apart for them before vLLM is imported: everything vLLM
 and its libraries print (logs, progress bars, compiler output) is sent to standard error,
-so a stray print can never corrupt the protocol.
+so a stray print can never corrupt the protocol (``runner_protocol.serve``, shared with
+``llamacpp_runner.py``).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -56,23 +56,6 @@ REQUIRED_CONFIG = ("model", "dtype", "max_model_len", "max_num_batched_tokens", 
 #: The environment variables that shape vLLM's CPU run; each is reported with its value.
 REPORTED_ENV_PREFIXES = ("VLLM_", "OMP_", "KMP_", "LD_PRELOAD", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
                          "TORCHINDUCTOR_")
-
-
-def take_stdout_for_protocol():
-    """The protocol's channel: a copy of file descriptor 1, with fd 1 itself pointed at stderr.
-
-    Redirecting the descriptor (not just ``sys.stdout``) also catches output from C
-    extensions and from the worker processes vLLM starts, which inherit fd 1.
-    """
-    channel = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return channel
-
-
-def answer(channel, message: dict) -> None:
-    channel.write(json.dumps(message) + "\n")
-    channel.flush()
 
 
 def check_config(config: dict) -> None:
@@ -173,40 +156,27 @@ def profile_once(llm, command: dict) -> dict:
 COMMANDS = {"run": run_once, "profile": profile_once}
 
 
-def main(argv: list[str]) -> int:
-    channel = take_stdout_for_protocol()
-    try:
-        if len(argv) != 1:
-            raise ValueError("usage: vllm_runner.py '<config JSON>'")
-        config = json.loads(argv[0])
-        check_config(config)
-        given = reported_environment()  # before vLLM adds its own variables
-        started = time.perf_counter()
-        llm = load(config)
-        import torch
-        import vllm
+def start(config: dict) -> tuple[dict, dict]:
+    """Load vLLM as the config says: the ``ready`` message and the commands it takes."""
+    check_config(config)
+    given = reported_environment()  # before vLLM adds its own variables
+    started = time.perf_counter()
+    llm = load(config)
+    import torch
+    import vllm
 
-        answer(channel, {"event": "ready", "vllm_version": vllm.__version__, "torch_version": torch.__version__,
-                         "python": platform.python_version(), "load_seconds": time.perf_counter() - started,
-                         "torch_threads": torch.get_num_threads(), "settings": resolved_settings(llm, config),
-                         "environment": given, "set_by_vllm": {
-                             key: value for key, value in reported_environment().items() if given.get(key) != value}})
-    except Exception as exc:  # the driver reads this and shows the log's tail
-        answer(channel, {"event": "error", "message": f"{type(exc).__name__}: {exc}"})
-        return 1
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            command = json.loads(line)
-            if command.get("command") == "quit":
-                break
-            if command.get("command") not in COMMANDS:
-                raise ValueError(f"unknown command {command.get('command')!r} (allowed: {', '.join(COMMANDS)}, quit)")
-            answer(channel, COMMANDS[command["command"]](llm, command))
-        except Exception as exc:
-            answer(channel, {"event": "error", "message": f"{type(exc).__name__}: {exc}"})
-    return 0
+    ready = {"event": "ready", "vllm_version": vllm.__version__, "torch_version": torch.__version__,
+             "python": platform.python_version(), "load_seconds": time.perf_counter() - started,
+             "torch_threads": torch.get_num_threads(), "settings": resolved_settings(llm, config),
+             "environment": given, "set_by_vllm": {
+                 key: value for key, value in reported_environment().items() if given.get(key) != value}}
+    return ready, {name: (lambda command, handle=handle: handle(llm, command)) for name, handle in COMMANDS.items()}
+
+
+def main(argv: list[str]) -> int:
+    from runner_protocol import serve  # beside this file: the script's directory
+
+    return serve(argv, "vllm_runner.py", start)
 
 
 if __name__ == "__main__":

@@ -137,12 +137,13 @@ def test_peer_results_refuse_a_short_run(monkeypatch):
 
 
 # ------------------------------------------------------------ end to end
-def fake_venv(tmp_path: Path) -> Path:
-    """A directory shaped like .venv-vllm whose ``bin/python`` runs the stand-in runner
-    (with the course's Python) whatever script it is given."""
+def fake_venv(tmp_path: Path, runner: Path = FAKE_RUNNER) -> Path:
+    """A directory shaped like .venv-vllm whose ``bin/python`` runs the stand-in ``runner``
+    (with the course's Python) whatever script it is given (``test_llamacpp_peer`` gives
+    llama.cpp's stand-in)."""
     python = tmp_path / "fake-venv" / "bin" / "python"
     python.parent.mkdir(parents=True)
-    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_RUNNER}" "$2"\n')
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{runner}" "$2"\n')
     python.chmod(python.stat().st_mode | stat.S_IEXEC)
     return python.parent.parent
 
