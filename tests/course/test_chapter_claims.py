@@ -147,3 +147,15 @@ def test_every_engine_module_says_what_it_is():
     silent = [info.name for info in pkgutil.walk_packages(nanoengine.__path__, prefix="nanoengine.")
               if not ast.get_docstring(ast.parse(Path(importlib.util.find_spec(info.name).origin).read_text()))]
     assert not silent, f"modules without a docstring (chapter 2's map would print a gap): {silent}"
+
+
+def test_every_file_the_architecture_page_names_exists():
+    """docs/ARCHITECTURE.md is the map a reader opens before the code: each file it names must be
+    there ("Paths are inside nanoengine/, except nanobench/ and widgets/", as the page says)."""
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    named = set(re.findall(r"`((?:[\w-]+/)*[\w-]+\.(?:py|cpp|h))`", text))
+    named |= set(re.findall(r"\(((?:[\w-]+/)+[\w-]+\.(?:py|cpp|h))[),]", text))
+    assert len(named) > 30, f"the page names only {len(named)} files: the pattern no longer reads it"
+    bases = (ROOT, ROOT / "nanoengine", ROOT / "nanobench", ROOT / "widgets")  # nanobench/ names its own files bare
+    missing = sorted(n for n in named if not any((base / n).exists() for base in bases))
+    assert not missing, f"docs/ARCHITECTURE.md names files that do not exist: {missing}"
