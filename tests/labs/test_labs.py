@@ -2,7 +2,7 @@
 
 What is checked here:
 
-- every snapshot (v00-v09, v11) runs as a script (``python .../run.py``) and prints exactly its
+- every snapshot (v00-v09, v11, v12) runs as a script (``python .../run.py``) and prints exactly its
   saved transcript, ``expected_output.txt``, which shows its new idea at work;
 - every version's *checks* (``labs/nano-vllm/checks/test_vNN.py``, the same checks the
   learner runs with ``./course lab-check vNN``) pass on the finished snapshot, and every
@@ -72,6 +72,10 @@ TRACE_MARKERS = {  # the idea each transcript must show (the transcript itself i
             r"same seed -> same output: True"],
     "v11": [r"drafts \[[\d, ]+\] accepted [1-9]/\d", r"blocks freed \[\d+", r"tokens per verify: 1\.[1-9]",
             r"greedy output equals v09's decode token for token: True", r"same seed -> same output: True"],
+    "v12": [r"allowed \[\d+(, \d+)+\]/64", r"\(cut [1-9]\)", r"FINISHED \(stop\) -> 'yes'",
+            r"\[stop\] re\.fullmatch: True", r"\[length\] ran out of tokens",
+            r"greedy output equal with and without speculation: True",
+            r"after every step each machine held exactly its accepted tokens: True"],
 }
 
 
@@ -169,7 +173,7 @@ def test_usage_errors_name_the_course_command(capsys) -> None:
         assert "./course" in err and "lab_check.py" not in err, err
     with pytest.raises(SystemExit):
         lab_check.main(["lab-check", "v99"])
-    assert "the labs are v01 ... v09 and v11" in capsys.readouterr().err
+    assert "the labs are v01 ... v09, v11 and v12" in capsys.readouterr().err
 
 
 def test_hints_point_at_the_idea_not_at_the_code() -> None:
@@ -255,6 +259,43 @@ MUTATIONS = {  # name: (version, file, original text, mutated text, the check th
         "for draft, target in zip(draft_token_ids, target_token_ids):",
         "for draft, target in zip(draft_token_ids, target_token_ids[1:]):",
         "test_greedy_output_equals_v09_token_for_token"),
+    # v12 (a) the machine holds drafts: each must fail test_the_machine_advances_only_with_accepted_tokens
+    "v12-drafts-advance-the-machine": (
+        "v12", "scheduler.py",
+        "            drafts = seq.grammar.validate_tokens(drafts)\n",
+        "            drafts = seq.grammar.validate_tokens(drafts)\n            seq.grammar.accept_tokens(drafts)\n",
+        "test_the_machine_advances_only_with_accepted_tokens"),
+    "v12-draft-rows-not-rolled-back": (
+        "v12", "structured_output.py",
+        "            grammar.rollback(len(drafts))",
+        "            pass",
+        "test_the_machine_advances_only_with_accepted_tokens"),
+    # v12 (b) the mask: each must fail a check on what can be produced
+    "v12-every-row-gets-the-first-mask": (
+        "v12", "structured_output.py",
+        "grammar.fill_bitmask(bitmask, row + i)",
+        "grammar.fill_bitmask(bitmask, row)",
+        "test_verify_rows_get_the_mask_after_their_drafts"),
+    "v12-eos-allowed-anywhere": (
+        "v12", "structured_output.py",
+        "return None if self.fsm.accepts(state) else frozenset()",
+        "return None",
+        "test_constrained_outputs_satisfy_their_constraints"),
+    "v12-mask-never-applied": (
+        "v12", "model_runner.py",
+        "logits = apply_grammar_bitmask(logits, grammar_bitmask)",
+        "logits = logits",
+        "test_masks_come_before_temperature_and_top_k"),
+    "v12-drafts-not-validated": (
+        "v12", "scheduler.py",
+        "            drafts = seq.grammar.validate_tokens(drafts)\n",
+        "            pass\n",
+        "test_greedy_output_is_the_same_with_and_without_speculation"),
+    "v12-refusal-ignored": (
+        "v12", "scheduler.py",
+        "if seq.grammar is not None and not seq.grammar.accept_tokens([token_id]):",
+        "if seq.grammar is not None and not seq.grammar.accept_tokens([token_id]) and False:",
+        "test_a_token_the_machine_refuses_is_an_engine_bug"),
 }
 
 
@@ -281,7 +322,7 @@ def test_every_snapshot_has_notes_with_run_diff_and_task(version: str) -> None:
         assert "Nothing to diff against" in notes and "specification" in notes
         assert "lab-check" not in notes  # v00 is read, not built: there is nothing to stub
         return
-    previous = V[max(v for v in V if v < version)]  # v11 builds on v09 (v10 is a report)
+    previous = V[max(v for v in V if v < version)]  # v11 builds on v09 (v10 is a report), v12 on v11
     command = f"diff -ru -x __pycache__ labs/nano-vllm/versions/{previous} labs/nano-vllm/versions/{V[version]}"
     assert command in notes
     task = notes.split("**Your task.**", 1)[1]
@@ -437,5 +478,6 @@ def test_mapping_is_pinned_and_covers_every_snapshot() -> None:
 
 def test_after_v09_comes_v11_and_the_report_is_named() -> None:
     assert "./course lab-start v11" in lab_check._next_step("v09") and "v10_mapping" in lab_check._next_step("v09")
-    assert "last lab" in lab_check._next_step("v11") and "v10_mapping" in lab_check._next_step("v11")
+    assert lab_check._next_step("v11") == "Next: ./course lab-start v12"
+    assert "last lab" in lab_check._next_step("v12") and "v10_mapping" in lab_check._next_step("v12")
     assert lab_check._next_step("v04") == "Next: ./course lab-start v05"

@@ -52,8 +52,11 @@ READING_REPORT = VERSIONS / "v10_mapping"
 
 
 def _lab_list() -> str:
-    """'v01 ... v09 and v11': the labs, with the gap where v10, the reading report, sits."""
-    return f"{LAB_VERSIONS[0]} ... {LAB_VERSIONS[-2]} and {LAB_VERSIONS[-1]}"
+    """'v01 ... v09, v11 and v12': the labs, with the gap where v10, the reading report, sits."""
+    before = [v for v in LAB_VERSIONS if v < "v10"]
+    after = [v for v in LAB_VERSIONS if v > "v10"]
+    listed = [f"{before[0]} ... {before[-1]}", *after]
+    return ", ".join(listed[:-1]) + f" and {listed[-1]}"
 
 
 def _lab_version(name: str) -> str:
@@ -256,11 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="./course", description="Start or check a nano-vLLM lab.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{lab-start,lab-check}")
     p_start = sub.add_parser("lab-start", aliases=["start"], help="copy a starter to labs/nano-vllm/work/")
-    p_start.add_argument("version", help="v01 ... v09, v11")
+    p_start.add_argument("version", help="v01 ... v09, v11, v12")
     p_start.add_argument("--force", action="store_true", help="overwrite an existing working copy")
     p_start.set_defaults(run=start, parser=p_start)
     p_check = sub.add_parser("lab-check", aliases=["check"], help="run a version's checks on a copy")
-    p_check.add_argument("version", help="v01 ... v09, v11")
+    p_check.add_argument("version", help="v01 ... v09, v11, v12")
     where = p_check.add_mutually_exclusive_group()
     where.add_argument("--dir", help="the copy to check (default: labs/nano-vllm/work/vNN_*)")
     where.add_argument("--solution", action="store_true", help="check the finished snapshot")

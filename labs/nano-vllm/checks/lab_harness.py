@@ -3,7 +3,7 @@
 A *copy* is a folder laid out like a snapshot (``sequence.py``, ``scheduler.py``, ...,
 ``run.py``): the finished snapshot under ``versions/`` (the solution), the stubbed
 starter under ``starters/``, or a learner's working copy under ``work/``. The checks
-(``test_v01.py`` ... ``test_v09.py``, ``test_v11.py`` next to this file) never name a folder; they get a
+(``test_v01.py`` ... ``test_v09.py``, ``test_v11.py``, ``test_v12.py`` next to this file) never name a folder; they get a
 ``Lab`` and ask it for modules, so the same check runs against all three.
 
 Used three ways:
@@ -55,11 +55,12 @@ V = {
     "v08": "v08_sampling_params",
     "v09": "v09_tiny_transformer",
     "v11": "v11_speculative_decoding",  # built on v09; v10 is the reading report, not a version with code
+    "v12": "v12_structured_output",  # built on v11
 }
 LAB_VERSIONS = tuple(v for v in V if v != "v00")  # v00 is the specification, not a lab
 
 SIBLING_MODULES = ("toy_model", "sequence", "llm_engine", "scheduler", "block_manager", "model_runner",
-                   "sampler", "sampling_params", "tiny_transformer", "ngram_proposer", "rejection_sampler", "run")
+                   "sampler", "sampling_params", "tiny_transformer", "ngram_proposer", "rejection_sampler", "structured_output", "run")
 
 # Inputs shared by the checks.
 SYSTEM_PROMPT = [21, 22, 23, 24, 25, 26, 27, 28]

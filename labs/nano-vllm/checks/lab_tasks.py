@@ -205,6 +205,30 @@ TASKS: dict[str, tuple[Stub, ...]] = {
              "REVERSE: each must have ref_count 1 and no hash; set ref_count 0, move it from "
              "used_block_ids to the BACK of free_block_ids. Then cut the table to the kept blocks."),
     ),
+    "v12": (
+        Stub("structured_output.py", "CharFSM.walk",
+             "For each character of text: the next set is every target of an edge, from a state in "
+             "the set, whose characters contain it, closed over epsilon edges (self.closure). Stop "
+             "early once the set is empty, and return it."),
+        Stub("structured_output.py", "Grammar.allowed",
+             "Memoised in self._masks: a bool tensor (V,) that is True where next_state(state, t) is "
+             "not the empty set (nothing is allowed after EOS, state None). If no token is allowed, "
+             "allow EOS alone so the row can still be sampled from."),
+        Stub("structured_output.py", "Grammar.validate_tokens",
+             "Walk the tokens from the current state with next_state, without touching the "
+             "history; return the tokens before the first one that leads to the empty set."),
+        Stub("structured_output.py", "grammar_bitmask",
+             "None if no sequence has a grammar. Else an all-True bool tensor (rows, V): one row "
+             "per sequence in a prefill, len(drafts) + 1 in a verify pass. For a constrained "
+             "sequence fill row i (fill_bitmask), then accept draft i if there is one (raise if it "
+             "is refused); after its last row roll back every draft it accepted."),
+        Stub("structured_output.py", "apply_grammar_bitmask",
+             "Return logits unchanged for no bitmask; ValueError if the shapes differ; otherwise "
+             "logits with -inf wherever the bitmask is False (a new tensor)."),
+        Stub("scheduler.py", "Scheduler.advance_grammar",
+             "If the sequence has a grammar, accept the one token; if the grammar refuses it raise "
+             "RuntimeError saying which token and request (the mask should have forbidden it)."),
+    ),
 }
 
 PARTS = {

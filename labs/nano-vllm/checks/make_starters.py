@@ -3,7 +3,7 @@
     python labs/nano-vllm/checks/make_starters.py          # (re)write labs/nano-vllm/starters/
     python labs/nano-vllm/checks/make_starters.py --check  # exit 1 if starters/ is stale
 
-For each lab version (v01-v09 and v11) the starter is a copy of ``versions/vNN_*/`` (its ``.py`` files,
+For each lab version (v01-v09, v11 and v12) the starter is a copy of ``versions/vNN_*/`` (its ``.py`` files,
 its ``NOTES.md`` and its ``expected_output.txt``) in which every function listed in ``lab_tasks.TASKS`` keeps its signature and docstring
 but loses its body. The body becomes a comment saying what to write, and::
 
