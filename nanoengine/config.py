@@ -19,6 +19,7 @@ from nanoengine.backends import check_environment, default_dtype
 from nanoengine.engine.scheduling_policy import POLICIES as SCHEDULING_POLICIES
 from nanoengine.models.config import ModelConfig
 from nanoengine.spec_decode.config import SpeculativeConfig
+from nanoengine.structured_output.config import StructuredOutputsConfig
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -60,6 +61,9 @@ class EngineConfig:
     speculative_config: None (no speculation) or vLLM's dict, e.g. ``{"method": "ngram",
         "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``
         (``nanoengine.spec_decode``, chapter 13); kept as a checked ``SpeculativeConfig``.
+    structured_outputs_config: None or vLLM's dict, e.g. ``{"backend": "guidance"}``: the grammar
+        library for requests with ``structured_outputs`` (chapter 14); kept as a checked
+        ``StructuredOutputsConfig``.
     """
 
     device: str = "auto"
@@ -78,6 +82,7 @@ class EngineConfig:
     compile: bool = False
     seed: int = 0
     speculative_config: SpeculativeConfig | dict | None = None
+    structured_outputs_config: StructuredOutputsConfig | dict | None = None
 
     def __post_init__(self) -> None:
         if self.device not in DEVICES:
@@ -118,6 +123,7 @@ class EngineConfig:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) (torch.Generator's range), got {self.seed!r}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        self.structured_outputs_config = StructuredOutputsConfig.from_dict(self.structured_outputs_config)
         check_environment(self.torch_device)  # the backend's environment variables, before anything loads
 
     @classmethod

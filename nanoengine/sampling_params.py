@@ -10,11 +10,17 @@ The lists are bounded too: every step searches a request's new text for each of 
 strings and checks its new token against each stop token id, so a request with a million
 of them would slow every request sharing its steps (and a body of a few megabytes can
 carry that many). OpenAI's API takes at most 4 stop strings; vLLM sets no limit.
+
+``StructuredOutputsParams`` (chapter 14) is the one constraint a request's output must
+satisfy: a JSON schema, a regular expression, a list of choices or a grammar. It is checked
+here for its shape (exactly one constraint, of the right type and size); whether it
+compiles is the grammar library's to say, when the request enters the engine.
 """
 
 from __future__ import annotations
 
 import enum
+import json as json_lib
 from dataclasses import dataclass, field
 
 # The largest lists a request may carry (the module's docstring says why there is a limit).
@@ -22,6 +28,11 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20  # top-N logprobs per token, as vLLM's default max_logprobs
+# A constraint is compiled on a thread before its request runs (chapter 14): its text is bounded
+# so that one request cannot hold that thread for long. Real schemas are a few kilobytes.
+MAX_CONSTRAINT_CHARS = 65_536
+MAX_CHOICES = 1024
+KINDS = ("json", "regex", "choice", "grammar", "json_object")  # StructuredOutputsParams' constraints
 
 
 class RequestOutputKind(enum.Enum):
@@ -47,6 +58,83 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """The constraint a request's output must satisfy (vLLM's names; exactly one is given).
+
+    json: a JSON schema (a dict, or its JSON text): the output is a JSON value it accepts.
+    regex: a regular expression the whole output matches.
+    choice: the output is exactly one of these strings.
+    grammar: a context-free grammar in Lark syntax (llguidance's dialect: ``start: ...``).
+    json_object: True: the output is a JSON object, any object (OpenAI's ``json_object`` mode).
+
+    Nothing here compiles the constraint: ``nanoengine.structured_output`` does, when the
+    request is added, and a constraint that does not compile is refused there with the
+    grammar library's reason.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS[:-1])} or json_object=True; "
+                             f"got {'none' if not given else ', '.join(given)}")
+        if self.json is not None:
+            text = self.json
+            if isinstance(self.json, dict):
+                text = json_lib.dumps(self.json)
+            elif not isinstance(self.json, str):
+                raise ValueError(f"structured_outputs json must be a JSON schema (a dict or its text), "
+                                 f"got {shown(self.json)} ({type(self.json).__name__})")
+            else:
+                try:
+                    schema = json_lib.loads(text)
+                except ValueError as exc:
+                    raise ValueError(f"structured_outputs json is not valid JSON text: {exc}") from None
+                if not isinstance(schema, (dict, bool)):
+                    raise ValueError(f"structured_outputs json must be a JSON schema (an object), got {shown(schema)}")
+            _check_constraint_size("json", text)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                if not isinstance(value, str) or not value:
+                    raise ValueError(f"structured_outputs {name} must be a non-empty string, got {shown(value)}")
+                _check_constraint_size(name, value)
+        if self.choice is not None:
+            choice = _as_tuple("structured_outputs choice", self.choice, "a list of strings")
+            if not choice or len(choice) > MAX_CHOICES:
+                raise ValueError(f"structured_outputs choice must hold 1 to {MAX_CHOICES} strings, got {len(choice)}")
+            for c in choice:
+                if not isinstance(c, str) or not c:
+                    raise ValueError(f"structured_outputs choice must hold non-empty strings, got {shown(c)}")
+            _check_constraint_size("choice", "".join(choice))
+            object.__setattr__(self, "choice", choice)
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs json_object must be True, False or None, got {shown(self.json_object)}")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(name for name in KINDS if getattr(self, name) not in (None, False))
+
+    @property
+    def spec(self) -> str | tuple[str, ...] | bool:
+        """The constraint itself; a JSON schema as its text (so that it can be a cache key)."""
+        value = getattr(self, self.kind)
+        return json_lib.dumps(value, sort_keys=True) if isinstance(value, dict) else value
+
+
+def _check_constraint_size(name: str, text: str) -> None:
+    if len(text) > MAX_CONSTRAINT_CHARS:
+        raise ValueError(f"structured_outputs {name} has {len(text)} characters; at most {MAX_CONSTRAINT_CHARS} "
+                         f"are allowed")
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling and stopping settings (vLLM's names).
 
@@ -68,6 +156,12 @@ class SamplingParams:
     output_kind: when ``LLMEngine.step`` reports the request and what each output holds
         (``RequestOutputKind``): every step with everything so far (the default), every
         step with what is new, or only once finished.
+    structured_outputs: None, or the constraint the output must satisfy
+        (``StructuredOutputsParams``, chapter 14). Every token is then drawn from the
+        tokens the constraint allows next (the others' logits are set to -inf before
+        temperature and the filters, so logprobs are those of that masked distribution),
+        and the request finishes ("stop") when the constraint is complete and allows no
+        more text.
     """
 
     temperature: float = 1.0
@@ -82,6 +176,7 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
@@ -134,6 +229,10 @@ class SamplingParams:
                              f"got {self.output_kind!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be None or a StructuredOutputsParams (json=, regex=, choice=, "
+                             f"grammar= or json_object=True), got {shown(self.structured_outputs)} "
+                             f"({type(self.structured_outputs).__name__})")
 
     @property
     def greedy(self) -> bool:

@@ -34,7 +34,7 @@ tokenizer is then shared by that thread and the engine's detokenizer).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from nanoengine.sampling_params import SamplingParams, shown
 
@@ -58,11 +58,14 @@ class ProcessedPrompt:
 class InputProcessor:
     """Tokenizes, renders and checks prompts for one engine's limits."""
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int) -> None:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, max_num_seqs: int,
+                 check_constraint: Callable[[SamplingParams], None] | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        # Structured output: refuses a constraint the grammar library cannot compile (chapter 14)
+        self.check_constraint = check_constraint
 
     # ------------------------------------------------------------- entries
     def process(self, prompt: PromptInput | ProcessedPrompt,
@@ -155,6 +158,8 @@ class InputProcessor:
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop={list(params.stop)!r} needs a tokenizer to find the strings in the text, and "
                              f"this engine has none: use stop_token_ids, or build the engine with a tokenizer")
+        if params.structured_outputs is not None and self.check_constraint is not None:
+            self.check_constraint(params)
         return params
 
     def _check_length(self, token_ids: Sequence[int]) -> tuple[int, ...]:

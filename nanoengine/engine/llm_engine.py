@@ -6,6 +6,9 @@
     execute   -> plan the batch, prepare tensors, run the model, sample (the worker / data plane)
     update    -> append tokens, detect stops, free finished requests, build outputs
 
+(Structured output, chapter 14, adds a bitmask to the execute move and a grammar to advance in
+the update: ``structured_output``.)
+
 Everything a reader or a simulator wants to watch is available without touching internal
 state: ``snapshot()`` and ``memory_report()`` return frozen records, and ``events``
 publishes what happened (queued, scheduled, preempted, finished, blocks allocated, forked,
@@ -49,6 +52,7 @@ from nanoengine.outputs import RequestOutput
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.spec_decode.metrics import SpecDecodeStats
 from nanoengine.spec_decode.ngram_proposer import NgramProposer
+from nanoengine.structured_output import StructuredOutputManager
 
 RunnerFactory = Callable[[int, int], SamplingRunner]  # (max_model_len, num_kv_blocks) -> runner
 
@@ -75,8 +79,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.enable_chunked_prefill,
                                    config.scheduling_policy, self.events, self.spec_decode_stats)
+        # Structured output (chapter 14): constraints compiled on a thread, one bitmask per step.
+        self.structured_output = StructuredOutputManager(config.structured_outputs_config, tokenizer,
+                                                         model_config.vocab_size, self.eos_token_ids)
         self.input_processor = InputProcessor(tokenizer, model_config.vocab_size, self.max_model_len,
-                                              config.max_num_seqs)
+                                              config.max_num_seqs, self.structured_output.validate)
         self.output_processor = OutputProcessor(tokenizer, profiler=self.profiler)
         # n > 1: siblings held back until the prompt is computed; they fork it when there is no prefix cache
         self.parents = parallel_sampling.ParentRequests(config.block_size, fork=not config.enable_prefix_caching)
@@ -156,9 +163,11 @@ class LLMEngine:
             self._next_id += 1
 
         def make(child_id: str, child_params: SamplingParams, index: int) -> Request:
-            return Request(child_id, processed.prompt_token_ids, child_params, prompt=processed.prompt,
-                           eos_token_ids=self.eos_token_ids, arrival_time=arrival_time, device=self.runner.device,
-                           parent_id=request_id, index=index)
+            request = Request(child_id, processed.prompt_token_ids, child_params, prompt=processed.prompt,
+                              eos_token_ids=self.eos_token_ids, arrival_time=arrival_time,
+                              device=self.runner.device, parent_id=request_id, index=index)
+            self.structured_output.request_for(request)  # its grammar starts compiling (a thread)
+            return request
 
         parent = parallel_sampling.ParentRequest(request_id, params, make)
         self.output_processor.add_request(RequestState(request_id, processed.prompt, parent.children, self.tokenizer))
@@ -283,27 +292,41 @@ class LLMEngine:
         profiler.start(enabled=self.events.wants(StepFinished))  # a step nobody watches reads no clock
         self.block_manager.step = self.scheduler.step = self.step_count
         with profiler.phase("schedule"):
+            compile_failures = self._collect_grammars()
             sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            return self._fail(compile_failures)
         with profiler.phase("prepare"):
             plan, sampled = plan_batch(sched, self.config.block_size, self.block_tables)
+            bitmask = self.structured_output.grammar_bitmask(sampled, plan.sampled_drafts)
         if self.events.wants(BatchPrepared, keep=False):  # a copy of every index list: only for someone watching
             self.events.emit(BatchPrepared(self.step_count, plan.rows()), keep=False)
-        result = self.runner.execute_model(plan, sampled, profiler)
+        result = self.runner.execute_model(plan, sampled, profiler, bitmask)
         with profiler.phase("update"):
             produced = self.scheduler.update_from_output(sched, result, self.output_processor)
             for sibling in self.parents.after_update(produced):  # n > 1: the prompt is computed
                 self._queue(sibling)
             if self.proposer is not None:
                 self.proposer.propose_drafts(produced, len(sched.scheduled))
-            outputs = self._outputs(produced, result.failed)
+                self.structured_output.trim_drafts(produced)  # only drafts the grammar allows are checked
+            outputs = self._outputs(produced, {**result.failed, **compile_failures})
         if profiler.enabled:
             self.events.emit(StepFinished(self.step_count, sched.num_prefill_tokens, sched.num_decode_tokens,
                                           len(sched.scheduled), len(sched.preempted), sched.token_budget,
                                           **profiler.finish()))
         self.step_count += 1
         return outputs
+
+    def _collect_grammars(self) -> dict[str, Exception]:
+        """Give requests their compiled grammars (structured output); those that failed to compile, by id.
+
+        When nothing runs and every waiting request waits for its grammar, this waits for one
+        compile to finish rather than let the caller spin through empty steps.
+        """
+        if not self.structured_output.pending:
+            return {}
+        idle = not self.scheduler.running and all(r.waits_for_grammar for r in self.scheduler.waiting)
+        return {r.request_id: exc for r, exc in self.structured_output.collect(wait=idle)}
 
     def _outputs(self, produced: list[Request], faults: dict[str, Exception]) -> list[RequestOutput]:
         """The step's outputs: one per user request that progressed, then those its faults ended (``_fail``)."""
@@ -404,6 +427,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release worker processes (tensor parallelism); a no-op for a single process."""
+        self.structured_output.shutdown()
         close = getattr(self.runner, "shutdown", None)
         if close is not None:
             close()

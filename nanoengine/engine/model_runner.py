@@ -17,8 +17,8 @@ tensors on the model's device (``prepare_inputs``):
   of a speculating sequence.
 
 ``execute_model`` then reads as the step does: forward pass, logits for those rows only,
-sample (or, for a request with drafts, keep those the model agrees with:
-``sample_requests``). Everything that depends on the hardware (the attention kernels and the metadata
+the grammar bitmask over them (structured output), sample (or, for a request with drafts,
+keep those the model agrees with: ``sample_requests``). Everything that depends on the hardware (the attention kernels and the metadata
 they read, the GEMM weights' layout, a compiled or graphed forward, logits in chunks) is
 the runner's device backend, picked once when the runner is built
 (``nanoengine.backends``: ``CpuBackend`` holds every CPU trick).
@@ -45,6 +45,7 @@ from nanoengine.layers.sampler import Sampler, SampleResult
 from nanoengine.models.config import ModelConfig
 from nanoengine.sampling_params import SamplingParams
 from nanoengine.spec_decode.rejection import accept_drafts, accept_greedy
+from nanoengine.structured_output.backend import apply_token_bitmask
 
 
 @dataclass
@@ -252,14 +253,15 @@ class SamplingRunner:
         """Logits of every planned request that reaches its last token, without sampling."""
         return self.run_model(self.prepare_inputs(plan))
 
-    def execute_model(self, plan: BatchPlan, sampled: list[Request],
-                      profiler: StepProfiler = NO_PROFILER) -> ModelRunnerOutput:
+    def execute_model(self, plan: BatchPlan, sampled: list[Request], profiler: StepProfiler = NO_PROFILER,
+                      grammar_bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
         """One planned step: inputs, forward pass and logits, sampling.
 
         ``sampled`` are the requests that sample, in the order of ``plan.logits_indices``.
-        Each part runs in its ``profiler`` phase; when the step is profiled, a GPU is waited
-        for before sampling starts, so ``model`` holds the GPU's time and not just the
-        launches (sampling would wait for it anyway).
+        ``grammar_bitmask``: one packed row per logits row (structured output, chapter 14), applied
+        to the logits before anything samples from them. Each part runs in its ``profiler``
+        phase; when the step is profiled, a GPU is waited for before sampling starts, so
+        ``model`` holds the GPU's time and not just the launches (sampling would wait for it anyway).
         """
         with profiler.phase("prepare"):
             prepared = self.prepare_inputs(plan)
@@ -268,6 +270,8 @@ class SamplingRunner:
             if profiler.enabled:
                 self.synchronize()
         with profiler.phase("sample"):
+            if grammar_bitmask is not None:
+                apply_token_bitmask(logits, grammar_bitmask)
             return ModelRunnerOutput.of(sampled, *self.sample_contained(logits, sampled, plan.sampled_drafts))
 
     def synchronize(self) -> None:
@@ -443,8 +447,8 @@ class ModelRunner(SamplingRunner):
         return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
-    def execute_model(self, plan: BatchPlan, sampled: list[Request],
-                      profiler: StepProfiler = NO_PROFILER) -> ModelRunnerOutput:
+    def execute_model(self, plan: BatchPlan, sampled: list[Request], profiler: StepProfiler = NO_PROFILER,
+                      grammar_bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
         """Inputs, forward pass, then logits and sampling, in as many chunks of rows as the backend asks.
 
         One chunk on a GPU; on a CPU each chunk's logits are sampled and freed before the
@@ -464,6 +468,8 @@ class ModelRunner(SamplingRunner):
                 if profiler.enabled:
                     self.synchronize()
             with profiler.phase("sample"):
+                if grammar_bitmask is not None:  # structured output: forbidden tokens' logits to -inf
+                    apply_token_bitmask(logits, grammar_bitmask[rows])
                 chunk_tokens, chunk_logprobs, chunk_failed = self.sample_contained(logits, sampled[requests],
                                                                                    drafts[requests])
             del logits  # freed before the next chunk is computed, so its memory is reused

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from nanoengine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanoengine.structured_output import StructuredOutputRequest
 
 
 class RequestStatus(enum.Enum):
@@ -70,6 +74,8 @@ class Request:
         # Speculative decoding (chapter 13): tokens the proposer guessed after the last one,
         # checked by the next step; never part of ``all_token_ids`` until accepted.
         self.spec_token_ids: list[int] = []
+        # Structured output (chapter 14): its constraint and, once compiled, its grammar; else None.
+        self.structured_output: StructuredOutputRequest | None = None
         self.num_preemptions = 0
         self.stop_reason: str | int | None = None
         self.error: str | None = None  # why a step could not go on with it (FINISHED_ERROR)
@@ -110,6 +116,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def waits_for_grammar(self) -> bool:
+        """Its constraint is still compiling: the scheduler passes over it (vLLM's WAITING_FOR_FSM)."""
+        return self.structured_output is not None and self.structured_output.grammar is None
 
     @property
     def first_token_time(self) -> float | None:

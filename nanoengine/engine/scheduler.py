@@ -28,9 +28,9 @@ chunk. The record also names the blocks the request gained for this step
 the runner's block table appends exactly those (``engine/block_table.py``). The runner, the
 events and the step statistics all read that record.
 
-Whether a request has finished after a token (EOS, a stop token id, a stop string, its
-length) is decided in one function, ``check_stop``, with its precedence stated there, and
-applied in one place, ``update_from_output``, as in vLLM v1's scheduler.
+Whether a request has finished after a token (EOS, a stop token id, a stop string, a
+complete grammar, its length) is decided in one function, ``check_stop``, with its
+precedence stated there, and applied in one place, ``update_from_output``, as in vLLM v1's scheduler.
 
 Speculative decoding (chapter 13): a decoding request that carries drafted tokens
 (``Request.spec_token_ids``, proposed after the previous step) is budgeted ``1 + k``
@@ -222,9 +222,17 @@ class Scheduler:
         return ()
 
     def admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
-        """Move waiting requests to running while budget, slots and blocks allow."""
+        """Move waiting requests to running while budget, slots and blocks allow.
+
+        A request whose grammar is still compiling is passed over, not waited for: the ones
+        behind it may go first, and it keeps its place at the front for the next step.
+        """
+        compiling = []
         while self.waiting and budget > 0:
             request = self.waiting[0]
+            if request.waits_for_grammar:
+                compiling.append(self.waiting.popleft())
+                continue
             if len(self.running) >= self.max_num_seqs or not self.policy.may_admit(request):
                 break  # no free slot, or (static batching) the current batch must finish first
             computed_blocks, num_cached, forked_from = self.computed_blocks(request)
@@ -246,6 +254,7 @@ class Scheduler:
             self.running.append(request)
             out.add(request, num_new, new_block_ids=gained_blocks(request, 0))  # a waiting request held none
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
         return budget
 
     def computed_blocks(self, request: Request) -> tuple[list[int], int, str | None]:
@@ -317,10 +326,13 @@ class Scheduler:
                      and r.request_id not in faults]
             for request in batch:
                 token = result.sampled[request.request_id][index]
+                if request.structured_output is not None and not self._advance_grammar(request, token, faults):
+                    continue
                 if index == 0:
                     request.append_output_token(token, now)
                 else:
                     self.accept_token(request, token, now)
+            batch = [r for r in batch if r.request_id not in faults]
             logprobs = {r.request_id: result.logprobs[r.request_id][index] for r in batch
                         if r.request_id in result.logprobs}
             stop_strings = detokenizer.detokenize(batch, logprobs, faults)
@@ -331,6 +343,18 @@ class Scheduler:
             self._observe_drafts(out, result.sampled)
             self.release_rejected_slots(out)
         return produced
+
+    @staticmethod
+    def _advance_grammar(request: Request, token: int, faults: dict[str, Exception]) -> bool:
+        """Advance ``request``'s grammar by its new token (chapter 14); False, with the fault
+        recorded, if the grammar refuses it: the step's mask allowed only what the grammar
+        accepts, so that is an engine bug, and the token is never emitted."""
+        if request.structured_output.grammar.accept_tokens(request.request_id, [token]):
+            return True
+        faults[request.request_id] = RuntimeError(
+            f"token {token} was sampled for request {request.request_id} but its grammar does not allow it "
+            f"there (after {request.num_output_tokens} output tokens): the step's bitmask and the grammar disagree")
+        return False
 
     def _observe_drafts(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         """Count what each verify pass accepted (the counts vLLM reports) and announce it (``DraftsVerified``)."""
@@ -390,7 +414,10 @@ def check_stop(request: Request, stop_string: str | None, max_model_len: int) ->
     2. the token is one of ``stop_token_ids``: "stop", stop_reason that id;
     3. a stop string appeared in the text (``stop_string``, found by the detokenizer):
        "stop", stop_reason the string;
-    4. ``max_tokens`` or ``max_model_len`` is reached: "length", stop_reason None.
+    4. its grammar (structured output) is complete and allows no more text: "stop",
+       stop_reason None (vLLM lets the grammar force EOS and stops on that; stopping here
+       saves that step and gives the same text);
+    5. ``max_tokens`` or ``max_model_len`` is reached: "length", stop_reason None.
 
     So a stop matched on the last allowed token still reports "stop", as vLLM and the
     OpenAI API do. vLLM's rules are the same: its scheduler's ``check_stop``
@@ -407,6 +434,8 @@ def check_stop(request: Request, stop_string: str | None, max_model_len: int) ->
         return RequestStatus.FINISHED_STOPPED, token
     if stop_string is not None:
         return RequestStatus.FINISHED_STOPPED, stop_string
+    if request.structured_output is not None and request.structured_output.grammar.is_terminated():
+        return RequestStatus.FINISHED_STOPPED, None
     if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH, None
     return None

@@ -1,0 +1,164 @@
+"""The engine's side of structured output: compile off the step, one bitmask per step (chapter 14).
+
+As vLLM's ``StructuredOutputManager`` (``vllm/v1/structured_output/__init__.py``):
+
+1. ``validate`` refuses a constraint the library cannot compile before the request is queued
+   (the server answers 400 with the library's reason), and ``request_for`` starts compiling it
+   on a worker thread. The request waits in the queue until its grammar is ready; the
+   scheduler passes over it (``Request.waits_for_grammar``) and admits the requests behind it,
+   so one slow grammar holds up nobody else.
+2. ``collect`` (at the start of each step) hands each compiled grammar to its request, and
+   returns those that failed to compile: the engine finishes them with the reason.
+3. ``grammar_bitmask`` fills one packed int32 row per logits row that samples. A request that
+   checks k drafts owns k+1 rows; row i is the mask after its drafts 0..i-1, made by accepting
+   those drafts, filling, and rolling them back. Unconstrained rows allow everything, and a step
+   without constrained requests makes no bitmask at all. The runner applies it to the logits
+   before the sampler (``backend.apply_token_bitmask``).
+4. After the step, the scheduler advances each grammar with the tokens its request really got
+   (``Scheduler.update_from_output``), and ``trim_drafts`` cuts the next step's drafts to the
+   prefix the grammar accepts.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import TYPE_CHECKING
+
+import torch
+
+from nanoengine.sampling_params import SamplingParams, StructuredOutputsParams
+from nanoengine.structured_output.backend import (StructuredOutputBackend, StructuredOutputGrammar,
+                                                  allocate_token_bitmask)
+from nanoengine.structured_output.config import StructuredOutputsConfig
+
+if TYPE_CHECKING:
+    from nanoengine.engine.request import Request
+
+MAX_REMEMBERED = 1024  # constraints known to compile, kept so that a batch of equal ones is checked once
+
+
+class StructuredOutputRequest:
+    """One request's constraint and, once compiled, its grammar (vLLM's ``StructuredOutputRequest``)."""
+
+    def __init__(self, params: StructuredOutputsParams, compiling: concurrent.futures.Future) -> None:
+        self.params = params
+        self.compiling = compiling
+        self.grammar: StructuredOutputGrammar | None = None  # set by ``StructuredOutputManager.collect``
+
+
+class StructuredOutputManager:
+    """Compiles requests' constraints on a thread and builds each step's bitmask."""
+
+    def __init__(self, config: StructuredOutputsConfig, tokenizer, vocab_size: int,
+                 eos_token_ids: tuple[int, ...]) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._backend: StructuredOutputBackend | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.pending: list[Request] = []  # requests whose grammar has not been collected yet
+        self.valid: set[tuple] = set()  # (kind, spec) of constraints that compiled
+
+    @property
+    def backend(self) -> StructuredOutputBackend:
+        """The grammar library, set up for the tokenizer at the first constrained request (~0.4 s)."""
+        if self._backend is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the model's tokenizer (the grammar is over its tokens' "
+                                 "text), and this engine has none: build it with a tokenizer")
+            from nanoengine.structured_output.guidance import GuidanceBackend
+
+            self._backend = GuidanceBackend(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                            whitespace_flexible=not self.config.disable_any_whitespace)
+        return self._backend
+
+    def validate(self, params: SamplingParams) -> None:
+        """Raise ``ValueError`` if the request's constraint cannot compile (``InputProcessor.check_params``
+        asks, before anything is queued). A constraint that passed is remembered, not checked again."""
+        constraint = params.structured_outputs
+        if constraint is not None and (constraint.kind, constraint.spec) not in self.valid:
+            self.backend.validate(constraint.kind, constraint.spec)
+            if len(self.valid) >= MAX_REMEMBERED:
+                self.valid.clear()
+            self.valid.add((constraint.kind, constraint.spec))
+
+    def request_for(self, request: Request) -> None:
+        """Start compiling ``request``'s constraint, if it has one; it waits until ``collect`` sees it done."""
+        constraint = request.sampling_params.structured_outputs
+        if constraint is None:
+            return
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                                   thread_name_prefix="nanoengine-grammar")
+        compiling = self._executor.submit(self.backend.compile_grammar, constraint.kind, constraint.spec)
+        request.structured_output = StructuredOutputRequest(constraint, compiling)
+        self.pending.append(request)
+
+    def collect(self, wait: bool = False) -> list[tuple[Request, Exception]]:
+        """Give each request whose grammar has compiled its grammar; return those that failed.
+
+        ``wait``: when nothing else can run, block until one compile has finished (rather than
+        spin through empty steps). Requests that finished meanwhile (aborted) are dropped.
+        """
+        if wait and self.pending:
+            concurrent.futures.wait([r.structured_output.compiling for r in self.pending],
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        failed, still = [], []
+        for request in self.pending:
+            compiling = request.structured_output.compiling
+            if request.is_finished:
+                compiling.cancel()
+            elif not compiling.done():
+                still.append(request)
+            elif compiling.exception() is not None:
+                failed.append((request, compiling.exception()))
+            else:
+                request.structured_output.grammar = compiling.result()
+        self.pending = still
+        return failed
+
+    def grammar_bitmask(self, requests: list[Request], drafts: list[tuple[int, ...]]) -> torch.Tensor | None:
+        """The step's packed bitmask, one row per logits row that samples; None if nobody is constrained.
+
+        ``requests`` sample this step in ``plan.logits_indices`` order; ``drafts`` the drafts each
+        checks (empty: nobody speculates).
+        """
+        if not any(r.structured_output is not None for r in requests):
+            return None
+        drafts = drafts or [()] * len(requests)
+        bitmask = allocate_token_bitmask(len(requests) + sum(map(len, drafts)), self.backend.vocab_size)
+        row = 0
+        for request, request_drafts in zip(requests, drafts):
+            if request.structured_output is not None:
+                fill_rows(request, request_drafts, bitmask, row)
+            row += 1 + len(request_drafts)
+        return bitmask
+
+    @staticmethod
+    def trim_drafts(requests: list[Request]) -> None:
+        """Cut each constrained request's drafts to the prefix its grammar accepts (vLLM's ``validate_tokens``)."""
+        for request in requests:
+            if request.spec_token_ids and request.structured_output is not None and not request.is_finished:
+                request.spec_token_ids = request.structured_output.grammar.validate_tokens(request.spec_token_ids)
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def fill_rows(request: Request, drafts: tuple[int, ...], bitmask: torch.Tensor, row: int) -> None:
+    """Rows ``row .. row + len(drafts)``: the mask after each prefix of ``drafts``, the grammar left as it was."""
+    grammar = request.structured_output.grammar
+    accepted = 0
+    try:
+        for i in range(len(drafts) + 1):
+            grammar.fill_bitmask(bitmask, row + i)
+            if i < len(drafts):
+                if not grammar.accept_tokens(request.request_id, [drafts[i]]):
+                    raise RuntimeError(f"request {request.request_id}: draft token {drafts[i]} at draft position {i} "
+                                       f"is not allowed by its grammar; drafts are trimmed to what it accepts "
+                                       f"(trim_drafts), so this is an engine bug")
+                accepted += 1
+    finally:
+        grammar.rollback(accepted)
