@@ -48,7 +48,7 @@ Options beyond the default offline race:
   ``--vs-vllm`` vLLM's steps too, in a runner of its own (``step_profile``). CPU only.
 * The roofline of the machine (GEMM peak and copy bandwidth, same dtype and device) is
   always recorded; ``--compile`` adds an A/B of the engine itself, eager against
-  ``compile=True`` (``benchmark_compile``).
+  ``compile=True`` (``benchmark_compile``; CUDA only, as ``compile=True`` is).
 
 Run it on an otherwise idle machine. PyTorch's OpenMP threads spin while they wait for
 work by default, which is fastest when nothing else runs and very slow when something
@@ -58,9 +58,9 @@ idle machine passive waiting made the default workload measurably slower
 
     python -m nanoengine bench                                   # default workload
     python -m nanoengine bench --num-requests 4 --output-len 8   # a quick look
-    python -m nanoengine bench --compile --skip-hf               # eager vs torch.compile
     python -m nanoengine bench --min-output-len 8 --online-rates 0.5 1 2 --batch-sizes 1 8 32
     python -m nanoengine bench --device cuda --dtype bfloat16    # on a GPU
+    python -m nanoengine bench --device cuda --compile --skip-hf # and eager vs torch.compile there
     python -m nanoengine bench --vs-vllm --dtype bfloat16        # with vLLM's CPU build (./course vllm-setup)
     python -m nanoengine bench --vs-vllm --profile --skip-hf     # and where each engine spends its step
     python -m nanoengine bench --vs-llamacpp --output-len 128    # one stream against llama.cpp (./course llamacpp-setup)
@@ -125,7 +125,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-generate-batch", action="store_true")
     p.add_argument("--tie-tolerance", type=float, default=1e-3)
     p.add_argument("--compile", action="store_true",
-                   help="also compare the engine eager against compile=True (same run, alternating)")
+                   help="also compare the engine eager against compile=True (same run, alternating); CUDA only")
     p.add_argument("--compile-repeats", type=int, default=3, help="workload runs per engine for --compile")
     p.add_argument("--overhead", action="store_true",
                    help="instead: the engine's host time per decode step on a tiny random model (no GPU needed, "
@@ -222,6 +222,12 @@ def check_arguments(args: argparse.Namespace) -> None:
         check_llamacpp_arguments(args)
     if getattr(args, "vs_vllm", False):
         check_vllm_arguments(args)
+    # after the peers' checks: they refuse --compile with a reason of their own
+    on_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.compile and not on_cuda:
+        raise ValueError(f"--compile compares the engine with compile=True, which applies to CUDA only (on a CPU the "
+                         f"default fast path is one native call per decoder layer): run it with --device cuda, got "
+                         f"--device {args.device}" + (" (auto picks the CPU here)" if args.device == "auto" else ""))
 
 
 def check_profile_arguments(args: argparse.Namespace) -> None:

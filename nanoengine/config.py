@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from nanoengine.backends import check_environment, default_dtype
+from nanoengine.backends import check_compile, check_environment, default_dtype
 from nanoengine.engine.scheduling_policy import POLICIES as SCHEDULING_POLICIES
 from nanoengine.models.config import ModelConfig
 from nanoengine.spec_decode.config import SpeculativeConfig
@@ -54,9 +54,10 @@ class EngineConfig:
     enforce_eager: run the model operator by operator from Python: no CUDA graphs on a GPU, and
         on a CPU the layers' Python forward rather than one native call per decoder layer (vLLM's
         flag: the model as its code reads, what hooks and the chapters see).
-    compile: torch.compile the small fused ops (RMSNorm + residual, rotary, SiLU-and-mul,
+    compile: on CUDA, torch.compile the small fused ops (RMSNorm + residual, rotary, SiLU-and-mul,
         the sampler's filters); on failure the engine warns once and stays eager. An explicit
-        choice of its own: enforce_eager does not turn it off (``backends.compilation``).
+        choice of its own: enforce_eager does not turn it off (``backends.compilation``). CUDA
+        only: on any other device a ValueError (``backends.check_compile``).
     seed: seeds the engine's generator for requests without a seed of their own.
     speculative_config: None (no speculation) or vLLM's dict, e.g. ``{"method": "ngram",
         "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``
@@ -119,6 +120,8 @@ class EngineConfig:
         if self.compile and self.tensor_parallel_size > 1:
             raise ValueError(f"compile=True runs in one process only; it is not supported with "
                              f"tensor_parallel_size > 1 (got {self.tensor_parallel_size})")
+        if self.compile:
+            check_compile(self.torch_device)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) (torch.Generator's range), got {self.seed!r}")
         if self.speculative_config is not None:

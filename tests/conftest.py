@@ -108,8 +108,7 @@ def build_tiny_llm(tiny_llama_tok_dir):
     tokenizer = load_tokenizer(tiny_llama_tok_dir)
 
     def make(config: dict, with_tokenizer: bool = True) -> LLM:
-        # built for the engine's backend: with compile=True its layers take the compiled ops
-        backend = select_backend("cpu", dtype=torch.float32, compile=config.get("compile", False))
+        backend = select_backend("cpu", dtype=torch.float32)  # built for the engine's backend
         net = build_model(model_config, torch.device("cpu"), torch.float32, backend=backend)
         init_random_weights(net, seed=0, std=0.08)
         return LLM.from_engine(LLMEngine.from_model(net, tokenizer if with_tokenizer else None, **config))

@@ -18,29 +18,41 @@ def select_backend(device: torch.device | str, *, dtype: torch.dtype | None = No
                    max_model_len: int | None = None) -> Backend:
     """The backend for ``device`` and a model in ``dtype`` (None: ``default_dtype(device)``).
 
-    compile: torch.compile the small fused ops (``backends.compilation``).
+    compile: torch.compile the small fused ops (``backends.compilation``); CUDA only (``check_compile``).
     enforce_eager: on a CPU, the layers' Python forward rather than one native call per decoder layer.
     cuda_graph_max_batch: on CUDA, capture decode graphs up to this batch (0: never, enforce_eager).
     max_model_len: the longest sequence a graph's block tables must hold (CUDA).
     """
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
+    if compile:
+        check_compile(device)
     if device.type == "cpu":
         from nanoengine.backends.cpu import CpuBackend
 
-        return CpuBackend(device, dtype, compile=compile, fuse_layers=not enforce_eager)
+        return CpuBackend(device, dtype, fuse_layers=not enforce_eager)
     if device.type == "cuda":
         from nanoengine.backends.cuda import CudaBackend
 
         return CudaBackend(device, dtype, compile=compile, cuda_graph_max_batch=cuda_graph_max_batch,
                            max_model_len=max_model_len)
-    return Backend(device, dtype, compile=compile)
+    return Backend(device, dtype)
 
 
 def default_dtype(device: torch.device | str) -> torch.dtype:
     """The dtype an engine on ``device`` runs in unless told: bfloat16 on CUDA (its tensor cores'
     format), float32 elsewhere (not every CPU multiplies 16-bit numbers natively)."""
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def check_compile(device: torch.device | str) -> None:
+    """``compile=True`` is CUDA's (``backends.compilation`` says why): a clear error on any other
+    device, before anything loads."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"compile=True applies to CUDA only, and this engine runs on {device.type!r}. On a CPU "
+                         f"the default fast path already runs each decoder layer as one native call, and "
+                         f"enforce_eager=True runs the layers' Python forward: leave compile=False")
 
 
 def check_environment(device: torch.device | str) -> None:
@@ -52,4 +64,4 @@ def check_environment(device: torch.device | str) -> None:
         move_budget()
 
 
-__all__ = ["Backend", "check_environment", "default_dtype", "select_backend"]
+__all__ = ["Backend", "check_compile", "check_environment", "default_dtype", "select_backend"]

@@ -41,7 +41,6 @@ import functools
 import torch
 
 from nanoengine.layers.attention import AttentionImpl, AttentionMetadata, ReferenceAttention
-from nanoengine.backends.compilation import compiled_kernels
 from nanoengine.layers.kernels import LayerKernels
 
 
@@ -67,20 +66,17 @@ class Backend:
     name = "reference"
     weight_copies = ""  # what the linear methods copy the weights into, for the memory report ("": nothing)
 
-    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32, compile: bool = False) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         self.device = torch.device(device)
         self.dtype = dtype  # of the weights, the activations and the KV cache
-        self.compile = compile  # torch.compile the small fused ops (backends.compilation)
         self.attention: AttentionImpl = ReferenceAttention()
         self.weight_copy_bytes = 0  # bytes of weight copies made by the linear methods
         self.num_prepared_weights = 0  # linear layers whose method made a copy
 
     @functools.cached_property
     def kernels(self) -> LayerKernels:
-        """What the layers of a model built for this backend call: ``layer_kernels()``, with
-        ``compile=True`` its small ops compiled (``backends.compilation``)."""
-        kernels = self.layer_kernels()
-        return compiled_kernels(kernels) if self.compile else kernels
+        """What the layers of a model built for this backend call (``layer_kernels()``, made once)."""
+        return self.layer_kernels()
 
     def layer_kernels(self) -> LayerKernels:
         """This device's kernels for the layers (the reference: their own functions, this backend's attention)."""
@@ -126,18 +122,10 @@ class Backend:
 
     # ------------------------------------------------------------ forward
     def prepare_forward(self, runner) -> None:
-        """Compile or capture what later steps replay; called once, the KV cache bound.
-
-        With ``compile=True`` the small fused ops are compiled and warmed up now, timed
-        (``runner.compilation``, ``backends.compilation``).
-        """
-        if self.compile:
-            from nanoengine.backends.compilation import compile_runner
-
-            runner.compilation = compile_runner(runner)
+        """Compile or capture what later steps replay; called once, the KV cache bound (nothing by default)."""
 
     def forward_mode(self) -> str:
-        return "eager" if not self.compile else "eager with compiled fused ops"
+        return "eager"
 
     def forward(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -15,7 +15,6 @@ module it names (what each bought: ``results/README.md``):
   with bfloat16 instructions: SDPA in bfloat16, ``prefill_dtype``). The norms, the rotary
   embedding, the activation and a layer's attention (``paged_attention``: store-KV, decode and
   prefill, the calls ``AttentionImpl.forward`` makes) are one call each, with eager's bits.
-  ``compile=True`` puts its compiled small ops in place of the native ones.
 * **A decoder layer in one call** (``backends.cpu_fused``). Each Llama layer runs as one C++
   operator that makes the layer's own calls, in the same order: eager's bits, most of a step's
   Python gone. ``enforce_eager=True`` runs the layers' Python ``forward`` instead (``fuse_layers``).
@@ -168,9 +167,8 @@ class CpuBackend(Backend):
     name = "cpu"
     weight_copies = "GEMM weights prepacked in oneDNN's blocked layout"
 
-    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32, compile: bool = False,
-                 fuse_layers: bool = True) -> None:
-        super().__init__(device, dtype, compile)
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float32, fuse_layers: bool = True) -> None:
+        super().__init__(device, dtype)
         tune_engine_process()  # the host's settings (backends.cpu_platform), before this process's first oneDNN product
         self.native_kernels = cpu_native.load()  # built once per machine, loaded once per process
         native = self.native_kernels and dtype in cpu_native.DTYPES
@@ -219,11 +217,7 @@ class CpuBackend(Backend):
         self.huge_page_weight_bytes = bytes_in_huge_page_regions(params)
 
     def prepare_forward(self, runner) -> None:
-        """Each decoder layer one native call where it can be (``backends.cpu_fused``); or the small
-        fused ops compiled (``compile=True``), the layers' Python forward around them."""
-        if self.compile:
-            super().prepare_forward(runner)
-            return
+        """Each decoder layer one native call where it can be (``backends.cpu_fused``)."""
         layers = getattr(getattr(runner.model, "model", None), "layers", ())
         fused = [layer for layer in layers if getattr(layer, "one_call", None) is not None]
         self.fused_layers = len(fused)

@@ -5,7 +5,7 @@ weights and the rest almost all in calls: 30 layers of about 25 operators each (
 views, two norms, the rotary embedding, store-KV, attention, four GEMMs, the activation). A
 prefill pays the same calls once per step, whatever its length (figures: results/README.md). GPU
 engines hide this behind CUDA graphs, vLLM's CPU backend behind ``torch.compile`` (why this
-engine does not compile its model whole: ``backends.compilation``).
+engine does not compile its model whole: results/README.md, engine v4's choice of one CPU fast path).
 
 So each ``LlamaDecoderLayer`` runs as one C++ operator, ``nanoengine::llama_layer``
 (``kernels/csrc/llama_layer.cpp``), which makes the operator calls the layer's Python ``forward``

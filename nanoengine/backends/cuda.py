@@ -3,7 +3,8 @@
 On a GPU the PyTorch reference kernels would run as hundreds of small launches per layer;
 this backend runs the Triton kernels of ``kernels.triton_kernels`` instead (store-KV, paged
 decode attention, paged prefill attention), and replays decode-only steps from CUDA graphs
-(``backends.cuda_graphs``) unless ``enforce_eager`` is set. Weights stay as loaded:
+(``backends.cuda_graphs``) unless ``enforce_eager`` is set. With ``compile=True`` the layers'
+small fused ops are compiled (``backends.compilation``; CUDA only). Weights stay as loaded:
 cuBLAS packs its tiles on the fly, so ``F.linear`` is the GEMM. Without Triton the
 reference kernels run (correct, slow) and no graphs are captured.
 """
@@ -13,8 +14,10 @@ from __future__ import annotations
 import torch
 
 from nanoengine.backends.base import Backend
+from nanoengine.backends.compilation import compile_runner, compiled_kernels
 from nanoengine.kernels import triton_available
 from nanoengine.layers.attention import AttentionImpl, AttentionMetadata
+from nanoengine.layers.kernels import LayerKernels
 
 
 class TritonAttention(AttentionImpl):
@@ -46,7 +49,8 @@ class CudaBackend(Backend):
 
     def __init__(self, device: torch.device, dtype: torch.dtype = torch.bfloat16, compile: bool = False,
                  cuda_graph_max_batch: int = 0, max_model_len: int | None = None) -> None:
-        super().__init__(device, dtype, compile)
+        super().__init__(device, dtype)
+        self.compile = compile  # torch.compile the small fused ops (backends.compilation)
         self.has_triton = triton_available()
         if self.has_triton:
             self.attention = TritonAttention()
@@ -54,9 +58,16 @@ class CudaBackend(Backend):
         self.max_model_len = max_model_len
         self.cuda_graphs = None
 
+    def layer_kernels(self) -> LayerKernels:
+        """The reference layer functions and the Triton attention; with ``compile=True`` the small ops compiled."""
+        kernels = super().layer_kernels()
+        return compiled_kernels(kernels) if self.compile else kernels
+
     def prepare_forward(self, runner) -> None:
-        """Compile first (when asked), then capture: the graphs record the compiled kernels."""
-        super().prepare_forward(runner)
+        """Compile first (when asked, timed: ``runner.compilation``), then capture: the graphs
+        record the compiled kernels."""
+        if self.compile:
+            runner.compilation = compile_runner(runner)
         if self.cuda_graph_max_batch:
             from nanoengine.backends.cuda_graphs import CudaGraphDecoder
 
@@ -66,7 +77,7 @@ class CudaBackend(Backend):
             self.cuda_graphs.capture()
 
     def forward_mode(self) -> str:
-        mode = super().forward_mode()
+        mode = "eager with compiled fused ops" if self.compile else "eager"
         return f"{mode}, CUDA graphs for decode" if self.cuda_graph_max_batch else mode
 
     def synchronize(self) -> None:

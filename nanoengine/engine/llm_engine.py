@@ -214,7 +214,7 @@ class LLMEngine:
     def forward_mode(self) -> str:
         """How a step runs the model, in the backend's words: "eager (one native call per decoder
         layer)" (a CPU's default), "eager" (the layers' Python forward: ``enforce_eager=True``, or
-        tensor parallelism), "eager with compiled fused ops" (``compile=True``), "..., CUDA graphs
+        tensor parallelism), "eager with compiled fused ops" (``compile=True``, CUDA), "..., CUDA graphs
         for decode". A step with a forward hook runs the layers' Python forward whatever this says,
         so that the hook sees every layer."""
         backend = getattr(self.runner, "backend", None)
@@ -436,7 +436,7 @@ class LLMEngine:
 def _backend(config: EngineConfig, max_model_len: int) -> Backend:
     """The backend for the engine's device and dtype (chosen here, once).
 
-    CUDA graphs unless enforce_eager (never on a CPU); compiled fused ops with compile=True; on a CPU
+    CUDA graphs unless enforce_eager (never on a CPU); compiled fused ops with compile=True (CUDA); on a CPU
     one native call per decoder layer unless enforce_eager.
     """
     return select_backend(config.torch_device, dtype=config.torch_dtype, compile=config.compile,

@@ -2,7 +2,7 @@
 
 The merged gate_up projection produces [gate | up]; the MLP output is silu(gate) * up.
 Eager PyTorch makes two passes (silu, then the product) and a temporary the size of the
-intermediate activations; with ``compile=True`` (``backends.compilation``) the module's
+intermediate activations; on CUDA with ``compile=True`` (``backends.compilation``) the module's
 ``silu_and_mul_fn`` becomes one compiled loop that reads gate and up once. The module takes
 its function from the device backend's kernels when it is built (``layers.kernels``).
 """
@@ -23,8 +23,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 class SiluAndMul(nn.Module):
-    compilable = ("silu_and_mul_fn",)  # see backends.compilation; the class attribute is the eager one
-    silu_and_mul_fn = staticmethod(silu_and_mul)
+    silu_and_mul_fn = staticmethod(silu_and_mul)  # the eager function; each instance calls the one its kernels gave it
 
     def __init__(self) -> None:
         super().__init__()

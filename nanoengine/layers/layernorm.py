@@ -8,7 +8,7 @@ The math lives in two plain functions, ``rms_norm`` and ``add_rms_norm``, which 
 PyTorch runs op by op (add, pow, mean, add, rsqrt, mul, mul: a pass over the activations
 each). The module calls them through ``norm_fn`` / ``add_norm_fn``, taken from the device
 backend's kernels when it is built (``layers.kernels``): these functions, the CPU's native
-kernel (one pass per row) or, with ``compile=True``, their compiled versions (``backends.compilation``).
+kernel (one pass per row) or, on CUDA with ``compile=True``, their compiled versions (``backends.compilation``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 class RMSNorm(nn.Module):
     # The eager functions (what ``backends.compilation`` compiles); each instance calls the ones
     # its kernels gave it.
-    compilable = ("norm_fn", "add_norm_fn")
     norm_fn = staticmethod(rms_norm)
     add_norm_fn = staticmethod(add_rms_norm)
 

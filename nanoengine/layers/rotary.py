@@ -15,7 +15,7 @@ queries and keys in one call, as one (tokens, heads + kv_heads, head_dim) view.
 
 The math is the plain function ``rotate_half``. The module calls it through ``rotate_fn``,
 taken from the device backend's kernels when it is built (``layers.kernels``): this function,
-the CPU's native one pass or, with ``compile=True``, its compiled version (``backends.compilation``).
+the CPU's native one pass or, on CUDA with ``compile=True``, its compiled version (``backends.compilation``).
 """
 
 from __future__ import annotations
@@ -41,8 +41,7 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 class RotaryEmbedding(nn.Module):
-    compilable = ("rotate_fn",)  # see backends.compilation; the class attribute is the eager one
-    rotate_fn = staticmethod(rotate_half)
+    rotate_fn = staticmethod(rotate_half)  # the eager function; each instance calls the one its kernels gave it
 
     def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None) -> None:
         super().__init__()

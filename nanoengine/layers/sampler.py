@@ -28,8 +28,8 @@ that fails (a very flat distribution) fall back to the whole-vocabulary path. Te
 that both paths give the same distribution.
 
 That whole-vocabulary path runs on (B, V) tensors with the per-row parameters as (B, 1)
-columns (``sampling_probs``), so ``torch.compile`` can fuse it when the engine runs with
-``compile=True`` (``backends.compilation`` swaps the sampler's ``probs_fn``). The draw itself
+columns (``sampling_probs``), so ``torch.compile`` can fuse it when the engine runs on CUDA with
+``compile=True`` (``backends.compilation`` gives the sampler a compiled ``probs_fn``). The draw itself
 stays outside: a seeded row draws with its own generator, the unseeded rows together with
 the engine's. Greedy rows need only a max and never reach the filters.
 """
@@ -115,8 +115,7 @@ TOP_P_CANDIDATES = 1024
 class Sampler:
     """Samples one token per row, honouring each row's own parameters and generator."""
 
-    compilable = ("probs_fn",)  # see backends.compilation; the class attribute is the eager one
-    probs_fn = staticmethod(sampling_probs)
+    probs_fn = staticmethod(sampling_probs)  # the eager function; each instance calls the one its kernels gave it
 
     def __init__(self) -> None:
         self.probs_fn = current_kernels().sampling_probs or sampling_probs  # compiled with compile=True

@@ -159,13 +159,17 @@ def test_the_ridge_side_and_control_plane_readings() -> None:
 
 
 def test_step_settings_names_batch_context_dtype_threads_and_mode() -> None:
+    import torch
+
     from nanoengine.config import EngineConfig
 
     text = ch11.step_settings(EngineConfig(device="cpu", enforce_eager=True), batch="1 sequence",
                               context="13-token prompt", threads=1)
     assert text == "settings: 1 sequence, 13-token prompt, float32 on cpu, 1 CPU thread(s) per process, eager"
-    assert ch11.step_settings(EngineConfig(device="cpu", compile=True), batch="b", context="c").endswith(
-        "eager with compiled fused ops")
+    on_cuda = types.SimpleNamespace(torch_device=torch.device("cuda"), torch_dtype=torch.bfloat16, compile=True,
+                                    enforce_eager=False)  # compile=True is CUDA's: a config this CPU could not build
+    assert ch11.step_settings(on_cuda, batch="b", context="c", threads=1).endswith(
+        "bfloat16 on cuda, 1 CPU thread(s) per process, eager with compiled fused ops, CUDA graphs")
     assert ch11.step_settings(EngineConfig(device="cpu"), batch="b", context="c").endswith(
         "eager (one native call per decoder layer where the layers fuse)")
     engine = types.SimpleNamespace(config=EngineConfig(device="cpu"), forward_mode="eager, as the engine says")

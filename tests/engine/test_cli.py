@@ -128,6 +128,8 @@ def test_bad_prompts(capsys, tiny_llama_tok_dir, tiny_llama_dir):
     pytest.param(["--device", "tpu"], ("device", "'tpu'", "cpu", "cuda"), id="bench device unknown"),
     pytest.param(["--dtype", "float64"], ("dtype", "'float64'", "float32", "bfloat16"), id="bench dtype unknown"),
     pytest.param(["--compile-repeats", "0"], ("compile_repeats", ">= 1", "0"), id="compile repeats zero"),
+    pytest.param(["--compile", "--device", "cpu"], ("--compile", "CUDA only", "one native call per decoder layer",
+                                                    "--device cuda", "got --device cpu"), id="compile on a cpu"),
     pytest.param(["--repeats", "0"], ("repeats", ">= 1", "0"), id="repeats zero"),
     pytest.param(["--output-len", "0"], ("output_len", ">= 1", "0"), id="output-len zero"),
     pytest.param(["--min-output-len", "9", "--output-len", "4"], ("min_output_len <= output_len", "9", "4"),

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from nanoengine.__main__ import main
 from nanobench.benchmark import (cb_config_for, compare_greedy, latency_summary, make_output_lens, make_workload,
                                  percentiles, poisson_arrivals, spread, static_computed_tokens,
                                  workload_flops)
-from nanoengine.backends.compilation import CPU_MIN_ROWS
 from nanoengine.models.presets import PRESETS
 
 
@@ -91,12 +91,14 @@ def test_load_hf_puts_the_model_on_the_device_in_the_dtype(tiny_llama_dir):
     assert model.generation_config.eos_token_id is None
 
 
+@pytest.mark.gpu
 @pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compile=True is CUDA's: needs a CUDA GPU")
 def test_bench_compile_compares_eager_and_compiled_in_one_run(tiny_llama_dir, tmp_path):
     out = tmp_path / "bench-compile.json"
-    code = main(["bench", "--model", str(tiny_llama_dir), "--skip-hf", "--compile", "--compile-repeats", "2",
-                 "--num-requests", "4", "--min-prompt", "4", "--max-prompt", "24", "--output-len", "6",
-                 "--single-stream-tokens", "4", "--out", str(out)])
+    code = main(["bench", "--model", str(tiny_llama_dir), "--device", "cuda", "--skip-hf", "--compile",
+                 "--compile-repeats", "2", "--num-requests", "4", "--min-prompt", "4", "--max-prompt", "24",
+                 "--output-len", "6", "--single-stream-tokens", "4", "--out", str(out)])
     assert code == 0
     results = json.loads(out.read_text())
     compiled = results["compile"]
@@ -110,13 +112,8 @@ def test_bench_compile_compares_eager_and_compiled_in_one_run(tiny_llama_dir, tm
         assert compiled["compile_seconds"] > 0 and "RMSNorm.add_norm_fn" in compiled["compiled_ops"]
     else:
         assert compiled["fallback_reason"]
-    for system in ("eager", "compiled"):
-        shares = compiled["op_time"][system]
-        assert 0 < shares["workload"]["share"] < 1
-        assert set(shares["decode_step"]["per_op_ms"]) >= {"RMSNorm.add_norm_fn", "SiluAndMul.silu_and_mul_fn"}
-    assert "compiled / eager" in compiled["explanation"] and "of the workload's time" in compiled["explanation"]
+    assert "compiled / eager" in compiled["explanation"] and "op_time" not in compiled
     assert compiled["single_stream_decode"]["tokens"] == 4
-    assert compiled["cpu_min_rows"] == CPU_MIN_ROWS and f"at least {CPU_MIN_ROWS} rows" in compiled["explanation"]
 
 
 @pytest.mark.slow  # every option on a tiny checkpoint: uneven lengths, repeats, online arrivals, a sweep

@@ -445,8 +445,8 @@ def parity_reading(runs: dict[str, dict]) -> str:
 
 
 def decode_step_settings(engine, context_tokens: int) -> str:
-    """The settings a decode-step time depends on, in one line: batch, context, dtype, compile,
-    threads and how idle threads wait."""
+    """The settings a decode-step time depends on, in one line: batch, context, dtype, how the
+    model runs (``LLMEngine.forward_mode``), threads and how idle threads wait."""
     from nanobench.timing import wait_policy
 
     return (f"1 request, context {context_tokens} tokens, {str(engine.config.torch_dtype).replace('torch.', '')}, "
