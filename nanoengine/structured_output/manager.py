@@ -22,6 +22,7 @@ As vLLM's ``StructuredOutputManager`` (``vllm/v1/structured_output/__init__.py``
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,6 +57,7 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self._backend: StructuredOutputBackend | None = None
+        self._lock = threading.Lock()
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.pending: list[Request] = []  # requests whose grammar has not been collected yet
         self.valid: set[tuple] = set()  # (kind, spec) of constraints that compiled
@@ -63,14 +65,15 @@ class StructuredOutputManager:
     @property
     def backend(self) -> StructuredOutputBackend:
         """The grammar library, set up for the tokenizer at the first constrained request (~0.4 s)."""
-        if self._backend is None:
-            if self.tokenizer is None:
-                raise ValueError("structured_outputs needs the model's tokenizer (the grammar is over its tokens' "
-                                 "text), and this engine has none: build it with a tokenizer")
-            from nanoengine.structured_output.guidance import GuidanceBackend
+        with self._lock:  # a server checks requests on its own thread while the engine steps
+            if self._backend is None:
+                if self.tokenizer is None:
+                    raise ValueError("structured_outputs needs the model's tokenizer (the grammar is over its "
+                                     "tokens' text), and this engine has none: build it with a tokenizer")
+                from nanoengine.structured_output.guidance import GuidanceBackend
 
-            self._backend = GuidanceBackend(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                            whitespace_flexible=not self.config.disable_any_whitespace)
+                self._backend = GuidanceBackend(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                                                whitespace_flexible=not self.config.disable_any_whitespace)
         return self._backend
 
     def validate(self, params: SamplingParams) -> None:

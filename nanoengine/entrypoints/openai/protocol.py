@@ -8,13 +8,21 @@ own ``SamplingParams``, the single place that knows what a valid temperature or
 ``max_tokens`` is; its ``ValueError`` becomes a 400 too.
 
 The field names are OpenAI's, plus vLLM's extras (``top_k``, ``min_p``, ``ignore_eos``,
-``stop_token_ids``), which the ``openai`` client sends through ``extra_body``. Fields
-OpenAI defines but this engine cannot honour (``echo``, penalties, ``logit_bias``,
-``suffix``, ``best_of`` above ``n``; for chat ``response_format``, ``tools``,
-``tool_choice``, ``store``...) are accepted only at their neutral value, the one that
-changes nothing (``{"type": "text"}``, no tools, ``"none"``, ``false``), and refused
-otherwise rather than silently ignored: langchain and litellm send the neutral values by
-default, and a request they describe can be served exactly.
+``stop_token_ids``, ``structured_outputs``), which the ``openai`` client sends through
+``extra_body``. Fields OpenAI defines but this engine cannot honour (``echo``, penalties,
+``logit_bias``, ``suffix``, ``best_of`` above ``n``; for chat ``tools``, ``tool_choice``,
+``store``...) are accepted only at their neutral value, the one that changes nothing (no
+tools, ``"none"``, ``false``), and refused otherwise rather than silently ignored:
+langchain and litellm send the neutral values by default, and a request they describe can
+be served exactly.
+
+Structured output (chapter 14) comes two ways, on both endpoints: OpenAI's
+``response_format`` (``{"type": "json_schema", "json_schema": {"name", "schema"}}`` or
+``{"type": "json_object"}``; ``{"type": "text"}`` is no constraint) and vLLM's
+``structured_outputs`` (``{"json" | "regex" | "choice" | "grammar" | "json_object": ...}``).
+Both become the engine's ``StructuredOutputsParams``; a constraint that does not compile is
+a 400 with the grammar library's reason. A logprob of a token the constraint forbids is
+``-inf``, which JSON cannot carry: it is sent as -9999.0, as vLLM sends it.
 
 Integer fields (``Int``) take any JSON number that is a whole number: ``4`` and ``4.0``
 are one value to JSON, JSON Schema's ``integer`` accepts both, and so does vLLM; ``4.5``,
@@ -45,7 +53,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from nanoengine.outputs import TokenLogprob
-from nanoengine.sampling_params import SamplingParams
+from nanoengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def _integral(value):
@@ -97,7 +105,6 @@ _EXPECTED = {
 # Fields OpenAI defines that this engine does not implement, whose schema admits only the
 # value that changes nothing (the default); what a refused value gets told.
 _NEUTRAL_ONLY = {
-    "response_format": '{"type": "text"}: JSON mode and JSON schemas are not implemented here',
     "tools": "empty: this server has no tool calling",
     "tool_choice": '"none" or "auto" (with no tools, the model calls none): this server has no tool calling',
     "store": "false: this server stores no completions",
@@ -163,6 +170,42 @@ class StreamOptions(_Strict):
     include_usage: bool = False  # one last chunk with the request's token counts
 
 
+class JsonSchemaFormat(_Strict):
+    """OpenAI's ``response_format.json_schema``: a named schema (``strict`` is accepted; the
+    output always follows the schema here)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str
+    description: str | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: "text" (no constraint), "json_object" or "json_schema"."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ProtocolError('response_format needs json_schema exactly when its type is "json_schema"',
+                                param="response_format")
+        if self.type == "json_schema":
+            return StructuredOutputsParams(json=self.json_schema.json_schema)
+        return StructuredOutputsParams(json_object=True) if self.type == "json_object" else None
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's ``structured_outputs`` request field: exactly one of its constraints."""
+
+    json_schema: dict | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingRequest(_Strict):
     """The fields both endpoints share: the model, sampling, stopping, streaming."""
 
@@ -183,6 +226,9 @@ class _SamplingRequest(_Strict):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    # Structured output (chapter 14): OpenAI's field, or vLLM's; at most one of them.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -204,7 +250,19 @@ class _SamplingRequest(_Strict):
         optional = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p}
         return SamplingParams(**{k: v for k, v in optional.items() if v is not None}, max_tokens=max_tokens,
                               seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                              ignore_eos=self.ignore_eos, logprobs=logprobs, n=self.n)
+                              ignore_eos=self.ignore_eos, logprobs=logprobs, n=self.n,
+                              structured_outputs=self.constraint())
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The output's constraint from ``response_format`` or ``structured_outputs`` (None: free text)."""
+        from_format = self.response_format.constraint() if self.response_format is not None else None
+        if self.structured_outputs is None:
+            return from_format
+        if from_format is not None:
+            raise ProtocolError("give response_format or structured_outputs, not both", param="structured_outputs")
+        given = self.structured_outputs
+        return StructuredOutputsParams(json=given.json_schema, regex=given.regex, choice=given.choice,
+                                       grammar=given.grammar, json_object=given.json_object)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -246,10 +304,6 @@ class TextPart(_Strict):
     text: str
 
 
-class ResponseFormat(_Strict):
-    type: Literal["text"]  # "json_object" and "json_schema" would constrain the output: not implemented
-
-
 class ChatMessage(_Strict):
     role: str
     content: str | list[TextPart]
@@ -269,7 +323,6 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Int | None = None
     # OpenAI fields for features this server does not have: the schema admits only their
     # neutral value (the module's docstring says why), any other is refused (``_NEUTRAL_ONLY``).
-    response_format: ResponseFormat | None = None
     tools: Annotated[list[dict], Field(max_length=0)] | None = None
     tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool | None = None  # with no tools there is nothing to call in parallel
@@ -344,8 +397,13 @@ def completion_logprobs(entries: tuple[tuple[TokenLogprob, ...], ...] | None, te
     for token in tokens:
         offsets.append(text_offset)
         text_offset += len(token)
-    return {"tokens": tokens, "token_logprobs": [e[0].logprob for e in entries],
-            "top_logprobs": [{c.text: c.logprob for c in e} for e in entries], "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": [wire_logprob(e[0].logprob) for e in entries],
+            "top_logprobs": [{c.text: wire_logprob(c.logprob) for c in e} for e in entries], "text_offset": offsets}
+
+
+def wire_logprob(logprob: float) -> float:
+    """A logprob as JSON can carry it: -inf (a token structured output forbids) as -9999.0, vLLM's value."""
+    return max(logprob, -9999.0)
 
 
 def chat_logprobs(entries: tuple[tuple[TokenLogprob, ...], ...] | None, top_n: int) -> dict | None:
@@ -354,7 +412,7 @@ def chat_logprobs(entries: tuple[tuple[TokenLogprob, ...], ...] | None, top_n: i
         return None
 
     def record(c: TokenLogprob) -> dict:
-        return {"token": c.text, "logprob": c.logprob, "bytes": list(c.text.encode("utf-8"))}
+        return {"token": c.text, "logprob": wire_logprob(c.logprob), "bytes": list(c.text.encode("utf-8"))}
 
     return {"content": [{**record(e[0]), "top_logprobs": [record(c) for c in
                                                           sorted(e, key=lambda c: -c.logprob)[:top_n]]}
