@@ -123,9 +123,10 @@ class StructuredOutputsParams:
 
     @property
     def spec(self) -> str | tuple[str, ...] | bool:
-        """The constraint itself; a JSON schema as its text (so that it can be a cache key)."""
+        """The constraint itself; a JSON schema as its text (so that it can be a cache key). The
+        keys keep their order: a schema's properties are generated in the order it lists them."""
         value = getattr(self, self.kind)
-        return json_lib.dumps(value, sort_keys=True) if isinstance(value, dict) else value
+        return json_lib.dumps(value) if isinstance(value, dict) else value
 
 
 def _check_constraint_size(name: str, text: str) -> None:
