@@ -160,6 +160,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "e.g. '[[1, 1, 7], [2, 256, 0]]' (inclusive ranges of requests per step, and their k)")
     p.add_argument("--spec-output-len", type=int, default=128,
                    help="with --speculative: most tokens per request (EOS ends one sooner)")
+    p.add_argument("--structured", action="store_true",
+                   help="structured output: JSON-schema-constrained against free generation of the same tokens, "
+                        "batched and single stream, alternating rounds; with --vs-vllm vLLM's too "
+                        "(nanobench/structured.py)")
+    p.add_argument("--vllm-structured-backend", default=None,
+                   help="with --structured --vs-vllm: vLLM's grammar backend (its structured_outputs_config "
+                        "backend: xgrammar, guidance; default: vLLM's own choice)")
     p.add_argument("--profile", action="store_true",
                    help="also profile the engine's steps (and with --vs-vllm vLLM's, in a runner of its own) under "
                         "torch.profiler, at batch 1 and at the workload's batch: ms per step and the shares of GEMMs, "
@@ -216,6 +223,18 @@ def check_arguments(args: argparse.Namespace) -> None:
                           num_speculative_tokens_per_batch_size=args.spec_tokens_per_batch_size)
     if getattr(args, "profile", False):
         check_profile_arguments(args)
+    if getattr(args, "structured", False):
+        others = [flag for flag, on in (("--speculative", getattr(args, "speculative", False)),
+                                        ("--overhead", args.overhead), ("--server", getattr(args, "server", None)),
+                                        ("--vs-llamacpp", getattr(args, "vs_llamacpp", False)),
+                                        ("--profile", getattr(args, "profile", False))) if on]
+        if others:
+            raise ValueError(f"--structured runs a workload of its own (JSON schemas; with --vs-vllm vLLM's too): "
+                             f"leave out {', '.join(others)}")
+        at_least("num_requests", args.num_requests, 1)
+    if getattr(args, "vllm_structured_backend", None) and not (getattr(args, "structured", False) and args.vs_vllm):
+        raise ValueError("--vllm-structured-backend chooses vLLM's grammar library for --structured --vs-vllm: "
+                         "give both, or leave it out")
     if getattr(args, "vs_llamacpp", False):  # first: it names the options it cannot take, --vs-vllm among them
         from nanobench.llamacpp_peer import check_arguments as check_llamacpp_arguments
 
@@ -849,6 +868,10 @@ def run_from_args(args: argparse.Namespace) -> dict:
         from nanobench.speculative import run_speculative
 
         return run_speculative(args)
+    if getattr(args, "structured", False):
+        from nanobench.structured import run_structured
+
+        return run_structured(args)
     if args.overhead:
         from nanobench.overhead import run_overhead
 

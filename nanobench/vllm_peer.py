@@ -110,6 +110,8 @@ class VllmSettings:
     venv: str = str(DEFAULT_VENV)
     # vLLM's own ``speculative_config`` (e.g. ``{"method": "ngram", ...}``); None: no speculation.
     speculative_config: dict | None = None
+    # vLLM's own ``structured_outputs_config`` (e.g. ``{"backend": "guidance"}``); None: vLLM's default.
+    structured_outputs_config: dict | None = None
     # A runner for ``bench --profile``: vLLM's model in the runner's own process, with its
     # profiler scopes and Inductor's kernels named to the profiler (``PROFILE_ENVIRONMENT``).
     profile: bool = False
@@ -128,7 +130,9 @@ class VllmSettings:
         return {"model": self.model_dir, "dtype": self.dtype, "max_model_len": self.max_model_len,
                 "max_num_batched_tokens": self.max_num_batched_tokens, "max_num_seqs": self.max_num_seqs,
                 "seed": self.seed, "enforce_eager": self.enforce_eager,
-                **({"speculative_config": self.speculative_config} if self.speculative_config else {})}
+                **({"speculative_config": self.speculative_config} if self.speculative_config else {}),
+                **({"structured_outputs_config": self.structured_outputs_config}
+                   if self.structured_outputs_config else {})}
 
     def environment(self, base: dict | None = None) -> tuple[dict, dict]:
         """The runner's environment and the preloads it uses (``{name: path or None}``).
@@ -158,7 +162,8 @@ class VllmSettings:
                 "preloads": preloads, "max_model_len": self.max_model_len,
                 "max_num_batched_tokens": self.max_num_batched_tokens, "max_num_seqs": self.max_num_seqs,
                 "enforce_eager": self.enforce_eager, "seed": self.seed, "venv": self.venv,
-                "speculative_config": self.speculative_config, "profile": self.profile}
+                "speculative_config": self.speculative_config, "profile": self.profile,
+                "structured_outputs_config": self.structured_outputs_config}
 
 
 class VllmPeer(RunnerProcess):
@@ -184,13 +189,18 @@ class VllmPeer(RunnerProcess):
         return self.settings.environment()[0]
 
     # ----------------------------------------------------------------- runs
-    def run(self, prompts: list[list[int]], max_tokens: list[int], keep_tokens: int = 0) -> dict:
+    def run(self, prompts: list[list[int]], max_tokens: list[int], keep_tokens: int = 0,
+            structured_outputs: list[dict | None] | None = None) -> dict:
         """One timed greedy run (EOS ignored): ``seconds``, ``output_tokens``, ``output_tokens_per_s``
-        and the generated ids of the first ``keep_tokens`` prompts in ``tokens``."""
+        and the generated ids of the first ``keep_tokens`` prompts in ``tokens``. ``structured_outputs``:
+        per prompt vLLM's constraint fields (``{"json": schema}``) or None; a constrained prompt
+        stops where its grammar ends (EOS then counts)."""
         if len(prompts) != len(max_tokens):
             raise ValueError(f"need one max_tokens per prompt, got {len(prompts)} prompts and {len(max_tokens)}")
-        return self._ask({"command": "run", "prompts": prompts, "max_tokens": max_tokens,
-                          "keep_tokens": keep_tokens}, "result", "a timed run")
+        command = {"command": "run", "prompts": prompts, "max_tokens": max_tokens, "keep_tokens": keep_tokens}
+        if structured_outputs is not None:
+            command["structured_outputs"] = structured_outputs
+        return self._ask(command, "result", "a timed run")
 
     def profile(self, prompts: list[list[int]], max_tokens: list[int]) -> dict:
         """vLLM's steps on these prompts under ``torch.profiler`` (``nanobench/step_profile.py``):
@@ -214,7 +224,8 @@ class VllmPeer(RunnerProcess):
 
 def start_peer(args, model_dir: Path, prompts: list[list[int]], output_lens: list[int], dtype: str,
                max_num_seqs: int, *, max_num_batched_tokens: int | None = None, spare_tokens: int = 0,
-               speculative_config: dict | None = None, profile: bool = False, label: str = "vLLM") -> VllmPeer:
+               speculative_config: dict | None = None, profile: bool = False, label: str = "vLLM",
+               structured_outputs_config: dict | None = None) -> VllmPeer:
     """A vLLM peer for the bench, started and loaded (the load is never timed): ``bench
     --vs-vllm``'s, and ``bench --speculative --vs-vllm``'s two (``speculative.race_vllm``).
 
@@ -236,7 +247,7 @@ def start_peer(args, model_dir: Path, prompts: list[list[int]], output_lens: lis
         max_num_seqs=max_num_seqs, seed=args.seed,
         threads_bind=args.vllm_threads_bind or default_threads_bind(), kvcache_space_gib=args.vllm_kvcache_gib,
         enforce_eager=args.vllm_enforce_eager, venv=str(args.vllm_venv or DEFAULT_VENV),
-        speculative_config=speculative_config, profile=profile)
+        speculative_config=speculative_config, profile=profile, structured_outputs_config=structured_outputs_config)
     described = settings.described()
     missing = [name for name, path in described["preloads"].items() if path is None]
     print(f"{label}: threads bound to {settings.threads_bind}, KV cache {settings.kvcache_space_gib} GiB, preloads "

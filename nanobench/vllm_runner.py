@@ -22,7 +22,8 @@ The protocol, one JSON object per line:
   "set_by_vllm": ...}`` (the variables as the runner was started, then those vLLM set itself).
 * ``{"command": "run", "prompts": [[ids], ...], "max_tokens": [n, ...], "keep_tokens": k}``:
   one timed greedy run (EOS ignored, the prefix cache emptied first, as the engine's runs
-  do) answered by ``{"event": "result", "seconds": ..., "output_tokens": ...,
+  do; with ``"structured_outputs": [{"json": schema} or null, ...]`` a prompt with a
+  constraint runs under it and stops where its grammar ends, vLLM's structured output) answered by ``{"event": "result", "seconds": ..., "output_tokens": ...,
   "output_tokens_per_s": ..., "tokens": [...]}`` with the generated ids of the first
   ``k`` prompts.
 * ``{"command": "profile", "prompts": [[ids], ...], "max_tokens": [n, ...]}``: the prompts
@@ -77,7 +78,9 @@ def load(config: dict):
     llm = LLM(model=config["model"], tokenizer=config["model"], dtype=config["dtype"],
               max_model_len=config["max_model_len"], max_num_batched_tokens=config["max_num_batched_tokens"],
               max_num_seqs=config["max_num_seqs"], seed=config["seed"], enforce_eager=config["enforce_eager"],
-              speculative_config=config.get("speculative_config"))
+              speculative_config=config.get("speculative_config"),
+              **({"structured_outputs_config": config["structured_outputs_config"]}
+                 if config.get("structured_outputs_config") else {}))
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7, 8]}],
                  SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     return llm
@@ -114,8 +117,20 @@ def greedy_requests(command: dict) -> tuple[list, list]:
         raise ValueError(f"{name} needs 'prompts': a non-empty list of non-empty token-id lists")
     if not isinstance(max_tokens, list) or len(max_tokens) != len(prompts):
         raise ValueError(f"{name} needs 'max_tokens': one count per prompt ({len(prompts)}), got {max_tokens!r}")
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    constraints = command.get("structured_outputs") or [None] * len(prompts)
+    if not isinstance(constraints, list) or len(constraints) != len(prompts):
+        raise ValueError(f"{name}: 'structured_outputs' needs one constraint (or null) per prompt")
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) if c is None else
+              SamplingParams(temperature=0.0, max_tokens=n, structured_outputs=structured_outputs(c))
+              for n, c in zip(max_tokens, constraints)]
     return [{"prompt_token_ids": p} for p in prompts], params
+
+
+def structured_outputs(constraint: dict):
+    """vLLM's ``StructuredOutputsParams`` from its fields (``{"json": schema}``, ``{"regex": ...}``, ...)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(**constraint)
 
 
 def run_once(llm, command: dict) -> dict:
