@@ -172,7 +172,7 @@ class StructuredOutputStepperController:
         engine.step()
         appended = tuple(request.output_token_ids[before:])
         if request.is_finished:
-            self.finish_reason = request.finish_reason or "stop"
+            self.finish_reason = request.status.finish_reason or "stop"
         record = GrammarStep(step=step, num_allowed=int(allowed.sum()), vocab_size=vocab,
                              top_before=top_tokens(logits, self.top_k), top_after=top_tokens(masked, self.top_k),
                              appended=appended, terminated=grammar.is_terminated(), finish_reason=self.finish_reason)
