@@ -198,6 +198,9 @@ class StructuredOutputStepperController:
         self._start(*checked)
         return self.request_id
 
+    def close(self) -> None:
+        """Nothing to stop: the controller reads the engine between steps and subscribes to no events."""
+
     # ---------------------------------------------------------------- observing
     @property
     def finished(self) -> bool:
