@@ -1,5 +1,5 @@
 """The course's interactive simulators, each a plain-Python controller over the live engine
-with a thin ipywidgets view (chapters 1 and 3-13, plus every chapter's quiz).
+with a thin ipywidgets view (chapters 1, 3-13 and 14, plus every chapter's quiz).
 
 =====================  ==================================  ==========================
 view                   controller                          chapters
@@ -11,9 +11,10 @@ SamplingPlayground     SamplingPlaygroundController        8 (sampling)
 TPStepper              TPStepperController                 9 (tensor parallelism)
 ThroughputExplorer     ThroughputExplorerController        11 (benchmarks)
 SpecDecodeStepper      SpecDecodeStepperController         13 (speculative decoding)
+StructuredOutputStepper  StructuredOutputStepperController  14 (structured output)
 MemoryEstimator        MemoryEstimatorController           1, 3
 TokenEditor            token_pieces (widgets.tokens)       1
-Quiz                   QuizController                      all thirteen
+Quiz                   QuizController                      all fourteen
 =====================  ==================================  ==========================
 
 The step-cost and throughput explorers are driven by their chapter's own measurements (a
@@ -41,6 +42,7 @@ from widgets.quiz import Quiz, QuizController, load_quiz
 from widgets.sampling_playground import SamplingPlayground, SamplingPlaygroundController
 from widgets.scheduler_stepper import SchedulerStepper, SchedulerStepperController
 from widgets.spec_decode_stepper import SpecDecodeStepper, SpecDecodeStepperController
+from widgets.structured_output_stepper import StructuredOutputStepper, StructuredOutputStepperController
 from widgets.step_cost_explorer import StepCostExplorer, StepCostFit
 from widgets.throughput_explorer import ThroughputExplorer, ThroughputExplorerController
 from widgets.tokens import TokenEditor, token_chips, token_pieces
@@ -49,6 +51,6 @@ from widgets.tp_stepper import TPStepper, TPStepperController
 __all__ = ["BlockAllocatorController", "BlockAllocatorView", "ContiguousAllocator", "MemoryEstimator",
            "MemoryEstimatorController", "Quiz", "QuizController", "load_quiz", "SamplingPlayground",
            "SamplingPlaygroundController", "SchedulerStepper", "SchedulerStepperController",
-           "SpecDecodeStepper", "SpecDecodeStepperController",
+           "SpecDecodeStepper", "SpecDecodeStepperController", "StructuredOutputStepper", "StructuredOutputStepperController",
            "StepCostExplorer", "StepCostFit", "ThroughputExplorer", "ThroughputExplorerController",
            "TPStepper", "TPStepperController", "TokenEditor", "default_engine", "single_thread", "tiny_engine", "token_chips", "token_pieces"]
