@@ -62,6 +62,17 @@ class StructuredOutputManager:
         self.pending: list[Request] = []  # requests whose grammar has not been collected yet
         self.valid: set[tuple] = set()  # (kind, spec) of constraints that compiled
 
+    def __getstate__(self) -> dict:
+        """What a copy in another process needs: the settings, not the threads, the grammars or the
+        library's state. (A server whose engine core runs in a process of its own receives the
+        engine's input processor, and with it this manager's ``validate``, to refuse a constraint
+        that does not compile before sending the request.)"""
+        return {"config": self.config, "tokenizer": self.tokenizer, "vocab_size": self.vocab_size,
+                "eos_token_ids": self.eos_token_ids}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(**state)
+
     @property
     def backend(self) -> StructuredOutputBackend:
         """The grammar library, set up for the tokenizer at the first constrained request (~0.4 s)."""

@@ -278,3 +278,17 @@ def test_draft_rows_get_the_mask_after_each_draft_and_the_grammar_is_left_as_it_
     assert c in allowed[1] and a not in allowed[1]
     assert allowed[2] == [tokenizer.eos_token_id]  # complete: only EOS may follow
     assert request.structured_output.grammar.validate_tokens([a, c]) == [a, c]  # rolled back to the start
+
+
+def test_a_copy_of_the_input_processor_in_another_process_still_refuses_what_does_not_compile(build_tiny_llm):
+    """A server whose engine core runs in a process of its own checks requests with a pickled copy
+    of the engine's input processor: its constraint check goes with it, without threads or grammars."""
+    import pickle
+
+    engine = build_tiny_llm(CONFIG).engine
+    engine.add_request("x", SamplingParams(max_tokens=2, structured_outputs=constraint("regex")))  # a thread, a grammar
+    copy = pickle.loads(pickle.dumps(engine.input_processor))
+    with pytest.raises(ValueError, match="does not compile"):
+        copy.check_params(SamplingParams(structured_outputs=StructuredOutputsParams(regex="(")))
+    assert copy.check_params(SamplingParams(structured_outputs=constraint("json"))).structured_outputs.json == SCHEMA
+    run(engine, [], [])
