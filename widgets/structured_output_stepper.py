@@ -39,7 +39,7 @@ from nanoengine.structured_output.backend import allocate_token_bitmask, apply_t
 from widgets._common import (ControllerView, EngineWatcher, check_int, check_request_fits, escape, guarded,
                              shared_engine_note, token_label)
 
-#: A small schema the chapter steps through: three required fields, nothing else allowed.
+#: A small schema to step through: two required fields, nothing else allowed.
 EXAMPLE_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
                   "required": ["name", "age"], "additionalProperties": False}
 
