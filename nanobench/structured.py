@@ -131,7 +131,7 @@ def run_structured(args) -> dict:
                             "max_num_seqs": llm.engine.config.max_num_seqs,
                             "structured_outputs_backend": llm.engine.structured_output.backend.name,
                             "dtype": str(llm.engine.config.torch_dtype).removeprefix("torch.")},
-        "vllm": None if peer is None else {"settings": peer.settings.described(), "version": peer.ready["vllm_version"]},
+        "vllm_peer": None if peer is None else {"settings": peer.settings.described(), "version": peer.ready["vllm_version"]},
         "valid": {name: {"valid": sum(v), "of": len(v)} for name, v in validity.items()},
         "rows": rows,
     }

@@ -46,7 +46,7 @@ def test_a_short_run_records_constrained_and_free_of_the_same_tokens(tiny_llama_
             row["tok_s"]["engine_constrained"] / row["tok_s"]["engine_free"])
     assert results["valid"]["engine_constrained batched"]["of"] == 8  # 4 requests, 2 rounds
     assert results["engine_settings"]["structured_outputs_backend"] == "guidance"
-    assert results["environment"]["nanoengine_revision"] and results["vllm"] is None
+    assert results["environment"]["nanoengine_revision"] and results["vllm_peer"] is None
 
 
 @pytest.mark.slow
@@ -59,7 +59,7 @@ def test_vs_vllm_runs_vllm_constrained_and_free_in_the_same_rounds(tiny_llama_to
                  "--repeats", "1", "--vllm-structured-backend", "guidance", "--out", str(out)])
     assert code == 0
     results = json.loads(out.read_text())
-    assert results["vllm"]["settings"]["structured_outputs_config"] == {"backend": "guidance"}
+    assert results["vllm_peer"]["settings"]["structured_outputs_config"] == {"backend": "guidance"}
     for row in results["rows"]:
         assert set(row["tok_s"]) == {"engine_constrained", "engine_free", "vllm_constrained", "vllm_free"}
         assert row["engine_over_vllm_constrained"] > 0
