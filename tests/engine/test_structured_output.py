@@ -292,3 +292,12 @@ def test_a_copy_of_the_input_processor_in_another_process_still_refuses_what_doe
         copy.check_params(SamplingParams(structured_outputs=StructuredOutputsParams(regex="(")))
     assert copy.check_params(SamplingParams(structured_outputs=constraint("json"))).structured_outputs.json == SCHEMA
     run(engine, [], [])
+
+
+def test_a_stop_string_ends_a_constrained_request_where_it_appears(build_tiny_llm):
+    llm = build_tiny_llm(CONFIG)
+    out, = run(llm.engine, ["Pick:"], [SamplingParams(temperature=0.0, max_tokens=20, stop=["delta"],
+                                                     structured_outputs=StructuredOutputsParams(choice=["gamma delta"]))])
+    completion = out.outputs[0]
+    assert completion.finish_reason == "stop" and completion.stop_reason == "delta"
+    assert completion.text == "gamma "  # the constraint's text up to the stop string, as without a constraint
