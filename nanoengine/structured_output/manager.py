@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from nanoengine.engine.request import Request
 
 MAX_REMEMBERED = 1024  # constraints known to compile, kept so that a batch of equal ones is checked once
+WAIT_S = 0.05  # the longest an otherwise idle step waits for a compile (``collect``)
 
 
 class StructuredOutputRequest:
@@ -112,11 +113,12 @@ class StructuredOutputManager:
     def collect(self, wait: bool = False) -> list[tuple[Request, Exception]]:
         """Give each request whose grammar has compiled its grammar; return those that failed.
 
-        ``wait``: when nothing else can run, block until one compile has finished (rather than
-        spin through empty steps). Requests that finished meanwhile (aborted) are dropped.
+        ``wait``: when nothing else can run, wait until one compile has finished, for at most
+        ``WAIT_S`` (rather than spin through empty steps, or stop the caller from seeing an abort
+        while a large grammar compiles). Requests that finished meanwhile (aborted) are dropped.
         """
         if wait and self.pending:
-            concurrent.futures.wait([r.structured_output.compiling for r in self.pending],
+            concurrent.futures.wait([r.structured_output.compiling for r in self.pending], timeout=WAIT_S,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
         failed, still = [], []
         for request in self.pending:

@@ -301,3 +301,30 @@ def test_a_stop_string_ends_a_constrained_request_where_it_appears(build_tiny_ll
     completion = out.outputs[0]
     assert completion.finish_reason == "stop" and completion.stop_reason == "delta"
     assert completion.text == "gamma "  # the constraint's text up to the stop string, as without a constraint
+
+
+def test_an_idle_step_waits_for_a_slow_compile_only_briefly(build_tiny_llm, monkeypatch):
+    """Nothing else to run: the step waits for the compile, but returns within WAIT_S so that its
+    caller (a server's engine loop) can still take an abort."""
+    import threading
+    import time
+
+    from nanoengine.structured_output import manager
+
+    engine = build_tiny_llm(CONFIG).engine
+    backend = engine.structured_output.backend
+    release = threading.Event()
+    compile_grammar = backend.compile_grammar
+
+    def slow(kind, spec):
+        release.wait(10)
+        return compile_grammar(kind, spec)
+
+    monkeypatch.setattr(backend, "compile_grammar", slow)
+    rid = engine.add_request("x", SamplingParams(max_tokens=2, structured_outputs=constraint("regex")))
+    start = time.perf_counter()
+    assert engine.step() == []
+    assert 0.9 * manager.WAIT_S <= time.perf_counter() - start < 5  # it waited, and came back
+    assert engine.abort(rid).outputs[0].finish_reason == "abort"
+    release.set()
+    assert engine.step() == [] and not engine.structured_output.pending
