@@ -24,6 +24,11 @@ The build runs in four steps, and the first one can stop it before anything is w
 4. **Swap** the new build in place of ``site/`` only once it is complete: a failed build
    leaves the previous site as it was.
 
+Every language of the course is built (``--lang`` picks one): English at the site's root, each
+translation under its own folder (``site/ko/``) with the same pages at the same paths, staged
+from the English notebooks with their markdown translated (``translations``) and the site's own
+words in that language (``WORDS``). Every page links to its copy in the other language.
+
 The site's own packages (``requirements-site.txt``) are installed into ``.venv`` on first
 use, with ``requirements.txt`` as constraints so that nothing the course pins moves, and a
 stamp (``.venv/.requirements-site.sha``) so that later builds skip the step.
@@ -46,6 +51,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import translations  # noqa: E402  (the repository's; needs only the standard library)
+
 ROOT = Path(__file__).resolve().parents[1]
 SITE_SRC = ROOT / "docs" / "site_src"  # conf.py and the site's static files
 INDEX = Path("notebooks/README.md")
@@ -57,6 +65,43 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 PLOTLY = "application/vnd.plotly.v1+json"
 MIN_PYTHON = (3, 11)  # Sphinx 9, MyST-Parser 5 and the book theme require it
 EXECUTE = "PYTHONPATH=$PWD .venv/bin/python scripts/execute_notebooks.py"
+LANGUAGES = ("en", "ko")
+
+# The site's own words, per language (the notebooks' and quizzes' words come from translations/).
+WORDS = {
+    "en": {"Chapters": "Chapters", "Worked solutions": "Worked solutions",
+           "Labs and simulators": "Labs and simulators", "quiz": "Quiz: chapter {n}, {title}",
+           "simulator": "Simulator", "run live": "Run it live: <code>./course lab</code>, open <code>{path}</code> ({title}) and run the cell.",
+           "live questions": "In the notebook the quiz also asks {n} question{s} built from the live engine when the cell "
+                             "runs (its numbers come from that run), and checks each answer with an explanation.",
+           "checked": "In the notebook each answer is checked, with an explanation.",
+           "not stored": "Its live view is not stored in the notebook (scripts/execute_notebooks.py drops widget state); "
+                         "the cells around it print what it measured.",
+           "no outputs": "This page's notebook is committed without outputs: the simulator exists only in a running kernel.",
+           "provenance title": "Where these outputs come from",
+           "measured": "Outputs on this page were measured on **{machine}**, on {date} ({time} UTC), at revision "
+                       "`{revision}`{seconds}. Run it yourself: `./course lab`, then open `{path}`.",
+           "in seconds": ", in {seconds} s",
+           "live only": "This page has no saved outputs: every cell is a live simulator on the real engine. "
+                        "Run it live: `./course lab`, then open `{path}`.",
+           "lab notes": "The lab's notes"},
+    "ko": {"Chapters": "장", "Worked solutions": "연습 문제 풀이",
+           "Labs and simulators": "실습과 시뮬레이터", "quiz": "퀴즈: {n}장, {title}",
+           "simulator": "시뮬레이터", "run live": "직접 실행하기: <code>./course lab --lang ko</code>로 연 뒤 <code>{path}</code>({title})에서 이 셀을 실행한다.",
+           "live questions": "노트북에서는 셀을 실행할 때 실제 엔진에서 만든 문제 {n}개를 더 묻고(숫자는 그 실행에서 나온다), "
+                             "답마다 설명과 함께 채점한다.",
+           "checked": "노트북에서는 답마다 설명과 함께 채점한다.",
+           "not stored": "라이브 화면은 노트북에 저장되지 않는다(scripts/execute_notebooks.py가 위젯 상태를 지운다). "
+                         "측정한 값은 주변 셀이 출력한다.",
+           "no outputs": "이 페이지의 노트북은 출력 없이 커밋된다. 시뮬레이터는 실행 중인 커널 안에만 있다.",
+           "provenance title": "이 출력은 어디서 왔나",
+           "measured": "이 페이지의 출력은 **{machine}**에서 {date} ({time} UTC)에 리비전 `{revision}`로 측정했다{seconds}. "
+                       "직접 실행하기: `./course lab --lang ko`, 그다음 `{path}`를 연다.",
+           "in seconds": "(실행 {seconds}초)",
+           "live only": "이 페이지에는 저장된 출력이 없다. 모든 셀이 실제 엔진 위의 라이브 시뮬레이터다. "
+                        "직접 실행하기: `./course lab --lang ko`, 그다음 `{path}`를 연다.",
+           "lab notes": "실습 노트"},
+}
 
 
 class SiteError(Exception):
@@ -143,9 +188,9 @@ def _widget_docs(root: Path) -> dict[str, str]:
     return docs
 
 
-def _live_line(path: Path, title: str) -> str:
-    return (f"<p class='ne-run-live'>Run it live: <code>./course lab</code>, open "
-            f"<code>{html.escape(str(path))}</code> ({html.escape(title)}) and run the cell.</p>")
+def _live_line(path: Path, title: str, lang: str = "en") -> str:
+    return ("<p class='ne-run-live'>"
+            + WORDS[lang]["run live"].format(path=html.escape(str(path)), title=html.escape(title)) + "</p>")
 
 
 def _rst_code(text: str) -> str:
@@ -153,7 +198,7 @@ def _rst_code(text: str) -> str:
     return re.sub(r"``?([^`]+)``?", r"<code>\1</code>", html.escape(text))
 
 
-def quiz_view(chapter: int, source: str, path: Path, title: str, root: Path = ROOT) -> str:
+def quiz_view(chapter: int, source: str, path: Path, title: str, root: Path = ROOT, lang: str = "en") -> str:
     """The chapter's quiz, read from ``widgets/quizzes/chNN.json``: every question and its
     options, with no answer marked and no explanation (they would give it away).
 
@@ -167,8 +212,11 @@ def quiz_view(chapter: int, source: str, path: Path, title: str, root: Path = RO
         quiz = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise SiteError(f"{path}: its quiz cell reads {file.relative_to(root)}, which cannot be read ({exc})") from exc
-    parts = [f"<div class='ne-static ne-static-quiz'><p class='ne-static-title'>Quiz: chapter {chapter}, "
-             f"{html.escape(quiz.get('title', title))}</p><ol>"]
+    if lang != "en":
+        quiz = translations.translated_quiz(lang, quiz, file)
+    words = WORDS[lang]
+    parts = [f"<div class='ne-static ne-static-quiz'><p class='ne-static-title'>"
+             + words["quiz"].format(n=chapter, title=html.escape(quiz.get("title", title))) + "</p><ol>"]
     for question in quiz["questions"]:
         texts = sorted((o["text"] for o in question["options"]), key=str.casefold)
         options = "".join(f"<li>{_rst_code(text)}</li>" for text in texts)
@@ -176,23 +224,20 @@ def quiz_view(chapter: int, source: str, path: Path, title: str, root: Path = RO
     parts.append("</ol>")
     live = len(re.findall(r"_question\(", source))
     if "live=" in source and live:
-        parts.append(f"<p>In the notebook the quiz also asks {live} question{'s' * (live > 1)} built from the live "
-                     "engine when the cell runs (its numbers come from that run), and checks each answer with an "
-                     "explanation.</p>")
+        parts.append("<p>" + words["live questions"].format(n=live, s="s" * (live > 1)) + "</p>")
     else:
-        parts.append("<p>In the notebook each answer is checked, with an explanation.</p>")
-    parts.append(_live_line(path, title) + "</div>")
+        parts.append("<p>" + words["checked"] + "</p>")
+    parts.append(_live_line(path, title, lang) + "</div>")
     return "".join(parts)
 
 
-def simulator_view(name: str, docs: dict[str, str], path: Path, title: str, saved: bool) -> str:
+def simulator_view(name: str, docs: dict[str, str], path: Path, title: str, saved: bool, lang: str = "en") -> str:
     """A static card for a live simulator whose view the notebook does not keep."""
     about = docs.get(name, "an interactive view over the live engine")
-    state = ("Its live view is not stored in the notebook (scripts/execute_notebooks.py drops widget state); "
-             "the cells around it print what it measured." if saved else
-             "This page's notebook is committed without outputs: the simulator exists only in a running kernel.")
-    return (f"<div class='ne-static ne-static-simulator'><p class='ne-static-title'>Simulator: "
-            f"<code>{html.escape(name)}</code></p><p>{_rst_code(about)}</p><p>{state}</p>{_live_line(path, title)}</div>")
+    state = WORDS[lang]["not stored" if saved else "no outputs"]
+    return (f"<div class='ne-static ne-static-simulator'><p class='ne-static-title'>{WORDS[lang]['simulator']}: "
+            f"<code>{html.escape(name)}</code></p><p>{_rst_code(about)}</p><p>{state}</p>"
+            f"{_live_line(path, title, lang)}</div>")
 
 
 def other_widget_note(output: dict) -> str:
@@ -237,9 +282,12 @@ def _chapter_title(nb: dict, path: Path) -> str:
     return path.stem
 
 
-def stage_notebook(root: Path, path: Path, docs: dict[str, str]) -> dict:
-    """The notebook as the site shows it: provenance line, static widget views, plotly as HTML."""
-    nb = json.loads((root / path).read_text(encoding="utf-8"))
+def stage_notebook(root: Path, path: Path, docs: dict[str, str], lang: str = "en") -> dict:
+    """The notebook as the site shows it: provenance line, static widget views, plotly as HTML
+    (in ``lang``: its markdown translated, links kept as the English page has them)."""
+    nb = (json.loads((root / path).read_text(encoding="utf-8")) if lang == "en" or path in LIVE_ONLY
+          else translations.build_notebook(lang, root / path, repoint=False))
+    shown = path if lang == "en" or path in LIVE_ONLY else translations.translated_path(lang, root / path).relative_to(root)
     title = _chapter_title(nb, path)
     meta = nb.get("metadata", {}).get("nanoengine") or {}
     saved = path not in LIVE_ONLY
@@ -252,9 +300,9 @@ def stage_notebook(root: Path, path: Path, docs: dict[str, str]) -> dict:
                 name = widget_name(output)
                 match = re.search(r"\bQuiz\(\s*(\d+)", source)
                 if name == "Quiz" and match:
-                    outputs.append(_html_output(quiz_view(int(match.group(1)), source, path, title, root)))
+                    outputs.append(_html_output(quiz_view(int(match.group(1)), source, shown, title, root, lang)))
                 elif name in docs:
-                    outputs.append(_html_output(simulator_view(name, docs, path, title, saved)))
+                    outputs.append(_html_output(simulator_view(name, docs, shown, title, saved, lang)))
                 else:  # not a course simulator: a progress bar (tqdm) or another library's widget
                     outputs.append(_html_output(other_widget_note(output)))
             elif PLOTLY in data:
@@ -269,19 +317,19 @@ def stage_notebook(root: Path, path: Path, docs: dict[str, str]) -> dict:
                 name = match.group(2) or _variable_class(source, match.group(1))
                 quiz = re.search(r"\bQuiz\(\s*(\d+)", last)
                 if name == "Quiz" and quiz:
-                    outputs.append(_html_output(quiz_view(int(quiz.group(1)), source, path, title, root)))
+                    outputs.append(_html_output(quiz_view(int(quiz.group(1)), source, shown, title, root, lang)))
                 elif name in docs:
-                    outputs.append(_html_output(simulator_view(name, docs, path, title, saved)))
+                    outputs.append(_html_output(simulator_view(name, docs, shown, title, saved, lang)))
         cell["outputs"] = outputs
+    words = WORDS[lang]
     if saved:
-        note = (f"Outputs on this page were measured on **{meta['machine']}**, on {meta['executed'][:10]} "
-                f"({meta['executed'][11:16]} UTC), at revision `{meta.get('revision', '?')[:10]}`"
-                + (f", in {meta['seconds']} s" if "seconds" in meta else "") + ". "
-                f"Run it yourself: `./course lab`, then open `{path}`.")
+        note = words["measured"].format(
+            machine=meta["machine"], date=meta["executed"][:10], time=meta["executed"][11:16],
+            revision=meta.get("revision", "?")[:10], path=shown,
+            seconds=words["in seconds"].format(seconds=meta["seconds"]) if "seconds" in meta else "")
     else:
-        note = ("This page has no saved outputs: every cell is a live simulator on the real engine. "
-                f"Run it live: `./course lab`, then open `{path}`.")
-    admonition = f"\n:::{{admonition}} Where these outputs come from\n:class: ne-provenance\n{note}\n:::\n"
+        note = words["live only"].format(path=shown)
+    admonition = f"\n:::{{admonition}} {words['provenance title']}\n:class: ne-provenance\n{note}\n:::\n"
     for cell in nb["cells"]:  # right under the chapter's title
         if cell["cell_type"] == "markdown" and re.search(r"^#\s", text := "".join(cell["source"]), re.M):
             cell["source"] = re.sub(r"^(#\s.*)$", lambda m: m.group(1) + "\n" + admonition, text, count=1, flags=re.M)
@@ -327,8 +375,8 @@ def toctree(caption: str, entries: list[str]) -> str:
     return f"\n```{{toctree}}\n:hidden:\n:caption: {caption}\n\n{body}\n```\n"
 
 
-def stage(root: Path, pages: list[Page], src: Path) -> None:
-    """Write the Sphinx source tree for ``pages`` into ``src``."""
+def stage(root: Path, pages: list[Page], src: Path, lang: str = "en") -> None:
+    """Write the Sphinx source tree for ``pages`` into ``src``, in ``lang``."""
     shutil.copytree(SITE_SRC, src, dirs_exist_ok=True)
     static = src / "_static"
     static.mkdir(exist_ok=True)
@@ -340,7 +388,7 @@ def stage(root: Path, pages: list[Page], src: Path) -> None:
         target = src / page.path
         target.parent.mkdir(parents=True, exist_ok=True)
         if page.path.suffix == ".ipynb":
-            target.write_text(json.dumps(stage_notebook(root, page.path, docs), indent=1), encoding="utf-8")
+            target.write_text(json.dumps(stage_notebook(root, page.path, docs, lang), indent=1), encoding="utf-8")
     # the lab: its README and every notes page under it, as pages below it in the sidebar
     lab_pages = sorted(p.relative_to(root) for p in (root / LABS).rglob("*.md")
                        if "work" not in p.relative_to(root / LABS).parts) if (root / LABS).is_dir() else []
@@ -350,7 +398,7 @@ def stage(root: Path, pages: list[Page], src: Path) -> None:
         text = _fix_dir_links(md_text(root / md), (root / md).parent)
         if md == LABS / "README.md":
             children = [str(p.relative_to(LABS).with_suffix("")) for p in lab_pages if p != md]
-            text += toctree("The lab's notes", children)
+            text += toctree(WORDS[lang]["lab notes"], children)
         target.write_text(text, encoding="utf-8")
         # files the notes link to (sources, tests): shipped as downloads so each link resolves
         for link in re.findall(r"\]\(([^)\s#]+)\)", text):
@@ -359,10 +407,11 @@ def stage(root: Path, pages: list[Page], src: Path) -> None:
                 dest = target.parent / link
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(linked, dest)
-    index = _reroot_links(md_text(root / INDEX), "notebooks")
+    index = md_text(root / INDEX) if lang == "en" else translations.build_document(lang, root / INDEX, repoint=False)
+    index = _reroot_links(index, "notebooks")
     sections: dict[str, list[str]] = {}
     for page in pages:
-        sections.setdefault(page.section, []).append(str(page.path.with_suffix("")))
+        sections.setdefault(WORDS[lang][page.section], []).append(str(page.path.with_suffix("")))
     index += "".join(toctree(caption, entries) for caption, entries in sections.items())
     (src / "index.md").write_text(index, encoding="utf-8")
 
@@ -392,21 +441,43 @@ def ensure_packages() -> None:
     stamp.write_text(want + "\n")
 
 
-def build(out: Path, root: Path = ROOT, quiet: bool = True) -> Path:
-    """Build the site into ``out``; ``out`` is replaced only by a complete build."""
+def translation_problems(root: Path, languages: tuple[str, ...]) -> list[str]:
+    """Why a translated site cannot be built: units with no translation of today's English."""
+    if root != ROOT:  # a scratch copy of the notebooks (tests): translations are read for this repository only
+        return []
+    found = []
+    for lang in languages:
+        if lang != "en" and (problems := translations.problems(lang)):
+            found.append(f"{lang}: {len(problems)} units have no translation of today's English, first "
+                         f"{problems[0].english.relative_to(ROOT)} unit {problems[0].unit.id!r}: "
+                         f"python -m translations check --lang {lang} lists them (docs/TRANSLATING.md)")
+    return found
+
+
+def build(out: Path, root: Path = ROOT, quiet: bool = True, languages: tuple[str, ...] = LANGUAGES) -> Path:
+    """Build the site into ``out`` (each translation into ``out/<lang>/``); ``out`` is replaced
+    only by a complete build."""
     pages = collect_pages(root)  # bad input stops here, before anything is written
+    languages = tuple(lang for lang in languages if lang == "en" or root == ROOT)
+    if problems := translation_problems(root, languages):
+        raise SiteError("cannot build the site, nothing was built (site/ is unchanged):\n"
+                        + "\n".join(f"  - {p}" for p in problems))
     out = out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}-build-", dir=out.parent))
     try:
-        src, html_dir = work / "src", work / "html"
-        stage(root, pages, src)
+        html_dir = work / "html"
         from sphinx.cmd.build import build_main
 
-        args = ["-b", "html", "-E", "-W", "--keep-going", "-j", "1", str(src), str(html_dir),
-                "-d", str(work / "doctrees")]
-        if build_main(args + (["-q"] if quiet else [])) != 0:
-            raise SiteError("Sphinx reported problems (above); nothing was built, site/ is unchanged")
+        for lang in languages:
+            src = work / f"src-{lang}"
+            stage(root, pages, src, lang)
+            where = html_dir if lang == "en" else html_dir / lang
+            args = ["-b", "html", "-E", "-W", "--keep-going", "-j", "1", "-D", f"language={lang}",
+                    "-D", f"ne_languages={','.join(languages)}", str(src), str(where),
+                    "-d", str(work / f"doctrees-{lang}")]
+            if build_main(args + (["-q"] if quiet else [])) != 0:
+                raise SiteError("Sphinx reported problems (above); nothing was built, site/ is unchanged")
         (html_dir / ".nojekyll").touch()
         old = out.with_name(f".{out.name}-old-{os.getpid()}")
         if out.exists():
@@ -438,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--serve-only", action="store_true", help="serve the site already built, build nothing")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--verbose", action="store_true", help="show Sphinx's progress")
+    parser.add_argument("--lang", choices=LANGUAGES, help="build only this language (default: every one)")
     args = parser.parse_args(argv)
     if not 0 < args.port < 65536:
         parser.error(f"--port {args.port}: a TCP port is 1-65535")
@@ -448,10 +520,13 @@ def main(argv: list[str] | None = None) -> int:
         serve(args.out, args.port)
         return 0
     try:
+        languages = (args.lang,) if args.lang else LANGUAGES
         collect_pages(ROOT)  # before installing anything: bad input is reported at once
+        if problems := translation_problems(ROOT, languages):
+            raise SiteError("cannot build the site:\n" + "\n".join(f"  - {p}" for p in problems))
         ensure_packages()
         start = time.perf_counter()
-        out = build(args.out, quiet=not args.verbose)
+        out = build(args.out, quiet=not args.verbose, languages=languages)
     except SiteError as exc:
         print(f"[site] {exc}", file=sys.stderr)
         return 2

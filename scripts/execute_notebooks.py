@@ -104,7 +104,21 @@ def main(argv: list[str] | None = None) -> int:
     for path in paths:
         seconds = execute(path.resolve(), revision, args.timeout)
         print(f"{path.name}: {seconds:.1f} s at {revision[:10]}")
+    rebuild_translations()
     return 0
+
+
+def rebuild_translations() -> None:
+    """The translated notebooks carry the English notebooks' outputs: rebuild them now, or say
+    which units stop it (docs/TRANSLATING.md)."""
+    import translations
+
+    for lang in translations.LANGUAGES[1:]:
+        if problems := translations.problems(lang):
+            print(f"{lang}: not rebuilt, {len(problems)} units have no translation of today's English "
+                  f"(python -m translations check --lang {lang})")
+        else:
+            print(f"{lang}: rebuilt {len(translations.build(lang))} translated notebooks and documents")
 
 
 if __name__ == "__main__":

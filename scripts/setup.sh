@@ -6,7 +6,8 @@
 #   4. the default model converted once to a cached Hugging Face directory,
 #   5. the engine's native CPU kernels compiled once into the same cache (~15 s the first time),
 #   6. the default model's compiled graph, into the same cache (~15 s the first time),
-#   7. Debian's Chromium for the browser tests (when running as root with apt).
+#   7. Debian's Chromium for the browser tests, and a font with Hangul for the Korean pages
+#      (when running as root with apt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,6 +40,16 @@ if ! command -v chromium >/dev/null 2>&1; then
       || echo "[setup] warning: could not install chromium; browser tests will be skipped"
   else
     echo "[setup] note: chromium not found (install Debian's 'chromium' to run the browser tests)"
+  fi
+fi
+# The Korean edition's pages need a font with Hangul (Debian's chromium brings none).
+if command -v fc-list >/dev/null 2>&1 && [ -z "$(fc-list :lang=ko 2>/dev/null)" ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[setup] installing Debian's fonts-nanum (Hangul) for the Korean pages"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fonts-nanum >/dev/null) \
+      || echo "[setup] warning: could not install fonts-nanum; Korean pages will show boxes for Hangul"
+  else
+    echo "[setup] note: no font with Hangul (install Debian's 'fonts-nanum' to read the Korean edition)"
   fi
 fi
 echo "[setup] ready"

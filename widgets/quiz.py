@@ -32,6 +32,11 @@ the file's questions and shuffled the same way, their correct options placed whe
 chapter's positions stay balanced (``live_answer_positions``). ``make_question`` builds one from a
 computed answer and plausible wrong computations.
 
+In a translated notebook (``notebooks/ko/``) the quiz speaks its language: ``load_quiz`` reads
+the English file, shuffles it as above (the seeds come from the English text, so every
+language shows the same order), then swaps each text for its translation
+(``translations.translated_quiz``). Live questions are computed in English.
+
 ``QuizController`` is the testable part; ``Quiz`` draws radio buttons, a Check button per
 question and a running score. A quiz is for learning, and its score for honesty: a wrong
 answer shows why *that* option is wrong (its own explanation, never the right option) and
@@ -51,6 +56,7 @@ from pathlib import Path
 
 import ipywidgets as W
 
+import translations
 from widgets._common import check_int, escape
 
 QUIZ_DIR = Path(__file__).parent / "quizzes"
@@ -213,16 +219,33 @@ def check_question(question: Question, where: str) -> None:
         raise ValueError(f"{where}: two options have the same text")
 
 
-def load_quiz(chapter: int | str | Path, shuffle: bool = True) -> QuizData:
+def load_quiz(chapter: int | str | Path, shuffle: bool = True, lang: str | None = None) -> QuizData:
     """Read and validate a chapter's quiz (a chapter number or a path to a JSON file).
 
     With ``shuffle`` (the default) options come in display order (``shuffle_options``);
-    ``shuffle=False`` keeps the file's order, for authors and tests.
+    ``shuffle=False`` keeps the file's order, for authors and tests. ``lang`` (default: the
+    notebook's, ``translations.language()``) translates the texts after the shuffle.
     """
     path = Path(chapter) if isinstance(chapter, (str, Path)) else quiz_path(check_int("chapter", chapter, 1, 99))
     if not path.is_file():
         raise ValueError(f"no quiz file {path}")
     data = json.loads(path.read_text(encoding="utf-8"))
+    english = _questions(data, path)
+    number = int(data["chapter"])
+    if shuffle:
+        slots = answer_positions(number, [len(q.options) for q in english])
+        order = [shuffle_options(q, number, at) for q, at in zip(english, slots)]
+    else:
+        order = english
+    lang = lang or translations.language()
+    if lang != "en":
+        data = translations.translated_quiz(lang, data, path)
+        theirs = _questions(data, path)
+        order = [_in_order_of(shown, written, their) for shown, written, their in zip(order, english, theirs)]
+    return QuizData(number, str(data["title"]), tuple(order))
+
+
+def _questions(data: dict, path: Path) -> list[Question]:
     questions = []
     for i, q in enumerate(data.get("questions", [])):
         options = tuple(Option(str(o["text"]), bool(o["correct"]), str(o.get("explanation", ""))) for o in q["options"])
@@ -231,11 +254,14 @@ def load_quiz(chapter: int | str | Path, shuffle: bool = True) -> QuizData:
         questions.append(question)
     if len(questions) < MIN_QUESTIONS:
         raise ValueError(f"{path.name}: needs at least {MIN_QUESTIONS} questions, has {len(questions)}")
-    number = int(data["chapter"])
-    if shuffle:
-        slots = answer_positions(number, [len(q.options) for q in questions])
-        questions = [shuffle_options(q, number, at) for q, at in zip(questions, slots)]
-    return QuizData(number, str(data["title"]), tuple(questions))
+    return questions
+
+
+def _in_order_of(shown: Question, written: Question, translated: Question) -> Question:
+    """``translated`` (options in the file's order, like ``written``) with its options in the
+    order ``shown`` puts ``written``'s."""
+    place = {o.text: i for i, o in enumerate(written.options)}
+    return replace(translated, options=tuple(translated.options[place[o.text]] for o in shown.options))
 
 
 class QuizController:

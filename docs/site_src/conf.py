@@ -49,5 +49,23 @@ def _plotly_where_needed(app, pagename, templatename, context, doctree):
         app.add_js_file("plotly.min.js", priority=400)
 
 
+LANGUAGE_NAMES = {"en": "English", "ko": "한국어"}
+
+
+def _language_switch(app, pagename, templatename, context, doctree):
+    """A link, at the top of every page, to the same page in each other language: English is
+    the site's root and a translation its folder (``ko/``), with the same page paths."""
+    here = app.config.language or "en"
+    languages = [lang for lang in app.config.ne_languages.split(",") if lang]
+    if len(languages) < 2 or "body" not in context:
+        return
+    up = "../" * pagename.count("/") + ("../" if here != "en" else "")
+    links = [f"<a href='{up}{'' if lang == 'en' else lang + '/'}{pagename}.html' hreflang='{lang}' lang='{lang}'>"
+             f"{LANGUAGE_NAMES.get(lang, lang)}</a>" for lang in languages if lang != here]
+    context["body"] = f"<p class='ne-language-switch'>{' · '.join(links)}</p>" + context["body"]
+
+
 def setup(app):
+    app.add_config_value("ne_languages", "en", "html")
     app.connect("html-page-context", _plotly_where_needed)
+    app.connect("html-page-context", _language_switch)

@@ -111,7 +111,10 @@ def test_course_lab_points_jupyter_at_the_course_config_and_binds_localhost() ->
     assert 'export JUPYTER_CONFIG_PATH="$PWD/jupyter/config' in lab
     assert "--ip=127.0.0.1" in lab
     # the URL JupyterLab prints (it starts with --no-browser) opens the index, not a launcher
-    assert "--LabApp.default_url=/lab/tree/notebooks/README.md" in lab and (REPO / "notebooks" / "README.md").is_file()
+    assert "--LabApp.default_url=/lab/tree/$index" in lab
+    assert "index=notebooks/README.md" in lab and (REPO / "notebooks" / "README.md").is_file()
+    # --lang ko opens the Korean edition's index
+    assert "ko) index=notebooks/ko/README.md" in lab and (REPO / "notebooks" / "ko" / "README.md").is_file()
 
 
 def _schema(plugin: str) -> dict:
