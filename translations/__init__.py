@@ -24,6 +24,7 @@ and the site's build uses it without torch.
 """
 from __future__ import annotations
 
+import ast
 import difflib
 import hashlib
 import json
@@ -36,8 +37,25 @@ REPO = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 LANGUAGES = ("en", "ko")  # English is the source; the others are translations of it
 
-# Markdown documents a learner reads, translated section by section: English -> translated copy.
-DOCUMENTS = {"notebooks/README.md": "notebooks/{lang}/README.md", "README.md": "README.{lang}.md"}
+LAB = "labs/nano-vllm"
+
+
+def documents() -> list[str]:
+    """The markdown documents a learner reads, translated section by section (paths from the
+    repository root): the README, the course index, the lab's README, each lab version's notes
+    and the v10 reading reports; a starter's notes are its version's, copied."""
+    lab = REPO / LAB
+    found = ["README.md", "notebooks/README.md", f"{LAB}/README.md"]
+    found += sorted(str(p.relative_to(REPO)) for folder in ("versions", "starters") if (lab / folder).is_dir()
+                    for p in (lab / folder).glob("v*/*.md") if not _is_translation_name(p))
+    return found
+
+
+
+
+def _is_translation_name(path: Path) -> bool:
+    """A translated document's name: ``NAME.<lang>.md``."""
+    return any(path.name.endswith(f".{lang}.md") for lang in LANGUAGES[1:])
 
 
 def sha(text: str) -> str:
@@ -104,15 +122,36 @@ def quiz_units(path: Path) -> list[Unit]:
     return units
 
 
+def string_units(module: Path) -> list[Unit]:
+    """The strings a widget or check module shows a learner: the first argument of each
+    ``tr("...")`` call (a template whose ``{name}`` fields ``tr`` fills), keyed by its hash."""
+    text = module.read_text(encoding="utf-8")
+    if "tr(" not in text:
+        return []
+    units: dict[str, Unit] = {}
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "tr":
+            first = node.args[0] if node.args else None
+            if not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
+                raise ValueError(f"{module.relative_to(REPO)}:{node.lineno}: tr() takes the English as a string "
+                                 "literal (fields as keywords: tr(\"{n} blocks\", n=n)), so it can be looked up")
+            units.setdefault(sha(first.value), Unit(sha(first.value), first.value))
+    return list(units.values())
+
+
 # ----------------------------------------------------------------------------- translation files
 
 def translation_file(lang: str, english: Path) -> Path:
-    """Where the translation of an English source file lives."""
+    """Where the translation of an English source file lives. A copy (a solution notebook, a
+    starter's notes) shares its original's file."""
     rel = english.resolve().relative_to(REPO)
     if rel.parts[0] == "notebooks" and rel.suffix == ".ipynb":
-        return HERE / lang / "notebooks" / (rel.stem.replace(".ipynb", "") + ".json")
+        return HERE / lang / "notebooks" / (rel.stem + ".json")
     if rel.parts[:2] == ("widgets", "quizzes"):
         return HERE / lang / "quizzes" / rel.name
+    if rel.suffix == ".py":
+        return HERE / lang / rel.with_suffix(".json")
+    rel = Path(str(rel).replace(f"{LAB}/starters/", f"{LAB}/versions/"))
     return HERE / lang / "docs" / (str(rel).replace("/", "__") + ".json")
 
 
@@ -141,21 +180,34 @@ def english_sources() -> list[tuple[Path, list[Unit]]]:
             sources.append((solution, notebook_units(solution)))
     for quiz in sorted((REPO / "widgets" / "quizzes").glob("ch[0-9][0-9].json")):
         sources.append((quiz, quiz_units(quiz)))
-    for doc in DOCUMENTS:
+    for doc in documents():
         sources.append((REPO / doc, document_units(REPO / doc)))
+    for module in sorted((REPO / "widgets").rglob("*.py")):
+        if units := string_units(module):
+            sources.append((module, units))
     return sources
 
 
+def _copy_kind(english: Path) -> str:
+    """"solutions" for a solution notebook, "starter" for a lab starter's notes, else ""."""
+    rel = english.resolve().relative_to(REPO)
+    if english.parent.name == "solutions":
+        return "solutions"
+    return "starter" if str(rel).startswith(f"{LAB}/starters/") else ""
+
+
 def stored_id(english: Path, unit: Unit) -> str:
-    return f"solutions/{unit.id}" if english.parent.name == "solutions" else unit.id
+    """A unit's id in its translation file: a copy's own units are prefixed with its kind."""
+    kind = _copy_kind(english)
+    return f"{kind}/{unit.id}" if kind else unit.id
 
 
 def lookup(lang: str, english: Path, unit: Unit) -> dict | None:
-    """The stored translation of ``unit`` (any stored entry with the same id, else, for a
-    solution's cell, the chapter's unit with the same English), or None."""
+    """The stored translation of ``unit`` (the stored entry with its id, else, for a copy, the
+    original's unit with the same English), or None."""
     stored = load_units(translation_file(lang, english))
     entry = stored.get(stored_id(english, unit))
-    if entry is None and english.parent.name == "solutions":
+    if entry is None and _copy_kind(english):
         entry = next((e for e in stored.values() if e["sha"] == sha(unit.en)), None)
     return entry
 
@@ -170,8 +222,11 @@ class Problem:
 
     def report(self) -> str:
         where = f"{self.english.relative_to(REPO)} unit {self.unit.id!r}"
-        if self.kind != "stale":
-            return f"{where}: translation {self.kind}"
+        if self.kind == "missing" and self.stored_en:  # a string keyed by its hash: edited, so a new key
+            where += " (the English changed: a translated string like it is left over)"
+        elif self.kind != "stale":
+            text = self.unit.en if len(self.unit.en) <= 300 else self.unit.en[:300] + " ..."
+            return f"{where}: translation {self.kind}" + (f":\n{text}" if self.kind == "missing" else "")
         diff = difflib.unified_diff(self.stored_en.split("\n"), self.unit.en.split("\n"),
                                     "translated English", "English today", lineterm="", n=1)
         return f"{where}: the English changed since it was translated:\n" + "\n".join(diff)
@@ -184,12 +239,21 @@ def problems(lang: str) -> list[Problem]:
         for unit in units:
             entry = lookup(lang, english, unit)
             if entry is None:
-                found.append(Problem(english, unit, "missing"))
+                found.append(Problem(english, unit, "missing", _closest_left_over(lang, english, units, unit)))
             elif entry["sha"] != sha(unit.en) or entry["sha"] != sha(entry["en"]):
                 found.append(Problem(english, unit, "stale", entry["en"]))
             elif not entry.get(lang, "").strip():
                 found.append(Problem(english, unit, "empty"))
     return found
+
+
+def _closest_left_over(lang: str, english: Path, units: list[Unit], unit: Unit) -> str:
+    """For a unit with no translation, the English of the most similar stored entry that no
+    unit of the source uses any more (the unit before an edit, when its id is its hash)."""
+    ids = {stored_id(english, u) for u in units}
+    left = [e["en"] for uid, e in load_units(translation_file(lang, english)).items() if uid not in ids]
+    close = difflib.get_close_matches(unit.en, left, n=1, cutoff=0.6)
+    return close[0] if close else ""
 
 
 def extra_entries(lang: str) -> list[str]:
@@ -219,8 +283,10 @@ def translated(lang: str, english: Path, unit: Unit) -> str:
 def translated_path(lang: str, english: Path) -> Path:
     """Where the translated copy of an English notebook or document is built."""
     rel = english.resolve().relative_to(REPO)
-    if str(rel) in DOCUMENTS:
-        return REPO / DOCUMENTS[str(rel)].format(lang=lang)
+    if rel.suffix == ".md":
+        if str(rel) == "notebooks/README.md":
+            return REPO / "notebooks" / lang / "README.md"
+        return REPO / rel.with_name(f"{rel.stem}.{lang}.md")
     return REPO / "notebooks" / lang / rel.relative_to("notebooks")
 
 
@@ -247,7 +313,7 @@ def repoint_links(text: str, english: Path, copy: Path, lang: str) -> str:
 
 def _is_translated(path: Path) -> bool:
     rel = str(path.resolve().relative_to(REPO)) if path.resolve().is_relative_to(REPO) else ""
-    return rel in DOCUMENTS or bool(re.fullmatch(r"notebooks/(solutions/)?\d\d_[^/]+\.ipynb", rel))
+    return rel in documents() or bool(re.fullmatch(r"notebooks/(solutions/)?\d\d_[^/]+\.ipynb", rel))
 
 
 def build_notebook(lang: str, english: Path, repoint: bool = True) -> dict:
@@ -301,6 +367,32 @@ def translated_quiz(lang: str, quiz: dict, english: Path) -> dict:
                    for j, o in enumerate(q["options"], 1)]
         out["questions"].append(dict(q, question=text(f"q{i}", q["question"]), options=options))
     return out
+
+
+_CATALOGS: dict[str, dict[str, str]] = {}
+
+
+def catalog(lang: str) -> dict[str, str]:
+    """Every translated string of the widgets in ``lang``, by the hash of its English (read once)."""
+    if lang not in _CATALOGS:
+        merged = {}
+        for path in sorted((HERE / lang / "widgets").rglob("*.json")):
+            for entry in load_units(path).values():
+                if entry.get(lang, "").strip() and entry["sha"] == sha(entry["en"]):
+                    merged[entry["sha"]] = entry[lang]
+        _CATALOGS[lang] = merged
+    return _CATALOGS[lang]
+
+
+def tr(template: str, /, **fields) -> str:
+    """``template``, a string a widget shows, in the notebook's language (``language()``), with
+    its ``{name}`` fields filled from ``fields`` (``str.format``; only when fields are given, so
+    a template without fields keeps its braces). A string not yet translated shows in English;
+    ``python -m translations check`` names it."""
+    lang = language()
+    if lang != "en":
+        template = catalog(lang).get(sha(template), template)
+    return template.format(**fields) if fields else template
 
 
 def language() -> str:

@@ -15,6 +15,9 @@ solution that does not pass, is caught.
 
 Checks judge what the learner's change *did* (a measured effect, an engine state, a
 computed value), through the engine's public API, never the text of their code.
+
+A check's words go through ``translations.tr`` (English templates with ``{name}`` fields), so a
+learner in the Korean notebooks (``notebooks/ko/``) reads its verdict in Korean.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import inspect
 import re
 import textwrap
 from dataclasses import dataclass
+
+from translations import tr
 
 LINE_WIDTH = 96  # a check's verdict is broken into lines this long (JupyterLab would wrap it anywhere)
 
@@ -36,8 +41,9 @@ class CheckResult:
     message: str  # why it is right, or a hint towards the answer
 
     def __str__(self) -> str:
-        verdict = "right." if self.right else "not yet. Hint:"
-        return f"Exercise {self.exercise}: {verdict} {self.message}"
+        if self.right:
+            return tr("Exercise {exercise}: right. {message}", exercise=self.exercise, message=self.message)
+        return tr("Exercise {exercise}: not yet. Hint: {message}", exercise=self.exercise, message=self.message)
 
     def _repr_pretty_(self, printer, cycle) -> None:  # IPython shows the line, not the dataclass
         printer.text(str(self))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from nanoengine import LLMEngine, SamplingParams
 from nanoengine.events import BatchPrepared
+from translations import tr
 from widgets.exercises import CheckResult, todo, verdict
 
 EX3_PROMPT_TOKENS = 24  # exercise 3.3: each request's prompt ...
@@ -25,10 +26,10 @@ MAX_STEPS = 500  # far more than two 40-token requests need, even with preemptio
 
 def _not_an_engine(exercise: str, engine) -> CheckResult | None:
     if todo(engine):
-        return verdict(exercise, False, "", "replace the ... marked TODO in the scaffold cell and run it again.")
+        return verdict(exercise, False, "", tr("replace the ... marked TODO in the scaffold cell and run it again."))
     if not isinstance(engine, LLMEngine):
-        return verdict(exercise, False, "", f"pass the engine the scaffold built (an LLMEngine), not "
-                                            f"{type(engine).__name__}.")
+        return verdict(exercise, False, "", tr("pass the engine the scaffold built (an LLMEngine), not {kind}.",
+                                               kind=type(engine).__name__))
     return None
 
 
@@ -69,11 +70,13 @@ def check_block_size(engine) -> CheckResult:
     bs = engine.config.block_size
     entry = next((i for i, block in enumerate(table) if block == slot // bs), None)
     right = entry == 2 and slot % bs == 4
-    success = (f"with blocks of {bs} tokens, position 20 is in block-table entry 20 // {bs} = 2 (physical "
-               f"block {table[2]}) at offset 20 % {bs} = 4: the runner wrote it to slot {slot}." if right else "")
+    success = (tr("with blocks of {bs} tokens, position 20 is in block-table entry 20 // {bs} = 2 (physical "
+                  "block {block}) at offset 20 % {bs} = 4: the runner wrote it to slot {slot}.",
+                  bs=bs, block=table[2], slot=slot) if right else "")
     return verdict("3.1", right, success,
-                   f"the runner wrote position 20 to slot {slot}: block-table entry {entry}, offset {slot % bs} "
-                   f"(blocks of {bs} tokens). You need entry 2 and offset 4, so 20 = 2 x block_size + 4.")
+                   tr("the runner wrote position 20 to slot {slot}: block-table entry {entry}, offset {offset} "
+                      "(blocks of {bs} tokens). You need entry 2 and offset 4, so 20 = 2 x block_size + 4.",
+                      slot=slot, entry=entry, offset=slot % bs, bs=bs))
 
 
 def check_kv_heads(engine) -> CheckResult:
@@ -90,13 +93,13 @@ def check_kv_heads(engine) -> CheckResult:
         engine.step()
     ratio = mha / report.kv_bytes_per_token
     right = c.num_attention_heads == 4 and ratio == 4
+    fields = dict(kv=c.num_key_value_heads, q=c.num_attention_heads, per_token=report.kv_bytes_per_token, mha=mha)
     return verdict("3.2", right,
-                   f"{c.num_key_value_heads} KV head for {c.num_attention_heads} query heads (multi-query "
-                   f"attention): {report.kv_bytes_per_token:,} bytes per token against {mha:,} for multi-head "
-                   f"attention, 4x less, and the model still generates.",
-                   f"this model caches {c.num_key_value_heads} KV heads for {c.num_attention_heads} query heads: "
-                   f"{report.kv_bytes_per_token:,} bytes per token, {ratio:g}x less than multi-head attention "
-                   f"({mha:,}). Keep the 4 query heads and choose how many KV heads they share.")
+                   tr("{kv} KV head for {q} query heads (multi-query attention): {per_token:,} bytes per token "
+                      "against {mha:,} for multi-head attention, 4x less, and the model still generates.", **fields),
+                   tr("this model caches {kv} KV heads for {q} query heads: {per_token:,} bytes per token, "
+                      "{ratio:g}x less than multi-head attention ({mha:,}). Keep the 4 query heads and choose how "
+                      "many KV heads they share.", ratio=ratio, **fields))
 
 
 def run_two_requests(engine: LLMEngine) -> int:
@@ -111,7 +114,7 @@ def run_two_requests(engine: LLMEngine) -> int:
             break
         engine.step()
     else:
-        raise ValueError(f"the two requests did not finish in {MAX_STEPS} steps: the pool is far too small")
+        raise ValueError(tr("the two requests did not finish in {n} steps: the pool is far too small", n=MAX_STEPS))
     return engine.snapshot().num_preemptions - before
 
 
@@ -124,23 +127,24 @@ def check_pool_size(engine) -> CheckResult:
 
     blocks, bs = engine.memory_report().num_kv_blocks, engine.config.block_size
     if bs != EX3_BLOCK_SIZE:
-        return verdict("3.3", False, "", f"keep block_size={EX3_BLOCK_SIZE} as in the scaffold; change only "
-                                         f"num_kv_blocks.")
+        return verdict("3.3", False, "", tr("keep block_size={bs} as in the scaffold; change only num_kv_blocks.",
+                                            bs=EX3_BLOCK_SIZE))
     try:
         preempted = run_two_requests(engine)
     except ValueError as exc:
-        return verdict("3.3", False, "", f"{exc}. Count the blocks each request holds at its longest.")
+        return verdict("3.3", False, "", tr("{error}. Count the blocks each request holds at its longest.", error=exc))
     if preempted:
-        return verdict("3.3", False, "", f"with {blocks} blocks the scheduler preempted a request {preempted} "
-                                         f"time(s): the pool is too small for both at once. Count the blocks each "
-                                         f"request holds at its longest.")
+        return verdict("3.3", False, "", tr("with {blocks} blocks the scheduler preempted a request {n} time(s): "
+                                            "the pool is too small for both at once. Count the blocks each request "
+                                            "holds at its longest.", blocks=blocks, n=preempted))
     try:
         smaller = tiny_engine(num_kv_blocks=blocks - 1, block_size=bs, max_model_len=engine.max_model_len)
         tighter = run_two_requests(smaller)
     except ValueError:
         tighter = 1  # one block fewer cannot hold the requests at all
+    fields = dict(blocks=blocks, fewer=blocks - 1, bs=bs)
     return verdict("3.3", tighter > 0,
-                   f"{blocks} blocks of {bs} tokens: both requests (24 + 16 tokens each) run to the end side by "
-                   f"side, and with {blocks - 1} the scheduler must preempt one.",
-                   f"{blocks} blocks are enough, but so are {blocks - 1}: find the smallest pool. Each request "
-                   f"ends with 24 + 16 tokens; how many {bs}-token blocks is that, for two?")
+                   tr("{blocks} blocks of {bs} tokens: both requests (24 + 16 tokens each) run to the end side by "
+                      "side, and with {fewer} the scheduler must preempt one.", **fields),
+                   tr("{blocks} blocks are enough, but so are {fewer}: find the smallest pool. Each request ends "
+                      "with 24 + 16 tokens; how many {bs}-token blocks is that, for two?", **fields))
