@@ -391,11 +391,14 @@ def stage(root: Path, pages: list[Page], src: Path, lang: str = "en") -> None:
             target.write_text(json.dumps(stage_notebook(root, page.path, docs, lang), indent=1), encoding="utf-8")
     # the lab: its README and every notes page under it, as pages below it in the sidebar
     lab_pages = sorted(p.relative_to(root) for p in (root / LABS).rglob("*.md")
-                       if "work" not in p.relative_to(root / LABS).parts) if (root / LABS).is_dir() else []
+                       if "work" not in p.relative_to(root / LABS).parts
+                       and not translations.is_translation_name(p)) if (root / LABS).is_dir() else []
     for md in lab_pages:
         target = src / md
         target.parent.mkdir(parents=True, exist_ok=True)
-        text = _fix_dir_links(md_text(root / md), (root / md).parent)
+        english = lang == "en" or str(md) not in translations.documents()
+        text = md_text(root / md) if english else translations.build_document(lang, root / md, repoint=False)
+        text = _fix_dir_links(text, (root / md).parent)
         if md == LABS / "README.md":
             children = [str(p.relative_to(LABS).with_suffix("")) for p in lab_pages if p != md]
             text += toctree(WORDS[lang]["lab notes"], children)

@@ -47,13 +47,13 @@ def documents() -> list[str]:
     lab = REPO / LAB
     found = ["README.md", "notebooks/README.md", f"{LAB}/README.md"]
     found += sorted(str(p.relative_to(REPO)) for folder in ("versions", "starters") if (lab / folder).is_dir()
-                    for p in (lab / folder).glob("v*/*.md") if not _is_translation_name(p))
+                    for p in (lab / folder).glob("v*/*.md") if not is_translation_name(p))
     return found
 
 
 
 
-def _is_translation_name(path: Path) -> bool:
+def is_translation_name(path: Path) -> bool:
     """A translated document's name: ``NAME.<lang>.md``."""
     return any(path.name.endswith(f".{lang}.md") for lang in LANGUAGES[1:])
 
@@ -133,7 +133,8 @@ def string_units(module: Path) -> list[Unit]:
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "tr":
             first = node.args[0] if node.args else None
             if not (isinstance(first, ast.Constant) and isinstance(first.value, str)):
-                raise ValueError(f"{module.relative_to(REPO)}:{node.lineno}: tr() takes the English as a string "
+                where = module.relative_to(REPO) if module.is_relative_to(REPO) else module
+                raise ValueError(f"{where}:{node.lineno}: tr() takes the English as a string "
                                  "literal (fields as keywords: tr(\"{n} blocks\", n=n)), so it can be looked up")
             units.setdefault(sha(first.value), Unit(sha(first.value), first.value))
     return list(units.values())

@@ -286,3 +286,83 @@ def test_the_crawler_reports_a_broken_link_and_a_missing_anchor(browser, tmp_pat
     assert "gone.html: HTTP 404" in problems
     assert "no such anchor" in problems and "#there" in problems
     assert "image did not load" in problems and "missing.png" in problems
+
+
+# --------------------------------------------------------------------------- the Korean edition
+
+HANGUL = re.compile(r"[\uac00-\ud7a3]")
+
+
+def test_every_page_has_a_korean_copy_and_each_links_to_the_other(crawled, server, pages) -> None:
+    """The crawl starts in English and reaches the Korean site through the switch on every page."""
+    for page in pages:
+        english, korean = _url(server, page.path), server.url + "ko/" + str(page.path.with_suffix(".html"))
+        assert korean in crawled.pages, f"{page.path}: no Korean copy reachable from the English site"
+        assert korean in crawled.pages[english]["links"], f"{page.path}: the English page does not link to it"
+        assert english in crawled.pages[korean]["links"], f"{page.path}: the Korean page does not link back"
+        if page.path.suffix == ".ipynb" and page.path not in {Path("notebooks/widgets_demo.ipynb")}:
+            assert HANGUL.search(crawled.pages[korean]["title"]), f"{page.path}: the Korean title is not Korean"
+
+
+def _hangul_fonts() -> set[str]:
+    """Font families fontconfig says cover Hangul (U+AC00, 가)."""
+    import subprocess
+
+    listed = subprocess.run(["fc-list", ":charset=ac00", "family"], capture_output=True, text=True).stdout
+    return {name.strip() for line in listed.splitlines() for name in line.split(",")}
+
+
+def test_korean_pages_draw_every_hangul_glyph_with_a_font_that_has_it(browser, server) -> None:
+    """Chromium reports which fonts drew a node's glyphs (CDP CSS.getPlatformFontsForNode): every
+    Hangul syllable of a chapter's paragraph and of the sidebar must come from a font that has
+    Hangul, none from a fallback drawing empty boxes."""
+    covering = _hangul_fonts()
+    if not covering:
+        pytest.skip("no font with Hangul is installed (apt-get install -y fonts-nanum; ./course setup does it as root)")
+    page = browser.new_page(viewport=VIEWPORT)
+    try:
+        page.goto(server.url + "ko/notebooks/05_scheduler.html", wait_until="load")
+        cdp = page.context.new_cdp_session(page)
+        cdp.send("DOM.enable")
+        cdp.send("CSS.enable")
+        root = cdp.send("DOM.getDocument", {"depth": -1})["root"]["nodeId"]
+        checked = 0
+        for selector in ("article p", "article h1", "nav.bd-links a.reference.internal", "article li"):
+            node = cdp.send("DOM.querySelector", {"nodeId": root, "selector": selector})["nodeId"]
+            text = page.locator(selector).first.inner_text()
+            fonts = cdp.send("CSS.getPlatformFontsForNode", {"nodeId": node})["fonts"]
+            drawn_by_hangul_fonts = sum(f["glyphCount"] for f in fonts if f["familyName"] in covering)
+            assert drawn_by_hangul_fonts >= len(HANGUL.findall(text)) > 0, (selector, text[:60], fonts)
+            checked += 1
+        assert checked == 4
+    finally:
+        page.close()
+
+
+def test_korean_search_finds_a_korean_word_of_chapter_7(browser, server) -> None:
+    page = browser.new_page(viewport=VIEWPORT)
+    try:
+        page.goto(server.url + "ko/search.html?q=" + urllib.parse.quote("캐싱"), wait_until="load")
+        results = page.locator("#search-results ul.search li a")
+        results.first.wait_for(timeout=TIMEOUT_MS)
+        hrefs = [urllib.parse.urljoin(page.url, h) for h in results.evaluate_all("els => els.map(e => e.getAttribute('href'))")]
+        assert any(h.startswith(server.url + "ko/notebooks/07_prefix_caching.html") for h in hrefs), hrefs
+    finally:
+        page.close()
+
+
+def test_the_korean_chapter_7_quiz_is_in_korean_without_the_answer(crawled, server) -> None:
+    import translations
+
+    english = REPO / "widgets" / "quizzes" / "ch07.json"
+    quiz = translations.translated_quiz("ko", json.loads(english.read_text(encoding="utf-8")), english)
+    report = crawled.pages[server.url + "ko/notebooks/07_prefix_caching.html"]
+    views = [text for text in report["statics"] if text.startswith("퀴즈")]
+    assert len(views) == 1
+    view = " ".join(views[0].split())
+    for question in quiz["questions"]:
+        assert " ".join(question["question"].replace("`", "").split()) in view
+        for option in question["options"]:
+            assert " ".join(option["text"].replace("`", "").split()) in view
+            assert " ".join(option["explanation"].replace("`", "").split()) not in view
+    assert "./course lab --lang ko" in view and "notebooks/ko/07_prefix_caching.ipynb" in view

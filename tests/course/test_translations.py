@@ -11,6 +11,7 @@ import collections
 import json
 import math
 import re
+import string
 import subprocess
 from pathlib import Path
 
@@ -91,7 +92,7 @@ def test_each_korean_notebook_is_its_english_one_with_the_prose_translated(engli
     assert theirs == tr.build_notebook("ko", english), "stale: run python -m translations build"
 
 
-@pytest.mark.parametrize("english", list(tr.DOCUMENTS))
+@pytest.mark.parametrize("english", tr.documents())
 def test_the_korean_documents_are_built_from_todays_translations(english: str) -> None:
     copy = tr.translated_path("ko", REPO / english)
     assert copy.read_text(encoding="utf-8") == tr.build_document("ko", REPO / english)
@@ -155,6 +156,41 @@ def test_a_korean_quiz_is_its_english_one_in_the_same_order(chapter: int) -> Non
     for mine, theirs in zip(english.questions, korean.questions):
         assert HANGUL.search(theirs.question) and len(theirs.options) == len(mine.options)
         assert [o.correct for o in theirs.options] == [o.correct for o in mine.options]
+
+
+def _fields(template: str) -> list[str]:
+    return sorted(f"{name}:{spec}!{conv}" for _, name, spec, conv in string.Formatter().parse(template) if name is not None)
+
+
+def test_a_translated_string_has_the_fields_of_its_english() -> None:
+    """tr() fills the same keyword fields into either language: a field renamed, dropped or given
+    another format in the Korean would raise, or print something else, only when it ran."""
+    wrong = []
+    for path in sorted((tr.HERE / "ko" / "widgets").rglob("*.json")):
+        for entry in tr.load_units(path).values():
+            if entry.get("ko") and _fields(entry["ko"]) != _fields(entry["en"]):
+                wrong.append(f"{path.relative_to(REPO)} {entry['id']}: {_fields(entry['en'])} vs {_fields(entry['ko'])}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_tr_call_is_a_literal_the_catalog_can_find(tmp_path) -> None:
+    units = [u for p, units in tr.english_sources() if p.suffix == ".py" for u in units]
+    assert len(units) >= 14  # the exercise checks' verdict lines and chapter 3's checks at least
+    bad = tmp_path / "bad.py"
+    bad.write_text("from translations import tr\nname = 'x'\ntr(f'{name} blocks')\n")
+    with pytest.raises(ValueError, match=r"bad.py:3: tr\(\) takes the English as a string literal"):
+        tr.string_units(bad)
+
+
+def test_tr_speaks_the_notebooks_language(monkeypatch) -> None:
+    from widgets.exercises import verdict
+
+    monkeypatch.setenv("NANOENGINE_LANG", "en")
+    assert str(verdict("3.1", False, "", "a hint.")) == "Exercise 3.1: not yet. Hint: a hint."
+    assert tr.tr("{n} blocks", n=3) == "3 blocks" and tr.tr("{no fields}") == "{no fields}"
+    monkeypatch.setenv("NANOENGINE_LANG", "ko")
+    assert str(verdict("3.1", True, "좋다.", "")) == "연습 문제 3.1: 정답. 좋다."
+    assert tr.tr("a string nobody translated: {n}", n=1) == "a string nobody translated: 1"  # English until it is
 
 
 def test_the_language_comes_from_the_notebooks_folder_or_the_environment(monkeypatch, tmp_path) -> None:
