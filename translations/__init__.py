@@ -169,23 +169,28 @@ def write_units(path: Path, source: str, units: list[dict]) -> None:
     path.write_text(text + "\n", encoding="utf-8")
 
 
-def english_sources() -> list[tuple[Path, list[Unit]]]:
-    """Every English source that is translated, with its units. A solution notebook shares the
-    units its chapter has (same cell, same text); its own cells are stored in the chapter's
-    file too, under ``solutions/<cell id>``."""
-    sources = []
+def english_sources(only: str = "") -> list[tuple[Path, list[Unit]]]:
+    """Every English source that is translated (those whose path contains ``only``), with its
+    units. A solution notebook shares the units its chapter has (same cell, same text); its own
+    cells are stored in the chapter's file too, under ``solutions/<cell id>``."""
+    paths = []
     for nb in chapter_notebooks():
-        sources.append((nb, notebook_units(nb)))
-        solution = nb.parent / "solutions" / nb.name
-        if solution.is_file():
-            sources.append((solution, notebook_units(solution)))
-    for quiz in sorted((REPO / "widgets" / "quizzes").glob("ch[0-9][0-9].json")):
-        sources.append((quiz, quiz_units(quiz)))
-    for doc in documents():
-        sources.append((REPO / doc, document_units(REPO / doc)))
-    for module in sorted((REPO / "widgets").rglob("*.py")):
-        if units := string_units(module):
-            sources.append((module, units))
+        paths += [nb] + [s for s in [nb.parent / "solutions" / nb.name] if s.is_file()]
+    paths += sorted((REPO / "widgets" / "quizzes").glob("ch[0-9][0-9].json"))
+    paths += [REPO / doc for doc in documents()]
+    paths += sorted((REPO / "widgets").rglob("*.py"))
+    sources = []
+    for path in paths:
+        if only not in str(path.relative_to(REPO)):
+            continue
+        if path.suffix == ".ipynb":
+            sources.append((path, notebook_units(path)))
+        elif path.suffix == ".json":
+            sources.append((path, quiz_units(path)))
+        elif path.suffix == ".md":
+            sources.append((path, document_units(path)))
+        elif units := string_units(path):
+            sources.append((path, units))
     return sources
 
 

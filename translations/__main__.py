@@ -40,9 +40,8 @@ def check(lang: str) -> int:
 
 def matching(lang: str, only: str):
     """(English source, its units, its translation file) for the sources whose path contains ``only``."""
-    for english, units in tr.english_sources():
-        if only in str(english.relative_to(tr.REPO)):
-            yield english, units, tr.translation_file(lang, english)
+    for english, units in tr.english_sources(only):
+        yield english, units, tr.translation_file(lang, english)
 
 
 def refresh(lang: str, ids: list[str], only: str) -> int:
@@ -86,7 +85,9 @@ def import_blocks(lang: str, file: str, only: str) -> int:
         elif current is not None:
             current.append(line)
     stored_count, unknown = 0, []
-    for english, units in tr.english_sources():
+    wanted = [source for source in blocks if source] or [only]
+    sources = {english: units for source in wanted for english, units in tr.english_sources(source)}
+    for english, units in sources.items():
         rel = str(english.relative_to(tr.REPO))
         mine = {**blocks.get(rel, {}), **(blocks.get("", {}) if only and only in rel else {})}
         if not mine:
