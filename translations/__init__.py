@@ -404,14 +404,12 @@ def tr(template: str, /, **fields) -> str:
 def language() -> str:
     """The language a notebook's widgets speak: ``NANOENGINE_LANG`` when set, else the language
     folder the notebook runs from (a kernel starts in its notebook's folder: ``notebooks/ko/``
-    gives ``ko``), else English."""
+    and ``notebooks/ko/solutions/`` give ``ko``, in the repository or a copy of it), else English."""
     chosen = os.environ.get("NANOENGINE_LANG", "")
     if not chosen:
-        here = Path.cwd().resolve()
-        notebooks = REPO / "notebooks"
-        for lang in LANGUAGES[1:]:
-            if here == notebooks / lang or (notebooks / lang) in here.parents:
-                chosen = lang
+        here = Path.cwd()
+        folder = here.parent.name if here.name == "solutions" else here.name
+        chosen = folder if folder in LANGUAGES[1:] else ""
     if chosen and chosen not in LANGUAGES:
         raise ValueError(f"NANOENGINE_LANG={chosen!r}: the course has {', '.join(LANGUAGES)}")
     return chosen or "en"

@@ -200,7 +200,11 @@ def test_the_language_comes_from_the_notebooks_folder_or_the_environment(monkeyp
     (REPO / "notebooks" / "ko").mkdir(exist_ok=True)
     monkeypatch.chdir(REPO / "notebooks" / "ko")
     assert tr.language() == "ko"
+    (tmp_path / "ko" / "solutions").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "ko" / "solutions")  # a copy of the course elsewhere
+    assert tr.language() == "ko"
     monkeypatch.chdir(tmp_path)
+    assert tr.language() == "en"
     monkeypatch.setenv("NANOENGINE_LANG", "ko")
     assert tr.language() == "ko"
     monkeypatch.setenv("NANOENGINE_LANG", "fr")
