@@ -21,6 +21,7 @@ import torch
 
 from nanoengine import LLMEngine
 from nanoengine.events import Event, RequestFinished, RequestQueued, RequestScheduled, StepFinished
+from translations import language, tr
 
 #: Errors a control can provoke with bad input. A view shows them as a message; the
 #: controller guarantees it raised them before changing any engine state.
@@ -76,11 +77,13 @@ class TokenSource:
 def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
     """``value`` as an int in [low, high], or a ValueError naming the control."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be a whole number, got {value!r}")
+        raise ValueError(tr("{name} must be a whole number, got {value!r}", name=name, value=value))
     value = int(value)
     if value < low or (high is not None and value > high):
-        allowed = f">= {low}" if high is None else f"between {low} and {high}"
-        raise ValueError(f"{name} must be {allowed}, got {value}")
+        if high is None:
+            raise ValueError(tr("{name} must be >= {low}, got {value}", name=name, low=low, value=value))
+        raise ValueError(tr("{name} must be between {low} and {high}, got {value}", name=name, low=low, high=high,
+                            value=value))
     return value
 
 
@@ -93,17 +96,19 @@ def check_request_fits(engine: LLMEngine, num_prompt_tokens: int, max_tokens: in
     """
     max_len = engine.max_model_len
     if num_prompt_tokens > max_len:
-        raise ValueError(f"the prompt has {num_prompt_tokens} tokens but max_model_len is {max_len}")
+        raise ValueError(tr("the prompt has {n} tokens but max_model_len is {max_len}", n=num_prompt_tokens,
+                            max_len=max_len))
     if num_prompt_tokens + max_tokens > max_len:
-        raise ValueError(f"prompt ({num_prompt_tokens}) + max tokens ({max_tokens}) = "
-                         f"{num_prompt_tokens + max_tokens} tokens exceeds max_model_len ({max_len}); "
-                         f"lower one of them")
+        raise ValueError(tr("prompt ({prompt}) + max tokens ({max_tokens}) = {total} tokens exceeds max_model_len "
+                            "({max_len}); lower one of them", prompt=num_prompt_tokens, max_tokens=max_tokens,
+                            total=num_prompt_tokens + max_tokens, max_len=max_len))
     block_size = engine.config.block_size
     needed = -(-(num_prompt_tokens + max_tokens) // block_size)
     num_blocks = engine.snapshot().num_blocks
     if needed > num_blocks:
-        raise ValueError(f"the KV cache has {num_blocks} blocks of {block_size} tokens; this request needs "
-                         f"{needed} at its longest, so it could never run")
+        raise ValueError(tr("the KV cache has {num_blocks} blocks of {block_size} tokens; this request needs "
+                            "{needed} at its longest, so it could never run", num_blocks=num_blocks,
+                            block_size=block_size, needed=needed))
 
 
 def format_bytes(n: float) -> str:
@@ -213,10 +218,10 @@ def shared_engine_note(shared_with: str | None) -> str:
     """The line a view shows when another simulator drives the same engine ('' if none)."""
     if not shared_with:
         return ""
-    return (f'<div class="ne-shared-engine" style="font-size:12px;line-height:1.4;color:#5a4500;'
-            f'background:#fff6d6;padding:3px 8px;border-radius:4px"><b>One engine, shared with the '
-            f'{escape(shared_with)}</b>: steps either one runs advance the other\'s requests too, and both '
-            f'redraw after every engine step.</div>')
+    return ('<div class="ne-shared-engine" style="font-size:12px;line-height:1.4;color:#5a4500;'
+            'background:#fff6d6;padding:3px 8px;border-radius:4px">'
+            + tr("<b>One engine, shared with the {other}</b>: steps either one runs advance the other's requests "
+                 "too, and both redraw after every engine step.", other=escape(shared_with)) + '</div>')
 
 
 def guarded(show: Callable[[str, str], None]) -> Callable:
@@ -234,7 +239,7 @@ def guarded(show: Callable[[str, str], None]) -> Callable:
             except USER_ERRORS as exc:
                 show(str(exc), "error")
             except Exception as exc:  # a view must never dump a traceback into the page
-                show(f"internal error ({type(exc).__name__}): {exc}", "error")
+                show(tr("internal error ({kind}): {exc}", kind=type(exc).__name__, exc=exc), "error")
             return None
 
         return wrapper
@@ -269,3 +274,34 @@ def token_label(engine: LLMEngine, token_id: int) -> str:
         return f"#{token_id}"
     text = engine.decode([token_id])
     return text.replace(" ", "␣").replace("\n", "\\n").replace("\t", "\\t") or f"#{token_id}"
+
+
+HANGUL_FONTS = ("NanumGothic", "Noto Sans CJK KR", "Noto Sans KR", "Malgun Gothic", "AppleGothic")
+
+
+def chart_fonts() -> dict:
+    """matplotlib rc settings for a chart drawn in the notebook's language: nothing in English; in
+    Korean, DejaVu Sans first and an installed Hangul font to fill in (``{}`` when there is none:
+    the labels then show boxes), used as ``with matplotlib.rc_context(chart_fonts()): ...``."""
+    if language() == "en":
+        return {}
+    hangul = _installed_hangul_fonts()
+    return {"font.family": ["DejaVu Sans", *hangul[:1]]} if hangul else {}
+
+
+@functools.lru_cache(maxsize=1)
+def _installed_hangul_fonts() -> tuple[str, ...]:
+    """The Hangul fonts matplotlib can use; the system's are registered when matplotlib's font
+    cache predates them (``./course setup`` installs fonts-nanum after matplotlib)."""
+    from matplotlib import font_manager
+
+    known = {f.name for f in font_manager.fontManager.ttflist}
+    if not known.intersection(HANGUL_FONTS):
+        for path in font_manager.findSystemFonts():
+            if any(key in path for key in ("NanumGothic.", "NotoSansCJK", "NotoSansKR", "malgun", "AppleGothic")):
+                try:
+                    font_manager.fontManager.addfont(path)
+                except (OSError, RuntimeError, ValueError):
+                    continue
+        known = {f.name for f in font_manager.fontManager.ttflist}
+    return tuple(name for name in HANGUL_FONTS if name in known)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch.multiprocessing as mp
 
+from translations import tr
+
 
 @dataclass(frozen=True)
 class AllReduceTiming:
@@ -44,9 +46,10 @@ class AllReduceTiming:
         return statistics.median(self.runs)
 
     def describe(self) -> str:
-        return (f"all-reduce of a float32 {self.shape} tensor ({self.bytes:,} bytes), gloo, {self.world_size} processes "
-                f"x {self.threads} thread(s): {1e6 * self.median:.0f} µs median (IQR "
-                f"{1e6 * _q(self.runs, 0.25):.0f}-{1e6 * _q(self.runs, 0.75):.0f} µs) over {len(self.runs)} runs")
+        return tr("all-reduce of a float32 {shape} tensor ({bytes:,} bytes), gloo, {world_size} processes x "
+                  "{threads} thread(s): {median:.0f} µs median (IQR {q1:.0f}-{q3:.0f} µs) over {n} runs",
+                  shape=self.shape, bytes=self.bytes, world_size=self.world_size, threads=self.threads,
+                  median=1e6 * self.median, q1=1e6 * _q(self.runs, 0.25), q3=1e6 * _q(self.runs, 0.75), n=len(self.runs))
 
 
 def _q(values, q: float) -> float:

@@ -41,6 +41,7 @@ from nanoengine.events import (BlockEvicted, BlocksAllocated, BlocksForked, Bloc
                                StepFinished)
 from widgets._common import (PALETTE, ControllerView, EngineWatcher, TokenSource, check_int, check_request_fits,
                              escape, format_bytes, guarded, shared_engine_note)
+from translations import tr
 
 RESERVE_MODES = ("max_model_len", "request")
 
@@ -223,7 +224,7 @@ class BlockAllocatorController:
     def step(self) -> list[RequestOutput]:
         """One engine step; refuses (ValueError) when there is nothing to run."""
         if not self.engine.has_unfinished_requests():
-            raise ValueError("nothing to step: add a request first")
+            raise ValueError(tr("nothing to step: add a request first"))
         outputs = self.engine.step()
         self.sync()
         return outputs
@@ -364,12 +365,13 @@ class BlockAllocatorController:
     # ----------------------------------------------------------------- helpers
     def _check_live(self, request_id: str) -> None:
         if request_id not in self.engine.requests:
-            raise ValueError(f"no unfinished request {request_id!r} (unfinished: {self.live_requests})")
+            raise ValueError(tr("no unfinished request {rid!r} (unfinished: {live})", rid=request_id,
+                                live=self.live_requests))
 
     def _on_event(self, event: Event) -> None:
         line = _describe_block_event(event)
         if line:
-            self.log.append(f"step {event.step}: {line}")
+            self.log.append(tr("step {step}: {line}", step=event.step, line=line))
         # Keep the contiguous side in step with the engine whoever drives it: a request
         # queues for its range when it arrives and releases it when it ends. Mid-step events
         # wait for StepFinished, when the engine's queues are settled again.
@@ -389,22 +391,23 @@ def _arrival_key(request_id: str) -> tuple[int, int | str]:
 
 def _describe_block_event(event: Event) -> str | None:
     if isinstance(event, BlocksAllocated):
-        return f"request {event.request_id} got blocks {list(event.block_ids)}"
+        return tr("request {rid} got blocks {blocks}", rid=event.request_id, blocks=list(event.block_ids))
     if isinstance(event, BlocksFreed):
-        return f"request {event.request_id} released blocks {list(event.block_ids)}"
+        return tr("request {rid} released blocks {blocks}", rid=event.request_id, blocks=list(event.block_ids))
     if isinstance(event, PrefixCacheHit):
-        return (f"request {event.request_id} reuses cached blocks {list(event.block_ids)} "
-                f"({event.num_cached_tokens} tokens)")
+        return tr("request {rid} reuses cached blocks {blocks} ({n} tokens)", rid=event.request_id,
+                  blocks=list(event.block_ids), n=event.num_cached_tokens)
     if isinstance(event, BlocksForked):
-        return f"request {event.request_id} shares blocks {list(event.block_ids)} of {event.parent_id} (fork)"
+        return tr("request {rid} shares blocks {blocks} of {parent} (fork)", rid=event.request_id,
+                  blocks=list(event.block_ids), parent=event.parent_id)
     if isinstance(event, BlockStored):
-        return f"block {event.block_id} is full: its hash enters the prefix cache"
+        return tr("block {block} is full: its hash enters the prefix cache", block=event.block_id)
     if isinstance(event, BlockEvicted):
-        return f"block {event.block_id} evicted from the prefix cache (reused)"
+        return tr("block {block} evicted from the prefix cache (reused)", block=event.block_id)
     if isinstance(event, RequestPreempted):
-        return f"request {event.request_id} preempted, {event.num_blocks_freed} blocks freed"
+        return tr("request {rid} preempted, {n} blocks freed", rid=event.request_id, n=event.num_blocks_freed)
     if isinstance(event, RequestFinished):
-        return f"request {event.request_id} finished ({event.finish_reason})"
+        return tr("request {rid} finished ({reason})", rid=event.request_id, reason=event.finish_reason)
     return None
 
 
@@ -431,14 +434,15 @@ def render_grid(controller: BlockAllocatorController, cells: list[BlockCell] | N
             background = f"linear-gradient(to top,{colour} {pct}%,{colour}55 {pct}%)"
             border = "2px solid #222" if c.ref_count > 1 else f"1px solid {colour}"
             label = str(c.ref_count) if c.ref_count > 1 else ""
-            title = (f"block {c.block_id}: {', '.join(c.owners) or '?'}; {c.num_filled}/{bs} tokens; "
-                     f"ref count {c.ref_count}")
+            title = tr("block {block}: {owners}; {filled}/{bs} tokens; ref count {refs}", block=c.block_id,
+                       owners=", ".join(c.owners) or "?", filled=c.num_filled, bs=bs, refs=c.ref_count)
         elif c.state == "cached":
             background, border, label = _CACHED, "1px dashed #5b9bd5", ""
-            title = f"block {c.block_id}: free, still holds a prefix-cache hash (reusable until evicted)"
+            title = tr("block {block}: free, still holds a prefix-cache hash (reusable until evicted)",
+                       block=c.block_id)
         else:
             background, border, label = _FREE, "1px solid #ccc", ""
-            title = f"block {c.block_id}: free"
+            title = tr("block {block}: free", block=c.block_id)
         parts.append(f'<div class="ne-block ne-{c.state}" data-block="{c.block_id}" '
                      f'data-owner="{escape(",".join(c.owners))}" data-fill="{c.num_filled}" '
                      f'data-ref="{c.ref_count}" title="{escape(title)}" style="width:{size}px;height:{size}px;'
@@ -461,67 +465,75 @@ def render_contiguous(controller: BlockAllocatorController, snap: EngineSnapshot
         final = controller.final_lengths[region.request_id]
         now = min(computed.get(region.request_id, 0), final)
         rid = escape(region.request_id)
-        segments += [(region.start, now, colour, f"request {rid}: {now} tokens stored"),
-                     (region.start + now, final - now, colour + "55", f"request {rid}: reserved for later tokens"),
+        segments += [(region.start, now, colour, tr("request {rid}: {n} tokens stored", rid=rid, n=now)),
+                     (region.start + now, final - now, colour + "55",
+                      tr("request {rid}: reserved for later tokens", rid=rid)),
                      (region.start + final, region.size - final, _INTERNAL,
-                      f"request {rid}: internal fragmentation (never used)")]
+                      tr("request {rid}: internal fragmentation (never used)", rid=rid))]
     for start, size in alloc.holes():
         stranded = size % need
-        segments += [(start, size - stranded, _FREE, "free"),
-                     (start + size - stranded, stranded, _EXTERNAL, "external fragmentation: too small to use")]
+        segments += [(start, size - stranded, _FREE, tr("free")),
+                     (start + size - stranded, stranded, _EXTERNAL, tr("external fragmentation: too small to use"))]
     divs = "".join(
         f'<div title="{t}" style="position:absolute;left:{100 * s / cap:.4f}%;width:{100 * n / cap:.4f}%;'
         f'height:100%;background:{c}"></div>' for s, n, c, t in sorted(segments) if n > 0)
-    waiting = ", ".join(escape(r) for r in alloc.waiting) or "none"
+    waiting = ", ".join(escape(r) for r in alloc.waiting) or tr("none")
     return (f'<div class="ne-contiguous" style="position:relative;height:26px;border:1px solid #999;'
             f'background:{_FREE}">{divs}</div>'
-            f'<div style="font-size:12px">{cap} token slots (the paged pool\'s memory), '
-            f'{len(alloc.regions)} reservations; waiting for a contiguous range: '
-            f'<span class="ne-contiguous-waiting">{waiting}</span></div>')
+            f'<div style="font-size:12px">'
+            + tr("{cap} token slots (the paged pool's memory), {n} reservations; waiting for a contiguous range: "
+                 "{waiting}", cap=cap, n=len(alloc.regions),
+                 waiting=f'<span class="ne-contiguous-waiting">{waiting}</span>')
+            + '</div>')
 
 
 def render_headline(paged: MemoryReport, contiguous: MemoryReport, reserve: str) -> str:
     """The two numbers the chapter is about, in one line next to the buttons."""
-    policy = "max_model_len" if reserve == "max_model_len" else "prompt + max tokens"
+    policy = "max_model_len" if reserve == "max_model_len" else tr("prompt + max tokens")
     return (f'<div class="ne-alloc-headline" style="font-size:13px;padding:3px 0">'
-            f'<b>wasted</b>: paged <b class="ne-headline-waste-paged">{100 * paged.waste_fraction:.1f}%</b> · '
-            f'contiguous (reserving {policy}) <b class="ne-headline-waste-contiguous">'
-            f'{100 * contiguous.waste_fraction:.1f}%</b> &nbsp;|&nbsp; <b>requests holding memory / waiting</b>: '
-            f'paged <b class="ne-headline-placed-paged">{paged.num_placed} / {paged.num_waiting}</b> · '
-            f'contiguous <b class="ne-headline-placed-contiguous">{contiguous.num_placed} / '
+            f'<b>{tr("wasted")}</b>: {tr("paged")} <b class="ne-headline-waste-paged">'
+            f'{100 * paged.waste_fraction:.1f}%</b> · '
+            f'{tr("contiguous (reserving {policy})", policy=policy)} <b class="ne-headline-waste-contiguous">'
+            f'{100 * contiguous.waste_fraction:.1f}%</b> &nbsp;|&nbsp; <b>{tr("requests holding memory / waiting")}</b>: '
+            f'{tr("paged")} <b class="ne-headline-placed-paged">{paged.num_placed} / {paged.num_waiting}</b> · '
+            f'{tr("contiguous")} <b class="ne-headline-placed-contiguous">{contiguous.num_placed} / '
             f'{contiguous.num_waiting}</b></div>')
 
 
 def render_report_table(paged: MemoryReport, contiguous: MemoryReport) -> str:
-    rows = [("stored KV (tokens)", "stored_tokens"), ("reserved for later tokens", "reserved_tokens"),
-            ("internal fragmentation", "internal_tokens"), ("external fragmentation", "external_tokens"),
-            ("total waste", "wasted_tokens"), ("free", "free_tokens")]
+    rows = [(tr("stored KV (tokens)"), "stored_tokens"), (tr("reserved for later tokens"), "reserved_tokens"),
+            (tr("internal fragmentation"), "internal_tokens"), (tr("external fragmentation"), "external_tokens"),
+            (tr("total waste"), "wasted_tokens"), (tr("free"), "free_tokens")]
     body = []
     for label, attr in rows:
         cells = []
         for rep in (paged, contiguous):
             n = getattr(rep, attr)
-            cells.append(f"<td>{n:,} slots <small>({format_bytes(rep.bytes(n))})</small></td>")
+            cells.append(f"<td>{tr('{n:,} slots', n=n)} <small>({format_bytes(rep.bytes(n))})</small></td>")
         body.append(f"<tr><th style='text-align:left'>{label}</th>{''.join(cells)}</tr>")
-    body.append("<tr><th style='text-align:left'>waste / (allocated + stranded)</th>"
+    body.append(f"<tr><th style='text-align:left'>{tr('waste / (allocated + stranded)')}</th>"
                 f"<td class='ne-waste-paged'>{100 * paged.waste_fraction:.1f}%</td>"
                 f"<td class='ne-waste-contiguous'>{100 * contiguous.waste_fraction:.1f}%</td></tr>")
-    body.append("<tr><th style='text-align:left'>requests holding memory / waiting</th>"
+    body.append(f"<tr><th style='text-align:left'>{tr('requests holding memory / waiting')}</th>"
                 f"<td>{paged.num_placed} / {paged.num_waiting}</td>"
                 f"<td>{contiguous.num_placed} / {contiguous.num_waiting}</td></tr>")
     return ("<table class='ne-report' style='font-size:12px;line-height:1.3;border-collapse:collapse' border='1' "
-            "cellpadding='3'><tr><th></th><th>paged (live engine)</th><th>contiguous, same trace</th></tr>"
+            f"cellpadding='3'><tr><th></th><th>{tr('paged (live engine)')}</th><th>{tr('contiguous, same trace')}"
+            "</th></tr>"
             + "".join(body) + "</table>")
 
 
 def render_counts(controller: BlockAllocatorController, cells: list[BlockCell] | None = None) -> str:
     c = controller.counts(cells)
     bpb = controller.bytes_per_block
-    return (f'<div class="ne-counts" style="font-size:13px;line-height:1.4"><b>{c["used"]}</b> used · <b>{c["free"]}</b> free '
-            f'(<b>{c["cached_free"]}</b> cached, reusable) · <b>{c["shared"]}</b> shared (ref count &gt; 1) '
-            f'of {c["total"]} blocks × {controller.block_size} tokens · {format_bytes(bpb)} per block, '
-            f'{format_bytes(bpb * c["used"])} in use of {format_bytes(bpb * c["total"])} '
-            f'(measured on the engine\'s KV tensor)</div>')
+    return ('<div class="ne-counts" style="font-size:13px;line-height:1.4">'
+            + tr("<b>{used}</b> used · <b>{free}</b> free (<b>{cached}</b> cached, reusable) · <b>{shared}</b> "
+                 "shared (ref count &gt; 1) of {total} blocks × {bs} tokens · {per_block} per block, {in_use} in use "
+                 "of {all_bytes} (measured on the engine's KV tensor)", used=c["used"], free=c["free"],
+                 cached=c["cached_free"], shared=c["shared"], total=c["total"], bs=controller.block_size,
+                 per_block=format_bytes(bpb), in_use=format_bytes(bpb * c["used"]),
+                 all_bytes=format_bytes(bpb * c["total"]))
+            + '</div>')
 
 
 # ---------------------------------------------------------------------------------------
@@ -548,19 +560,20 @@ class BlockAllocatorView(ControllerView, W.VBox):
         self.message = W.HTML()
         show = self.show_message
         default_prompt = min(len(controller.shared_prefix) + controller.block_size + 1, max_len // 2)
-        self.prompt_len = W.BoundedIntText(value=default_prompt, min=0, max=10 * max_len, description="prompt len",
+        self.prompt_len = W.BoundedIntText(value=default_prompt, min=0, max=10 * max_len, description=tr("prompt len"),
                                            layout=W.Layout(width="180px"))
         self.max_tokens = W.BoundedIntText(value=max(1, min(2 * controller.block_size, max_len // 4)), min=0,
-                                           max=10 * max_len, description="max tokens", layout=W.Layout(width="180px"))
-        self.shared = W.Checkbox(value=False, description="starts with the shared prefix", indent=False,
+                                           max=10 * max_len, description=tr("max tokens"),
+                                           layout=W.Layout(width="180px"))
+        self.shared = W.Checkbox(value=False, description=tr("starts with the shared prefix"), indent=False,
                                  layout=W.Layout(width="auto", margin="0 12px"))
-        self.add_button = W.Button(description="Add request", button_style="primary")
-        self.step_button = W.Button(description="Step")
-        self.request_picker = W.Dropdown(options=[], description="request")
-        self.finish_button = W.Button(description="Finish")
-        self.abort_button = W.Button(description="Abort", button_style="danger")
-        self.reserve = W.ToggleButtons(options=[("reserve max_model_len", "max_model_len"),
-                                                ("reserve prompt + max tokens", "request")],
+        self.add_button = W.Button(description=tr("Add request"), button_style="primary")
+        self.step_button = W.Button(description=tr("Step"))
+        self.request_picker = W.Dropdown(options=[], description=tr("request"))
+        self.finish_button = W.Button(description=tr("Finish"))
+        self.abort_button = W.Button(description=tr("Abort"), button_style="danger")
+        self.reserve = W.ToggleButtons(options=[(tr("reserve max_model_len"), "max_model_len"),
+                                                (tr("reserve prompt + max tokens"), "request")],
                                        value=controller.contiguous_reserve, style={"button_width": "215px"})
         self.shared_note = W.HTML(shared_engine_note(shared_with))
         self.headline = W.HTML()
@@ -577,53 +590,55 @@ class BlockAllocatorView(ControllerView, W.VBox):
         @guarded(show)
         def on_add(_):
             rid = controller.add_request(self.prompt_len.value, self.max_tokens.value, self.shared.value)
-            self.refresh(f"added request {rid}", "ok")
+            self.refresh(tr("added request {rid}", rid=rid), "ok")
 
         @guarded(show)
         def on_step(_):
             controller.step()
-            self.refresh(f"ran engine step {controller.engine.snapshot().step - 1}", "ok")
+            self.refresh(tr("ran engine step {step}", step=controller.engine.snapshot().step - 1), "ok")
 
         @guarded(show)
         def on_finish(_):
             rid = self._picked()
             steps = controller.finish(rid)
-            self.refresh(f"request {rid} finished after {steps} more steps", "ok")
+            self.refresh(tr("request {rid} finished after {steps} more steps", rid=rid, steps=steps), "ok")
 
         @guarded(show)
         def on_abort(_):
             rid = self._picked()
             controller.abort(rid)
-            self.refresh(f"request {rid} aborted: its blocks are free", "ok")
+            self.refresh(tr("request {rid} aborted: its blocks are free", rid=rid), "ok")
 
         @guarded(show)
         def on_reserve(change):
             controller.set_contiguous_reserve(change["new"])
             live = len(controller.live_requests)
-            self.refresh(f"contiguous side rebuilt for the {live} unfinished request(s), reserving "
-                         f"{'max_model_len' if change['new'] == 'max_model_len' else 'prompt + max tokens'} each",
-                         "ok")
+            policy = "max_model_len" if change["new"] == "max_model_len" else tr("prompt + max tokens")
+            self.refresh(tr("contiguous side rebuilt for the {live} unfinished request(s), reserving {policy} each",
+                            live=live, policy=policy), "ok")
 
         self.add_button.on_click(on_add)
         self.step_button.on_click(on_step)
         self.finish_button.on_click(on_finish)
         self.abort_button.on_click(on_abort)
         self.reserve.observe(on_reserve, names="value")
-        legend = ("<div style='font-size:11px'>cell colour = owner request; filled part = token slots "
-                  "holding KV; a number = ref count (shared prefix block); dashed blue = free but cached; "
-                  "white = free. Contiguous bar: solid = stored, pale = reserved for later tokens, "
-                  "grey = internal fragmentation, red = external fragmentation.</div>")
+        legend = ("<div style='font-size:11px'>"
+                  + tr("cell colour = owner request; filled part = token slots holding KV; a number = ref count "
+                       "(shared prefix block); dashed blue = free but cached; white = free. Contiguous bar: "
+                       "solid = stored, pale = reserved for later tokens, grey = internal fragmentation, "
+                       "red = external fragmentation.")
+                  + "</div>")
         details = W.Accordion([W.VBox([W.HTML(legend), self.event_log])], selected_index=None)
-        details.set_title(0, "legend and block event log")
+        details.set_title(0, tr("legend and block event log"))
         super().__init__([
             self.shared_note,
             W.HBox([self.prompt_len, self.max_tokens, self.shared, self.add_button]),
             W.HBox([self.step_button, self.request_picker, self.finish_button, self.abort_button]),
-            W.HBox([W.HTML("<b>contiguous side:</b>", layout=W.Layout(margin="0 8px 0 0")), self.reserve]),
+            W.HBox([W.HTML(f"<b>{tr('contiguous side:')}</b>", layout=W.Layout(margin="0 8px 0 0")), self.reserve]),
             self.message, self.headline, self.counts,
-            W.HBox([W.VBox([W.HTML("<b>Paged KV blocks (live block manager)</b>"), self.grid],
+            W.HBox([W.VBox([W.HTML(f"<b>{tr('Paged KV blocks (live block manager)')}</b>"), self.grid],
                            layout=W.Layout(width="50%")),
-                    W.VBox([W.HTML("<b>Contiguous allocator, same requests</b>"),
+                    W.VBox([W.HTML(f"<b>{tr('Contiguous allocator, same requests')}</b>"),
                             self.contiguous, self.report], layout=W.Layout(width="50%"))]),
             details])
         self.add_class("ne-block-allocator")
@@ -652,7 +667,7 @@ class BlockAllocatorView(ControllerView, W.VBox):
         self.finish_button.disabled = self.abort_button.disabled = idle
         recent = list(c.log)[-12:]
         self.event_log.value = ("<pre class='ne-alloc-log' style='font-size:11px;max-height:12em;overflow:auto'>"
-                          + escape("\n".join(reversed(recent)) or "no block events yet") + "</pre>")
+                          + escape("\n".join(reversed(recent)) or tr("no block events yet")) + "</pre>")
         if text is not None:
             self.show_message(text, kind)
         watcher = getattr(self, "watcher", None)
@@ -662,5 +677,5 @@ class BlockAllocatorView(ControllerView, W.VBox):
     def _picked(self) -> str:
         rid = self.request_picker.value
         if rid is None:
-            raise ValueError("no request selected: add one first")
+            raise ValueError(tr("no request selected: add one first"))
         return rid

@@ -36,6 +36,7 @@ from nanoengine.engine.block_manager import hash_block
 from nanoengine.engine.snapshots import EngineSnapshot, MemoryReport, RequestSnapshot
 from nanoengine.layers.sampler import kept_mask
 from nanoengine.models.config import ModelConfig
+from translations import tr
 from widgets.quiz import Question, make_question
 
 DEFAULT_BLOCK_SIZE = EngineConfig.block_size  # vLLM's default, the "wrong block size" mistake
@@ -68,26 +69,29 @@ def kv_slot_question(snapshot: EngineSnapshot, request_id: str, position: int, c
     answer = kv_slot(table, bs, position)
     index, offset = divmod(position, bs)
     wrong = [
-        (str(position), "That is the slot if the cache were one contiguous array per request. With paging the "
-                        "request's tokens live in whichever blocks its block table lists."),
-        (str(table[index]), f"That is the block id (block_table[{index}]), not a slot: multiply it by the block "
-                            f"size ({bs}) and add the offset inside the block ({offset})."),
-        (str(answer + 1), f"Off by one: position {position} sits at offset {position} % {bs} = {offset} in its "
-                          f"block, counted from 0."),
+        (str(position), tr("That is the slot if the cache were one contiguous array per request. With paging the "
+                           "request's tokens live in whichever blocks its block table lists.")),
+        (str(table[index]), tr("That is the block id (block_table[{index}]), not a slot: multiply it by the block "
+                               "size ({bs}) and add the offset inside the block ({offset}).",
+                               index=index, bs=bs, offset=offset)),
+        (str(answer + 1), tr("Off by one: position {position} sits at offset {position} % {bs} = {offset} in its "
+                             "block, counted from 0.", position=position, bs=bs, offset=offset)),
         (str(table[index] * bs + offset + bs) if index + 1 >= len(table) else str(table[index + 1] * bs + offset),
-         f"That is one block too far: position {position} is in block-table entry {position} // {bs} = "
-         f"{index} (entries are counted from 0)."),
+         tr("That is one block too far: position {position} is in block-table entry {position} // {bs} = "
+            "{index} (entries are counted from 0).", position=position, bs=bs, index=index)),
     ]
     if bs != DEFAULT_BLOCK_SIZE and position // DEFAULT_BLOCK_SIZE < len(table):
         i16, o16 = divmod(position, DEFAULT_BLOCK_SIZE)
         wrong.append((str(table[i16] * DEFAULT_BLOCK_SIZE + o16),
-                      f"That assumes vLLM's default block size {DEFAULT_BLOCK_SIZE}; this engine's blocks hold "
-                      f"{bs} tokens."))
+                      tr("That assumes vLLM's default block size {default}; this engine's blocks hold {bs} tokens.",
+                         default=DEFAULT_BLOCK_SIZE, bs=bs)))
     return make_question(
-        f"Request {request_id} has block table {list(table)} and the engine's blocks hold {bs} tokens. "
-        f"Which KV-cache slot holds the key and value of its token at position {position} (counted from 0)?",
-        (str(answer), f"Position {position} is in block-table entry {position} // {bs} = {index}, physical block "
-                      f"{table[index]}, at offset {offset}: slot {table[index]} x {bs} + {offset} = {answer}."),
+        tr("Request {request_id} has block table {table} and the engine's blocks hold {bs} tokens. Which KV-cache "
+           "slot holds the key and value of its token at position {position} (counted from 0)?",
+           request_id=request_id, table=list(table), bs=bs, position=position),
+        (str(answer), tr("Position {position} is in block-table entry {position} // {bs} = {index}, physical block "
+                         "{block}, at offset {offset}: slot {block} x {bs} + {offset} = {answer}.",
+                         position=position, bs=bs, index=index, block=table[index], offset=offset, answer=answer)),
         wrong, chapter)
 
 
@@ -102,24 +106,26 @@ def blocks_needed_question(snapshot: EngineSnapshot, num_tokens: int, chapter: i
         raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
     bs = snapshot.block_size
     answer = blocks_needed(num_tokens, bs)
-    wrong = [
-        (str(num_tokens // bs), f"Rounded down: the last {num_tokens % bs or bs} tokens need a block too, even a "
-                                f"partly filled one." if num_tokens % bs else
-         "Rounded down gives the same here; this option should not appear."),
-        (str(answer + 1), "One too many: a block is only taken when the tokens fill the last one; no spare is "
-                          "reserved ahead."),
+    wrong = []
+    if num_tokens % bs:  # rounded down differs from the answer only when the last block is partly filled
+        wrong.append((str(num_tokens // bs), tr("Rounded down: the last {left} tokens need a block too, even a "
+                                                "partly filled one.", left=num_tokens % bs)))
+    wrong += [
+        (str(answer + 1), tr("One too many: a block is only taken when the tokens fill the last one; no spare is "
+                             "reserved ahead.")),
         (str(blocks_needed(num_tokens, DEFAULT_BLOCK_SIZE)),
-         f"That uses vLLM's default block size {DEFAULT_BLOCK_SIZE}; this engine's blocks hold {bs} tokens."),
+         tr("That uses vLLM's default block size {default}; this engine's blocks hold {bs} tokens.",
+            default=DEFAULT_BLOCK_SIZE, bs=bs)),
         (str(blocks_needed(snapshot.max_model_len, bs)),
-         f"That reserves max_model_len ({snapshot.max_model_len}) tokens up front, the contiguous allocator's "
-         f"habit that paging removes."),
+         tr("That reserves max_model_len ({max_model_len}) tokens up front, the contiguous allocator's habit that "
+            "paging removes.", max_model_len=snapshot.max_model_len)),
     ]
-    wrong = [w for w in wrong if not w[1].endswith("should not appear.")]
     return make_question(
-        f"This engine's KV blocks hold {bs} tokens. How many blocks does a request hold once {num_tokens} of its "
-        f"tokens are in the cache?",
-        (str(answer), f"ceil({num_tokens} / {bs}) = {answer}: full blocks plus one partly filled block for the "
-                      f"remainder." if num_tokens % bs else f"{num_tokens} / {bs} = {answer} blocks, all full."),
+        tr("This engine's KV blocks hold {bs} tokens. How many blocks does a request hold once {num_tokens} of its "
+           "tokens are in the cache?", bs=bs, num_tokens=num_tokens),
+        (str(answer), tr("ceil({num_tokens} / {bs}) = {answer}: full blocks plus one partly filled block for the "
+                         "remainder.", num_tokens=num_tokens, bs=bs, answer=answer) if num_tokens % bs else
+         tr("{num_tokens} / {bs} = {answer} blocks, all full.", num_tokens=num_tokens, bs=bs, answer=answer)),
         wrong, chapter)
 
 
@@ -129,27 +135,35 @@ def kv_bytes_question(model_config: ModelConfig, report: MemoryReport, chapter: 
     per_elem = report.kv_bytes_per_token // (2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim)
     answer = report.kv_bytes_per_token
     layers, kv, d = c.num_hidden_layers, c.num_key_value_heads, c.head_dim
-    shape = (f"{layers} layers, {c.num_attention_heads} query heads, {kv} KV heads, head_dim {d}, "
-             f"{report.dtype} ({per_elem} bytes per number)")
+    shape = tr("{layers} layers, {heads} query heads, {kv} KV heads, head_dim {d}, {dtype} ({per_elem} bytes per "
+               "number)", layers=layers, heads=c.num_attention_heads, kv=kv, d=d, dtype=report.dtype,
+               per_elem=per_elem)
+    if per_elem != 2:
+        other_dtype = tr("That assumes 2-byte bf16 numbers; this engine stores {dtype}, {per_elem} bytes each.",
+                         dtype=report.dtype, per_elem=per_elem)
+    else:
+        other_dtype = tr("That assumes 4-byte fp32 numbers; this engine stores {dtype}, {per_elem} bytes each.",
+                         dtype=report.dtype, per_elem=per_elem)
     wrong = [
-        (f"{answer // 2:,}", "That counts the keys only: the values are cached too, hence the factor 2."),
+        (f"{answer // 2:,}", tr("That counts the keys only: the values are cached too, hence the factor 2.")),
         (f"{2 * layers * c.num_attention_heads * d * per_elem:,}",
-         f"That uses the {c.num_attention_heads} query heads. Only the {kv} KV heads are cached (grouped-query "
-         f"attention shares each among {c.num_attention_heads // max(kv, 1)} query heads)."),
-        (f"{2 * kv * d * per_elem:,}", f"That is one layer; every one of the {layers} layers keeps its own K and V."),
-        (f"{2 * layers * kv * d * (2 if per_elem != 2 else 4):,}",
-         f"That assumes {'2-byte bf16' if per_elem != 2 else '4-byte fp32'} numbers; this engine stores "
-         f"{report.dtype}, {per_elem} bytes each."),
+         tr("That uses the {heads} query heads. Only the {kv} KV heads are cached (grouped-query attention shares "
+            "each among {share} query heads).", heads=c.num_attention_heads, kv=kv,
+            share=c.num_attention_heads // max(kv, 1))),
+        (f"{2 * kv * d * per_elem:,}", tr("That is one layer; every one of the {layers} layers keeps its own K and "
+                                          "V.", layers=layers)),
+        (f"{2 * layers * kv * d * (2 if per_elem != 2 else 4):,}", other_dtype),
         (f"{2 * layers * c.hidden_size * per_elem:,}",
-         f"That uses the hidden size {c.hidden_size} (all query heads' width), as if K and V were as wide as the "
-         f"residual stream; they are {kv} x {d} = {kv * d} wide."),
-        (f"{answer * 8:,}", "That is bits, not bytes."),
-        (f"{answer * report.block_size:,}", f"That is one block's worth ({report.block_size} tokens), not one "
-                                            f"token's."),
+         tr("That uses the hidden size {hidden} (all query heads' width), as if K and V were as wide as the "
+            "residual stream; they are {kv} x {d} = {width} wide.", hidden=c.hidden_size, kv=kv, d=d, width=kv * d)),
+        (f"{answer * 8:,}", tr("That is bits, not bytes.")),
+        (f"{answer * report.block_size:,}", tr("That is one block's worth ({block_size} tokens), not one token's.",
+                                               block_size=report.block_size)),
     ]
     return make_question(
-        f"The loaded model has {shape}. How many bytes of KV cache does one token take?",
-        (f"{answer:,}", f"2 (K and V) x {layers} layers x {kv} KV heads x {d} x {per_elem} bytes = {answer:,}."),
+        tr("The loaded model has {shape}. How many bytes of KV cache does one token take?", shape=shape),
+        (f"{answer:,}", tr("2 (K and V) x {layers} layers x {kv} KV heads x {d} x {per_elem} bytes = {answer:,}.",
+                           layers=layers, kv=kv, d=d, per_elem=per_elem, answer=answer)),
         wrong, chapter)
 
 
@@ -208,8 +222,10 @@ def plan_next_step(snapshot: EngineSnapshot, enable_chunked_prefill: bool = True
 
 def _describe(p: PlannedRequest | None) -> str:
     if p is None:
-        return "not scheduled this step"
-    return "decode, 1 token" if not p.is_prefill else f"prefill, {p.num_tokens} token{'s' * (p.num_tokens != 1)}"
+        return tr("not scheduled this step")
+    if not p.is_prefill:
+        return tr("decode, 1 token")
+    return tr("prefill, {n} token", n=p.num_tokens) if p.num_tokens == 1 else tr("prefill, {n} tokens", n=p.num_tokens)
 
 
 def step_question(snapshot: EngineSnapshot, config: EngineConfig, request_id: str, chapter: int = 5) -> Question:
@@ -219,44 +235,44 @@ def step_question(snapshot: EngineSnapshot, config: EngineConfig, request_id: st
     mine = next((p for p in plan if p.request_id == request_id), None)
     remaining = r.num_tokens - r.num_computed_tokens
     budget = snapshot.max_num_batched_tokens
-    state = (f"status {r.status}, {r.num_prompt_tokens} prompt tokens, {r.num_output_tokens} generated, "
-             f"{r.num_computed_tokens} of its {r.num_tokens} tokens in the KV cache")
+    state = tr("status {status}, {prompt} prompt tokens, {output} generated, {computed} of its {total} tokens in the "
+               "KV cache", status=r.status, prompt=r.num_prompt_tokens, output=r.num_output_tokens,
+               computed=r.num_computed_tokens, total=r.num_tokens)
     others = [p for p in plan if p.request_id != request_id]
-    why_right = {
-        None: f"The {budget}-token budget (or the sequence slots) are used up by requests ahead of it "
-              f"({sum(p.num_tokens for p in others)} tokens), so it waits a step.",
-    }
     if mine is not None and not mine.is_prefill:
-        right = "One new token over a context that is all in the cache: a decode."
+        right = tr("One new token over a context that is all in the cache: a decode.")
+    elif mine is not None and mine.num_tokens < remaining:
+        right = tr("{remaining} token(s) are not in the cache yet; the step gives it {n} of them (a chunk: the "
+                   "budget left is smaller), which is prefill work.", remaining=remaining, n=mine.num_tokens)
     elif mine is not None:
-        right = (f"{remaining} token(s) are not in the cache yet; the step gives it "
-                 f"{mine.num_tokens} of them" + (" (a chunk: the budget left is smaller)" if mine.num_tokens < remaining
-                                                 else "") + ", which is prefill work.")
+        right = tr("{remaining} token(s) are not in the cache yet; the step gives it {n} of them, which is prefill "
+                   "work.", remaining=remaining, n=mine.num_tokens)
     else:
-        right = why_right[None]
+        right = tr("The {budget}-token budget (or the sequence slots) are used up by requests ahead of it "
+                   "({ahead} tokens), so it waits a step.", budget=budget, ahead=sum(p.num_tokens for p in others))
     candidates = [
-        ("decode, 1 token", f"A decode needs every earlier token in the cache and exactly one new one; {remaining} "
-                            f"are still to compute." if remaining != 1 else
-         "It would decode if it were scheduled, but the budget ran out before it."),
-        (f"prefill, {remaining} token{'s' * (remaining != 1)}",
-         "That ignores the budget: the scheduler gives it only what is left after the requests ahead of it "
-         "(chunked prefill)." if mine is None or mine.num_tokens < remaining else
-         "One remaining token over a cached context is the decode case, not a prefill."),
-        (f"prefill, {budget} tokens", "The budget is shared: requests ahead of it take their tokens first, and "
-                                      "nobody gets more tokens than it still needs."),
-        ("not scheduled this step", "There is budget and a sequence slot left for it this step."),
+        (tr("decode, 1 token"), tr("A decode needs every earlier token in the cache and exactly one new one; "
+                                   "{remaining} are still to compute.", remaining=remaining) if remaining != 1 else
+         tr("It would decode if it were scheduled, but the budget ran out before it.")),
+        (tr("prefill, {n} token", n=remaining) if remaining == 1 else tr("prefill, {n} tokens", n=remaining),
+         tr("That ignores the budget: the scheduler gives it only what is left after the requests ahead of it "
+            "(chunked prefill).") if mine is None or mine.num_tokens < remaining else
+         tr("One remaining token over a cached context is the decode case, not a prefill.")),
+        (tr("prefill, {n} tokens", n=budget), tr("The budget is shared: requests ahead of it take their tokens "
+                                                 "first, and nobody gets more tokens than it still needs.")),
+        (tr("not scheduled this step"), tr("There is budget and a sequence slot left for it this step.")),
     ]
     if r.num_computed_tokens:
-        candidates.append((f"prefill, {r.num_tokens} tokens",
-                           f"That recomputes the whole sequence; the {r.num_computed_tokens} tokens already in "
-                           f"the cache are not computed again."))
+        candidates.append((tr("prefill, {n} tokens", n=r.num_tokens),
+                           tr("That recomputes the whole sequence; the {computed} tokens already in the cache are "
+                              "not computed again.", computed=r.num_computed_tokens)))
     answer = _describe(mine)
     wrong = [(text, why) for text, why in candidates if text != answer]
     ahead = plan[:plan.index(mine)] if mine is not None else others
     return make_question(
-        f"Request {request_id}: {state}. The token budget is {budget} per step, and the requests scheduled "
-        f"before it in the next step take {sum(p.num_tokens for p in ahead)} tokens. What does the next step "
-        f"do with {request_id}?",
+        tr("Request {request_id}: {state}. The token budget is {budget} per step, and the requests scheduled before "
+           "it in the next step take {ahead} tokens. What does the next step do with {request_id}?",
+           request_id=request_id, state=state, budget=budget, ahead=sum(p.num_tokens for p in ahead)),
         (answer, right), wrong, chapter)
 
 
@@ -268,26 +284,29 @@ def step_tokens_question(snapshot: EngineSnapshot, config: EngineConfig, chapter
     wanted = sum(r.num_tokens - r.num_computed_tokens for r in snapshot.running) + \
         sum(r.num_tokens for r in snapshot.waiting)
     running = sum(r.num_tokens - r.num_computed_tokens for r in snapshot.running)
-    rows = "; ".join(f"{r.request_id} {r.status} {r.num_computed_tokens}/{r.num_tokens} tokens cached"
+    rows = "; ".join(tr("{request_id} {status} {computed}/{total} tokens cached", request_id=r.request_id,
+                        status=r.status, computed=r.num_computed_tokens, total=r.num_tokens)
                      for r in snapshot.running + snapshot.waiting)
     wrong = [
-        (str(wanted), "That gives every request all it still needs; the step's token budget caps the total."),
-        (str(budget), "The budget is a ceiling, not a quota: a step schedules less when the requests need less."),
-        (str(len(plan)), "That counts requests, one token each, as if every request were decoding."),
-        (str(running), "That schedules the running requests only; continuous batching also admits waiting ones "
-                       "into the same step while budget is left."),
-        (str(answer + 1), "One too many: count each request's remaining tokens exactly; a decoding request "
-                          "computes exactly one."),
+        (str(wanted), tr("That gives every request all it still needs; the step's token budget caps the total.")),
+        (str(budget), tr("The budget is a ceiling, not a quota: a step schedules less when the requests need less.")),
+        (str(len(plan)), tr("That counts requests, one token each, as if every request were decoding.")),
+        (str(running), tr("That schedules the running requests only; continuous batching also admits waiting ones "
+                          "into the same step while budget is left.")),
+        (str(answer + 1), tr("One too many: count each request's remaining tokens exactly; a decoding request "
+                             "computes exactly one.")),
         (str(sum(r.num_tokens for r in snapshot.running + snapshot.waiting)),
-         "That recomputes every request's whole sequence; tokens already in the KV cache are not computed again."),
+         tr("That recomputes every request's whole sequence; tokens already in the KV cache are not computed "
+            "again.")),
     ]
+    chunked = tr("chunked prefill on") if config.enable_chunked_prefill else tr("chunked prefill off")
     return make_question(
-        f"Token budget {budget} per step, at most {snapshot.max_num_seqs} sequences, chunked prefill "
-        f"{'on' if config.enable_chunked_prefill else 'off'}. Requests (running first, then waiting): {rows}. "
-        f"How many tokens does the next step compute?",
-        (str(answer), "Running requests first, each its remaining tokens within the budget, then waiting ones "
-                      "while budget and slots last: " + ", ".join(f"{p.request_id} {p.num_tokens}" for p in plan)
-         + f" = {answer}."),
+        tr("Token budget {budget} per step, at most {max_num_seqs} sequences, {chunked}. Requests (running first, "
+           "then waiting): {rows}. How many tokens does the next step compute?",
+           budget=budget, max_num_seqs=snapshot.max_num_seqs, chunked=chunked, rows=rows),
+        (str(answer), tr("Running requests first, each its remaining tokens within the budget, then waiting ones "
+                         "while budget and slots last: {plan} = {answer}.",
+                         plan=", ".join(f"{p.request_id} {p.num_tokens}" for p in plan), answer=answer)),
         wrong, chapter)
 
 
@@ -329,24 +348,27 @@ def prefix_hit_question(snapshot: EngineSnapshot, prompt: Sequence[int], chapter
     full = len(prompt) // bs
 
     def text(n: int) -> str:
-        return f"{n} block{'s' * (n != 1)} ({n * bs} tokens skipped)"
+        if n == 1:
+            return tr("{n} block ({skipped} tokens skipped)", n=n, skipped=n * bs)
+        return tr("{n} blocks ({skipped} tokens skipped)", n=n, skipped=n * bs)
 
     wrong = [
-        (text(full), f"All {full} full blocks: but a hit is a chain from the first block that stops at the first "
-                     f"miss, and the block holding the last prompt token is always computed (its logits are "
-                     f"needed to sample)."),
-        (text(hits + 1), "One too many: the chain stops at the first block whose digest is not in the cache."),
-        (text(unchained), "That looks each block up on its own tokens. Digests are chained (parent digest + "
-                          "tokens), so equal tokens after a different prefix do not match."),
-        (text(0), "There are cached blocks whose chained digests match the start of this prompt."),
+        (text(full), tr("All {full} full blocks: but a hit is a chain from the first block that stops at the first "
+                        "miss, and the block holding the last prompt token is always computed (its logits are "
+                        "needed to sample).", full=full)),
+        (text(hits + 1), tr("One too many: the chain stops at the first block whose digest is not in the cache.")),
+        (text(unchained), tr("That looks each block up on its own tokens. Digests are chained (parent digest + "
+                             "tokens), so equal tokens after a different prefix do not match.")),
+        (text(0), tr("There are cached blocks whose chained digests match the start of this prompt.")),
     ]
     if hits == 0:
-        wrong[-1] = (text(1), "No cached block has the digest of this prompt's first block.")
+        wrong[-1] = (text(1), tr("No cached block has the digest of this prompt's first block."))
     return make_question(
-        f"The prefix cache holds {len(cached)} block digests (blocks of {bs} tokens). A new request arrives with a "
-        f"{len(prompt)}-token prompt. How many of its blocks does the prefix cache serve?",
-        (text(hits), f"Chaining SHA-256 digests over the prompt's blocks, the first {hits} are in the cache and "
-                     f"the next one is not (or holds the last token, which must be computed)."),
+        tr("The prefix cache holds {cached} block digests (blocks of {bs} tokens). A new request arrives with a "
+           "{length}-token prompt. How many of its blocks does the prefix cache serve?",
+           cached=len(cached), bs=bs, length=len(prompt)),
+        (text(hits), tr("Chaining SHA-256 digests over the prompt's blocks, the first {hits} are in the cache and "
+                        "the next one is not (or holds the last token, which must be computed).", hits=hits)),
         wrong, chapter)
 
 
@@ -385,28 +407,30 @@ def sampling_question(logits: torch.Tensor, *, temperature: float = 1.0, top_k: 
         probs = torch.softmax(row[survivors] / temperature, dim=-1)
         within = max(1, int((probs.cumsum(0) <= top_p).sum().item()))
         wrong.append((_token_set(survivors[:within], labels),
-                      "That stops before the token that crosses p. Top-p keeps the smallest set whose mass "
-                      "reaches p, so the token that crosses it stays."))
+                      tr("That stops before the token that crosses p. Top-p keeps the smallest set whose mass "
+                         "reaches p, so the token that crosses it stays.")))
     if top_p < 1.0 and temperature != 1.0:
         wrong.append((_token_set(kept(t=1.0), labels),
-                      "That applies the filters to the unscaled logits. Temperature comes first and changes "
-                      "the probabilities that top-p adds up."))
+                      tr("That applies the filters to the unscaled logits. Temperature comes first and changes "
+                         "the probabilities that top-p adds up.")))
     if top_k > 0:
-        wrong.append((_token_set(kept(k=0), labels), "That ignores top-k: only the k highest logits may survive."))
+        wrong.append((_token_set(kept(k=0), labels),
+                      tr("That ignores top-k: only the k highest logits may survive.")))
         wrong.append((_token_set(order[:top_k], labels) if top_p < 1.0 or min_p > 0 else None,
-                      "That applies top-k alone; top-p and min-p then cut the tail of what top-k kept."))
+                      tr("That applies top-k alone; top-p and min-p then cut the tail of what top-k kept.")))
     wrong.append((_token_set(order[:len(answer) + 1], labels),
-                  "One token too many: the next token in rank order is cut by the filters."))
+                  tr("One token too many: the next token in rank order is cut by the filters.")))
     if len(answer) > 1:
         wrong.append((_token_set(order[:len(answer) - 1], labels),
-                      "One token too few: the last survivor passes every filter."))
+                      tr("One token too few: the last survivor passes every filter.")))
     wrong = [(t, w) for t, w in wrong if t is not None and t.count(",") < max_kept + 2]
-    settings = f"temperature {temperature}, top_k {top_k}, top_p {top_p}, min_p {min_p}"
     top = ", ".join(f"{(repr(labels[i]) if labels is not None else i)}: {row[i]:.2f}" for i in order[:max_kept + 2])
     return make_question(
-        f"Next-token logits, highest first: {top}, ... With {settings}, which tokens can be sampled?",
-        (_token_set(answer, labels), f"The engine's filters in order (temperature, top-k, top-p, min-p) keep "
-                                     f"exactly these {len(answer)}."),
+        tr("Next-token logits, highest first: {top}, ... With temperature {temperature}, top_k {top_k}, top_p "
+           "{top_p}, min_p {min_p}, which tokens can be sampled?",
+           top=top, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p),
+        (_token_set(answer, labels), tr("The engine's filters in order (temperature, top-k, top-p, min-p) keep "
+                                        "exactly these {n}.", n=len(answer))),
         wrong, chapter)
 
 
@@ -429,22 +453,28 @@ def allreduce_bytes_question(model: torch.nn.Module, dtype_bytes: int, num_token
     per_layer = len(rows) // c.num_hidden_layers
     wrong = [
         (f"{answer // per_layer:,}" if per_layer > 1 else None,
-         f"That is one all-reduce per layer; attention's o_proj and the MLP's down_proj end in one each "
-         f"({per_layer} per layer)."),
-        (f"{answer // tp_size:,}", f"That divides by the {tp_size} ranks. A row-parallel rank's output is full width "
-                                   f"(a partial sum of every feature), so each rank contributes all of it."),
+         tr("That is one all-reduce per layer; attention's o_proj and the MLP's down_proj end in one each "
+            "({per_layer} per layer).", per_layer=per_layer)),
+        (f"{answer // tp_size:,}", tr("That divides by the {tp_size} ranks. A row-parallel rank's output is full "
+                                      "width (a partial sum of every feature), so each rank contributes all of it.",
+                                      tp_size=tp_size)),
         (f"{answer * c.intermediate_size // c.hidden_size:,}",
-         f"That uses the MLP's intermediate width {c.intermediate_size}; what is summed is down_proj's output, "
-         f"{c.hidden_size} wide."),
+         tr("That uses the MLP's intermediate width {intermediate}; what is summed is down_proj's output, {hidden} "
+            "wide.", intermediate=c.intermediate_size, hidden=c.hidden_size)),
         (f"{answer // num_tokens:,}" if num_tokens > 1 else None,
-         f"That is one token; the step runs {num_tokens}, each with its own row of partial sums."),
-        (f"{answer * 8:,}", "That is bits, not bytes."),
+         tr("That is one token; the step runs {num_tokens}, each with its own row of partial sums.",
+            num_tokens=num_tokens)),
+        (f"{answer * 8:,}", tr("That is bits, not bytes.")),
     ]
     wrong = [(t, w) for t, w in wrong if t is not None]
     return make_question(
-        f"The loaded model ({c.num_hidden_layers} layers, hidden size {c.hidden_size}, {dtype_bytes}-byte numbers) "
-        f"runs at tensor_parallel_size={tp_size}. One decode step serves {num_tokens} sequences. How many bytes do "
-        f"the row-parallel all-reduces carry in that step (one rank's contribution, all all-reduces together)?",
-        (f"{answer:,}", f"{len(rows)} row-parallel layers ({per_layer} per layer x {c.num_hidden_layers}) x "
-                        f"{num_tokens} tokens x {c.hidden_size} x {dtype_bytes} bytes = {answer:,}."),
+        tr("The loaded model ({layers} layers, hidden size {hidden}, {dtype_bytes}-byte numbers) runs at "
+           "tensor_parallel_size={tp_size}. One decode step serves {num_tokens} sequences. How many bytes do the "
+           "row-parallel all-reduces carry in that step (one rank's contribution, all all-reduces together)?",
+           layers=c.num_hidden_layers, hidden=c.hidden_size, dtype_bytes=dtype_bytes, tp_size=tp_size,
+           num_tokens=num_tokens),
+        (f"{answer:,}", tr("{rows} row-parallel layers ({per_layer} per layer x {layers}) x {num_tokens} tokens x "
+                           "{hidden} x {dtype_bytes} bytes = {answer:,}.", rows=len(rows), per_layer=per_layer,
+                           layers=c.num_hidden_layers, num_tokens=num_tokens, hidden=c.hidden_size,
+                           dtype_bytes=dtype_bytes, answer=answer)),
         wrong, chapter)

@@ -18,7 +18,9 @@ CUDA context and allocator fragmentation, which take several more GiB on a real 
 
 from __future__ import annotations
 
+import functools
 import io
+import re
 from dataclasses import dataclass
 
 import ipywidgets as W
@@ -26,7 +28,8 @@ import ipywidgets as W
 from nanoengine import LLMEngine
 from nanoengine.models.config import ModelConfig
 from nanoengine.models.presets import PRESETS
-from widgets._common import MessageView, check_int, escape, format_bytes, guarded
+from translations import tr
+from widgets._common import MessageView, chart_fonts, check_int, escape, format_bytes, guarded
 
 GiB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8 / int8": 1}
@@ -39,6 +42,17 @@ def device_presets() -> dict[str, int]:
     ram = psutil.virtual_memory().total
     return {f"this machine's RAM ({ram / GiB:.1f} GiB)": ram, "24 GiB (RTX 4090 class)": 24 * GiB,
             "80 GiB (H100)": 80 * GiB, "141 GiB (H200)": 141 * GiB}
+
+
+def device_label(name: str) -> str:
+    """A device's name as the view shows it, in the notebook's language (the name itself, a key
+    of ``device_presets()``, stays English: code looks devices up by it)."""
+    ram = re.fullmatch(r"this machine's RAM \((.+) GiB\)", name)
+    if ram:
+        return tr("this machine's RAM ({gib} GiB)", gib=ram.group(1))
+    if name == "24 GiB (RTX 4090 class)":
+        return tr("24 GiB (RTX 4090 class)")
+    return name
 
 
 @dataclass(frozen=True)
@@ -98,8 +112,8 @@ class MemoryEstimatorController:
         config = self.models[model]
         context_len = check_int("context length", context_len, 1)
         if context_len > config.max_position_embeddings:
-            raise ValueError(f"{model} handles at most {config.max_position_embeddings} positions; "
-                             f"context length {context_len} is longer")
+            raise ValueError(tr("{model} handles at most {n} positions; context length {context_len} is longer",
+                                model=model, n=config.max_position_embeddings, context_len=context_len))
         batch_size = check_int("batch size", batch_size, 1)
         nbytes = DTYPE_BYTES[dtype]
         return MemoryEstimate(model, context_len, batch_size, dtype, config.num_parameters() * nbytes,
@@ -127,37 +141,51 @@ class MemoryEstimatorController:
 
 
 def render_summary(e: MemoryEstimate) -> str:
-    verdict = (f'<span class="ne-fits" style="color:#2e7d32">fits, {format_bytes(e.headroom_bytes)} to spare'
-               if e.fits else f'<span class="ne-fits" style="color:#c62828">does not fit: '
-                              f'{format_bytes(-e.headroom_bytes)} short')
+    verdict = (f'<span class="ne-fits" style="color:#2e7d32">'
+               f'{tr("fits, {spare} to spare", spare=format_bytes(e.headroom_bytes))}'
+               if e.fits else f'<span class="ne-fits" style="color:#c62828">'
+                              f'{tr("does not fit: {short} short", short=format_bytes(-e.headroom_bytes))}')
     return (f'<table class="ne-mem" style="font-size:13px" cellpadding="3">'
-            f'<tr><th align="left">weights</th><td class="ne-weights">{format_bytes(e.weights_bytes)}</td>'
+            f'<tr><th align="left">{tr("weights")}</th><td class="ne-weights">{format_bytes(e.weights_bytes)}</td>'
             f'<td>{e.weights_bytes:,} B</td></tr>'
-            f'<tr><th align="left">KV cache</th><td class="ne-kv">{format_bytes(e.kv_bytes)}</td>'
-            f'<td>{e.kv_bytes_per_token:,} B/token × {e.context_len:,} tokens × {e.batch_size} sequences</td></tr>'
-            f'<tr><th align="left">total</th><td class="ne-total"><b>{format_bytes(e.total_bytes)}</b></td>'
-            f'<td>{escape(e.device)}: {format_bytes(e.device_bytes)} — {verdict}</span></td></tr>'
-            f'<tr><th align="left">at this context</th><td colspan="2">at most <b>{e.max_batch_size:,}</b> sequences '
-            f'fit ({e.max_tokens_in_cache:,} KV tokens beside the weights)</td></tr></table>'
-            f'<div style="font-size:11px;color:#666">Not counted: activations, framework workspace, CUDA context, '
-            f'allocator fragmentation (several GiB on a real GPU).</div>')
+            f'<tr><th align="left">{tr("KV cache")}</th><td class="ne-kv">{format_bytes(e.kv_bytes)}</td>'
+            f'<td>{tr("{per_token:,} B/token × {context:,} tokens × {seqs} sequences", per_token=e.kv_bytes_per_token, context=e.context_len, seqs=e.batch_size)}'
+            f'</td></tr>'
+            f'<tr><th align="left">{tr("total")}</th><td class="ne-total"><b>{format_bytes(e.total_bytes)}</b></td>'
+            f'<td>{escape(device_label(e.device))}: {format_bytes(e.device_bytes)} — {verdict}</span></td></tr>'
+            f'<tr><th align="left">{tr("at this context")}</th><td colspan="2">'
+            f'{tr("at most <b>{n:,}</b> sequences fit ({tokens:,} KV tokens beside the weights)", n=e.max_batch_size, tokens=e.max_tokens_in_cache)}'
+            f'</td></tr></table>'
+            f'<div style="font-size:11px;color:#666">'
+            f'{tr("Not counted: activations, framework workspace, CUDA context, allocator fragmentation (several GiB on a real GPU).")}'
+            f'</div>')
 
 
+@functools.lru_cache(maxsize=1)
 def render_chart_png(e: MemoryEstimate) -> bytes:
     """One horizontal stacked bar (weights, KV) against the device's memory."""
+    import matplotlib
+
+    with matplotlib.rc_context(chart_fonts()):
+        return _chart_png(e)
+
+
+def _chart_png(e: MemoryEstimate) -> bytes:
     from matplotlib.figure import Figure  # a bare Figure needs no backend: the notebook's stays as it is
 
     fig = Figure(figsize=(7, 2.2), dpi=80)
     ax = fig.add_subplot()
     w, kv = e.weights_bytes / GiB, e.kv_bytes / GiB
-    ax.barh([0], [w], color="#5b9bd5", label=f"weights {w:.2f} GiB")
-    ax.barh([0], [kv], left=[w], color="#ed7d31", label=f"KV cache {kv:.2f} GiB")
-    ax.axvline(e.device_bytes / GiB, color="#c62828", linestyle="--", label=f"device {e.device_bytes / GiB:.1f} GiB")
+    ax.barh([0], [w], color="#5b9bd5", label=tr("weights {gib:.2f} GiB", gib=w))
+    ax.barh([0], [kv], left=[w], color="#ed7d31", label=tr("KV cache {gib:.2f} GiB", gib=kv))
+    ax.axvline(e.device_bytes / GiB, color="#c62828", linestyle="--",
+               label=tr("device {gib:.1f} GiB", gib=e.device_bytes / GiB))
     ax.set_yticks([])
     ax.set_xlabel("GiB")
     ax.set_xlim(0, max(w + kv, e.device_bytes / GiB) * 1.05)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=3, frameon=False)
-    ax.set_title(f"{e.model}, {e.dtype}, {e.context_len:,} tokens × {e.batch_size}", fontsize=10)
+    ax.legend(prop={"size": 8}, loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=3, frameon=False)
+    ax.set_title(tr("{model}, {dtype}, {context:,} tokens × {seqs}", model=e.model, dtype=e.dtype,
+                    context=e.context_len, seqs=e.batch_size), fontsize=10)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
@@ -174,15 +202,17 @@ class MemoryEstimator(MessageView, W.VBox):
         self.message = W.HTML()
         show = self.show_message
         style = {"description_width": "110px"}
-        self.model = W.Dropdown(options=list(self.controller.models), value=model, description="model", style=style,
-                                layout=W.Layout(width="400px"))
-        self.context_len = W.BoundedIntText(value=context_len, min=0, max=10**7, description="context length",
+        self.model = W.Dropdown(options=list(self.controller.models), value=model, description=tr("model"),
+                                style=style, layout=W.Layout(width="400px"))
+        self.context_len = W.BoundedIntText(value=context_len, min=0, max=10**7, description=tr("context length"),
                                             style=style)
-        self.batch_size = W.BoundedIntText(value=batch_size, min=0, max=10**6, description="batch size", style=style)
+        self.batch_size = W.BoundedIntText(value=batch_size, min=0, max=10**6, description=tr("batch size"),
+                                           style=style)
         self.dtype = W.Dropdown(options=list(DTYPE_BYTES), value=dtype, description="dtype", style=style)
-        # wide enough that "this machine's RAM (23.5 GiB)" is not cut to "this machine's RAM (23.5…"
-        self.device = W.Dropdown(options=list(self.controller.devices), description="device", style=style,
-                                 layout=W.Layout(width="400px"))
+        # wide enough that "this machine's RAM (23.5 GiB)" is not cut to "this machine's RAM (23.5…";
+        # each option shows its label in the notebook's language, its value stays the devices' key
+        self.device = W.Dropdown(options=[(device_label(d), d) for d in self.controller.devices],
+                                 description=tr("device"), style=style, layout=W.Layout(width="400px"))
         self.summary = W.HTML()
         self.chart = W.Image(format="png", layout=W.Layout(width="560px"))
         self.engine_check = W.HTML()
@@ -194,7 +224,7 @@ class MemoryEstimator(MessageView, W.VBox):
             # Clear first: on a bad value the old summary and chart must not stay on screen
             # looking like the answer for the new values.
             self.estimate = None
-            self.summary.value = '<div style="color:#888">no estimate for these values</div>'
+            self.summary.value = f'<div style="color:#888">{tr("no estimate for these values")}</div>'
             self.chart.layout.display = "none"
             e = self.controller.estimate(self.model.value, self.context_len.value, self.batch_size.value,
                                          self.dtype.value, self.device.value)
@@ -211,10 +241,13 @@ class MemoryEstimator(MessageView, W.VBox):
             c = self.controller.compare_with_engine(engine)
             same = c["kv_formula"] == c["kv_allocated"]
             self.engine_check.value = (
-                f'<div class="ne-engine-check" style="font-size:12px">Live engine check: bytes per token × blocks × '
-                f'block size = {c["kv_formula"]:,} B; the engine\'s KV tensor is {c["kv_allocated"]:,} B '
-                f'({"equal" if same else "DIFFERENT"}). Weights: {c["weights_formula"]:,} B by formula, '
-                f'{c["weights_allocated"]:,} B allocated.</div>')
+                '<div class="ne-engine-check" style="font-size:12px">'
+                + tr("Live engine check: bytes per token × blocks × block size = {kv_formula:,} B; the engine's KV "
+                     "tensor is {kv_allocated:,} B ({verdict}). Weights: {weights_formula:,} B by formula, "
+                     "{weights_allocated:,} B allocated.", kv_formula=c["kv_formula"],
+                     kv_allocated=c["kv_allocated"], verdict=tr("equal") if same else tr("DIFFERENT"),
+                     weights_formula=c["weights_formula"], weights_allocated=c["weights_allocated"])
+                + '</div>')
         super().__init__([W.HBox([W.VBox([self.model, self.dtype, self.device]),
                                   W.VBox([self.context_len, self.batch_size])]),
                           self.message, self.summary, self.chart, self.engine_check])

@@ -41,6 +41,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
+from translations import tr
+
 INT8_MAX = 127
 FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
@@ -335,25 +337,26 @@ SAME_TIME = 0.10  # within 10%: "about the same time"
 def _compare(ratio: float, other: str) -> str:
     """'2.0x faster than X', '3.1x slower than X' or 'about as fast as X' for a time ratio (this / X)."""
     if ratio < 1 - SAME_TIME:
-        return f"{1 / ratio:.1f}x faster than {other}"
+        return tr("{ratio:.1f}x faster than {other}", ratio=1 / ratio, other=other)
     if ratio > 1 + SAME_TIME:
-        return f"{ratio:.1f}x slower than {other}"
-    return f"about as fast as {other}"
+        return tr("{ratio:.1f}x slower than {other}", ratio=ratio, other=other)
+    return tr("about as fast as {other}", other=other)
 
 
 def int8_speed_reading(seconds: dict[str, float], bytes_: dict[str, int]) -> str:
     """Did int8's time follow its bytes? ``seconds`` and ``bytes_`` per format (float32, bfloat16, int8)."""
     t32, t16, t8 = seconds["float32"], seconds["bfloat16"], seconds["int8"]
     share = bytes_["int8"] / bytes_["float32"]
-    parts = [f"int8 weights read {share:.0%} of float32's bytes and {bytes_['int8'] / bytes_['bfloat16']:.0%} "
-             f"of bfloat16's; their products were {_compare(t8 / t32, 'float32')} and {_compare(t8 / t16, 'bfloat16')}"]
+    parts = [tr("int8 weights read {share:.0%} of float32's bytes and {share16:.0%} of bfloat16's; their products "
+                "were {vs32} and {vs16}", share=share, share16=bytes_['int8'] / bytes_['bfloat16'],
+                vs32=_compare(t8 / t32, 'float32'), vs16=_compare(t8 / t16, 'bfloat16'))]
     best = min(("float32", "bfloat16", "int8"), key=seconds.get)
     if best == "int8" and t8 < (1 - SAME_TIME) * min(t32, t16):
-        parts.append("on this CPU the smaller weights paid: the products are limited by the bytes they read")
+        parts.append(tr("on this CPU the smaller weights paid: the products are limited by the bytes they read"))
     else:
-        parts.append(f"on this CPU the time did not follow the bytes (fastest: {best}): these products are not "
-                     f"limited by reading the weights alone, and the int8 kernel also converts every weight to a "
-                     f"float and scales it")
+        parts.append(tr("on this CPU the time did not follow the bytes (fastest: {best}): these products are not "
+                        "limited by reading the weights alone, and the int8 kernel also converts every weight to a "
+                        "float and scales it", best=best))
     return "; ".join(parts) + "."
 
 
@@ -365,11 +368,14 @@ def quality_reading(quality: dict[str, TextQuality], close_ppl: float = 0.02, cl
         if fmt == "float32":
             continue
         change = q.perplexity / base - 1
-        size = ("barely changed" if abs(change) <= close_ppl else
-                f"{'rose' if change > 0 else 'fell'} by {abs(change):.1%}")
-        agree = (f"{close_agree:.0%} or more" if q.greedy_agreement >= close_agree else f"below {close_agree:.0%}")
-        parts.append(f"{fmt}: perplexity {q.perplexity:.2f} against float32's {base:.2f} ({size}), the same greedy "
-                     f"next token at {q.greedy_agreement:.1%} of positions ({agree})")
+        size = (tr("barely changed") if abs(change) <= close_ppl else
+                tr("rose by {change:.1%}", change=abs(change)) if change > 0 else
+                tr("fell by {change:.1%}", change=abs(change)))
+        agree = (tr("{share:.0%} or more", share=close_agree) if q.greedy_agreement >= close_agree
+                 else tr("below {share:.0%}", share=close_agree))
+        parts.append(tr("{fmt}: perplexity {ppl:.2f} against float32's {base:.2f} ({size}), the same greedy next "
+                        "token at {agreement:.1%} of positions ({agree})", fmt=fmt, ppl=q.perplexity, base=base,
+                        size=size, agreement=q.greedy_agreement, agree=agree))
     return "; ".join(parts) + "."
 
 
@@ -379,20 +385,20 @@ def kv_reading(errors: dict[str, KVError], bytes_: dict[str, int], small: float 
     for fmt, e in errors.items():
         if fmt == "float32":
             continue
-        size = "small" if e.relative_error <= small else "large"
-        parts.append(f"{fmt} {bytes_[fmt] / bytes_['float32']:.0%} of float32's bytes, error {e.relative_error:.2%} "
-                     f"({size})")
+        size = tr("small") if e.relative_error <= small else tr("large")
+        parts.append(tr("{fmt} {share:.0%} of float32's bytes, error {error:.2%} ({size})", fmt=fmt,
+                        share=bytes_[fmt] / bytes_['float32'], error=e.relative_error, size=size))
     text = "; ".join(parts)
     if "int8" in errors and "fp8_e4m3" in errors:
         i8, f8 = errors["int8"].relative_error, errors["fp8_e4m3"].relative_error
         if i8 < f8:
-            text += (f". int8 with a scale per token and head was {f8 / i8:.1f}x closer than fp8 with one scale per "
-                     f"tensor: 255 evenly spaced levels fitted to each row beat fp8's 3 mantissa bits")
+            text += tr(". int8 with a scale per token and head was {ratio:.1f}x closer than fp8 with one scale per "
+                       "tensor: 255 evenly spaced levels fitted to each row beat fp8's 3 mantissa bits", ratio=f8 / i8)
         elif f8 < i8:
-            text += (f". fp8 with one scale per tensor was {i8 / f8:.1f}x closer than int8 with a scale per token "
-                     f"and head")
+            text += tr(". fp8 with one scale per tensor was {ratio:.1f}x closer than int8 with a scale per token and "
+                       "head", ratio=i8 / f8)
         else:
-            text += ". int8 and fp8 were equally close"
+            text += tr(". int8 and fp8 were equally close")
     return text + "."
 
 

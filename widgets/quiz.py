@@ -57,6 +57,7 @@ from pathlib import Path
 import ipywidgets as W
 
 import translations
+from translations import tr
 from widgets._common import check_int, escape
 
 QUIZ_DIR = Path(__file__).parent / "quizzes"
@@ -287,7 +288,7 @@ class QuizController:
         """Check the chosen option; the first check of each question is the one scored."""
         q = self._question(question)
         if question not in self.chosen:
-            raise ValueError(f"question {question + 1}: choose an answer first")
+            raise ValueError(tr("question {n}: choose an answer first", n=question + 1))
         chosen = self.chosen[question]
         attempt = self.attempts.get(question, 0) + 1
         feedback = Feedback(question, chosen, chosen == q.answer, q.options[chosen].explanation, attempt)
@@ -331,18 +332,21 @@ def render_feedback(question: Question, feedback: Feedback) -> str:
     """
     chosen = question.options[feedback.chosen]
     if not feedback.correct:
-        again = ("Try another option: the score keeps your first answer, but the explanation of the right one "
-                 "is worth reading." if feedback.attempt == 1 else "Try another option.")
+        again = (tr("Try another option: the score keeps your first answer, but the explanation of the right one "
+                    "is worth reading.") if feedback.attempt == 1 else tr("Try another option."))
         return (f'<div class="ne-feedback" data-correct="false" style="font-size:13px">'
-                f'<b style="color:#c62828">Not quite.</b> <b>✘ {escape(chosen.text)}</b> (your answer): '
+                f'<b style="color:#c62828">{tr("Not quite.")}</b> <b>✘ {escape(chosen.text)}</b> '
+                f'{tr("(your answer)")}: '
                 f'{escape(chosen.explanation)}<div style="margin-top:4px;color:#555">{again}</div></div>')
-    note = "" if feedback.attempt == 1 else f" (on try {feedback.attempt}; the score counts your first answer)"
-    items = [f'<li class="ne-right"><b>✔ {escape(chosen.text)}</b> (your answer): {escape(chosen.explanation)}</li>']
+    verdict = (tr("Correct.") if feedback.attempt == 1 else
+               tr("Correct (on try {n}; the score counts your first answer).", n=feedback.attempt))
+    items = [f'<li class="ne-right"><b>✔ {escape(chosen.text)}</b> {tr("(your answer)")}: '
+             f'{escape(chosen.explanation)}</li>']
     for i, o in enumerate(question.options):
         if i != feedback.chosen:
             items.append(f'<li class="ne-wrong"><b>✘ {escape(o.text)}</b>: {escape(o.explanation)}</li>')
     return (f'<div class="ne-feedback" data-correct="true" style="font-size:13px">'
-            f'<b style="color:#2e7d32">Correct{escape(note)}.</b><ul style="margin:4px 0">{"".join(items)}</ul></div>')
+            f'<b style="color:#2e7d32">{escape(verdict)}</b><ul style="margin:4px 0">{"".join(items)}</ul></div>')
 
 
 class Quiz(W.VBox):
@@ -374,7 +378,7 @@ class Quiz(W.VBox):
         for i, q in enumerate(quiz.questions):
             radio = W.RadioButtons(options=[(o.text, j) for j, o in enumerate(q.options)], value=None,
                                    layout=W.Layout(width="auto"))
-            button = W.Button(description="Check")
+            button = W.Button(description=tr("Check"))
             feedback = W.HTML()
             radio.observe(self._on_select(i), names="value")
             button.on_click(self._on_check(i))
@@ -383,7 +387,8 @@ class Quiz(W.VBox):
             self.feedback.append(feedback)
             boxes.append(W.VBox([W.HTML(f'<div style="font-size:14px;margin-top:8px"><b>{i + 1}.</b> '
                                         f'{escape(q.question)}</div>'), radio, button, feedback]))
-        super().__init__([W.HTML(f"<h4>Quiz: chapter {quiz.chapter}, {escape(quiz.title)}</h4>"), *boxes,
+        heading = tr("Quiz: chapter {chapter}, {title}", chapter=quiz.chapter, title=quiz.title)
+        super().__init__([W.HTML(f"<h4>{escape(heading)}</h4>"), *boxes,
                           self.score_label])
         self.add_class("ne-quiz")
         self._update_score()
@@ -408,6 +413,8 @@ class Quiz(W.VBox):
 
     def _update_score(self) -> None:
         c = self.controller
-        self.score_label.value = (f'<div class="ne-score" style="font-size:14px">Score: <b>{c.score}</b> / '
-                                  f'{c.num_questions} (first answers; {c.num_answered} answered, '
-                                  f'{c.num_solved} solved)</div>')
+        self.score_label.value = (
+            '<div class="ne-score" style="font-size:14px">'
+            + tr("Score: <b>{score}</b> / {total} (first answers; {answered} answered, {solved} solved)",
+                 score=c.score, total=c.num_questions, answered=c.num_answered, solved=c.num_solved)
+            + '</div>')

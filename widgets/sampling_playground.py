@@ -39,10 +39,16 @@ import torch
 
 from nanoengine import LLMEngine, RequestOutput, SamplingParams
 from nanoengine.layers.sampler import Sampler, filter_logits
-from widgets._common import MessageView, check_int, escape, guarded, shared_engine_note, single_thread, token_label
+from translations import tr
+from widgets._common import MessageView, chart_fonts, check_int, escape, guarded, shared_engine_note, single_thread, token_label
 
 STAGES = ("model (T=1)", "temperature", "top-k", "top-p", "min-p")
 _CUT_NAMES = {0: "temperature", 1: "top-k", 2: "top-p", 3: "min-p"}
+
+
+def _stage_label(name: str) -> str:
+    """A stage's or a cut's name as the reader sees it (the name itself stays the data)."""
+    return {"model (T=1)": tr("model (T=1)"), "temperature": tr("temperature"), "greedy": tr("greedy")}.get(name, name)
 
 
 TOP_P_STEP = 0.01  # the top-p slider's step and its lowest value (top_p must be above 0)
@@ -88,7 +94,7 @@ class SamplingPlaygroundController:
 
     def __init__(self, engine: LLMEngine, prompt: str | list[int] | None = None, top_n: int = 15) -> None:
         self.engine = engine
-        self.top_n = check_int("top N", top_n, 1, 200)
+        self.top_n = check_int(tr("top N"), top_n, 1, 200)
         self.params = SamplingParams(temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, max_tokens=24)
         self.prompt: str | list[int] | None = None
         self.logits: torch.Tensor | None = None  # (vocab,) float32
@@ -116,20 +122,20 @@ class SamplingPlaygroundController:
         """Change sampling values; SamplingParams validates them (the engine's own checks)."""
         unknown = set(changes) - {"temperature", "top_k", "top_p", "min_p", "max_tokens"}
         if unknown:
-            raise ValueError(f"unknown sampling control(s) {sorted(unknown)}")
+            raise ValueError(tr("unknown sampling control(s) {names}", names=sorted(unknown)))
         params = dataclasses.replace(self.params, **changes)  # raises ValueError on a bad value
         if params != self.params:
             self.params, self._distribution = params, None
         return params
 
     def set_top_n(self, top_n: int) -> None:
-        self.top_n = check_int("top N", top_n, 1, 200)
+        self.top_n = check_int(tr("top N"), top_n, 1, 200)
         self._distribution = None
 
     # ------------------------------------------------------------ computing
     def _require_logits(self) -> torch.Tensor:
         if self.logits is None:
-            raise ValueError("no prompt yet: set a prompt first")
+            raise ValueError(tr("no prompt yet: set a prompt first"))
         return self.logits
 
     def stages(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,8 +199,8 @@ class SamplingPlaygroundController:
         ``seed+1``, ... would get from the engine, drawn exactly as the engine's sampler
         draws it: by the engine's ``Sampler`` itself, one generator per request.
         """
-        n = check_int("samples", n, 1, 1_000_000)
-        seed = check_int("seed", seed, 0, 2**63 - 1 - n)
+        n = check_int(tr("samples"), n, 1, 1_000_000)
+        seed = check_int(tr("seed"), seed, 0, 2**63 - 1 - n)
         probs = self.final_probs()
         if self.params.greedy:
             return [int(probs.argmax())] * n
@@ -216,8 +222,8 @@ class SamplingPlaygroundController:
         Other unfinished requests on the same engine advance too (it is one engine).
         """
         if self.prompt is None:
-            raise ValueError("no prompt yet: set a prompt first")
-        params = dataclasses.replace(self.params, max_tokens=check_int("max tokens", max_tokens, 1), seed=seed)
+            raise ValueError(tr("no prompt yet: set a prompt first"))
+        params = dataclasses.replace(self.params, max_tokens=check_int(tr("max tokens"), max_tokens, 1), seed=seed)
         request_id = self.engine.add_request(self.prompt, params)
         final = None
         for _ in range(max_steps):
@@ -227,7 +233,7 @@ class SamplingPlaygroundController:
             if final is not None:
                 return final
         self.engine.abort(request_id)
-        raise RuntimeError(f"generation did not finish in {max_steps} steps; aborted")
+        raise RuntimeError(tr("generation did not finish in {max_steps} steps; aborted", max_steps=max_steps))
 
 
 # ---------------------------------------------------------------------------------------
@@ -251,30 +257,32 @@ def render_distribution(dist: Distribution) -> str:
         cut = r.cut_by is not None
         style = "text-decoration:line-through;color:#999" if cut else ""
         bar = (f'<div style="position:relative;width:{BAR_PX}px;height:14px;background:#fafafa">'
-               f'<div title="model p={r.p_model:.4f}" style="position:absolute;top:0;height:4px;'
+               f'<div title="{tr("model p={p:.4f}", p=r.p_model)}" style="position:absolute;top:0;height:4px;'
                f'width:{BAR_PX * r.p_model / scale:.1f}px;background:#bbb"></div>'
-               f'<div title="after temperature p={r.p_temperature:.4f}" style="position:absolute;top:4px;'
+               f'<div title="{tr("after temperature p={p:.4f}", p=r.p_temperature)}" style="position:absolute;top:4px;'
                f'height:4px;width:{BAR_PX * r.p_temperature / scale:.1f}px;background:#9ecae1"></div>'
-               f'<div title="final p={r.p_final:.4f}" style="position:absolute;top:8px;height:6px;'
+               f'<div title="{tr("final p={p:.4f}", p=r.p_final)}" style="position:absolute;top:8px;height:6px;'
                f'width:{BAR_PX * r.p_final / scale:.1f}px;background:{"#e57373" if cut else "#2b7bba"}"></div></div>')
         rows.append(f'<tr class="ne-token{" ne-cut" if cut else ""}" data-token="{r.token_id}">'
                     f'<td>{r.rank + 1}</td><td style="font-family:monospace;{style}">{escape(r.label)}</td>'
                     f'<td>{r.p_model:.3f}</td><td>{r.p_temperature:.3f}</td><td><b>{r.p_final:.3f}</b></td>'
-                    f'<td>{bar}</td><td style="color:#c62828">{escape(r.cut_by or "")}</td></tr>')
+                    f'<td>{bar}</td><td style="color:#c62828">{escape(_stage_label(r.cut_by or ""))}</td></tr>')
     p = dist.params
     head = (f'<div class="ne-dist-params" style="font-size:12px">T={p.temperature:g} · top-k={p.top_k} · '
-            f'top-p={p.top_p:g} · min-p={p.min_p:g}{" · greedy (argmax, filters skipped)" if p.greedy else ""}</div>')
+            f'top-p={p.top_p:g} · min-p={p.min_p:g}'
+            f'{tr(" · greedy (argmax, filters skipped)") if p.greedy else ""}</div>')
     # line-height set here: a widget's HTML inherits JupyterLab's 28 px control height otherwise
     return (head + '<table class="ne-dist" cellpadding="2" style="font-size:12px;line-height:1.25;'
             'border-collapse:collapse">'
-            '<tr><th>#</th><th>token</th><th>model p</th><th>after T</th><th>final p</th>'
-            '<th>grey: model<br>blue: after T · dark: final</th><th>cut by</th></tr>' + "".join(rows) + "</table>")
+            + tr('<tr><th>#</th><th>token</th><th>model p</th><th>after T</th><th>final p</th>'
+               '<th>grey: model<br>blue: after T · dark: final</th><th>cut by</th></tr>') + "".join(rows) + "</table>")
 
 
 def render_stages(dist: Distribution) -> str:
-    cells = "".join(f'<td class="ne-stage" data-stage="{escape(s.name)}">{escape(s.name)}<br>'
-                    f'<b>{s.num_kept:,}</b> tokens<br>H = <b class="ne-entropy">{s.entropy_bits:.2f}</b> bits<br>'
-                    f'max p {s.top_probability:.3f}</td>' for s in dist.stages)
+    cells = "".join(f'<td class="ne-stage" data-stage="{escape(s.name)}">{escape(_stage_label(s.name))}<br>'
+                    + tr('<b>{kept:,}</b> tokens<br>H = <b class="ne-entropy">{bits:.2f}</b> bits<br>'
+                         'max p {top:.3f}', kept=s.num_kept, bits=s.entropy_bits, top=s.top_probability)
+                    + '</td>' for s in dist.stages)
     return ('<table class="ne-stages" border="1" cellpadding="3" style="font-size:12px;line-height:1.3;'
             'border-collapse:collapse">'
             f'<tr>{cells}</tr></table>')
@@ -283,18 +291,26 @@ def render_stages(dist: Distribution) -> str:
 def render_histogram_png(engine: LLMEngine, counts: list[tuple[int, int]], n: int, seed: int,
                          probs: torch.Tensor, top: int = 20) -> bytes:
     """A bar chart of sample counts next to the expected counts, as PNG bytes."""
+    import matplotlib
     from matplotlib.figure import Figure  # a bare Figure needs no backend: the notebook's stays as it is
 
+    with matplotlib.rc_context(chart_fonts()):
+        return _histogram_png(Figure, engine, counts, n, seed, probs, top)
+
+
+def _histogram_png(Figure, engine: LLMEngine, counts: list[tuple[int, int]], n: int, seed: int,
+                   probs: torch.Tensor, top: int) -> bytes:
     shown = counts[:top]
     labels = [token_label(engine, t) for t, _ in shown]
     fig = Figure(figsize=(5.4, 2.6), dpi=80)  # 432 x 208 px: beside the distribution, not under it
     ax = fig.add_subplot()
     xs = range(len(shown))
-    ax.bar(xs, [c for _, c in shown], color="#2b7bba", label=f"{n} seeded samples")
-    ax.plot(xs, [float(probs[t]) * n for t, _ in shown], "k_", markersize=14, label="expected (n × p)")
+    ax.bar(xs, [c for _, c in shown], color="#2b7bba", label=tr("{n} seeded samples", n=n))
+    ax.plot(xs, [float(probs[t]) * n for t, _ in shown], "k_", markersize=14, label=tr("expected (n × p)"))
     ax.set_xticks(list(xs), labels, rotation=45, ha="right", fontsize=8)
-    ax.set_ylabel("count")
-    ax.set_title(f"{n} samples from seed {seed}: {len(counts)} distinct tokens", fontsize=10)
+    ax.set_ylabel(tr("count"))
+    ax.set_title(tr("{n} samples from seed {seed}: {distinct} distinct tokens", n=n, seed=seed, distinct=len(counts)),
+                 fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     buf = io.BytesIO()
@@ -329,37 +345,37 @@ class SamplingPlayground(MessageView, W.VBox):
             controller = SamplingPlaygroundController(engine, top_n=top_n)
         self.controller = controller
         text_prompt = isinstance(prompt, str) or prompt is None
-        self.prompt = W.Text(value=prompt if isinstance(prompt, str) else "", description="prompt",
+        self.prompt = W.Text(value=prompt if isinstance(prompt, str) else "", description=tr("prompt"),
                              continuous_update=False, layout=W.Layout(width="520px"), disabled=not text_prompt)
-        self.prompt_button = W.Button(description="Compute logits")
+        self.prompt_button = W.Button(description=tr("Compute logits"))
         p = controller.params
         slider = dict(continuous_update=True, layout=W.Layout(width="400px"), style={"description_width": "100px"})
-        self.temperature = W.FloatSlider(value=p.temperature, min=0.0, max=2.0, step=0.05, description="temperature",
+        self.temperature = W.FloatSlider(value=p.temperature, min=0.0, max=2.0, step=0.05, description=tr("temperature"),
                                          **slider)
-        self.top_k = W.IntSlider(value=p.top_k, min=-1, max=100, step=1, description="top-k (-1 off)", **slider)
+        self.top_k = W.IntSlider(value=p.top_k, min=-1, max=100, step=1, description=tr("top-k (-1 off)"), **slider)
         # Every slider stays inside what SamplingParams accepts: top_p is in (0, 1], so its lowest stop is
         # one step above 0 (a slider at 0.00 would only ever show the engine's refusal).
         self.top_p = W.FloatSlider(value=p.top_p, min=TOP_P_STEP, max=1.0, step=TOP_P_STEP, description="top-p",
                                    **slider)
         self.min_p = W.FloatSlider(value=p.min_p, min=0.0, max=1.0, step=0.01, description="min-p", **slider)
-        self.top_n = W.IntSlider(value=controller.top_n, min=5, max=40, description="show top N", **slider)
+        self.top_n = W.IntSlider(value=controller.top_n, min=5, max=40, description=tr("show top N"), **slider)
         self.stages = W.HTML()
         self.dist = W.HTML()
         short = {"description_width": "40px"}
         self.num_samples = W.BoundedIntText(value=1000, min=0, max=100_000, description="N", style=short,
                                             layout=W.Layout(width="120px"))
-        self.sample_seed = W.BoundedIntText(value=0, min=0, max=2**62, description="seed", style=short,
+        self.sample_seed = W.BoundedIntText(value=0, min=0, max=2**62, description=tr("seed"), style=short,
                                             layout=W.Layout(width="150px"))
         self.per_request = W.Checkbox(value=False, indent=False, layout=W.Layout(width="auto"),
-                                      description="as N seeded requests (the engine's exact draws, ~3 ms each)")
-        self.sample_button = W.Button(description="Sample N times", layout=W.Layout(width="auto"))
+                                      description=tr("as N seeded requests (the engine's exact draws, ~3 ms each)"))
+        self.sample_button = W.Button(description=tr("Sample N times"), layout=W.Layout(width="auto"))
         self.histogram = W.Image(format="png", layout=W.Layout(width="432px", display="none"))  # until sampled
         self.histogram_text = W.HTML()
-        self.gen_tokens = W.BoundedIntText(value=24, min=0, max=100_000, description="max tokens",
+        self.gen_tokens = W.BoundedIntText(value=24, min=0, max=100_000, description=tr("max tokens"),
                                            style={"description_width": "80px"}, layout=W.Layout(width="165px"))
-        self.gen_seed = W.BoundedIntText(value=0, min=-1, max=2**62, description="seed (-1 none)",
+        self.gen_seed = W.BoundedIntText(value=0, min=-1, max=2**62, description=tr("seed (-1 none)"),
                                          style={"description_width": "95px"}, layout=W.Layout(width="200px"))
-        self.gen_button = W.Button(description="Generate", button_style="primary")
+        self.gen_button = W.Button(description=tr("Generate"), button_style="primary")
         self.generation = W.HTML()
         for widget, name in ((self.temperature, "temperature"), (self.top_k, "top-k"), (self.top_p, "top-p"),
                              (self.min_p, "min-p"), (self.dist, "dist"), (self.stages, "stages"),
@@ -371,8 +387,9 @@ class SamplingPlayground(MessageView, W.VBox):
         def on_prompt(_=None):
             controller.set_prompt(self.prompt.value)
             self.redraw()
-            self.show_message(f"logits computed for a {len(controller.engine.tokenize_prompt(self.prompt.value)[1])}"
-                              f"-token prompt ({controller.num_logit_computations} model call(s) so far)", "ok")
+            self.show_message(tr("logits computed for a {n}-token prompt ({calls} model call(s) so far)",
+                                 n=len(controller.engine.tokenize_prompt(self.prompt.value)[1]),
+                                 calls=controller.num_logit_computations), "ok")
 
         @guarded(show)
         def on_slider(_=None):
@@ -390,9 +407,10 @@ class SamplingPlayground(MessageView, W.VBox):
             self.histogram.value = render_histogram_png(controller.engine, counts, n, seed, controller.final_probs())
             self.histogram.layout.display = None
             top = ", ".join(f"{escape(token_label(controller.engine, t))}: {c}" for t, c in counts[:8])
-            how = f"seeds {seed}..{seed + n - 1}, one per request" if self.per_request.value else f"seed {seed}"
-            self.histogram_text.value = (f'<div class="ne-hist-text" style="font-size:12px">{n} samples '
-                                         f'({how}): {top}</div>')
+            how = (tr("seeds {first}..{last}, one per request", first=seed, last=seed + n - 1) if self.per_request.value
+                   else tr("seed {seed}", seed=seed))
+            self.histogram_text.value = ('<div class="ne-hist-text" style="font-size:12px">'
+                                         + tr("{n} samples ({how}): {top}", n=n, how=how, top=top) + '</div>')
 
         @guarded(show)
         def on_generate(_):
@@ -405,12 +423,14 @@ class SamplingPlayground(MessageView, W.VBox):
             prompt_text = controller.prompt if isinstance(controller.prompt, str) else ""
             self.generation.value = (f'<div class="ne-gen" style="font-size:13px"><span style="color:#777">'
                                      f'{escape(prompt_text)}</span><b>{escape(out.text)}</b><br><small>'
-                                     f'{len(out.token_ids)} tokens, finish reason: {out.finish_reason}</small></div>')
-            ran = f"generated request {out.request_id} through the engine in {after.step - before.step} engine steps"
+                                     + tr("{n} tokens, finish reason: {reason}", n=len(out.token_ids),
+                                          reason=out.finish_reason) + '</small></div>')
+            ran = tr("generated request {rid} through the engine in {steps} engine steps", rid=out.request_id,
+                     steps=after.step - before.step)
             if others:
-                where = f" (the {self.shared_with})" if self.shared_with else ""
-                ran += (f"; the same steps advanced {len(others)} other request(s) on this engine{where}, "
-                        f"{len(others - still)} of which finished")
+                where = tr(" (the {other})", other=self.shared_with) if self.shared_with else ""
+                ran += tr("; the same steps advanced {n} other request(s) on this engine{where}, {done} of which "
+                          "finished", n=len(others), where=where, done=len(others - still))
             self.show_message(ran, "ok")
 
         self.prompt.observe(on_prompt, names="value")
@@ -419,12 +439,12 @@ class SamplingPlayground(MessageView, W.VBox):
             s.observe(on_slider, names="value")
         self.sample_button.on_click(on_sample)
         self.gen_button.on_click(on_generate)
-        left = W.VBox([W.HTML("<b>Each stage of the engine's filter</b> (kept tokens, entropy)"), self.stages,
-                       W.HTML("<b>Top tokens before and after the filters</b>"), self.dist])
-        right = W.VBox([W.HTML("<b>Sample N times</b> from what the engine samples from"),
+        left = W.VBox([W.HTML(tr("<b>Each stage of the engine's filter</b> (kept tokens, entropy)")), self.stages,
+                       W.HTML(tr("<b>Top tokens before and after the filters</b>")), self.dist])
+        right = W.VBox([W.HTML(tr("<b>Sample N times</b> from what the engine samples from")),
                         W.HBox([self.num_samples, self.sample_seed, self.sample_button]), self.per_request,
                         self.histogram_text, self.histogram,
-                        W.HTML("<b>Generate</b> a continuation through the engine"),
+                        W.HTML(tr("<b>Generate</b> a continuation through the engine")),
                         W.HBox([self.gen_tokens, self.gen_seed]), self.gen_button, self.generation],
                        layout=W.Layout(width="440px", margin="0 0 0 16px"))
         super().__init__([
@@ -441,7 +461,7 @@ class SamplingPlayground(MessageView, W.VBox):
 
     def redraw(self) -> None:
         if self.controller.logits is None:
-            self.dist.value = '<div style="color:#888">no logits yet: set a prompt</div>'
+            self.dist.value = '<div style="color:#888">' + tr("no logits yet: set a prompt") + '</div>'
             return
         dist = self.controller.distribution()
         self.stages.value = render_stages(dist)

@@ -30,6 +30,7 @@ import ipywidgets as W
 from nanoengine import LLMEngine, RequestOutput, RequestSnapshot, SamplingParams
 from nanoengine.events import (Event, PrefixCacheHit, RequestFinished, RequestPreempted, RequestQueued,
                                RequestScheduled, StepFinished)
+from translations import tr
 from widgets._common import (PALETTE, ControllerView, EngineWatcher, TokenSource, check_int, check_request_fits,
                              escape, guarded, shared_engine_note)
 
@@ -103,7 +104,8 @@ class SchedulerStepperController:
         self.tokens = TokenSource(engine.model_config.vocab_size, self.seed)
         self.steps: list[StepRecord] = []
         self.finished: list[FinishedRecord] = []
-        self.log: collections.deque[str] = collections.deque(maxlen=self.max_log)
+        self.log: collections.deque[str] = collections.deque(maxlen=self.max_log)  # English: code filters it
+        self.shown_log: collections.deque[str] = collections.deque(maxlen=self.max_log)  # the view's language
         self.colours: dict[str, str] = {}
         self._prompt_lens: dict[str, int] = {}
         self._pending = _PendingStep()
@@ -137,7 +139,7 @@ class SchedulerStepperController:
     def step(self) -> StepRecord | None:
         """Run one engine step; None when there was nothing to schedule."""
         if not self.engine.has_unfinished_requests():
-            raise ValueError("nothing to step: every request has finished; add one")
+            raise ValueError(tr("nothing to step: every request has finished; add one"))
         before = len(self.steps)
         self._stepping = True
         try:
@@ -151,7 +153,7 @@ class SchedulerStepperController:
         """Up to ``num_steps`` steps, stopping early when the engine is idle."""
         num_steps = check_int("steps", num_steps, 1, 10_000)
         if not self.engine.has_unfinished_requests():
-            raise ValueError("nothing to run: every request has finished; add one")
+            raise ValueError(tr("nothing to run: every request has finished; add one"))
         records = []
         for _ in range(num_steps):
             if not self.engine.has_unfinished_requests():
@@ -163,7 +165,7 @@ class SchedulerStepperController:
 
     def abort(self, request_id: str) -> RequestOutput:
         if request_id not in self.engine.requests:
-            raise ValueError(f"no unfinished request {request_id!r}")
+            raise ValueError(tr("no unfinished request {rid!r}", rid=request_id))
         output = self.engine.abort(request_id)
         self._remember_outputs([output])
         return output
@@ -213,39 +215,55 @@ class SchedulerStepperController:
         if isinstance(event, RequestQueued):
             self._prompt_lens[event.request_id] = event.num_prompt_tokens
             self.colour(event.request_id)
-            self._log(event, f"queued request {event.request_id} ({event.num_prompt_tokens} prompt tokens)")
+            self._log(event, lambda tr: tr("queued request {rid} ({n} prompt tokens)", rid=event.request_id,
+                                           n=event.num_prompt_tokens))
         elif isinstance(event, RequestScheduled):
             pending.chunks.append(ScheduledChunk(event.request_id, event.num_tokens, event.num_computed_tokens,
                                                  event.is_prefill))
             kind = "prefill" if event.is_prefill else "decode"
-            self._log(event, f"scheduled {event.request_id}: {event.num_tokens} {kind} token(s) "
-                             f"[{event.num_computed_tokens}->{event.num_computed_tokens + event.num_tokens}]")
+            self._log(event, lambda tr: tr("scheduled {rid}: {n} {kind} token(s) [{start}->{end}]",
+                                           rid=event.request_id, n=event.num_tokens, kind=kind,
+                                           start=event.num_computed_tokens,
+                                           end=event.num_computed_tokens + event.num_tokens))
         elif isinstance(event, RequestPreempted):
             pending.preempted.append(event.request_id)
-            self._log(event, f"PREEMPTED {event.request_id}: {plural(event.num_blocks_freed, 'block')} freed, "
-                             f"it will be recomputed")
+            self._log(event, lambda tr: (
+                tr("PREEMPTED {rid}: {n} block freed, it will be recomputed", rid=event.request_id, n=1)
+                if event.num_blocks_freed == 1 else
+                tr("PREEMPTED {rid}: {n} blocks freed, it will be recomputed", rid=event.request_id,
+                   n=event.num_blocks_freed)))
         elif isinstance(event, PrefixCacheHit):
-            self._log(event, f"prefix cache hit for {event.request_id}: {event.num_cached_tokens} tokens reused")
+            self._log(event, lambda tr: tr("prefix cache hit for {rid}: {n} tokens reused", rid=event.request_id,
+                                           n=event.num_cached_tokens))
         elif isinstance(event, RequestFinished):
             if any(c.request_id == event.request_id for c in pending.chunks):  # not an abort between steps
                 pending.finished.append((event.request_id, event.finish_reason))
             self.finished.append(FinishedRecord(event.request_id, event.finish_reason,
                                                 self._prompt_lens.get(event.request_id, 0),
                                                 event.num_output_tokens, ""))
-            self._log(event, f"finished {event.request_id} ({event.finish_reason}, "
-                             f"{event.num_output_tokens} tokens)")
+            self._log(event, lambda tr: tr("finished {rid} ({reason}, {n} tokens)", rid=event.request_id,
+                                           reason=event.finish_reason, n=event.num_output_tokens))
         elif isinstance(event, StepFinished):
             self.steps.append(StepRecord(event.step, tuple(pending.chunks), tuple(pending.preempted),
                                          tuple(pending.finished), event.num_prefill_tokens,
                                          event.num_decode_tokens, event.token_budget, event.total_time,
                                          elsewhere=not self._stepping))
-            where = "" if self._stepping else " (run elsewhere on this engine)"
-            self._log(event, f"step done: {event.num_prefill_tokens} prefill + {event.num_decode_tokens} decode "
-                             f"tokens of {event.token_budget} in {1000 * event.total_time:.0f} ms{where}")
+            fields = dict(prefill=event.num_prefill_tokens, decode=event.num_decode_tokens,
+                          budget=event.token_budget, ms=1000 * event.total_time)
+            stepping = self._stepping
+            self._log(event, lambda tr: (
+                tr("step done: {prefill} prefill + {decode} decode tokens of {budget} in {ms:.0f} ms", **fields)
+                if stepping else
+                tr("step done: {prefill} prefill + {decode} decode tokens of {budget} in {ms:.0f} ms "
+                   "(run elsewhere on this engine)", **fields)))
             self._pending = _PendingStep()
 
-    def _log(self, event: Event, text: str) -> None:
-        self.log.append(f"[step {event.step}] {text}")
+    def _log(self, event: Event, say: Callable[[Callable[..., str]], str]) -> None:
+        """Log one line. ``say(tr)`` writes it with the ``tr`` it is given: ``log`` keeps it in
+        English (code filters it on English words, as chapter 5 does), ``shown_log`` in the
+        notebook's language for the view's event log."""
+        self.log.append(f"[step {event.step}] {say(_english)}")
+        self.shown_log.append(tr("[step {step}] {text}", step=event.step, text=say(tr)))
 
     def _remember_outputs(self, outputs: list[RequestOutput]) -> None:
         """Attach the final text to finished records (events carry no text)."""
@@ -262,9 +280,19 @@ class SchedulerStepperController:
 # ---------------------------------------------------------------------------------------
 
 
+def _english(template: str, /, **fields) -> str:
+    """``tr`` without the translation: the English a template gives."""
+    return template.format(**fields) if fields else template
+
+
 def plural(n: int, word: str) -> str:
     """``1 block``, ``2 blocks``: a count with its noun in the right number."""
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def _blocks(n: int) -> str:
+    """``plural(n, "block")`` in the notebook's language."""
+    return tr("{n} block", n=n) if n == 1 else tr("{n} blocks", n=n)
 
 
 def _progress_bar(r: RequestSnapshot, total: int, colour: str) -> str:
@@ -279,12 +307,16 @@ def _progress_bar(r: RequestSnapshot, total: int, colour: str) -> str:
             f'background:{colour}"></div></div>')
 
 
-#: What each scheduling policy does, shown when the pointer rests on its name.
-POLICY_NOTES = {
-    "fcfs": "continuous batching: decodes and prefill chunks share each step; a freed slot is refilled at once",
-    "prefill_first": "a step that can admit someone runs prefill work only; decodes wait",
-    "static": "static batching: a batch of up to max_num_seqs runs until all of it has finished; nobody joins",
-}
+def policy_note(policy: str) -> str:
+    """What a scheduling policy does, shown when the pointer rests on its name ('' if unknown)."""
+    notes = {
+        "fcfs": tr("continuous batching: decodes and prefill chunks share each step; a freed slot is refilled "
+                   "at once"),
+        "prefill_first": tr("a step that can admit someone runs prefill work only; decodes wait"),
+        "static": tr("static batching: a batch of up to max_num_seqs runs until all of it has finished; "
+                     "nobody joins"),
+    }
+    return notes.get(policy, "")
 
 
 def render_queue(controller: SchedulerStepperController, requests: tuple[RequestSnapshot, ...], name: str,
@@ -294,17 +326,20 @@ def render_queue(controller: SchedulerStepperController, requests: tuple[Request
         total = controller.total_tokens(r, max_model_len)
         flag = ""
         if r.request_id in preempted_now:
-            flag = '<span class="ne-preempted-now" style="color:#fff;background:#c62828;padding:0 4px">PREEMPTED</span>'
+            flag = (f'<span class="ne-preempted-now" style="color:#fff;background:#c62828;padding:0 4px">'
+                    f'{tr("PREEMPTED")}</span>')
         elif r.num_preemptions:
-            flag = f'<span style="color:#c62828">preempted ×{r.num_preemptions}</span>'
+            flag = f'<span style="color:#c62828">{tr("preempted ×{n}", n=r.num_preemptions)}</span>'
         items.append(
             f'<div class="ne-req" data-request="{escape(r.request_id)}" style="margin:2px 0;font-size:12px">'
             f'<b style="color:{controller.colour(r.request_id)}">{escape(r.request_id)}</b> '
-            f'{r.num_computed_tokens}/{total} tokens · {plural(len(r.block_ids), "block")} {flag}'
+            f'{tr("{computed}/{total} tokens", computed=r.num_computed_tokens, total=total)} · '
+            f'{_blocks(len(r.block_ids))} {flag}'
             f'{_progress_bar(r, total, controller.colour(r.request_id))}</div>')
-    body = "".join(items) or '<div style="color:#888;font-size:12px">empty</div>'
-    return (f'<div class="ne-queue ne-queue-{name}" data-count="{len(requests)}"><b>{name} '
-            f'({len(requests)})</b>{body}</div>')
+    body = "".join(items) or f'<div style="color:#888;font-size:12px">{tr("empty")}</div>'
+    title = {"waiting": tr("waiting ({n})", n=len(requests)),
+             "running": tr("running ({n})", n=len(requests))}.get(name, f"{name} ({len(requests)})")
+    return (f'<div class="ne-queue ne-queue-{name}" data-count="{len(requests)}"><b>{title}</b>{body}</div>')
 
 
 def render_finished(controller: SchedulerStepperController, limit: int = 12) -> str:
@@ -321,24 +356,26 @@ def render_finished(controller: SchedulerStepperController, limit: int = 12) -> 
         items.append(f'<div class="ne-req" data-request="{escape(f.request_id)}" style="font-size:12px;'
                      f'white-space:nowrap;overflow:hidden;text-overflow:ellipsis" title="{escape(f.text)}">'
                      f'<b style="color:{controller.colour(f.request_id)}">{escape(f.request_id)}</b> '
-                     f'{f.finish_reason}: {f.num_prompt_tokens} + {f.num_output_tokens} tokens{text}</div>')
-    body = "".join(items) or '<div style="color:#888;font-size:12px">none yet</div>'
+                     f'{tr("{reason}: {n_in} + {n_out} tokens", reason=f.finish_reason, n_in=f.num_prompt_tokens, n_out=f.num_output_tokens)}'
+                     f'{text}</div>')
+    body = "".join(items) or f'<div style="color:#888;font-size:12px">{tr("none yet")}</div>'
     if len(completed) > limit:
-        body += f'<div style="color:#888;font-size:12px">... and {len(completed) - limit} older</div>'
+        body += f'<div style="color:#888;font-size:12px">{tr("... and {n} older", n=len(completed) - limit)}</div>'
     aborted = controller.aborted
     if aborted:
         shown = ", ".join(escape(f.request_id) for f in aborted[-limit:])
-        more = f" and {len(aborted) - limit} more" if len(aborted) > limit else ""
+        more = tr(" and {n} more", n=len(aborted) - limit) if len(aborted) > limit else ""
         body += (f'<div class="ne-aborted" data-count="{len(aborted)}" style="font-size:12px;color:#666;'
-                 f'margin-top:4px;overflow-wrap:anywhere">aborted ({len(aborted)}): {shown}{more}</div>')
+                 f'margin-top:4px;overflow-wrap:anywhere">'
+                 f'{tr("aborted ({n}): {ids}{more}", n=len(aborted), ids=shown, more=more)}</div>')
     return (f'<div class="ne-queue ne-queue-finished" data-count="{len(completed)}">'
-            f'<b>finished ({len(completed)})</b>{body}</div>')
+            f'<b>{tr("finished ({n})", n=len(completed))}</b>{body}</div>')
 
 
 def render_batch(controller: SchedulerStepperController) -> str:
     """The last step's batch as one bar against the token budget."""
     if not controller.steps:
-        return '<div class="ne-batch" style="font-size:12px;color:#888">no step yet</div>'
+        return f'<div class="ne-batch" style="font-size:12px;color:#888">{tr("no step yet")}</div>'
     s = controller.steps[-1]
     budget = s.token_budget
     segs = []
@@ -346,19 +383,22 @@ def render_batch(controller: SchedulerStepperController) -> str:
         colour = controller.colour(c.request_id)
         stripes = f"repeating-linear-gradient(45deg,{colour},{colour} 3px,#fff 3px,#fff 5px)"
         pattern = colour if c.is_prefill else stripes  # decodes striped
-        kind = "prefill chunk" if c.is_prefill else "decode"
-        segs.append(f'<div title="{escape(c.request_id)}: {c.num_tokens} tokens ({kind})" '
+        title = (tr("{rid}: {n} tokens (prefill chunk)", rid=c.request_id, n=c.num_tokens) if c.is_prefill
+                 else tr("{rid}: {n} tokens (decode)", rid=c.request_id, n=c.num_tokens))
+        segs.append(f'<div title="{escape(title)}" '
                     f'style="width:{100 * c.num_tokens / budget:.3f}%;min-width:2px;height:100%;'
                     f'background:{pattern};border-right:1px solid #fff"></div>')
     chunks = ", ".join(f"{escape(c.request_id)}: {c.num_tokens} {'prefill' if c.is_prefill else 'decode'}"
                        for c in s.chunks)
-    preempted = (f' · <span style="color:#c62828;font-weight:bold">preempted: {", ".join(map(escape, s.preempted))}'
+    preempted = (f' · <span style="color:#c62828;font-weight:bold">'
+                 f'{tr("preempted: {ids}", ids=", ".join(map(escape, s.preempted)))}'
                  f'</span>' if s.preempted else "")
-    elsewhere = (' <span class="ne-elsewhere" style="color:#8a6d00">(run elsewhere on this engine, '
-                 'not by Step)</span>' if s.elsewhere else "")
+    elsewhere = (f' <span class="ne-elsewhere" style="color:#8a6d00">{tr("(run elsewhere on this engine, not by Step)")}'
+                 f'</span>' if s.elsewhere else "")
     return (f'<div class="ne-batch" data-step="{s.step}" style="font-size:12px">'
-            f'<b>step {s.step}</b>{elsewhere}: {s.num_prefill_tokens} prefill + {s.num_decode_tokens} decode = '
-            f'{s.num_tokens} of a {budget}-token budget ({1000 * s.engine_time:.0f} ms){preempted}'
+            f'<b>{tr("step {step}", step=s.step)}</b>{elsewhere}: '
+            f'{tr("{prefill} prefill + {decode} decode = {total} of a {budget}-token budget ({ms:.0f} ms)", prefill=s.num_prefill_tokens, decode=s.num_decode_tokens, total=s.num_tokens, budget=budget, ms=1000 * s.engine_time)}'
+            f'{preempted}'
             f'<div style="display:flex;width:100%;height:16px;border:1px solid #999;background:#f5f5f5">'
             f'{"".join(segs)}</div><div style="color:#555">{chunks}</div></div>')
 
@@ -385,22 +425,26 @@ def render_timeline(controller: SchedulerStepperController, last: int = 60) -> s
     if budget <= top:
         y = base - budget * scale
         parts += [f'<line x1="{pad}" x2="{width}" y1="{y:.1f}" y2="{y:.1f}" stroke="#888" stroke-dasharray="4 3"/>',
-                  f'<text x="{pad + 2}" y="{y - 2:.1f}">token budget {budget}</text>']
+                  f'<text x="{pad + 2}" y="{y - 2:.1f}">{tr("token budget {budget}", budget=budget)}</text>']
     else:
-        parts.append(f'<text x="{pad + 2}" y="10">token budget {budget} (above the chart; tallest step '
-                     f'{tallest} tokens)</text>')
+        parts.append(f'<text x="{pad + 2}" y="10">'
+                     f'{tr("token budget {budget} (above the chart; tallest step {tallest} tokens)", budget=budget, tallest=tallest)}'
+                     f'</text>')
     for i, s in enumerate(steps):
         x = pad + i * bar
         hp, hd = s.num_prefill_tokens * scale, s.num_decode_tokens * scale
         parts.append(f'<rect x="{x:.1f}" y="{base - hp:.1f}" width="{max(bar - 1, 1):.1f}" height="{hp:.1f}" '
-                     f'fill="#1f77b4"><title>step {s.step}: {s.num_prefill_tokens} prefill</title></rect>')
+                     f'fill="#1f77b4"><title>{tr("step {step}: {n} prefill", step=s.step, n=s.num_prefill_tokens)}'
+                     f'</title></rect>')
         parts.append(f'<rect x="{x:.1f}" y="{base - hp - hd:.1f}" width="{max(bar - 1, 1):.1f}" '
-                     f'height="{hd:.1f}" fill="#ff7f0e"><title>step {s.step}: {s.num_decode_tokens} decode'
+                     f'height="{hd:.1f}" fill="#ff7f0e"><title>'
+                     f'{tr("step {step}: {n} decode", step=s.step, n=s.num_decode_tokens)}'
                      f'</title></rect>')
         if s.preempted:
             parts.append(f'<text x="{x + bar / 2:.1f}" y="{base + 12}" fill="#c62828" text-anchor="middle">▲</text>')
-    parts.append(f'<text x="{pad}" y="{height - 2}">steps {steps[0].step}-{steps[-1].step}: '
-                 f'blue = prefill tokens, orange = decode tokens, red ▲ = preemption</text></svg>')
+    parts.append(f'<text x="{pad}" y="{height - 2}">'
+                 f'{tr("steps {first}-{last}: blue = prefill tokens, orange = decode tokens, red ▲ = preemption", first=steps[0].step, last=steps[-1].step)}'
+                 f'</text></svg>')
     return "".join(parts)
 
 
@@ -423,35 +467,37 @@ class SchedulerStepper(ControllerView, W.VBox):
         self.message = W.HTML()
         self.shared_note = W.HTML(shared_engine_note(shared_with))
         self._steps_drawn = len(controller.steps)
-        self.step_button = W.Button(description="Step", button_style="primary")
-        self.run_button = W.Button(description="Run N")
+        self.step_button = W.Button(description=tr("Step"), button_style="primary")
+        self.run_button = W.Button(description=tr("Run N"))
         self.run_count = W.BoundedIntText(value=10, min=0, max=100_000, description="N",
                                           layout=W.Layout(width="130px"))
-        self.play = W.Play(value=0, min=0, max=10**9, interval=play_interval_ms, description="Play",
+        self.play = W.Play(value=0, min=0, max=10**9, interval=play_interval_ms, description=tr("Play"),
                            show_repeat=False)
-        self.reset_button = W.Button(description="Reset", button_style="warning")
+        self.reset_button = W.Button(description=tr("Reset"), button_style="warning")
         # the add-request form
         has_tokenizer = controller.engine.tokenizer is not None
         self.prompt = W.Text(value="Explain continuous batching in one sentence." if has_tokenizer else "",
-                             description="prompt", disabled=not has_tokenizer,
-                             placeholder="text prompt" if has_tokenizer else "no tokenizer: use random tokens",
+                             description=tr("prompt"), disabled=not has_tokenizer,
+                             placeholder=tr("text prompt") if has_tokenizer else tr("no tokenizer: use random tokens"),
                              layout=W.Layout(width="420px"))
         self.random_tokens = W.BoundedIntText(value=0 if has_tokenizer else 12, min=0, max=10**7,
-                                              description="or random", layout=W.Layout(width="160px"),
-                                              tooltip="a random prompt of this many tokens (0: use the text)")
-        self.max_tokens = W.BoundedIntText(value=16, min=0, max=10**7, description="max tokens",
+                                              description=tr("or random"), layout=W.Layout(width="160px"),
+                                              tooltip=tr("a random prompt of this many tokens (0: use the text)"))
+        self.max_tokens = W.BoundedIntText(value=16, min=0, max=10**7, description=tr("max tokens"),
                                            style={"description_width": "90px"}, layout=W.Layout(width="180px"))
-        self.count = W.BoundedIntText(value=1, min=0, max=1000, description="count", layout=W.Layout(width="140px"))
-        self.temperature = W.FloatText(value=0.0, description="temperature", style={"description_width": "95px"},
+        self.count = W.BoundedIntText(value=1, min=0, max=1000, description=tr("count"),
+                                      layout=W.Layout(width="140px"))
+        self.temperature = W.FloatText(value=0.0, description=tr("temperature"), style={"description_width": "95px"},
                                        layout=W.Layout(width="190px"))
         self.top_k = W.IntText(value=-1, description="top-k", layout=W.Layout(width="140px"))
         self.top_p = W.FloatText(value=1.0, description="top-p", layout=W.Layout(width="140px"))
         self.min_p = W.FloatText(value=0.0, description="min-p", layout=W.Layout(width="140px"))
-        self.seed = W.IntText(value=-1, description="seed", tooltip="-1: no seed", layout=W.Layout(width="140px"))
-        self.ignore_eos = W.Checkbox(value=not has_tokenizer, description="ignore EOS", indent=False)
-        self.add_button = W.Button(description="Add request(s)", button_style="success")
-        self.abort_picker = W.Dropdown(options=[], description="request", layout=W.Layout(width="200px"))
-        self.abort_button = W.Button(description="Abort", button_style="danger")
+        self.seed = W.IntText(value=-1, description=tr("seed"), tooltip=tr("-1: no seed"),
+                              layout=W.Layout(width="140px"))
+        self.ignore_eos = W.Checkbox(value=not has_tokenizer, description=tr("ignore EOS"), indent=False)
+        self.add_button = W.Button(description=tr("Add request(s)"), button_style="success")
+        self.abort_picker = W.Dropdown(options=[], description=tr("request"), layout=W.Layout(width="200px"))
+        self.abort_button = W.Button(description=tr("Abort"), button_style="danger")
         self.status = W.HTML()
         self.queues = W.HTML()
         self.batch = W.HTML()
@@ -465,12 +511,12 @@ class SchedulerStepper(ControllerView, W.VBox):
         @guarded(show)
         def on_step(_):
             record = controller.step()
-            self.refresh(f"ran step {record.step}" if record else "nothing was scheduled", "ok")
+            self.refresh(tr("ran step {step}", step=record.step) if record else tr("nothing was scheduled"), "ok")
 
         @guarded(show)
         def on_run(_):
             records = controller.run(self.run_count.value)
-            self.refresh(f"ran {len(records)} steps", "ok")
+            self.refresh(tr("ran {n} steps", n=len(records)), "ok")
 
         @guarded(show)
         def on_play(change):
@@ -478,7 +524,7 @@ class SchedulerStepper(ControllerView, W.VBox):
                 return
             if not controller.engine.has_unfinished_requests():
                 self.play.playing = False
-                self.refresh("idle: every request has finished", "info")
+                self.refresh(tr("idle: every request has finished"), "info")
                 return
             controller.step()
             self.refresh()
@@ -490,20 +536,20 @@ class SchedulerStepper(ControllerView, W.VBox):
             if controller.engine is not self.watcher.engine:  # a fresh engine from the factory
                 self.watcher.close()
                 self.watcher = EngineWatcher(controller.engine, self._on_engine_change)
-            self.refresh("reset: no requests, history cleared", "ok")
+            self.refresh(tr("reset: no requests, history cleared"), "ok")
 
         @guarded(show)
         def on_add(_):
             ids = controller.add_requests(self._prompt_value(), self._params(), self.count.value)
-            self.refresh(f"queued {', '.join(ids)}", "ok")
+            self.refresh(tr("queued {ids}", ids=", ".join(ids)), "ok")
 
         @guarded(show)
         def on_abort(_):
             rid = self.abort_picker.value
             if rid is None:
-                raise ValueError("no request selected")
+                raise ValueError(tr("no request selected"))
             controller.abort(rid)
-            self.refresh(f"aborted {rid}", "ok")
+            self.refresh(tr("aborted {rid}", rid=rid), "ok")
 
         self.step_button.on_click(on_step)
         self.run_button.on_click(on_run)
@@ -517,8 +563,9 @@ class SchedulerStepper(ControllerView, W.VBox):
         super().__init__([
             self.shared_note,
             W.HBox([self.step_button, self.run_button, self.run_count, self.play, self.reset_button]),
-            self.status, self.message, form, self.queues, W.HTML("<b>This step's batch</b>"), self.batch,
-            W.HTML("<b>Timeline</b>"), self.timeline, W.HTML("<b>Event log (newest first)</b>"), self.event_log])
+            self.status, self.message, form, self.queues, W.HTML("<b>" + tr("This step's batch") + "</b>"), self.batch,
+            W.HTML(f"<b>{tr('Timeline')}</b>"), self.timeline, W.HTML(f"<b>{tr('Event log (newest first)')}</b>"),
+            self.event_log])
         self.add_class("ne-scheduler-stepper")
         self.watcher = EngineWatcher(controller.engine, self._on_engine_change)
         self.refresh()
@@ -527,7 +574,7 @@ class SchedulerStepper(ControllerView, W.VBox):
     def _prompt_value(self) -> str | int:
         if self.random_tokens.value > 0 or self.controller.engine.tokenizer is None:
             if self.random_tokens.value <= 0:
-                raise ValueError("this engine has no tokenizer: set 'or random' to a number of tokens")
+                raise ValueError(tr("this engine has no tokenizer: set 'or random' to a number of tokens"))
             return int(self.random_tokens.value)
         return self.prompt.value
 
@@ -543,8 +590,8 @@ class SchedulerStepper(ControllerView, W.VBox):
         new = self.controller.steps[self._steps_drawn:]
         elsewhere = sum(s.elsewhere for s in new)
         if elsewhere:
-            self.refresh(f"{elsewhere} engine step(s) ran outside this stepper (another view or cell on the "
-                         f"same engine); the queues show where they left every request", "info")
+            self.refresh(tr("{n} engine step(s) ran outside this stepper (another view or cell on the same engine); "
+                            "the queues show where they left every request", n=elsewhere), "info")
         else:
             self.refresh()
 
@@ -557,16 +604,19 @@ class SchedulerStepper(ControllerView, W.VBox):
         idle = not (snap.running or snap.waiting)
         for button in (self.step_button, self.run_button):
             button.disabled = idle  # never offer a step the display says cannot happen
-            button.tooltip = "nothing to step: every request has finished; add one" if idle else ""
-        idle_note = ' · <b class="ne-idle">every request has finished: add one to step</b>' if idle else ""
+            button.tooltip = tr("nothing to step: every request has finished; add one") if idle else ""
+        idle_note = (f' · <b class="ne-idle">{tr("every request has finished: add one to step")}</b>'
+                     if idle else "")
         # Redrawn from a StepFinished observer (no event loop to defer to), the engine's step
         # counter has not moved past the step that just finished: count that step as done.
         steps_done = max(snap.step, c.steps[-1].step + 1) if c.steps else snap.step
         self.status.value = (
-            f'<div style="font-size:13px">engine step <b>{steps_done}</b>{idle_note} · KV blocks free '
-            f'<b>{snap.num_free_blocks}</b>/{snap.num_blocks} × {snap.block_size} tokens · token budget '
-            f'{snap.max_num_batched_tokens}/step · max {snap.max_num_seqs} running · preemptions so far '
-            f'<b>{snap.num_preemptions}</b> · policy <b class="ne-policy" title="{POLICY_NOTES.get(snap.scheduling_policy, "")}">'
+            f'<div style="font-size:13px">{tr("engine step <b>{n}</b>", n=steps_done)}{idle_note} · '
+            f'{tr("KV blocks free <b>{free}</b>/{total} × {size} tokens", free=snap.num_free_blocks, total=snap.num_blocks, size=snap.block_size)}'
+            f' · {tr("token budget {budget}/step", budget=snap.max_num_batched_tokens)} · '
+            f'{tr("max {n} running", n=snap.max_num_seqs)} · '
+            f'{tr("preemptions so far <b>{n}</b>", n=snap.num_preemptions)} · {tr("policy")} '
+            f'<b class="ne-policy" title="{escape(policy_note(snap.scheduling_policy))}">'
             f'{snap.scheduling_policy}</b></div>')
         columns = [render_queue(c, snap.waiting, "waiting", snap.max_model_len, preempted_now),
                    render_queue(c, snap.running, "running", snap.max_model_len, preempted_now),
@@ -578,7 +628,7 @@ class SchedulerStepper(ControllerView, W.VBox):
         self.batch.value = render_batch(c)
         self.timeline.value = render_timeline(c)
         self.event_log.value = ("<pre class='ne-sched-log' style='font-size:11px;max-height:14em;overflow:auto'>"
-                                + escape("\n".join(list(c.log)[::-1][:40]) or "no events yet") + "</pre>")
+                                + escape("\n".join(list(c.shown_log)[::-1][:40]) or tr("no events yet")) + "</pre>")
         live = [r.request_id for r in (*snap.running, *snap.waiting)]
         picked = self.abort_picker.value
         self.abort_picker.options = live

@@ -45,6 +45,7 @@ from nanoengine.events import (BlocksAllocated, BlocksFreed, DraftsVerified, Eve
                                RequestScheduled, StepFinished)
 from nanoengine.spec_decode import propose_ngram
 from nanoengine.spec_decode.metrics import SpecDecodeStats
+from translations import tr
 from widgets._common import (ControllerView, EngineWatcher, check_int, check_request_fits, escape, guarded,
                              shared_engine_note, token_label)
 
@@ -205,14 +206,15 @@ class SpecDecodeStepperController:
         snap = self.engine.snapshot()
         others = [r.request_id for r in (*snap.running, *snap.waiting) if r.parent_id != self.request_id]
         if others:
-            raise ValueError(f"this engine has {len(others)} unfinished request(s) ({', '.join(others[:5])}); "
-                             f"every step would advance them too. Finish or abort them, or pass share_engine=True")
+            raise ValueError(tr("this engine has {n} unfinished request(s) ({ids}); every step would advance them "
+                                "too. Finish or abort them, or pass share_engine=True", n=len(others),
+                                ids=', '.join(others[:5])))
 
     def _check(self, prompt: str | list[int], max_tokens: int) -> tuple[str | list[int], list[int], SamplingParams]:
         """(prompt, its token ids, params), or a ValueError; changes nothing."""
         if isinstance(prompt, str) and not prompt.strip():
-            raise ValueError("prompt is empty: type some text")
-        max_tokens = check_int("max tokens", max_tokens, 1, self.engine.max_model_len)
+            raise ValueError(tr("prompt is empty: type some text"))
+        max_tokens = check_int(tr("max tokens"), max_tokens, 1, self.engine.max_model_len)
         _, token_ids = self.engine.tokenize_prompt(prompt)
         check_request_fits(self.engine, len(token_ids), max_tokens)
         return prompt, token_ids, replace(self.base_params, max_tokens=max_tokens)
@@ -235,8 +237,8 @@ class SpecDecodeStepperController:
     def step(self) -> SpecStep | None:
         """Run exactly one ``engine.step()``; this request's record of it (None if it was not scheduled)."""
         if self.finished:
-            raise ValueError(f"request {self.request_id} has finished ({self.finish_reason}); "
-                             f"press Reset for a new one")
+            raise ValueError(tr("request {rid} has finished ({reason}); press Reset for a new one",
+                                rid=self.request_id, reason=self.finish_reason))
         before = len(self.steps)
         self._stepping = True
         try:
@@ -247,10 +249,10 @@ class SpecDecodeStepperController:
 
     def run_to_end(self, max_steps: int = 10_000) -> list[SpecStep]:
         """Step until the request finishes (at most ``max_steps`` engine steps)."""
-        max_steps = check_int("steps", max_steps, 1, 100_000)
+        max_steps = check_int(tr("steps"), max_steps, 1, 100_000)
         if self.finished:
-            raise ValueError(f"request {self.request_id} has finished ({self.finish_reason}); "
-                             f"press Reset for a new one")
+            raise ValueError(tr("request {rid} has finished ({reason}); press Reset for a new one",
+                                rid=self.request_id, reason=self.finish_reason))
         before = len(self.steps)
         for _ in range(max_steps):
             if self.finished:
@@ -376,6 +378,17 @@ CHIP_COLOURS = {"accepted": ("#c8e6c9", "#2e7d32"), "rejected": ("#ffcdd2", "#c6
                 "unchecked": ("#eeeeee", "#9e9e9e"), "model": ("#bbdefb", "#1565c0"),
                 "cut": ("#fff3e0", "#ef6c00"), "proposed": ("#f3e5f5", "#8e24aa")}
 
+def chip_note(kind: str) -> str:
+    """A chip kind's explanation, in the notebook's language."""
+    return {"accepted": tr("accepted draft: the model agreed, a token gained for free"),
+            "rejected": tr("rejected draft: the model chose another token here, so it and every draft after it "
+                           "are dropped"),
+            "unchecked": tr("not checked: after the first rejection the rule stops; these drafts are dropped"),
+            "model": tr("the model's own token"),
+            "cut": tr("emitted but not in the output: a stop came before it"),
+            "proposed": tr("proposed by prompt lookup: the next step checks it")}[kind]
+
+
 CHIP_NOTES = {"accepted": "accepted draft: the model agreed, a token gained for free",
               "rejected": "rejected draft: the model chose another token here, so it and every draft after it "
                           "are dropped",
@@ -389,7 +402,7 @@ def chip(engine: LLMEngine, token_id: int, kind: str, note: str = "") -> str:
     bg, fg = CHIP_COLOURS[kind]
     dashed = "dashed" if kind in ("unchecked", "proposed") else "solid"
     strike = "text-decoration:line-through;" if kind in ("rejected", "unchecked", "cut") else ""
-    title = f"{CHIP_NOTES[kind]}{note} (id {token_id})"
+    title = f"{chip_note(kind)}{note}" + tr(" (id {token_id})", token_id=token_id)
     return (f'<span class="ne-chip ne-chip-{kind}" data-token="{token_id}" title="{escape(title)}" '
             f'style="display:inline-block;margin:1px 2px;padding:1px 6px;border-radius:10px;font:12px monospace;'
             f'background:{bg};border:1px {dashed} {fg};color:{fg};{strike}">'
@@ -409,68 +422,76 @@ def render_text(c: SpecDecodeStepperController) -> str:
     for token, origin in zip(c.output_token_ids, c.token_origins):
         style = ("background:#c8e6c9;border-bottom:2px solid #2e7d32" if origin == "draft"
                  else "background:#e3f2fd;border-bottom:2px solid #1565c0")
-        label = "accepted draft" if origin == "draft" else "model's own token"
+        label = tr("accepted draft") if origin == "draft" else tr("model's own token")
         parts.append(f'<span class="ne-spec-tok ne-spec-{origin}" title="{escape(label)}: '
                      f'{escape(token_label(engine, token))}" style="{style}">{escape(_piece(engine, token))}</span>')
-    state = (f' <span class="ne-spec-finished" style="color:#2e7d32">[finished: {escape(c.finish_reason)}]</span>'
-             if c.finished else "")
+    state = (' <span class="ne-spec-finished" style="color:#2e7d32">'
+             + tr("[finished: {reason}]", reason=escape(c.finish_reason)) + '</span>' if c.finished else "")
     return (f'<div class="ne-spec-text" style="font:13px monospace;white-space:pre-wrap;overflow-wrap:anywhere;'
             f'line-height:1.7;border:1px solid #ddd;padding:6px;max-height:14em;overflow:auto">'
             f'{"".join(parts)}{state}</div>'
-            f'<div style="font-size:11px;color:#555">grey: prompt · '
-            f'<span style="background:#c8e6c9">green</span>: accepted drafts · '
-            f'<span style="background:#e3f2fd">blue</span>: the model\'s own tokens</div>')
+            '<div style="font-size:11px;color:#555">'
+            + tr('grey: prompt · <span style="background:#c8e6c9">green</span>: accepted drafts · '
+                 '<span style="background:#e3f2fd">blue</span>: the model\'s own tokens') + '</div>')
 
 
 def render_step(c: SpecDecodeStepperController) -> str:
     """The last step: the drafts checked as chips, then the model's token, and what reached the output."""
     if not c.steps:
-        return '<div class="ne-spec-step" style="color:#888;font-size:12px">no step yet: press Step</div>'
+        return ('<div class="ne-spec-step" style="color:#888;font-size:12px">' + tr("no step yet: press Step")
+                + '</div>')
     s, engine = c.steps[-1], c.engine
-    where = (' <span class="ne-elsewhere" style="color:#8a6d00">(run elsewhere on this engine, not by Step)</span>'
-             if s.elsewhere else "")
-    head = f'<b>engine step {s.step}</b>{where}: '
+    where = (' <span class="ne-elsewhere" style="color:#8a6d00">'
+             + tr("(run elsewhere on this engine, not by Step)") + '</span>' if s.elsewhere else "")
+    head = tr("<b>engine step {step}</b>{where}: ", step=s.step, where=where)
     if s.is_prefill:
-        body = (f'prefill of {s.num_scheduled_tokens} prompt token(s): nothing to draft yet (drafts come from the '
-                f'context, after the first token). ')
+        body = tr("prefill of {n} prompt token(s): nothing to draft yet (drafts come from the context, after the "
+                  "first token). ", n=s.num_scheduled_tokens)
         if s.model_token is not None:
-            body += f'First token: {chip(engine, s.model_token, "model")}'
+            body += tr("First token: {chip}", chip=chip(engine, s.model_token, "model"))
     elif not s.drafts:
-        why = ("no n-gram of the context's end occurred earlier, so there was nothing to propose"
-               if not s.proposed else f"{len(s.proposed)} draft(s) were proposed but did not fit this step "
-                                      f"(token budget or free KV blocks): a plain decode")
-        token = "" if s.model_token is None else chip(engine, s.model_token, "model", ": the next token")
-        body = f'plain decode ({why}). Token: {token}'
+        why = (tr("no n-gram of the context's end occurred earlier, so there was nothing to propose")
+               if not s.proposed else tr("{n} draft(s) were proposed but did not fit this step (token budget or "
+                                         "free KV blocks): a plain decode", n=len(s.proposed)))
+        token = "" if s.model_token is None else chip(engine, s.model_token, "model", tr(": the next token"))
+        body = tr("plain decode ({why}). Token: {token}", why=why, token=token)
     else:
         chips = [chip(engine, t, "accepted") for t in s.accepted]
         if s.rejected is not None:
             chips.append(chip(engine, s.rejected, "rejected"))
         chips += [chip(engine, t, "unchecked") for t in s.unchecked]
         kind = s.model_token_kind
-        note = (": the correction, where the rejected draft was" if kind == "correction"
-                else ": a bonus token, after every draft was accepted")
+        note = (tr(": the correction, where the rejected draft was") if kind == "correction"
+                else tr(": a bonus token, after every draft was accepted"))
         cut = set(range(len(s.appended), len(s.emitted)))
         own = chip(engine, s.model_token, "cut" if len(s.emitted) - 1 in cut else "model", note)
         fitted = ("" if len(s.proposed) <= len(s.drafts)
-                  else f" ({len(s.proposed) - len(s.drafts)} more proposed; no room for them this step)")
-        body = (f'checked {len(s.drafts)} draft(s){fitted} in one pass of {s.num_scheduled_tokens} tokens: '
-                f'{s.num_accepted} accepted, then the model\'s {kind} token.'
+                  else tr(" ({n} more proposed; no room for them this step)", n=len(s.proposed) - len(s.drafts)))
+        checked = (tr("checked {n} draft(s){fitted} in one pass of {tokens} tokens: {accepted} accepted, then the "
+                      "model's correction token.", n=len(s.drafts), fitted=fitted, tokens=s.num_scheduled_tokens,
+                      accepted=s.num_accepted) if kind == "correction"
+                   else tr("checked {n} draft(s){fitted} in one pass of {tokens} tokens: {accepted} accepted, then "
+                           "the model's bonus token.", n=len(s.drafts), fitted=fitted, tokens=s.num_scheduled_tokens,
+                           accepted=s.num_accepted))
+        body = (checked +
                 f'<div class="ne-spec-chips" style="margin:4px 0">{"".join(chips)}'
                 f'<span style="margin:0 4px;color:#555">→</span>{own}</div>')
     appended = "".join(chip(engine, t, "accepted" if i < s.num_accepted else "model")
                        for i, t in enumerate(s.appended))
-    out = f'<div>appended to the output ({len(s.appended)}): {appended or "nothing"}'
+    out = '<div>' + tr("appended to the output ({n}): {tokens}", n=len(s.appended),
+                       tokens=appended or tr("nothing"))
     if s.num_cut:
-        out += f' · <b style="color:#ef6c00">{s.num_cut} emitted token(s) cut off by the stop</b>'
+        out += ' · <b style="color:#ef6c00">' + tr("{n} emitted token(s) cut off by the stop", n=s.num_cut) + '</b>'
     out += "</div>"
     blocks = []
     if s.blocks_allocated:
-        blocks.append(f"allocated KV blocks {list(s.blocks_allocated)}")
+        blocks.append(tr("allocated KV blocks {blocks}", blocks=list(s.blocks_allocated)))
     if s.blocks_freed:
-        why = "the request finished" if s.finish_reason else "they held only rejected drafts"
-        blocks.append(f"freed {list(s.blocks_freed)} ({why})")
+        why = tr("the request finished") if s.finish_reason else tr("they held only rejected drafts")
+        blocks.append(tr("freed {blocks} ({why})", blocks=list(s.blocks_freed), why=why))
     blocks_line = f'<div style="color:#555">{escape(" · ".join(blocks))}</div>' if blocks else ""
-    finished = (f'<div class="ne-spec-finished"><b>finished: {escape(s.finish_reason)}</b></div>'
+    finished = ('<div class="ne-spec-finished"><b>' + tr("finished: {reason}", reason=escape(s.finish_reason))
+                + '</b></div>'
                 if s.finish_reason else "")
     return (f'<div class="ne-spec-step" data-step="{s.step}" style="font-size:12px;line-height:1.6">'
             f'{head}{body}{out}{blocks_line}{finished}</div>')
@@ -480,19 +501,20 @@ def render_lookup(c: SpecDecodeStepperController, context: int = 6) -> str:
     """The next step's drafts and the earlier place in the context their n-gram was found."""
     engine, drafts = c.engine, c.next_drafts
     if c.finished:
-        return '<div class="ne-spec-lookup" style="font-size:12px;color:#888">finished: nothing more to draft</div>'
+        return ('<div class="ne-spec-lookup" style="font-size:12px;color:#888">'
+                + tr("finished: nothing more to draft") + '</div>')
     if not drafts:
         prompt_left = not c.steps or (c.steps[-1].is_prefill and not c.steps[-1].appended)
-        why = ("the prompt is still being computed" if prompt_left
-               else f"the context's last {c.spec_config.prompt_lookup_min}-{c.spec_config.prompt_lookup_max} "
-                    f"tokens occur nowhere earlier (or no room is left): the next step decodes one token")
-        return (f'<div class="ne-spec-lookup" style="font-size:12px;color:#555">no drafts for the next step: '
-                f'{why}</div>')
+        why = (tr("the prompt is still being computed") if prompt_left
+               else tr("the context's last {lo}-{hi} tokens occur nowhere earlier (or no room is left): the next step "
+                       "decodes one token", lo=c.spec_config.prompt_lookup_min, hi=c.spec_config.prompt_lookup_max))
+        return ('<div class="ne-spec-lookup" style="font-size:12px;color:#555">'
+                + tr("no drafts for the next step: {why}", why=why) + '</div>')
     match = c.ngram_match()
     tokens = list(c._request.all_token_ids)
     chips = "".join(chip(engine, t, "proposed") for t in drafts)
     if match is None:  # cannot happen while the engine's proposer is prompt lookup; shown rather than hidden
-        return f'<div class="ne-spec-lookup" style="font-size:12px">next drafts: {chips}</div>'
+        return '<div class="ne-spec-lookup" style="font-size:12px">' + tr("next drafts: {chips}", chips=chips) + '</div>'
 
     def run(lo: int, hi: int, style: str = "") -> str:
         return "".join(f'<span style="{style}">{escape(_piece(engine, t))}</span>' for t in tokens[max(lo, 0):hi])
@@ -505,13 +527,15 @@ def render_lookup(c: SpecDecodeStepperController, context: int = 6) -> str:
                f'<span class="ne-spec-source">{run(match.drafts_start, match.drafts_start + len(drafts), src)}</span>'
                f'{run(match.drafts_start + len(drafts), match.drafts_start + len(drafts) + context)}…')
     suffix = f'…{run(match.suffix_start - context, match.suffix_start)}{run(match.suffix_start, len(tokens), mark)}'
-    where = "prompt" if match.start < len(c.prompt_token_ids) else "output"
+    found = (tr("found earlier at position {start} (in the prompt); the tokens that followed them (purple) are the "
+                "drafts:", start=match.start) if match.start < len(c.prompt_token_ids)
+             else tr("found earlier at position {start} (in the output); the tokens that followed them (purple) are "
+                     "the drafts:", start=match.start))
     return (f'<div class="ne-spec-lookup" data-match-start="{match.start}" data-n="{match.n}" '
-            f'style="font-size:12px;line-height:1.7">next step\'s drafts: {chips}'
-            f'<div>the context ends with these {match.n} tokens (yellow):'
-            f'<div style="font:12px monospace;white-space:pre-wrap">{suffix}</div></div>'
-            f'<div>found earlier at position {match.start} (in the {where}); the tokens that followed them '
-            f'(purple) are the drafts:<div style="font:12px monospace;white-space:pre-wrap">{earlier}</div>'
+            f'style="font-size:12px;line-height:1.7">' + tr("next step's drafts: {chips}", chips=chips)
+            + '<div>' + tr("the context ends with these {n} tokens (yellow):", n=match.n)
+            + f'<div style="font:12px monospace;white-space:pre-wrap">{suffix}</div></div>'
+            f'<div>{found}<div style="font:12px monospace;white-space:pre-wrap">{earlier}</div>'
             f'</div></div>')
 
 
@@ -524,24 +548,27 @@ def render_totals(c: SpecDecodeStepperController) -> str:
     st, engine_st = c.stats, c.engine.spec_decode_stats
     rate = "–" if st.acceptance_rate is None else f"{100 * st.acceptance_rate:.0f}%"
     engine_rate = "–" if engine_st.acceptance_rate is None else f"{100 * engine_st.acceptance_rate:.0f}%"
-    rows = [
-        ("engine steps", c.num_steps, "", "steps that ran this request"),
-        ("output tokens", c.num_output_tokens, "", ""),
-        ("verify passes with drafts", st.num_drafts, engine_st.num_drafts, "vLLM: num_drafts"),
-        ("drafted tokens checked", st.num_draft_tokens, engine_st.num_draft_tokens, "num_draft_tokens"),
-        ("accepted drafts", st.num_accepted_tokens, engine_st.num_accepted_tokens, "num_accepted_tokens"),
-        ("acceptance rate", rate, engine_rate, "accepted / drafted"),
-        ("tokens per verify pass", _fmt(st.mean_acceptance_length), _fmt(engine_st.mean_acceptance_length),
-         "1 + accepted / passes"),
-        ("steps saved", c.steps_saved, "", "output tokens − steps that added tokens: plain decoding adds one "
-                                           "token per step"),
+    rows = [  # (name, what the reader sees, this request, the engine, note)
+        ("engine steps", tr("engine steps"), c.num_steps, "", tr("steps that ran this request")),
+        ("output tokens", tr("output tokens"), c.num_output_tokens, "", ""),
+        ("verify passes with drafts", tr("verify passes with drafts"), st.num_drafts, engine_st.num_drafts,
+         "vLLM: num_drafts"),
+        ("drafted tokens checked", tr("drafted tokens checked"), st.num_draft_tokens, engine_st.num_draft_tokens,
+         "num_draft_tokens"),
+        ("accepted drafts", tr("accepted drafts"), st.num_accepted_tokens, engine_st.num_accepted_tokens,
+         "num_accepted_tokens"),
+        ("acceptance rate", tr("acceptance rate"), rate, engine_rate, tr("accepted / drafted")),
+        ("tokens per verify pass", tr("tokens per verify pass"), _fmt(st.mean_acceptance_length),
+         _fmt(engine_st.mean_acceptance_length), tr("1 + accepted / passes")),
+        ("steps saved", tr("steps saved"), c.steps_saved, "",
+         tr("output tokens − steps that added tokens: plain decoding adds one token per step")),
     ]
-    body = "".join(f'<tr class="ne-spec-total" data-name="{escape(name)}"><td style="text-align:left">{escape(name)}'
+    body = "".join(f'<tr class="ne-spec-total" data-name="{escape(name)}"><td style="text-align:left">{escape(label)}'
                    f'</td><td><b>{escape(mine)}</b></td><td>{escape(all_)}</td>'
                    f'<td style="text-align:left;color:#666">{escape(note)}</td></tr>'
-                   for name, mine, all_, note in rows)
-    return (f'<table class="ne-spec-totals" style="font-size:12px;border-collapse:collapse">'
-            f'<tr><th></th><th>this request</th><th>engine (all requests)</th><th></th></tr>{body}</table>')
+                   for name, label, mine, all_, note in rows)
+    return ('<table class="ne-spec-totals" style="font-size:12px;border-collapse:collapse">'
+            + tr('<tr><th></th><th>this request</th><th>engine (all requests)</th><th></th></tr>') + f'{body}</table>')
 
 
 # ---------------------------------------------------------------------------------------
@@ -553,12 +580,12 @@ def parse_token_ids(text: str) -> list[int]:
     """'101 102, 103' -> [101, 102, 103]: a prompt for an engine without a tokenizer."""
     pieces = [p for p in re.split(r"[\s,]+", text.strip()) if p]
     if not pieces:
-        raise ValueError("prompt is empty: this engine has no tokenizer, so type token ids, e.g. '101 102 103'")
+        raise ValueError(tr("prompt is empty: this engine has no tokenizer, so type token ids, e.g. '101 102 103'"))
     try:
         return [int(p) for p in pieces]
     except ValueError:
-        raise ValueError(f"this engine has no tokenizer: type token ids separated by spaces, e.g. '101 102 103', "
-                         f"got {text!r:.60}") from None
+        raise ValueError(tr("this engine has no tokenizer: type token ids separated by spaces, e.g. '101 102 103', "
+                            "got {text!r:.60}", text=text)) from None
 
 
 def _has_chat_template(engine: LLMEngine) -> bool:
@@ -568,9 +595,10 @@ def _has_chat_template(engine: LLMEngine) -> bool:
 def _as_chat(engine: LLMEngine, message: str) -> str:
     """``message`` as one user turn through the engine's chat template (the prompt ``LLM.chat`` sends)."""
     if not message.strip():
-        raise ValueError("prompt is empty: type some text")
+        raise ValueError(tr("prompt is empty: type some text"))
     if not _has_chat_template(engine):
-        raise ValueError("this engine's tokenizer has no chat template: untick 'chat template' and type the prompt")
+        raise ValueError(tr("this engine's tokenizer has no chat template: untick 'chat template' and type the "
+                            "prompt"))
     return engine.input_processor.apply_chat_template([{"role": "user", "content": message}])
 
 
@@ -596,21 +624,21 @@ class SpecDecodeStepper(ControllerView, W.VBox):
         show = self.show_message
         self.message = W.HTML()
         self.shared_note = W.HTML(shared_engine_note(shared_with))
-        self.step_button = W.Button(description="Step", button_style="primary")
-        self.run_button = W.Button(description="Run to end")
-        self.reset_button = W.Button(description="Reset", button_style="warning",
-                                     tooltip="a new request with the prompt and max tokens below")
+        self.step_button = W.Button(description=tr("Step"), button_style="primary")
+        self.run_button = W.Button(description=tr("Run to end"))
+        self.reset_button = W.Button(description=tr("Reset"), button_style="warning",
+                                     tooltip=tr("a new request with the prompt and max tokens below"))
         prompt_text = (self.message_text if chat else controller.prompt if isinstance(controller.prompt, str)
                        else " ".join(str(t) for t in controller.prompt))
-        self.chat = W.Checkbox(value=chat, description="chat template", indent=False, layout=W.Layout(width="130px"),
+        self.chat = W.Checkbox(value=chat, description=tr("chat template"), indent=False, layout=W.Layout(width="130px"),
                                disabled=not _has_chat_template(controller.engine),
-                               tooltip="wrap the prompt box's text as a user's message in the model's chat template")
-        placeholder = "text" if controller.engine.tokenizer is not None else "token ids: 101 102 103"
-        self.prompt = W.Text(value=prompt_text, description="prompt", layout=W.Layout(width="520px"),
+                               tooltip=tr("wrap the prompt box's text as a user's message in the model's chat template"))
+        placeholder = tr("text") if controller.engine.tokenizer is not None else tr("token ids: 101 102 103")
+        self.prompt = W.Text(value=prompt_text, description=tr("prompt"), layout=W.Layout(width="520px"),
                              placeholder=placeholder)
         # wide bounds: a value out of range reaches the controller, which says what is allowed
         self.max_tokens = W.BoundedIntText(value=controller.params.max_tokens, min=-10**7, max=10**7,
-                                           description="max tokens", style={"description_width": "80px"},
+                                           description=tr("max tokens"), style={"description_width": "80px"},
                                            layout=W.Layout(width="170px"))
         self.status = W.HTML()
         self.text = W.HTML()
@@ -624,20 +652,21 @@ class SpecDecodeStepper(ControllerView, W.VBox):
         def on_step(_):
             record = controller.step()
             if record is None:
-                self.refresh("the engine ran a step, but not this request (its queue was full)", "info")
+                self.refresh(tr("the engine ran a step, but not this request (its queue was full)"), "info")
             else:
-                self.refresh(f"step {record.step}: {len(record.appended)} token(s) added", "ok")
+                self.refresh(tr("step {step}: {n} token(s) added", step=record.step, n=len(record.appended)), "ok")
 
         @guarded(show)
         def on_run(_):
             records = controller.run_to_end()
-            self.refresh(f"ran {len(records)} steps: {controller.num_output_tokens} tokens in {controller.num_steps} "
-                         f"steps, {controller.steps_saved} fewer than plain decoding", "ok")
+            self.refresh(tr("ran {ran} steps: {tokens} tokens in {steps} steps, {saved} fewer than plain decoding",
+                            ran=len(records), tokens=controller.num_output_tokens, steps=controller.num_steps,
+                            saved=controller.steps_saved), "ok")
 
         @guarded(show)
         def on_reset(_):
             rid = controller.reset(self._prompt_value(), self.max_tokens.value)
-            self.refresh(f"new request {rid}", "ok")
+            self.refresh(tr("new request {rid}", rid=rid), "ok")
 
         self.step_button.on_click(on_step)
         self.run_button.on_click(on_run)
@@ -645,9 +674,10 @@ class SpecDecodeStepper(ControllerView, W.VBox):
         super().__init__([
             self.shared_note, W.HBox([self.step_button, self.run_button, self.reset_button]),
             W.HBox([self.prompt, self.chat, self.max_tokens]), self.status, self.message,
-            W.HTML("<b>The request so far</b>"), self.text,
-            W.HTML("<b>Last step: draft → verify → accept/reject</b>"), self.last_step,
-            W.HTML("<b>Next step's drafts (prompt lookup)</b>"), self.lookup, W.HTML("<b>Totals</b>"), self.totals])
+            W.HTML(tr("<b>The request so far</b>")), self.text,
+            W.HTML(tr("<b>Last step: draft → verify → accept/reject</b>")), self.last_step,
+            W.HTML(tr("<b>Next step's drafts (prompt lookup)</b>")), self.lookup, W.HTML(tr("<b>Totals</b>")),
+            self.totals])
         self.add_class("ne-spec-decode-stepper")
         self.watcher = EngineWatcher(controller.engine, self.refresh)
         self.refresh()
@@ -671,13 +701,15 @@ class SpecDecodeStepper(ControllerView, W.VBox):
         spec = c.spec_config
         for button in (self.step_button, self.run_button):
             button.disabled = c.finished
-            button.tooltip = "the request has finished: Reset for a new one" if c.finished else ""
-        sampling = "greedy" if c.params.temperature == 0 else f"temperature {c.params.temperature:g}"
+            button.tooltip = tr("the request has finished: Reset for a new one") if c.finished else ""
+        sampling = (tr("greedy") if c.params.temperature == 0
+                    else tr("temperature {t:g}", t=c.params.temperature))
         self.status.value = (
-            f'<div style="font-size:13px">request <b>{escape(c.request_id)}</b> · {len(c.prompt_token_ids)} prompt '
-            f'tokens · max tokens {c.params.max_tokens} · {sampling} · prompt lookup: up to '
-            f'<b>{spec.num_speculative_tokens}</b> drafts from {spec.prompt_lookup_max}- down to '
-            f'{spec.prompt_lookup_min}-token n-grams</div>')
+            '<div style="font-size:13px">'
+            + tr("request <b>{rid}</b> · {n} prompt tokens · max tokens {max_tokens} · {mode} · prompt lookup: "
+                 "up to <b>{k}</b> drafts from {hi}- down to {lo}-token n-grams", rid=escape(c.request_id),
+                 n=len(c.prompt_token_ids), max_tokens=c.params.max_tokens, mode=sampling,
+                 k=spec.num_speculative_tokens, hi=spec.prompt_lookup_max, lo=spec.prompt_lookup_min) + '</div>')
         self.text.value = render_text(c)
         self.last_step.value = render_step(c)
         self.lookup.value = render_lookup(c)

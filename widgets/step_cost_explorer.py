@@ -39,6 +39,7 @@ from typing import Sequence
 import ipywidgets as W
 import numpy as np
 
+from translations import tr
 from widgets._common import MessageView, check_int, escape, guarded
 
 POLICIES = ("fcfs", "prefill_first")
@@ -109,11 +110,12 @@ class StepCostFit:
                 + self.per_attention_pair * attention_pairs(prefill_tokens, start))
 
     def describe(self) -> str:
-        pairs = (f" + {1e6 * self.per_attention_pair:.3f} ms per 1,000 attention pairs"
+        pairs = (tr(" + {ms:.3f} ms per 1,000 attention pairs", ms=1e6 * self.per_attention_pair)
                  if self.per_attention_pair else "")
-        return (f"step time = {1e3 * self.fixed:.1f} ms + {1e3 * self.per_prefill_token:.3f} ms per prefill token "
-                f"+ {1e3 * self.per_decode_token:.3f} ms per decode token{pairs}"
-                + (f" (least squares over {self.num_points} measured steps)" if self.num_points else ""))
+        return (tr("step time = {fixed:.1f} ms + {prefill:.3f} ms per prefill token + {decode:.3f} ms per decode "
+                   "token{pairs}", fixed=1e3 * self.fixed, prefill=1e3 * self.per_prefill_token,
+                   decode=1e3 * self.per_decode_token, pairs=pairs)
+                + (tr(" (least squares over {n} measured steps)", n=self.num_points) if self.num_points else ""))
 
 
 def arrival_points(run) -> list[tuple[int, int, int, float]]:
@@ -141,12 +143,12 @@ def read_prediction(name: str, measured: Sequence[float], predicted: Sequence[fl
     errors = [p / m - 1 for m, p in zip(measured, predicted)]
     span = (f"{100 * min(abs(e) for e in errors):.0f}-{100 * max(abs(e) for e in errors):.0f}%")
     if all(abs(e) <= tolerance for e in errors):
-        return f"{name} is within {tolerance:.0%} of every measured value"
+        return tr("{name} is within {tolerance:.0%} of every measured value", name=name, tolerance=tolerance)
     if all(e < 0 for e in errors):
-        return f"{name} under-predicts every measured value, by {span}"
+        return tr("{name} under-predicts every measured value, by {span}", name=name, span=span)
     if all(e > 0 for e in errors):
-        return f"{name} over-predicts every measured value, by {span}"
-    return f"{name} misses on both sides, by {span}"
+        return tr("{name} over-predicts every measured value, by {span}", name=name, span=span)
+    return tr("{name} misses on both sides, by {span}", name=name, span=span)
 
 
 @dataclass(frozen=True)
@@ -171,14 +173,14 @@ class Prediction:
 def explore(fit: StepCostFit, prompt_len: int, budget: int, num_decoders: int = 4,
             policy: str = "fcfs") -> Prediction:
     """Replay the arrival scenario of chapter 6 on the fitted line (see the module docstring)."""
-    prompt_len = check_int("prompt length", prompt_len, 1, 1_000_000)
-    budget = check_int("token budget", budget, 1, 1_000_000)
-    num_decoders = check_int("decoding requests", num_decoders, 0, 10_000)
+    prompt_len = check_int(tr("prompt length"), prompt_len, 1, 1_000_000)
+    budget = check_int(tr("token budget"), budget, 1, 1_000_000)
+    num_decoders = check_int(tr("decoding requests"), num_decoders, 0, 10_000)
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if policy == "fcfs" and budget <= num_decoders:
-        raise ValueError(f"under fcfs the {num_decoders} decodes take the first {num_decoders} tokens of every "
-                         f"step: the budget must be above that to leave room for the prompt, got {budget}")
+        raise ValueError(tr("under fcfs the {n} decodes take the first {n} tokens of every step: the budget must be "
+                            "above that to leave room for the prompt, got {budget}", n=num_decoders, budget=budget))
     steps, left = [], prompt_len
     while left:
         decodes = num_decoders if policy == "fcfs" else 0
@@ -202,22 +204,22 @@ def render_prediction(p: Prediction) -> str:
     """A small table and one bar per prefill step, as long as its predicted time."""
     longest = max(s for _, _, s in p.steps)
     bars = "".join(
-        f'<div title="{pre} prefill + {dec} decode tokens: {1e3 * s:.0f} ms" style="display:inline-block;'
+        f'<div title="{tr("{pre} prefill + {dec} decode tokens: {ms:.0f} ms", pre=pre, dec=dec, ms=1e3 * s)}" style="display:inline-block;'
         f'vertical-align:bottom;width:{max(2.0, 300 * s / max(longest, 1e-9) / max(1, len(p.steps) / 8)):.0f}px;'
         f'height:14px;margin-right:1px;background:{"#1f77b4" if dec else "#9467bd"}"></div>'
         for pre, dec, s in p.steps[:200])
-    more = f" (first 200 of {p.num_steps})" if p.num_steps > 200 else ""
-    rows = [("prefill steps", f"{p.num_steps}{more}"),
-            ("the prompt's TTFT", f"{1e3 * p.ttft:.0f} ms"),
-            ("the decoders' worst gap", f"{1e3 * p.worst_gap:.0f} ms" if p.num_decoders else "no decoders"),
-            ("a decode-only step", f"{1e3 * p.decode_step:.0f} ms" if p.num_decoders else "-"),
-            ("tokens per second in the window", f"{p.tokens_per_s:.0f}")]
+    more = tr(" (first 200 of {n})", n=p.num_steps) if p.num_steps > 200 else ""
+    rows = [(tr("prefill steps"), f"{p.num_steps}{more}"),
+            (tr("the prompt's TTFT"), f"{1e3 * p.ttft:.0f} ms"),
+            (tr("the decoders' worst gap"), f"{1e3 * p.worst_gap:.0f} ms" if p.num_decoders else tr("no decoders")),
+            (tr("a decode-only step"), f"{1e3 * p.decode_step:.0f} ms" if p.num_decoders else "-"),
+            (tr("tokens per second in the window"), f"{p.tokens_per_s:.0f}")]
     table = "".join(f"<tr><td style='padding-right:12px'>{escape(k)}</td><td><b>{escape(v)}</b></td></tr>"
                     for k, v in rows)
     return (f'<div class="ne-step-cost" data-steps="{p.num_steps}" style="font-size:12px;max-width:100%;'
             f'overflow:hidden"><table>{table}</table><div style="margin-top:4px">{bars}</div>'
-            f'<div style="color:#555">one bar per prefill step, its length the predicted time; blue: the decodes '
-            f'ride along, purple: prefill only</div></div>')
+            '<div style="color:#555">' + tr("one bar per prefill step, its length the predicted time; blue: the "
+                                            "decodes ride along, purple: prefill only") + '</div></div>')
 
 
 class StepCostExplorer(MessageView, W.VBox):
@@ -227,17 +229,17 @@ class StepCostExplorer(MessageView, W.VBox):
                  policy: str = "fcfs", machine: str = "") -> None:
         self.fit = fit
         self.message = W.HTML()
-        self.prompt_len = W.IntSlider(value=prompt_len, min=16, max=8192, step=16, description="prompt",
+        self.prompt_len = W.IntSlider(value=prompt_len, min=16, max=8192, step=16, description=tr("prompt"),
                                       continuous_update=False, style={"description_width": "90px"})
-        self.budget = W.IntSlider(value=budget, min=16, max=8192, step=16, description="token budget",
+        self.budget = W.IntSlider(value=budget, min=16, max=8192, step=16, description=tr("token budget"),
                                   continuous_update=False, style={"description_width": "90px"})
-        self.num_decoders = W.IntSlider(value=num_decoders, min=0, max=64, description="decoders",
+        self.num_decoders = W.IntSlider(value=num_decoders, min=0, max=64, description=tr("decoders"),
                                         continuous_update=False, style={"description_width": "90px"})
         self.policy = W.ToggleButtons(options=list(POLICIES), value=policy)
         self.output = W.HTML()
         self.last: Prediction | None = None
         header = W.HTML(f"<div style='font-size:12px;color:#555'>{escape(fit.describe())}"
-                        + (f"; measured on {escape(machine)}" if machine else "") + "</div>")
+                        + (tr("; measured on {machine}", machine=escape(machine)) if machine else "") + "</div>")
 
         @guarded(self.show_message)
         def update(_=None):

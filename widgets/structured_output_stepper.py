@@ -36,6 +36,7 @@ import torch
 from nanoengine import LLMEngine, SamplingParams
 from nanoengine.sampling_params import StructuredOutputsParams
 from nanoengine.structured_output.backend import allocate_token_bitmask, apply_token_bitmask
+from translations import tr
 from widgets._common import (ControllerView, EngineWatcher, check_int, check_request_fits, escape, guarded,
                              shared_engine_note, token_label)
 
@@ -112,7 +113,7 @@ class StructuredOutputStepperController:
                             f"got {type(constraint).__name__}")
         self.engine = engine
         self.share_engine = bool(share_engine)
-        self.top_k = check_int("top k", top_k, 1, 20)
+        self.top_k = check_int(tr("top k"), top_k, 1, 20)
         self.base_params = SamplingParams(temperature=0.0) if params is None else params
         if not isinstance(self.base_params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -128,14 +129,15 @@ class StructuredOutputStepperController:
         snap = self.engine.snapshot()
         others = [r.request_id for r in (*snap.running, *snap.waiting) if r.request_id != self.request_id]
         if others:
-            raise ValueError(f"this engine has {len(others)} unfinished request(s) ({', '.join(others[:5])}); "
-                             f"every step would advance them too. Finish or abort them, or pass share_engine=True")
+            raise ValueError(tr("this engine has {n} unfinished request(s) ({ids}); every step would advance them "
+                                "too. Finish or abort them, or pass share_engine=True", n=len(others),
+                                ids=', '.join(others[:5])))
 
     def _check(self, prompt, constraint: StructuredOutputsParams, max_tokens: int):
         """(prompt, params), or a ValueError; changes nothing (the engine checks that the constraint compiles)."""
         if isinstance(prompt, str) and not prompt.strip():
-            raise ValueError("prompt is empty: type some text")
-        max_tokens = check_int("max tokens", max_tokens, 1, self.engine.max_model_len)
+            raise ValueError(tr("prompt is empty: type some text"))
+        max_tokens = check_int(tr("max tokens"), max_tokens, 1, self.engine.max_model_len)
         _, token_ids = self.engine.tokenize_prompt(prompt)
         check_request_fits(self.engine, len(token_ids), max_tokens)
         params = replace(self.base_params, max_tokens=max_tokens, structured_outputs=constraint)
@@ -160,7 +162,8 @@ class StructuredOutputStepperController:
     def step(self) -> GrammarStep:
         """Read the mask and the logits for the next token, then run exactly one ``engine.step()``."""
         if self.finished:
-            raise ValueError(f"request {self.request_id} has finished ({self.finish_reason}); press Reset")
+            raise ValueError(tr("request {rid} has finished ({reason}); press Reset", rid=self.request_id,
+                                reason=self.finish_reason))
         request, engine = self._request, self.engine
         grammar = self.grammar()
         logits = engine.next_token_logits(list(request.all_token_ids)).float()
@@ -180,7 +183,7 @@ class StructuredOutputStepperController:
         return record
 
     def run_to_end(self, max_steps: int = 1000) -> list[GrammarStep]:
-        max_steps = check_int("steps", max_steps, 1, 100_000)
+        max_steps = check_int(tr("steps"), max_steps, 1, 100_000)
         before = len(self.steps)
         for _ in range(max_steps):
             if self.finished:
@@ -243,34 +246,40 @@ def _chips(engine: LLMEngine, tops: tuple[tuple[int, float], ...], chosen: int |
 def render_step(c: StructuredOutputStepperController) -> str:
     """The last step: allowed count, the top tokens before and after the mask, the token taken."""
     if not c.steps:
-        return '<div class="ne-so-step" style="color:#888;font-size:12px">no step yet: press Step</div>'
+        return '<div class="ne-so-step" style="color:#888;font-size:12px">' + tr("no step yet: press Step") + '</div>'
     s, engine = c.steps[-1], c.engine
     after_ids = {t for t, _ in s.top_after}
     forbidden_top = {t for t, _ in s.top_before if t not in after_ids and s.num_allowed < s.vocab_size}
     allowed = {t for t, _ in s.top_before} - forbidden_top
-    forced = (' <b class="ne-so-forced" style="color:#8e24aa">forced: only one token allowed</b>' if s.forced else "")
-    overruled = (' <b class="ne-so-overruled" style="color:#c62828">the model\'s favourite was forbidden</b>'
-                 if s.overruled else "")
-    done = f'<div><b>finished: {escape(s.finish_reason)}</b></div>' if s.finish_reason else ""
+    forced = (' <b class="ne-so-forced" style="color:#8e24aa">' + tr("forced: only one token allowed") + '</b>'
+              if s.forced else "")
+    overruled = (' <b class="ne-so-overruled" style="color:#c62828">' + tr("the model's favourite was forbidden")
+                 + '</b>' if s.overruled else "")
+    done = '<div><b>' + tr("finished: {reason}", reason=escape(s.finish_reason)) + '</b></div>' if s.finish_reason else ""
+    appended = escape(" ".join(token_label(engine, t) for t in s.appended)) or tr("nothing")
     return (f'<div class="ne-so-step" data-step="{s.step}" data-allowed="{s.num_allowed}" style="font-size:12px;'
-            f'line-height:1.7"><b>engine step {s.step}</b>: {s.num_allowed:,} of {s.vocab_size:,} tokens allowed'
-            f'{forced}{overruled}<div>before the mask: {_chips(engine, s.top_before, s.token, allowed)}</div>'
-            f'<div>after the mask: {_chips(engine, s.top_after, s.token, None)}</div>'
-            f'<div>appended: {escape(" ".join(token_label(engine, t) for t in s.appended)) or "nothing"}</div>'
-            f'{done}</div>')
+            f'line-height:1.7">'
+            + tr("<b>engine step {step}</b>: {allowed:,} of {vocab:,} tokens allowed", step=s.step,
+                 allowed=s.num_allowed, vocab=s.vocab_size)
+            + f'{forced}{overruled}<div>'
+            + tr("before the mask: {chips}", chips=_chips(engine, s.top_before, s.token, allowed)) + '</div><div>'
+            + tr("after the mask: {chips}", chips=_chips(engine, s.top_after, s.token, None)) + '</div><div>'
+            + tr("appended: {tokens}", tokens=appended) + f'</div>{done}</div>')
 
 
 def render_history(c: StructuredOutputStepperController) -> str:
     """Every step so far as a row: allowed tokens, forced, overruled, the token taken."""
     rows = "".join(
-        f'<tr class="ne-so-row"><td>{s.step}</td><td>{s.num_allowed:,}</td><td>{"yes" if s.forced else ""}</td>'
-        f'<td>{"yes" if s.overruled else ""}</td>'
+        f'<tr class="ne-so-row"><td>{s.step}</td><td>{s.num_allowed:,}</td><td>{tr("yes") if s.forced else ""}</td>'
+        f'<td>{tr("yes") if s.overruled else ""}</td>'
         f'<td style="font-family:monospace">{escape(" ".join(token_label(c.engine, t) for t in s.appended))}</td></tr>'
         for s in c.steps)
-    return (f'<table class="ne-so-history" style="font-size:12px"><tr><th>step</th><th>allowed</th><th>forced</th>'
-            f'<th>overruled</th><th>token</th></tr>{rows}</table>'
-            f'<div style="font-size:12px">output so far: <code>{escape(c.text)}</code> · forced {c.num_forced} · '
-            f'overruled {c.num_overruled} of {len(c.steps)} steps</div>')
+    return ('<table class="ne-so-history" style="font-size:12px">'
+            + tr('<tr><th>step</th><th>allowed</th><th>forced</th><th>overruled</th><th>token</th></tr>')
+            + f'{rows}</table><div style="font-size:12px">'
+            + tr("output so far: <code>{text}</code> · forced {forced} · overruled {overruled} of {steps} steps",
+                 text=escape(c.text), forced=c.num_forced, overruled=c.num_overruled, steps=len(c.steps))
+            + '</div>')
 
 
 class StructuredOutputStepper(ControllerView, W.VBox):
@@ -289,11 +298,11 @@ class StructuredOutputStepper(ControllerView, W.VBox):
         show = self.show_message
         self.message = W.HTML()
         self.shared_note = W.HTML(shared_engine_note(shared_with))
-        self.step_button = W.Button(description="Step", button_style="primary")
-        self.run_button = W.Button(description="Run to end")
-        self.reset_button = W.Button(description="Reset", button_style="warning")
+        self.step_button = W.Button(description=tr("Step"), button_style="primary")
+        self.run_button = W.Button(description=tr("Run to end"))
+        self.reset_button = W.Button(description=tr("Reset"), button_style="warning")
         self.max_tokens = W.BoundedIntText(value=controller.params.max_tokens, min=-10**7, max=10**7,
-                                           description="max tokens", layout=W.Layout(width="170px"))
+                                           description=tr("max tokens"), layout=W.Layout(width="170px"))
         self.status = W.HTML()
         self.last_step = W.HTML()
         self.history = W.HTML()
@@ -303,24 +312,25 @@ class StructuredOutputStepper(ControllerView, W.VBox):
         @guarded(show)
         def on_step(_):
             record = controller.step()
-            self.refresh(f"step {record.step}: {record.num_allowed:,} tokens allowed", "ok")
+            self.refresh(tr("step {step}: {allowed:,} tokens allowed", step=record.step, allowed=record.num_allowed),
+                         "ok")
 
         @guarded(show)
         def on_run(_):
             records = controller.run_to_end()
-            self.refresh(f"ran {len(records)} steps; {controller.num_forced} forced", "ok")
+            self.refresh(tr("ran {n} steps; {forced} forced", n=len(records), forced=controller.num_forced), "ok")
 
         @guarded(show)
         def on_reset(_):
-            self.refresh(f"new request {controller.reset(max_tokens=self.max_tokens.value)}", "ok")
+            self.refresh(tr("new request {rid}", rid=controller.reset(max_tokens=self.max_tokens.value)), "ok")
 
         self.step_button.on_click(on_step)
         self.run_button.on_click(on_run)
         self.reset_button.on_click(on_reset)
         super().__init__([self.shared_note, W.HBox([self.step_button, self.run_button, self.reset_button,
                                                     self.max_tokens]),
-                          self.status, self.message, W.HTML("<b>Last step: the mask over the vocabulary</b>"),
-                          self.last_step, W.HTML("<b>Every step</b>"), self.history])
+                          self.status, self.message, W.HTML(tr("<b>Last step: the mask over the vocabulary</b>")),
+                          self.last_step, W.HTML(tr("<b>Every step</b>")), self.history])
         self.add_class("ne-structured-output-stepper")
         self.watcher = EngineWatcher(controller.engine, self.refresh)
         self.refresh()
@@ -336,9 +346,11 @@ class StructuredOutputStepper(ControllerView, W.VBox):
         for button in (self.step_button, self.run_button):
             button.disabled = c.finished
         constraint = c.params.structured_outputs
-        self.status.value = (f'<div style="font-size:13px">request <b>{escape(c.request_id)}</b> · constraint '
-                             f'<b>{escape(constraint.kind)}</b> <code>{escape(str(constraint.spec)[:120])}</code> · '
-                             f'max tokens {c.params.max_tokens}</div>')
+        self.status.value = ('<div style="font-size:13px">'
+                             + tr("request <b>{rid}</b> · constraint <b>{kind}</b> <code>{spec}</code> · max tokens "
+                                  "{max_tokens}", rid=escape(c.request_id), kind=escape(constraint.kind),
+                                  spec=escape(str(constraint.spec)[:120]), max_tokens=c.params.max_tokens)
+                             + '</div>')
         self.last_step.value = render_step(c)
         self.history.value = render_history(c)
         if text is not None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import ipywidgets as W
 
+from translations import tr
 from widgets._common import MessageView, guarded
 
 
@@ -83,7 +84,8 @@ class ThroughputExplorerController:
         """The sweep's row for ``size`` and, from the next smaller size, the throughput gained
         and the TPOT paid (ratios; None for the smallest size)."""
         if size not in self.sizes:
-            raise ValueError(f"max_num_seqs {size!r} was not measured; the sweep has {self.sizes}")
+            raise ValueError(tr("max_num_seqs {size!r} was not measured; the sweep has {sizes}", size=size,
+                                sizes=self.sizes))
         i = self.sizes.index(size)
         row = self.sweep[i]
         prev = self.sweep[i - 1] if i else None
@@ -97,13 +99,15 @@ class ThroughputExplorerController:
         for run in self.online:
             if abs(run.rate - rate) <= 1e-9 * max(1.0, abs(rate)):
                 return run
-        raise ValueError(f"the rate {rate!r} requests/s was not measured; the runs have {self.rates}")
+        raise ValueError(tr("the rate {rate!r} requests/s was not measured; the runs have {rates}", rate=rate,
+                            rates=self.rates))
 
     @staticmethod
     def _check_slo(ttft_slo_ms: float, tpot_slo_ms: float) -> None:
         for name, value in (("TTFT", ttft_slo_ms), ("TPOT", tpot_slo_ms)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"the {name} limit is a positive number of milliseconds, got {value!r}")
+                raise ValueError(tr("the {name} limit is a positive number of milliseconds, got {value!r}", name=name,
+                                    value=value))
 
     def attainment(self, rate: float, ttft_slo_ms: float, tpot_slo_ms: float) -> float:
         """Share of the run's requests that met both limits."""
@@ -144,7 +148,7 @@ class ThroughputExplorer(MessageView, W.VBox):
         style = {"description_width": "120px"}
         self.size = W.SelectionSlider(options=c.sizes, value=c.sizes[-1], description="max_num_seqs", style=style)
         self.rate = W.SelectionSlider(options=[(f"{r:g}", r) for r in c.rates], value=c.rates[-1],
-                                      description="offered req/s", style=style)
+                                      description=tr("offered req/s"), style=style)
         worst_ttft = max(t for run in c.online for t, _ in run.latencies) * 1e3
         worst_tpot = max((p for run in c.online for _, p in run.latencies if p is not None), default=0.1) * 1e3
         self.ttft_slo = W.FloatSlider(value=ttft_slo_ms or round(worst_ttft / 2, 1), min=1.0,
@@ -154,9 +158,11 @@ class ThroughputExplorer(MessageView, W.VBox):
                                       max=round(worst_tpot * 1.5 + 1, 1), step=1.0, description="TPOT SLO (ms)",
                                       style=style, readout_format=".0f")
         self.batch_view, self.rate_view, self.slo_view = W.HTML(), W.HTML(), W.HTML()
-        header = W.HTML(f"<div style='font-size:12px;color:#555'>Measured in this chapter"
-                        f"{' on ' + html.escape(machine) if machine else ''}; every number is a run, "
-                        "none is interpolated.</div>")
+        header = W.HTML("<div style='font-size:12px;color:#555'>"
+                        + (tr("Measured in this chapter on {machine}; every number is a run, none is interpolated.",
+                              machine=html.escape(machine)) if machine
+                           else tr("Measured in this chapter; every number is a run, none is interpolated."))
+                        + "</div>")
 
         @guarded(self.show_message)
         def redraw(_=None):
@@ -178,8 +184,9 @@ class ThroughputExplorer(MessageView, W.VBox):
                  f"{r['ttft_ms']['p50']:.0f}"] for r in c.sweep]
         self.batch_view.value = (
             _table(["max_num_seqs", "tok/s", "TPOT p50 ms", "TTFT p50 ms"], rows, c.sizes.index(point["max_num_seqs"]))
-            + (f"<div style='font-size:12px'>from the next smaller size: throughput {_pct(point['throughput_gain'])}, "
-               f"TPOT {_pct(point['tpot_cost'])}</div>" if point["throughput_gain"] is not None else ""))
+            + ("<div style='font-size:12px'>" + tr("from the next smaller size: throughput {gain}, TPOT {cost}",
+                                                   gain=_pct(point['throughput_gain']), cost=_pct(point['tpot_cost']))
+               + "</div>" if point["throughput_gain"] is not None else ""))
         ttft_slo, tpot_slo = self.ttft_slo.value, self.tpot_slo.value
         rate_rows = []
         for run in c.online:
@@ -187,13 +194,14 @@ class ThroughputExplorer(MessageView, W.VBox):
             share = c.attainment(run.rate, ttft_slo, tpot_slo)
             rate_rows.append([f"{run.rate:g}", f"{run.tokens_per_s:.1f}", f"{ttfts[len(ttfts) // 2]:.0f}",
                               f"{ttfts[-1]:.0f}", f"{share:.0%}"])
-        self.rate_view.value = _table(["offered req/s", "tok/s", "TTFT median ms", "TTFT max ms",
-                                       "met both SLOs"], rate_rows, c.rates.index(c.run_at(self.rate.value).rate))
+        self.rate_view.value = _table([tr("offered req/s"), "tok/s", tr("TTFT median ms"), tr("TTFT max ms"),
+                                       tr("met both SLOs")], rate_rows, c.rates.index(c.run_at(self.rate.value).rate))
         best = c.goodput(ttft_slo, tpot_slo)
         selected = c.attainment(self.rate.value, ttft_slo, tpot_slo)
         self.slo_view.value = (
-            f"<div style='font-size:13px'>At {self.rate.value:g} req/s, {selected:.0%} of the requests met "
-            f"TTFT &le; {ttft_slo:.0f} ms and TPOT &le; {tpot_slo:.0f} ms. Goodput (the highest measured rate with "
-            f"at least {c.target:.0%} inside the SLO): "
-            + (f"<b>{best:g} req/s</b>" if best is not None else "<b>none of the measured rates</b>") + "</div>")
+            "<div style='font-size:13px'>"
+            + tr("At {rate:g} req/s, {selected:.0%} of the requests met TTFT &le; {ttft:.0f} ms and TPOT &le; "
+                 "{tpot:.0f} ms. Goodput (the highest measured rate with at least {target:.0%} inside the SLO): ",
+                 rate=self.rate.value, selected=selected, ttft=ttft_slo, tpot=tpot_slo, target=c.target)
+            + (f"<b>{best:g} req/s</b>" if best is not None else tr("<b>none of the measured rates</b>")) + "</div>")
         self.show_message("")

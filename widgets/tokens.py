@@ -23,16 +23,10 @@ from dataclasses import dataclass
 
 import ipywidgets as W
 
+from translations import tr
+
 #: Light chip colours, one per token in turn.
 CHIP_COLOURS = ("#dbeafe", "#fde68a", "#bbf7d0", "#fbcfe8", "#ddd6fe", "#fed7aa", "#a5f3fc")
-
-BYTE_TOKEN_NOTE = (
-    "Chips with a dashed border are <b>byte-level tokens</b>. This tokenizer's vocabulary is built on the "
-    "256 byte values of UTF-8 text, so it can write any text; a character that has no token of its own "
-    "(many Korean syllables, most emoji) is written as several tokens, each carrying some of the "
-    "character's 2-4 UTF-8 bytes. Such a token is not a whole character (decoded alone it prints as "
-    "U+FFFD, the question mark in a diamond), so its chip shows the bytes it stands for in hexadecimal, "
-    "and the line under the group shows the character those bytes spell together.")
 
 
 @dataclass(frozen=True)
@@ -146,12 +140,13 @@ def _chip(piece: TokenPiece, index: int) -> str:
     if piece.is_byte_fragment:
         label = _fragment_label(piece.raw)
         border = "1px dashed #555"
-        title = (f"token {piece.token_id}: a byte-level token, the UTF-8 bytes {piece.hex}; with the other "
-                 f"{piece.group_size - 1} token(s) of its group it spells '{piece.group_text}'")
+        title = tr("token {id}: a byte-level token, the UTF-8 bytes {hex}; with the other {others} token(s) of "
+                   "its group it spells '{text}'", id=piece.token_id, hex=piece.hex, others=piece.group_size - 1,
+                   text=piece.group_text)
     else:
         label = html.escape(_visible(piece.text))
         border = "1px solid transparent"
-        title = f"token {piece.token_id}: '{piece.text}', UTF-8 bytes {piece.hex}"
+        title = tr("token {id}: '{text}', UTF-8 bytes {hex}", id=piece.token_id, text=piece.text, hex=piece.hex)
     return (f"<span class='ne-token{' ne-byte-token' if piece.is_byte_fragment else ''}' "
             f"data-token='{piece.token_id}' title='{html.escape(title, quote=True)}' "
             f"style='display:inline-block;margin:2px;padding:2px 5px;border-radius:4px;border:{border};"
@@ -177,8 +172,19 @@ def render_token_chips(pieces: list[TokenPiece]) -> str:
             parts.append(chips)
         i += len(group)
     note = (f"<div class='ne-byte-note' style='font-size:12px;color:#444;max-width:900px;line-height:1.4;"
-            f"margin-top:4px'>{BYTE_TOKEN_NOTE}</div>" if any(p.is_byte_fragment for p in pieces) else "")
+            f"margin-top:4px'>{_byte_token_note()}</div>" if any(p.is_byte_fragment for p in pieces) else "")
     return "<div class='ne-token-chips' style='line-height:2.2'>" + "".join(parts) + "</div>" + note
+
+
+def _byte_token_note() -> str:
+    """The explanation under chips that include byte-level tokens, in the notebook's language."""
+    return tr(
+        "Chips with a dashed border are <b>byte-level tokens</b>. This tokenizer's vocabulary is built on the "
+        "256 byte values of UTF-8 text, so it can write any text; a character that has no token of its own "
+        "(many Korean syllables, most emoji) is written as several tokens, each carrying some of the "
+        "character's 2-4 UTF-8 bytes. Such a token is not a whole character (decoded alone it prints as "
+        "U+FFFD, the question mark in a diamond), so its chip shows the bytes it stands for in hexadecimal, "
+        "and the line under the group shows the character those bytes spell together.")
 
 
 def token_chips(tokenizer, text: str) -> tuple[list[int], str]:
@@ -190,8 +196,9 @@ def token_chips(tokenizer, text: str) -> tuple[list[int], str]:
 class TokenEditor(W.VBox):
     """A text box whose tokens are redrawn as chips while you type."""
 
-    def __init__(self, tokenizer, text: str = "", description: str = "sentence") -> None:
+    def __init__(self, tokenizer, text: str = "", description: str | None = None) -> None:
         self.tokenizer = tokenizer
+        description = tr("sentence") if description is None else description
         self.box = W.Text(value=text, description=description, layout=W.Layout(width="95%"))
         self.view = W.HTML()
         self.box.observe(self.retokenize, names="value")
@@ -202,8 +209,9 @@ class TokenEditor(W.VBox):
     def retokenize(self, _=None) -> None:
         text = self.box.value
         if not text:
-            self.view.value = "<div style='color:#555'>type some text: 0 tokens</div>"
+            self.view.value = f"<div style='color:#555'>{tr('type some text: 0 tokens')}</div>"
             return
         ids, chips = token_chips(self.tokenizer, text)
-        self.view.value = (chips + f"<div class='ne-token-count' style='color:#555'>{len(text)} characters, "
-                           f"{len(text.encode('utf-8'))} UTF-8 bytes, {len(ids)} tokens</div>")
+        count = tr("{chars} characters, {nbytes} UTF-8 bytes, {tokens} tokens", chars=len(text),
+                   nbytes=len(text.encode("utf-8")), tokens=len(ids))
+        self.view.value = chips + f"<div class='ne-token-count' style='color:#555'>{count}</div>"

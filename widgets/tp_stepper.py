@@ -33,9 +33,16 @@ import torch
 import torch.nn.functional as F
 
 from nanoengine import LLM, LLMEngine
+from translations import tr
 from widgets._common import MessageView, check_int, escape, format_bytes, guarded
 
 STAGES = ("input", "shards", "local", "partials", "all-reduce")
+def _stage_label(name: str) -> str:
+    """A stage's name as the reader sees it (``STAGES`` stays the data)."""
+    return {"input": tr("input"), "shards": tr("shards"), "local": tr("local"), "partials": tr("partials"),
+            "all-reduce": "all-reduce"}[name]
+
+
 SAMPLE = 12  # values of each rank's tensor shown per stage
 
 
@@ -80,7 +87,7 @@ class TPStepperController:
         self.hidden = model.model.layers[0].mlp.down_proj.weight.shape[0]
         ids = engine.tokenize_prompt(prompt)[1]
         if not ids:
-            raise ValueError("the prompt is empty: type at least one word")
+            raise ValueError(tr("the prompt is empty: type at least one word"))
         self.prompt = prompt
         self._ids = torch.tensor(ids, device=model.model.embed_tokens.weight.device)
         self.layer, self.tp, self.stage = 0, 1, 0
@@ -94,11 +101,11 @@ class TPStepperController:
     def configure(self, layer: int | None = None, tp: int | None = None) -> None:
         """Choose the layer and the rank count; the stepper goes back to stage 0. A bad value
         raises ValueError and changes nothing."""
-        new_layer = self.layer if layer is None else check_int("layer", layer, 0, self.num_layers - 1)
-        new_tp = self.tp if tp is None else check_int("ranks", tp, 1, 16)
+        new_layer = self.layer if layer is None else check_int(tr("layer"), layer, 0, self.num_layers - 1)
+        new_tp = self.tp if tp is None else check_int(tr("ranks"), tp, 1, 16)
         if self.intermediate % new_tp:
-            raise ValueError(f"{new_tp} ranks do not divide the MLP width {self.intermediate} into equal shares; "
-                             f"allowed: {self.allowed_tp()}")
+            raise ValueError(tr("{tp} ranks do not divide the MLP width {width} into equal shares; allowed: {allowed}",
+                                tp=new_tp, width=self.intermediate, allowed=self.allowed_tp()))
         self.layer, self.tp, self.stage = new_layer, new_tp, 0
         self._compute()
 
@@ -144,40 +151,42 @@ class TPStepperController:
         """What every rank holds at the current stage, and what crossed between them."""
         k, itemsize = self.intermediate // self.tp, self.x.element_size()
         tokens = self.x.shape[0]
-        ranks, communication, sent, verdict = [], "nothing: every rank works on what it holds", 0, ""
+        ranks, communication, sent, verdict = [], tr("nothing: every rank works on what it holds"), 0, ""
         name = STAGES[self.stage]
         for r in range(self.tp):
             rows = f"{r * k}-{(r + 1) * k - 1}"
             if name == "input":
-                view = RankView(r, "the full hidden states x of every token (a copy on each rank)",
+                view = RankView(r, tr("the full hidden states x of every token (a copy on each rank)"),
                                 tuple(self.x.shape), self.x.numel() * itemsize, self._sample(self.x))
             elif name == "shards":
                 g, u, d = self.shards[r]
-                view = RankView(r, f"gate and up rows {rows} ({k} of {self.intermediate} features, each ({k}, "
-                                   f"{self.hidden})), down columns {rows} (({self.hidden}, {k}))", tuple(g.shape),
+                view = RankView(r, tr("gate and up rows {rows} ({k} of {width} features, each ({k}, {hidden})), "
+                                      "down columns {rows} (({hidden}, {k}))", rows=rows, k=k, width=self.intermediate,
+                                      hidden=self.hidden), tuple(g.shape),
                                 (g.numel() + u.numel() + d.numel()) * itemsize,
                                 tuple(round(float(v), 3) for v in g[0, :SAMPLE]))
             elif name == "local":
                 h = self.local[r]
-                view = RankView(r, f"silu(gate) * up for its {k} features", tuple(h.shape), h.numel() * itemsize,
+                view = RankView(r, tr("silu(gate) * up for its {k} features", k=k), tuple(h.shape), h.numel() * itemsize,
                                 self._sample(h))
             else:
                 p = self.total if name == "all-reduce" else self.partials[r]
-                holds = ("the sum of all partials (every rank holds the same)" if name == "all-reduce" else
-                         f"a partial sum over features {rows}, full width")
+                holds = (tr("the sum of all partials (every rank holds the same)") if name == "all-reduce" else
+                         tr("a partial sum over features {rows}, full width", rows=rows))
                 view = RankView(r, holds, tuple(p.shape), p.numel() * itemsize, self._sample(p))
             ranks.append(view)
         if name == "partials":
             alone = all(not torch.allclose(p, self.unsplit, atol=1e-3) for p in self.partials) if self.tp > 1 else False
-            verdict = (f"no partial equals the MLP's output on its own: {alone}" if self.tp > 1 else
-                       "one rank: its partial is the whole output")
+            verdict = (tr("no partial equals the MLP's output on its own: {alone}", alone=alone) if self.tp > 1 else
+                       tr("one rank: its partial is the whole output"))
         if name == "all-reduce":
             sent = tokens * self.hidden * itemsize
             ring = 2 * (self.tp - 1) / self.tp
-            communication = (f"one all-reduce of a ({tokens}, {self.hidden}) tensor: each rank contributes "
-                             f"{format_bytes(sent)}; a ring sends {ring:.2f} x that per rank")
-            verdict = (f"the all-reduced sum equals the unsplit MLP within 1e-4: "
-                       f"{torch.allclose(self.total, self.unsplit.float(), atol=1e-4)}")
+            communication = tr("one all-reduce of a ({tokens}, {hidden}) tensor: each rank contributes {sent}; a ring "
+                               "sends {ring:.2f} x that per rank", tokens=tokens, hidden=self.hidden,
+                               sent=format_bytes(sent), ring=ring)
+            verdict = tr("the all-reduced sum equals the unsplit MLP within 1e-4: {same}",
+                         same=torch.allclose(self.total, self.unsplit.float(), atol=1e-4))
         return StageView(self.stage, name, tuple(ranks), communication, sent, verdict)
 
 
@@ -192,10 +201,10 @@ class TPStepper(MessageView, W.VBox):
             controller = TPStepperController(llm_or_engine, **kwargs)
         self.controller = controller
         self.back_button, self.step_button, self.reset_button = (W.Button(description=d) for d in
-                                                                 ("Back", "Step", "Reset"))
-        self.tp = W.Dropdown(options=controller.allowed_tp(), value=controller.tp, description="ranks")
+                                                                 (tr("Back"), tr("Step"), tr("Reset")))
+        self.tp = W.Dropdown(options=controller.allowed_tp(), value=controller.tp, description=tr("ranks"))
         self.layer = W.IntSlider(value=controller.layer, min=0, max=controller.num_layers - 1,
-                                 description="layer", continuous_update=False)
+                                 description=tr("layer"), continuous_update=False)
         self.header, self.table = W.HTML(), W.HTML()
         show = self.show_message
         self.back_button.on_click(guarded(show)(lambda _: self._redraw(controller.back())))
@@ -214,9 +223,12 @@ class TPStepper(MessageView, W.VBox):
     def _redraw(self, view: StageView) -> None:
         self.show_message("")
         c = self.controller
-        stages = " → ".join(f"<b>{escape(s)}</b>" if i == view.index else escape(s) for i, s in enumerate(STAGES))
-        self.header.value = (f'<div style="font-size:13px">layer {c.layer}\'s MLP over {c.tp} rank(s), prompt '
-                             f'{escape(repr(c.prompt))}: {stages}<br>communication: {escape(view.communication)}'
+        stages = " → ".join(f"<b>{escape(_stage_label(s))}</b>" if i == view.index else escape(_stage_label(s))
+                            for i, s in enumerate(STAGES))
+        self.header.value = ('<div style="font-size:13px">'
+                             + tr("layer {layer}'s MLP over {tp} rank(s), prompt {prompt}: {stages}<br>communication: "
+                                  "{communication}", layer=c.layer, tp=c.tp, prompt=escape(repr(c.prompt)),
+                                  stages=stages, communication=escape(view.communication))
                              + (f"<br>{escape(view.verdict)}" if view.verdict else "") + "</div>")
         limit = max((abs(v) for r in view.ranks for v in r.sample), default=1.0) or 1.0
 
@@ -225,12 +237,13 @@ class TPStepper(MessageView, W.VBox):
             colour = f"rgba(214,39,40,{a:.2f})" if v > 0 else f"rgba(31,119,180,{a:.2f})"
             return f'<td style="background:{colour};padding:2px 4px;font-size:11px">{v:+.2f}</td>'
 
-        rows = "".join(f"<tr><td>rank {r.rank}</td><td>{escape(r.holds)}</td><td>{r.shape}</td>"
+        rows = "".join(f"<tr><td>{tr('rank {rank}', rank=r.rank)}</td><td>{escape(r.holds)}</td><td>{r.shape}</td>"
                        f"<td>{format_bytes(r.num_bytes)}</td>{''.join(cell(v) for v in r.sample)}</tr>"
                        for r in view.ranks)
-        self.table.value = (f'<table style="border-collapse:collapse;font-size:12px"><tr><th>rank</th><th>holds</th>'
-                            f'<th>shape</th><th>bytes</th><th colspan="{SAMPLE}">first {SAMPLE} values (last token; '
-                            f'red > 0 > blue)</th></tr>{rows}</table>')
+        self.table.value = ('<table style="border-collapse:collapse;font-size:12px">'
+                            + tr('<tr><th>rank</th><th>holds</th><th>shape</th><th>bytes</th><th colspan="{n}">first '
+                                 '{n} values (last token; red > 0 > blue)</th></tr>', n=SAMPLE)
+                            + f'{rows}</table>')
         self.back_button.disabled = view.index == 0
         self.step_button.disabled = view.index == len(STAGES) - 1
 

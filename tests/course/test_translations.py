@@ -215,3 +215,13 @@ def test_the_language_comes_from_the_notebooks_folder_or_the_environment(monkeyp
 def test_course_lab_refuses_an_unknown_language_before_setting_anything_up() -> None:
     done = subprocess.run([str(REPO / "course"), "lab", "--lang", "fr"], capture_output=True, text=True, timeout=30)
     assert done.returncode == 2 and "'fr' is not a language of the course (en, ko)" in done.stderr
+
+
+def test_a_string_shared_by_two_modules_has_one_translation() -> None:
+    """The catalog is keyed by the English's hash across all widgets: two modules that show the
+    same English must agree on its Korean, or which one a learner sees depends on file order."""
+    seen: dict[str, set[str]] = collections.defaultdict(set)
+    for path in sorted((tr.HERE / "ko" / "widgets").rglob("*.json")):
+        for entry in tr.load_units(path).values():
+            seen[entry["sha"]].add(entry["ko"])
+    assert not {sha: texts for sha, texts in seen.items() if len(texts) > 1}

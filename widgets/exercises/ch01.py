@@ -33,6 +33,7 @@ import torch
 
 from nanoengine.engine.snapshots import MemoryReport
 from nanoengine.events import StepFinished
+from translations import tr
 from widgets.exercises import CheckResult, todo, verdict
 from widgets.quiz import Question, make_question
 
@@ -54,10 +55,11 @@ def step_settings(engine, batch: int | str, context: tuple[int, int] | str) -> s
     mode = engine.forward_mode  # e.g. "eager (one native call per decoder layer)", "eager, CUDA graphs for decode"
     if isinstance(context, tuple):
         low, high = context
-        context = f"{low} tokens" if low == high else f"{low}-{high} tokens"
+        context = tr("{low} tokens", low=low) if low == high else tr("{low}-{high} tokens", low=low, high=high)
     threads = torch.get_num_threads()
-    return (f"batch {batch}, context {context}, {engine.memory_report().dtype}, {threads} "
-            f"thread{'s' * (threads != 1)}, {mode}")
+    thread_words = tr("{n} thread", n=threads) if threads == 1 else tr("{n} threads", n=threads)
+    return tr("batch {batch}, context {context}, {dtype}, {thread_words}, {mode}", batch=batch, context=context,
+              dtype=engine.memory_report().dtype, thread_words=thread_words, mode=mode)
 
 
 def running_context(engine) -> tuple[int, int]:
@@ -74,22 +76,22 @@ def bound_reading(arithmetic_floor: float, bandwidth_floor: float, step: float) 
     """Section 6: what the floors (seconds) say about a measured decode step (seconds)."""
     ratio = bandwidth_floor / arithmetic_floor
     if ratio >= MEMORY_BOUND:
-        first = (f"the arithmetic alone needs 1/{ratio:.0f} of the time the weights take to stream in: the "
-                 f"arithmetic units could do each step's math {ratio:.0f} times over while they wait, so the "
-                 f"step is memory-bound")
+        first = tr("the arithmetic alone needs 1/{ratio:.0f} of the time the weights take to stream in: the "
+                   "arithmetic units could do each step's math {ratio:.0f} times over while they wait, so the "
+                   "step is memory-bound", ratio=ratio)
     elif ratio >= 1:
-        first = (f"the arithmetic floor is {1 / ratio:.2f}x the bandwidth floor: the two are close, neither "
-                 f"clearly sets the pace")
+        first = tr("the arithmetic floor is {inverse:.2f}x the bandwidth floor: the two are close, neither "
+                   "clearly sets the pace", inverse=1 / ratio)
     else:
-        first = (f"the arithmetic floor is {1 / ratio:.1f}x the bandwidth floor: on this machine the step is "
-                 f"compute-bound")
+        first = tr("the arithmetic floor is {inverse:.1f}x the bandwidth floor: on this machine the step is "
+                   "compute-bound", inverse=1 / ratio)
     over = step / bandwidth_floor
     if over >= 1:
-        second = (f"the measured step takes {over:.1f}x the bandwidth floor; the difference is work that is not "
-                  f"weight reading")
+        second = tr("the measured step takes {over:.1f}x the bandwidth floor; the difference is work that is not "
+                    "weight reading", over=over)
     else:
-        second = (f"the measured step came out below the bandwidth floor ({over:.2f}x), which no step can "
-                  f"beat: the floor's own measurement was disturbed (look at its IQR)")
+        second = tr("the measured step came out below the bandwidth floor ({over:.2f}x), which no step can "
+                    "beat: the floor's own measurement was disturbed (look at its IQR)", over=over)
     return [first, second]
 
 
@@ -116,24 +118,34 @@ def batching_reading(step_seconds: Mapping[int, float], crossover: float) -> lis
         b = below[-1]
         cost = step_seconds[b] / one
         gain = b / cost
-        words = ("almost in proportion to the batch" if gain >= IN_PROPORTION * b
-                 else "well short of the batch's growth")
-        lines.append(f"below the crossover (batch {crossover:.0f}): a step of {b} costs {cost:.2f}x a step of 1, "
-                     f"so tokens/s grow {gain:.1f}x for {b}x the batch: {words}")
+        fields = dict(crossover=crossover, b=b, cost=cost, gain=gain)
+        if gain >= IN_PROPORTION * b:
+            lines.append(tr("below the crossover (batch {crossover:.0f}): a step of {b} costs {cost:.2f}x a step of "
+                            "1, so tokens/s grow {gain:.1f}x for {b}x the batch: almost in proportion to the batch",
+                            **fields))
+        else:
+            lines.append(tr("below the crossover (batch {crossover:.0f}): a step of {b} costs {cost:.2f}x a step of "
+                            "1, so tokens/s grow {gain:.1f}x for {b}x the batch: well short of the batch's growth",
+                            **fields))
     else:
-        lines.append(f"the crossover (batch {crossover:.0f}) comes before the smallest batch above 1: every step "
-                     f"measured here already pays for its batch's arithmetic")
+        lines.append(tr("the crossover (batch {crossover:.0f}) comes before the smallest batch above 1: every step "
+                        "measured here already pays for its batch's arithmetic", crossover=crossover))
     low, high = batches[-2], batches[-1]
     growth = (high / step_seconds[high]) / (low / step_seconds[low])
+    fields = dict(low=low, high=high, growth=growth, times=high / low)
     if growth < LEVEL_OFF:
-        lines.append(f"from batch {low} to {high} tokens/s grow only {growth:.2f}x for {high / low:.0f}x the batch: "
-                     f"they level off, each extra sequence pays for its own arithmetic")
+        lines.append(tr("from batch {low} to {high} tokens/s grow only {growth:.2f}x for {times:.0f}x the batch: "
+                        "they level off, each extra sequence pays for its own arithmetic", **fields))
     else:
-        lines.append(f"from batch {low} to {high} tokens/s still grow {growth:.2f}x for {high / low:.0f}x the "
-                     f"batch: they have not levelled off yet")
+        lines.append(tr("from batch {low} to {high} tokens/s still grow {growth:.2f}x for {times:.0f}x the "
+                        "batch: they have not levelled off yet", **fields))
     ratio = step_seconds[high] / one
-    verdict_words = "about the same: true here" if ratio <= ABOUT_THE_SAME else "'about the same' is not true here"
-    lines.append(f"a step of {high} sequences costs {ratio:.1f}x a step of one: {verdict_words}")
+    if ratio <= ABOUT_THE_SAME:
+        lines.append(tr("a step of {high} sequences costs {ratio:.1f}x a step of one: about the same: true here",
+                        high=high, ratio=ratio))
+    else:
+        lines.append(tr("a step of {high} sequences costs {ratio:.1f}x a step of one: 'about the same' is not "
+                        "true here", high=high, ratio=ratio))
     return lines
 
 
@@ -146,41 +158,46 @@ def check_batched_decode(steps: Sequence[StepFinished], num_requests: int = NUM_
     token), so a batch of s seats serves the requests in ceil(n / s) rounds of 6 steps.
     """
     if not steps:
-        return verdict("1.1", False, "", "no engine steps were recorded yet: set max_num_seqs in the scaffold "
-                                         "and run it.")
+        return verdict("1.1", False, "", tr("no engine steps were recorded yet: set max_num_seqs in the "
+                                            "scaffold and run it."))
     widest = max(s.num_scheduled_requests for s in steps)
     fewest = math.ceil(num_requests / (STEP_LIMIT // OUTPUT_TOKENS))
     n = len(steps)
+    fields = dict(requests=num_requests, n=n, limit=STEP_LIMIT, widest=widest)
     if n > STEP_LIMIT:
-        return verdict("1.1", False, "", f"the {num_requests} requests took {n} engine steps, more than "
-                                         f"{STEP_LIMIT}, with at most {widest} sequences in a step: those that "
-                                         f"waited for a seat added rounds of steps.")
+        return verdict("1.1", False, "", tr("the {requests} requests took {n} engine steps, more than {limit}, "
+                                            "with at most {widest} sequences in a step: those that waited for a "
+                                            "seat added rounds of steps.", **fields))
     if widest > fewest:
-        return verdict("1.1", False, "", f"the {num_requests} requests took {n} steps with up to {widest} "
-                                         f"sequences in a step: within {STEP_LIMIT}, but a smaller max_num_seqs "
-                                         f"also finishes within {STEP_LIMIT} steps.")
+        return verdict("1.1", False, "", tr("the {requests} requests took {n} steps with up to {widest} sequences "
+                                            "in a step: within {limit}, but a smaller max_num_seqs also finishes "
+                                            "within {limit} steps.", **fields))
     return verdict(
         "1.1", True,
-        f"{n} engine steps, at most {widest} sequences in each: {math.ceil(num_requests / widest)} rounds of "
-        f"{OUTPUT_TOKENS} steps, and each "
-        f"step read the weights once for {widest} new tokens. One seat fewer needs "
-        f"{math.ceil(num_requests / (widest - 1)) * OUTPUT_TOKENS if widest > 1 else '-'} steps.", "")
+        tr("{n} engine steps, at most {widest} sequences in each: {rounds} rounds of {output} steps, and each step "
+           "read the weights once for {widest} new tokens. One seat fewer needs {fewer_steps} steps.",
+           rounds=math.ceil(num_requests / widest), output=OUTPUT_TOKENS,
+           fewer_steps=math.ceil(num_requests / (widest - 1)) * OUTPUT_TOKENS if widest > 1 else '-', **fields),
+        "")
 
 
 # ------------------------------------------------------------------ exercise 1.2
 def check_half_bytes(report: MemoryReport | None, num_parameters: int) -> CheckResult:
     """Right when ``report``'s weights take 2 bytes per parameter: half of float32's 4."""
     if report is None:
-        return verdict("1.2", False, "", "no second engine yet: set dtype in the scaffold and run it.")
+        return verdict("1.2", False, "", tr("no second engine yet: set dtype in the scaffold and run it."))
     float32_bytes = 4 * num_parameters
     right = 2 * report.weight_bytes == float32_bytes
+    fields = dict(weight_bytes=report.weight_bytes, float32_bytes=float32_bytes)
     return verdict(
         "1.2", right,
-        f"{report.dtype} weights take {report.weight_bytes:,} bytes, half of float32's {float32_bytes:,}: the "
-        f"same {num_parameters:,} parameters at 2 bytes each. (A CPU engine may also keep a packed copy: "
-        f"memory_report().weight_copy_bytes; whether oneDNN packs this dtype depends on the CPU.)",
-        f"these weights take {report.weight_bytes:,} bytes, {report.weight_bytes / num_parameters:g} per "
-        f"parameter; float32's take {float32_bytes:,}. Pick a number format of 2 bytes per value.")
+        tr("{dtype} weights take {weight_bytes:,} bytes, half of float32's {float32_bytes:,}: the same "
+           "{parameters:,} parameters at 2 bytes each. (A CPU engine may also keep a packed copy: "
+           "memory_report().weight_copy_bytes; whether oneDNN packs this dtype depends on the CPU.)",
+           dtype=report.dtype, parameters=num_parameters, **fields),
+        tr("these weights take {weight_bytes:,} bytes, {per_parameter:g} per parameter; float32's take "
+           "{float32_bytes:,}. Pick a number format of 2 bytes per value.",
+           per_parameter=report.weight_bytes / num_parameters, **fields))
 
 
 # ------------------------------------------------------------------ exercise 1.3
@@ -196,42 +213,45 @@ def check_temperature(temperature, logits: torch.Tensor, target: float = TOP_SHA
     distribution the sampler draws from, so no lucky seed can pass it.
     """
     if todo(temperature):
-        return verdict("1.3", False, "", "set temperature in the scaffold and run it.")
+        return verdict("1.3", False, "", tr("set temperature in the scaffold and run it."))
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
-        return verdict("1.3", False, "", f"a temperature is a number >= 0, got {temperature!r}.")
+        return verdict("1.3", False, "", tr("a temperature is a number >= 0, got {value!r}.", value=temperature))
     if temperature == 0:
-        return verdict("1.3", False, "", "at temperature 0 the sampler does not draw at all: it takes the top "
-                                         "token by rule (greedy), whatever the seed. Keep it a draw.")
+        return verdict("1.3", False, "", tr("at temperature 0 the sampler does not draw at all: it takes the top "
+                                            "token by rule (greedy), whatever the seed. Keep it a draw."))
     p = top_probability(logits, temperature)
     if p < target:
-        return verdict("1.3", False, "", f"at temperature {temperature:g} the top token keeps {100 * p:.0f}% of "
-                                         f"the probability, short of {100 * target:.0f}%: in which direction "
-                                         f"does dividing the logits by the temperature sharpen them?")
+        return verdict("1.3", False, "", tr("at temperature {temperature:g} the top token keeps {share:.0f}% of "
+                                            "the probability, short of {target:.0f}%: in which direction does "
+                                            "dividing the logits by the temperature sharpen them?",
+                                            temperature=temperature, share=100 * p, target=100 * target))
     return verdict(
         "1.3", True,
-        f"at temperature {temperature:g} the top token keeps at least {100 * target:.0f}% of the probability: "
-        f"dividing the logits by a number below 1 stretches their gaps, and the softmax turns a wider gap into "
-        f"a larger share. It still draws: a seed can pick another token, rarely.", "")
+        tr("at temperature {temperature:g} the top token keeps at least {target:.0f}% of the probability: dividing "
+           "the logits by a number below 1 stretches their gaps, and the softmax turns a wider gap into a larger "
+           "share. It still draws: a seed can pick another token, rarely.",
+           temperature=temperature, target=100 * target), "")
 
 
 # ------------------------------------------------------------------ exercise 1.4
 def check_kv_pool(report: MemoryReport | None, conversations: int, tokens_each: int) -> CheckResult:
     """Right when the KV pool holds exactly ``conversations`` x ``tokens_each`` tokens, no block spare."""
     if report is None:
-        return verdict("1.4", False, "", "no engine yet: set num_kv_blocks in the scaffold and run it.")
+        return verdict("1.4", False, "", tr("no engine yet: set num_kv_blocks in the scaffold and run it."))
     needed = conversations * tokens_each
     have = report.kv_capacity_tokens
     if have < needed:
-        hint = (f"the pool holds {have:,} tokens ({report.num_kv_blocks} blocks of {report.block_size}); "
-                f"{conversations} conversations of {tokens_each:,} tokens need {needed:,}.")
+        hint = tr("the pool holds {have:,} tokens ({blocks} blocks of {bs}); {conversations} conversations of "
+                  "{tokens_each:,} tokens need {needed:,}.", have=have, blocks=report.num_kv_blocks,
+                  bs=report.block_size, conversations=conversations, tokens_each=tokens_each, needed=needed)
     else:
-        hint = (f"the pool holds {have:,} tokens, {have - needed:,} more than needed: "
-                f"{(have - needed) * report.kv_bytes_per_token:,} bytes allocated for nothing.")
+        hint = tr("the pool holds {have:,} tokens, {extra:,} more than needed: {wasted:,} bytes allocated for "
+                  "nothing.", have=have, extra=have - needed, wasted=(have - needed) * report.kv_bytes_per_token)
     return verdict(
         "1.4", have == needed,
-        f"{report.num_kv_blocks} blocks x {report.block_size} tokens = {needed:,} tokens, at "
-        f"{report.kv_bytes_per_token:,} bytes each: {report.kv_cache_bytes:,} bytes, exactly the memory "
-        f"estimator's KV cache for this context and batch.",
+        tr("{blocks} blocks x {bs} tokens = {needed:,} tokens, at {per_token:,} bytes each: {cache:,} bytes, exactly "
+           "the memory estimator's KV cache for this context and batch.", blocks=report.num_kv_blocks,
+           bs=report.block_size, needed=needed, per_token=report.kv_bytes_per_token, cache=report.kv_cache_bytes),
         hint)
 
 
@@ -251,21 +271,25 @@ def layer_parameters_question(net, layer: int = 0, chapter: int = 1) -> Question
     full_kv = (hidden + 2 * attn.num_heads * attn.head_dim) * hidden  # as if every query head had its own K/V
     inter = mlp.down_proj.weight.shape[1]
     wrong = [
-        (f"{answer - qkv + full_kv:,}", f"That gives every one of the {attn.num_heads} query heads its own key "
-                                        f"and value head. Grouped-query attention has only {attn.num_kv_heads} "
-                                        f"K/V heads, so the k and v projections are smaller."),
-        (f"{answer - inter * hidden:,}", "That forgets one of the MLP's three matrices: gate and up (fused in "
-                                         "gate_up_proj) and down."),
-        (f"{answer - norms:,}", f"That leaves out the two RMSNorm weight vectors ({hidden} values each)."),
-        (f"{answer * net.config.num_hidden_layers:,}", "That is all the layers together, not one."),
+        (f"{answer - qkv + full_kv:,}", tr("That gives every one of the {heads} query heads its own key and value "
+                                           "head. Grouped-query attention has only {kv_heads} K/V heads, so the k "
+                                           "and v projections are smaller.",
+                                           heads=attn.num_heads, kv_heads=attn.num_kv_heads)),
+        (f"{answer - inter * hidden:,}", tr("That forgets one of the MLP's three matrices: gate and up (fused in "
+                                            "gate_up_proj) and down.")),
+        (f"{answer - norms:,}", tr("That leaves out the two RMSNorm weight vectors ({hidden} values each).",
+                                   hidden=hidden)),
+        (f"{answer * net.config.num_hidden_layers:,}", tr("That is all the layers together, not one.")),
     ]
     return make_question(
-        f"Layer {layer} of the loaded model (hidden size {hidden}, {attn.num_heads} query heads, "
-        f"{attn.num_kv_heads} key/value heads of size {attn.head_dim}, MLP width {inter}) has an attention "
-        f"block, an MLP and two norms. How many parameters does it hold?",
-        (f"{answer:,}", f"Summing the layer's tensors: qkv_proj {qkv:,}, o_proj {attn.o_proj.weight.numel():,}, "
-                        f"gate_up_proj {mlp.gate_up_proj.weight.numel():,}, down_proj "
-                        f"{mlp.down_proj.weight.numel():,} and the norms {norms:,}."),
+        tr("Layer {layer} of the loaded model (hidden size {hidden}, {heads} query heads, {kv_heads} key/value "
+           "heads of size {head_dim}, MLP width {inter}) has an attention block, an MLP and two norms. How many "
+           "parameters does it hold?", layer=layer, hidden=hidden, heads=attn.num_heads,
+           kv_heads=attn.num_kv_heads, head_dim=attn.head_dim, inter=inter),
+        (f"{answer:,}", tr("Summing the layer's tensors: qkv_proj {qkv:,}, o_proj {o_proj:,}, gate_up_proj "
+                           "{gate_up:,}, down_proj {down:,} and the norms {norms:,}.", qkv=qkv,
+                           o_proj=attn.o_proj.weight.numel(), gate_up=mlp.gate_up_proj.weight.numel(),
+                           down=mlp.down_proj.weight.numel(), norms=norms)),
         wrong, chapter)
 
 
@@ -274,13 +298,14 @@ def token_count_question(tokenizer, text: str, chapter: int = 1) -> Question:
     ids = tokenizer.encode(text, add_special_tokens=False)
     words, chars = len(text.split()), len(text)
     wrong = [
-        (str(words), "That counts words. Tokens are pieces of a learned vocabulary: a rare word or a number "
-                     "can take several."),
-        (str(chars), "That counts characters. Most tokens hold several characters."),
-        (str(len(text.encode('utf-8'))), "That counts UTF-8 bytes, as if every token were one byte."),
-        (str(len(ids) + 1), "One too many: no start-of-text token is added here "
-                            "(add_special_tokens=False), only the text's own pieces count."),
+        (str(words), tr("That counts words. Tokens are pieces of a learned vocabulary: a rare word or a number "
+                        "can take several.")),
+        (str(chars), tr("That counts characters. Most tokens hold several characters.")),
+        (str(len(text.encode('utf-8'))), tr("That counts UTF-8 bytes, as if every token were one byte.")),
+        (str(len(ids) + 1), tr("One too many: no start-of-text token is added here "
+                               "(add_special_tokens=False), only the text's own pieces count.")),
     ]
     return make_question(
-        f"SmolLM2's tokenizer reads {text!r} ({words} words, {chars} characters). How many tokens is it?",
-        (str(len(ids)), f"tokenizer.encode gives {len(ids)} ids."), wrong, chapter)
+        tr("SmolLM2's tokenizer reads {text!r} ({words} words, {chars} characters). How many tokens is it?",
+           text=text, words=words, chars=chars),
+        (str(len(ids)), tr("tokenizer.encode gives {n} ids.", n=len(ids))), wrong, chapter)

@@ -30,6 +30,7 @@ from typing import Mapping
 from nanoengine import SamplingParams
 from nanoengine.config import POLICIES
 from nanoengine.events import RequestScheduled, StepFinished
+from translations import tr
 from widgets._common import tiny_engine
 from widgets.exercises import CheckResult, todo, verdict
 
@@ -71,12 +72,12 @@ def control_plane_share(medians: Mapping[str, float]) -> float:
 
 def _share_words(share: float) -> str:
     if share < THIN:
-        return "a thin slice next to the model"
+        return tr("a thin slice next to the model")
     if share < LARGE:
-        return "a noticeable share of the step"
+        return tr("a noticeable share of the step")
     if share < MAJORITY:
-        return "a large share of the step"
-    return "more than the model itself: the CPU bookkeeping, not the model, sets the pace"
+        return tr("a large share of the step")
+    return tr("more than the model itself: the CPU bookkeeping, not the model, sets the pace")
 
 
 def control_plane_reading(label: str, medians: Mapping[str, float]) -> str:
@@ -84,9 +85,9 @@ def control_plane_reading(label: str, medians: Mapping[str, float]) -> str:
     share = control_plane_share(medians)
     control = sum(medians[p] for p in CONTROL_PHASES)
     total = sum(medians[p] for p in PHASES)
-    return (f"{label}: decode step (sum of medians) {total:.2f} ms: model {medians['model']:.2f} ms, "
-            f"schedule + block manager + prepare + update {control:.2f} ms ({100 * share:.0f}%): "
-            f"{_share_words(share)}")
+    return tr("{label}: decode step (sum of medians) {total:.2f} ms: model {model:.2f} ms, schedule + block "
+              "manager + prepare + update {control:.2f} ms ({percent:.0f}%): {words}", label=label, total=total,
+              model=medians['model'], control=control, percent=100 * share, words=_share_words(share))
 
 
 def compare_control_planes(big: tuple[str, Mapping[str, float]], cheap: tuple[str, Mapping[str, float]]) -> str:
@@ -101,19 +102,22 @@ def compare_control_planes(big: tuple[str, Mapping[str, float]], cheap: tuple[st
     model_ratio = a["model"] / b["model"]
     control_ratio = max(control_a, control_b) / min(control_a, control_b)
     share_a, share_b = control_plane_share(a), control_plane_share(b)
-    first = (f"the model's median moved {model_ratio:.1f}x between the two ({a['model']:.2f} vs {b['model']:.2f} ms), "
-             f"the control plane's {control_ratio:.1f}x ({control_a:.2f} vs {control_b:.2f} ms)")
+    first = tr("the model's median moved {model_ratio:.1f}x between the two ({model_a:.2f} vs {model_b:.2f} ms), "
+               "the control plane's {control_ratio:.1f}x ({control_a:.2f} vs {control_b:.2f} ms)",
+               model_ratio=model_ratio, model_a=a['model'], model_b=b['model'], control_ratio=control_ratio,
+               control_a=control_a, control_b=control_b)
     if model_ratio >= 2 * control_ratio:
-        second = "the model's cost follows the model, the bookkeeping's does not"
+        second = tr("the model's cost follows the model, the bookkeeping's does not")
     else:
-        second = "here the bookkeeping changed about as much as the model"
+        second = tr("here the bookkeeping changed about as much as the model")
+    shares = dict(share_a=100 * share_a, big=big_label, share_b=100 * share_b, cheap=cheap_label)
     if share_b > share_a:
-        third = (f"so the control plane's share grows from {100 * share_a:.0f}% ({big_label}) to "
-                 f"{100 * share_b:.0f}% ({cheap_label})")
+        third = tr("so the control plane's share grows from {share_a:.0f}% ({big}) to {share_b:.0f}% ({cheap})",
+                   **shares)
     else:
-        third = (f"yet the control plane's share does not grow: {100 * share_a:.0f}% ({big_label}), "
-                 f"{100 * share_b:.0f}% ({cheap_label})")
-    return f"{first}: {second}, {third}."
+        third = tr("yet the control plane's share does not grow: {share_a:.0f}% ({big}), {share_b:.0f}% ({cheap})",
+                   **shares)
+    return tr("{first}: {second}, {third}.", first=first, second=second, third=third)
 
 
 # ------------------------------------------------------------------ exercise 2.1
@@ -145,17 +149,19 @@ def prefill_chunks(max_num_batched_tokens: int) -> list[int]:
 def check_prefill_chunks(budget) -> CheckResult:
     """Exercise 2.1: a token budget that prefills the 40-token prompt in exactly 3 steps."""
     if todo(budget):
-        return verdict("2.1", False, "", "set budget to a whole number of tokens per step "
-                                         "(max_num_batched_tokens); the prompt has 40 tokens.")
+        return verdict("2.1", False, "", tr("set budget to a whole number of tokens per step "
+                                            "(max_num_batched_tokens); the prompt has 40 tokens."))
     if not _whole_number(budget) or budget < 1:
-        return verdict("2.1", False, "", f"the budget must be a whole number of tokens >= 1, got {budget!r}.")
+        return verdict("2.1", False, "", tr("the budget must be a whole number of tokens >= 1, got {value!r}.",
+                                            value=budget))
     chunks = prefill_chunks(budget)
+    fields = dict(budget=budget, n=len(chunks), chunks=chunks)
     return verdict(
         "2.1", len(chunks) == TARGET_CHUNKS,
-        f"with max_num_batched_tokens={budget} the scheduler gave the 40-token prompt {len(chunks)} prefill "
-        f"chunks {chunks}: each step computes at most the budget, and the last chunk takes what is left.",
-        f"with max_num_batched_tokens={budget} the prompt was prefilled in {len(chunks)} chunk(s) {chunks}; "
-        f"a step computes at most the budget, so you need ceil(40 / budget) = 3.")
+        tr("with max_num_batched_tokens={budget} the scheduler gave the 40-token prompt {n} prefill chunks "
+           "{chunks}: each step computes at most the budget, and the last chunk takes what is left.", **fields),
+        tr("with max_num_batched_tokens={budget} the prompt was prefilled in {n} chunk(s) {chunks}; a step "
+           "computes at most the budget, so you need ceil(40 / budget) = 3.", **fields))
 
 
 # ------------------------------------------------------------------ exercise 2.2
@@ -193,23 +199,26 @@ def policy_timeline(policy: str) -> tuple[int, int]:
 def check_policy(policy) -> CheckResult:
     """Exercise 2.2: the policy under which A finishes one step later than under fcfs, B's first token no later."""
     if todo(policy):
-        return verdict("2.2", False, "", f"set policy to one of {list(POLICIES)}.")
+        return verdict("2.2", False, "", tr("set policy to one of {policies}.", policies=list(POLICIES)))
     if policy not in POLICIES:
-        return verdict("2.2", False, "", f"the engine knows the policies {list(POLICIES)}, got {policy!r}.")
+        return verdict("2.2", False, "", tr("the engine knows the policies {policies}, got {value!r}.",
+                                            policies=list(POLICIES), value=policy))
     a_done, b_first = policy_timeline(policy)
     base_done, base_first = policy_timeline("fcfs")
-    what = f"under {policy!r} A's last token came out in step {a_done} and B's first token in step {b_first}"
+    what = tr("under {policy!r} A's last token came out in step {a_done} and B's first token in step {b_first}",
+              policy=policy, a_done=a_done, b_first=b_first)
     if a_done == base_done + 1 and b_first <= base_first:
         return verdict("2.2", True,
-                       f"{what} (under 'fcfs': steps {base_done} and {base_first}). A step that admits a new "
-                       f"request runs prefills only (nano-vLLM's rule), so A's decode skipped exactly that one "
-                       f"step while B's prompt went in at once.", "")
+                       tr("{what} (under 'fcfs': steps {base_done} and {base_first}). A step that admits a new "
+                          "request runs prefills only (nano-vLLM's rule), so A's decode skipped exactly that one "
+                          "step while B's prompt went in at once.", what=what, base_done=base_done,
+                          base_first=base_first), "")
     if b_first > base_first:
-        hint = (f"{what}, later than under 'fcfs' (step {base_first}): this policy keeps B waiting. Which policy "
-                f"admits B at once but does not let A decode in that step?")
+        hint = tr("{what}, later than under 'fcfs' (step {base_first}): this policy keeps B waiting. Which policy "
+                  "admits B at once but does not let A decode in that step?", what=what, base_first=base_first)
     else:
-        hint = (f"{what}, the same as under 'fcfs': A was not held back at all. Read how each policy builds the "
-                f"step in which a request is admitted (EngineConfig's docstring).")
+        hint = tr("{what}, the same as under 'fcfs': A was not held back at all. Read how each policy builds the "
+                  "step in which a request is admitted (EngineConfig's docstring).", what=what)
     return verdict("2.2", False, "", hint)
 
 
@@ -245,22 +254,25 @@ def check_max_num_seqs(max_num_seqs) -> CheckResult:
     """Exercise 2.3: the fewest seats with which the mixed workload finishes as soon as with no limit."""
     n = len(OUTPUT_LENGTHS)
     if todo(max_num_seqs):
-        return verdict("2.3", False, "", "set max_num_seqs to a whole number >= 1: how many requests may run "
-                                         "at once.")
+        return verdict("2.3", False, "", tr("set max_num_seqs to a whole number >= 1: how many requests may run "
+                                            "at once."))
     if not _whole_number(max_num_seqs) or max_num_seqs < 1:
-        return verdict("2.3", False, "", f"max_num_seqs must be a whole number >= 1, got {max_num_seqs!r}.")
+        return verdict("2.3", False, "", tr("max_num_seqs must be a whole number >= 1, got {value!r}.",
+                                            value=max_num_seqs))
     unlimited = steps_for_workload(n)[0]
     steps, widest = steps_for_workload(max_num_seqs)
-    what = (f"with max_num_seqs={max_num_seqs} at most {widest} requests ran per step and the {n} requests took "
-            f"{steps} steps")
+    what = tr("with max_num_seqs={seats} at most {widest} requests ran per step and the {n} requests took "
+              "{steps} steps", seats=max_num_seqs, widest=widest, n=n, steps=steps)
     if steps > unlimited:
-        return verdict("2.3", False, "", f"{what}, more than the {unlimited} they take with no limit: the short "
-                                         f"answers queued too long behind the long ones.")
+        return verdict("2.3", False, "", tr("{what}, more than the {unlimited} they take with no limit: the short "
+                                            "answers queued too long behind the long ones.",
+                                            what=what, unlimited=unlimited))
     if max_num_seqs > 1 and steps_for_workload(max_num_seqs - 1)[0] == unlimited:
-        return verdict("2.3", False, "", f"{what}, as fast as with no limit, but a smaller max_num_seqs is just "
-                                         f"as fast: seats that never shorten the run are memory held for nothing.")
+        return verdict("2.3", False, "", tr("{what}, as fast as with no limit, but a smaller max_num_seqs is just "
+                                            "as fast: seats that never shorten the run are memory held for "
+                                            "nothing.", what=what))
     return verdict(
         "2.3", True,
-        f"{what}, the same as with no limit, and one seat fewer takes longer. The two long answers hold two "
-        f"seats for all {unlimited} steps; the other seats serve the short answers in rounds, and a freed seat "
-        f"is filled in the very next step (continuous batching).", "")
+        tr("{what}, the same as with no limit, and one seat fewer takes longer. The two long answers hold two "
+           "seats for all {unlimited} steps; the other seats serve the short answers in rounds, and a freed seat "
+           "is filled in the very next step (continuous batching).", what=what, unlimited=unlimited), "")

@@ -31,6 +31,7 @@ import numpy as np
 
 from nanoengine import SamplingParams
 from nanoengine.events import RequestScheduled
+from translations import tr
 from widgets._common import TokenSource, single_thread, tiny_engine
 from widgets.block_allocator import BlockAllocatorController
 from widgets.exercises import CheckResult, todo, verdict, whole
@@ -127,30 +128,38 @@ def read_block_size_sweep(sweep: dict) -> str:
     tables = [sweep[b].mean_table_len for b in sizes]
     lo, hi = f"{sizes[0]}", f"{sizes[-1]}"
     if all(x < y for x, y in zip(waste, waste[1:])):
-        w = f"the waste grows with the block size ({100 * waste[0]:.1f}% at {lo} -> {100 * waste[-1]:.1f}% at {hi})"
+        w = tr("the waste grows with the block size ({first:.1f}% at {lo} -> {last:.1f}% at {hi})",
+               first=100 * waste[0], lo=lo, last=100 * waste[-1], hi=hi)
     else:
-        w = (f"the waste does not grow steadily with the block size "
-             f"({', '.join(f'{100 * x:.1f}%' for x in waste)} at {', '.join(map(str, sizes))})")
+        w = tr("the waste does not grow steadily with the block size ({wastes} at {sizes})",
+               wastes=', '.join(f'{100 * x:.1f}%' for x in waste), sizes=', '.join(map(str, sizes)))
     half = len(sizes) // 2
     small, big = {b: pre[b] for b in sizes[:half]}, {b: pre[b] for b in sizes[-half:]}
-    counts = f"{_sizes(big)} with blocks of {', '.join(map(str, big))} against {_sizes(small)} with " \
-             f"{', '.join(map(str, small))}"
+    counts = tr("{big_counts} with blocks of {big_sizes} against {small_counts} with {small_sizes}",
+                big_counts=_sizes(big), big_sizes=', '.join(map(str, big)), small_counts=_sizes(small),
+                small_sizes=', '.join(map(str, small)))
     steady = all(x <= y for x, y in zip(pre.values(), list(pre.values())[1:]))
     if len(set(pre.values())) == 1:
-        p = f"the preemptions are the same at every block size ({pre[sizes[0]]})"
+        p = tr("the preemptions are the same at every block size ({n})", n=pre[sizes[0]])
     elif min(big.values()) > max(small.values()):
-        p = (f"big blocks preempted more often ({counts}): their unfilled tails leave fewer slots for tokens, "
-             f"so the pool runs out sooner" + ("" if steady else "; not steadily, though: the count does not rise "
-                                                               "at every step of the sweep"))
+        if steady:
+            p = tr("big blocks preempted more often ({counts}): their unfilled tails leave fewer slots for tokens, "
+                   "so the pool runs out sooner", counts=counts)
+        else:
+            p = tr("big blocks preempted more often ({counts}): their unfilled tails leave fewer slots for tokens, "
+                   "so the pool runs out sooner; not steadily, though: the count does not rise at every step of "
+                   "the sweep", counts=counts)
     elif max(big.values()) < min(small.values()):
-        p = f"big blocks preempted less often ({counts})"
+        p = tr("big blocks preempted less often ({counts})", counts=counts)
     else:
-        p = f"the preemptions show no clear trend with the block size ({counts})"
+        p = tr("the preemptions show no clear trend with the block size ({counts})", counts=counts)
     if all(x > y for x, y in zip(tables, tables[1:])):
-        t = f"the block tables shrink as blocks grow ({tables[0]:.1f} -> {tables[-1]:.1f} entries)"
+        t = tr("the block tables shrink as blocks grow ({first:.1f} -> {last:.1f} entries)",
+               first=tables[0], last=tables[-1])
     else:
-        t = f"the block tables do not shrink steadily ({', '.join(f'{x:.1f}' for x in tables)} entries)"
-    return f"reading: {w}; {p}; {t}."
+        t = tr("the block tables do not shrink steadily ({entries} entries)",
+               entries=', '.join(f'{x:.1f}' for x in tables))
+    return tr("reading: {waste}; {preempt_words}; {tables}.", waste=w, preempt_words=p, tables=t)
 
 
 def read_paged_overhead(ratios: dict, similar: float = 0.10) -> str:
@@ -162,22 +171,24 @@ def read_paged_overhead(ratios: dict, similar: float = 0.10) -> str:
         raise ValueError("no timings to read")
     sizes = sorted(ratios)
     rs = [ratios[b] for b in sizes]
-    span = f"{min(rs):.2f}x-{max(rs):.2f}x the contiguous time"
+    span = tr("{low:.2f}x-{high:.2f}x the contiguous time", low=min(rs), high=max(rs))
     if min(rs) > 1:
-        side = f"the paged kernel was slower than contiguous SDPA at every block size ({span})"
+        side = tr("the paged kernel was slower than contiguous SDPA at every block size ({span})", span=span)
     elif max(rs) < 1:
-        side = f"the paged kernel was faster than contiguous SDPA at every block size ({span})"
+        side = tr("the paged kernel was faster than contiguous SDPA at every block size ({span})", span=span)
     else:
-        side = f"the paged kernel was slower at some block sizes and faster at others ({span})"
+        side = tr("the paged kernel was slower at some block sizes and faster at others ({span})", span=span)
     first, last = rs[0], rs[-1]
+    ends = dict(first=first, smallest=sizes[0], last=last, largest=sizes[-1])
     if first > (1 + similar) * last:
-        trend = f"bigger blocks cost less ({first:.2f}x at {sizes[0]}, {last:.2f}x at {sizes[-1]}: fewer, longer reads)"
+        trend = tr("bigger blocks cost less ({first:.2f}x at {smallest}, {last:.2f}x at {largest}: fewer, longer "
+                   "reads)", **ends)
     elif last > (1 + similar) * first:
-        trend = f"bigger blocks cost more ({first:.2f}x at {sizes[0]}, {last:.2f}x at {sizes[-1]})"
+        trend = tr("bigger blocks cost more ({first:.2f}x at {smallest}, {last:.2f}x at {largest})", **ends)
     else:
-        trend = (f"the block size made little difference (within {similar:.0%} from {sizes[0]} to "
-                 f"{sizes[-1]})")
-    return f"reading: {side}; {trend}."
+        trend = tr("the block size made little difference (within {similar:.0%} from {smallest} to {largest})",
+                   similar=similar, **ends)
+    return tr("reading: {side}; {trend}.", side=side, trend=trend)
 
 
 def read_recompute_vs_swap(recompute_s: float, swap_s: float) -> str:
@@ -186,10 +197,11 @@ def read_recompute_vs_swap(recompute_s: float, swap_s: float) -> str:
         raise ValueError("both times must be > 0 seconds")
     ratio = recompute_s / swap_s
     if ratio > 1:
-        return (f"reading: the recompute measured here took {ratio:,.0f}x the time the swap's transfers would "
-                f"take on a GPU's link: on this machine recomputing costs more than moving the blocks would.")
-    return (f"reading: the recompute measured here took {ratio:.2f}x the time the swap's transfers would take on "
-            f"a GPU's link: recomputing costs less than moving the blocks would.")
+        return tr("reading: the recompute measured here took {ratio:,.0f}x the time the swap's transfers would "
+                  "take on a GPU's link: on this machine recomputing costs more than moving the blocks would.",
+                  ratio=ratio)
+    return tr("reading: the recompute measured here took {ratio:.2f}x the time the swap's transfers would take on "
+              "a GPU's link: recomputing costs less than moving the blocks would.", ratio=ratio)
 
 
 # ------------------------------------------------------------------ exercise 4.1
@@ -202,26 +214,29 @@ def check_block_size(block_size) -> CheckResult:
     """4.1: the largest power-of-two block size whose paged pool wastes under 3% of the
     memory it uses on the chapter's trace (the pool keeps its 2,048 token slots)."""
     if todo(block_size):
-        return verdict("4.1", False, "", "replace ... with a block size in tokens (a power of two from 1 to 256), "
-                                         "then run the cell again.")
+        return verdict("4.1", False, "", tr("replace ... with a block size in tokens (a power of two from 1 to "
+                                            "256), then run the cell again."))
     bs = _power_of_two(block_size)
     if bs is None:
-        return verdict("4.1", False, "", f"block_size must be a power of two from 1 to 256 (1, 2, 4, ... 256), "
-                                         f"got {block_size!r}.")
+        return verdict("4.1", False, "", tr("block_size must be a power of two from 1 to 256 (1, 2, 4, ... 256), "
+                                            "got {value!r}.", value=block_size))
     r = replay_trace(bs)
-    seen = (f"With {bs}-token blocks ({r.num_blocks} of them) the paged pool wasted {100 * r.paged_waste:.1f}% "
-            f"of the memory in use")
+    seen = tr("With {bs}-token blocks ({blocks} of them) the paged pool wasted {waste:.1f}% of the memory in use",
+              bs=bs, blocks=r.num_blocks, waste=100 * r.paged_waste)
+    target = 100 * WASTE_TARGET
     if r.paged_waste >= WASTE_TARGET:
-        return verdict("4.1", False, "", f"{seen}: not under {100 * WASTE_TARGET:.0f}%. The waste is the unfilled "
-                                         f"end of each request's last block, on average about half a block per "
-                                         f"request.")
+        return verdict("4.1", False, "", tr("{seen}: not under {target:.0f}%. The waste is the unfilled end of "
+                                            "each request's last block, on average about half a block per "
+                                            "request.", seen=seen, target=target))
     if bs < 256 and replay_trace(2 * bs).paged_waste < WASTE_TARGET:
-        return verdict("4.1", False, "", f"{seen}: under {100 * WASTE_TARGET:.0f}%, but a larger power of two "
-                                         f"also stays under it. How does the waste scale with the block size?")
+        return verdict("4.1", False, "", tr("{seen}: under {target:.0f}%, but a larger power of two also stays "
+                                            "under it. How does the waste scale with the block size?",
+                                            seen=seen, target=target))
     return verdict("4.1", True,
-                   f"{seen}, and twice that block size would pass {100 * WASTE_TARGET:.0f}%. Each running request "
-                   f"wastes about half a block, so the waste grows about in proportion to the block size; smaller "
-                   f"blocks pay for it with longer block tables ({r.mean_table_len:.1f} entries on average here).",
+                   tr("{seen}, and twice that block size would pass {target:.0f}%. Each running request wastes "
+                      "about half a block, so the waste grows about in proportion to the block size; smaller "
+                      "blocks pay for it with longer block tables ({entries:.1f} entries on average here).",
+                      seen=seen, target=target, entries=r.mean_table_len),
                    "")
 
 
@@ -230,22 +245,24 @@ def check_pool_size(num_kv_blocks) -> CheckResult:
     """4.2: a pool of 16-token blocks small enough for at least 3 preemptions on the trace."""
     low = MAX_MODEL_LEN // 16
     if todo(num_kv_blocks):
-        return verdict("4.2", False, "", f"replace ... with a number of 16-token blocks, from {low} (one "
-                                         f"{MAX_MODEL_LEN}-token request must fit) to 128, then run the cell again.")
+        return verdict("4.2", False, "", tr("replace ... with a number of 16-token blocks, from {low} (one "
+                                            "{max_len}-token request must fit) to 128, then run the cell again.",
+                                            low=low, max_len=MAX_MODEL_LEN))
     n = whole(num_kv_blocks, low, 128)
     if n is None:
-        return verdict("4.2", False, "", f"num_kv_blocks must be a whole number from {low} to 128, "
-                                         f"got {num_kv_blocks!r}.")
+        return verdict("4.2", False, "", tr("num_kv_blocks must be a whole number from {low} to 128, "
+                                            "got {value!r}.", low=low, value=num_kv_blocks))
     r = replay_trace(16, n)
-    seen = (f"With {n} blocks ({16 * n:,} token slots) the engine preempted {r.num_preemptions} time(s), "
-            f"recomputed {r.recomputed_tokens:,} tokens and took {r.steps} steps; {r.num_finished} of "
-            f"{len(chapter_trace())} requests finished")
+    seen = tr("With {n} blocks ({slots:,} token slots) the engine preempted {preemptions} time(s), recomputed "
+              "{recomputed:,} tokens and took {steps} steps; {finished} of {total} requests finished",
+              n=n, slots=16 * n, preemptions=r.num_preemptions, recomputed=r.recomputed_tokens, steps=r.steps,
+              finished=r.num_finished, total=len(chapter_trace()))
     right = r.num_preemptions >= MIN_PREEMPTIONS and r.num_finished == len(chapter_trace())
     return verdict("4.2", right,
-                   f"{seen}. Each preemption frees a request's blocks and later computes its tokens again: "
-                   f"memory is paid back in compute.",
-                   f"{seen}. A smaller pool runs out of blocks sooner while requests grow; "
-                   f"aim for at least {MIN_PREEMPTIONS} preemptions.")
+                   tr("{seen}. Each preemption frees a request's blocks and later computes its tokens again: "
+                      "memory is paid back in compute.", seen=seen),
+                   tr("{seen}. A smaller pool runs out of blocks sooner while requests grow; aim for at least "
+                      "{minimum} preemptions.", seen=seen, minimum=MIN_PREEMPTIONS))
 
 
 # ------------------------------------------------------------------ exercise 4.3
@@ -266,22 +283,24 @@ def sampling_savings(n: int, prompt_len: int = SAMPLING_PROMPT_LEN, block_size: 
 def check_parallel_sampling(n) -> CheckResult:
     """4.3: the smallest n whose completions save at least 1,000 token slots by sharing."""
     if todo(n):
-        return verdict("4.3", False, "", "replace ... with the number of completions n (a whole number from 1 "
-                                         "to 64), then run the cell again.")
+        return verdict("4.3", False, "", tr("replace ... with the number of completions n (a whole number from 1 "
+                                            "to 64), then run the cell again."))
     k = whole(n, 1, 64)
     if k is None:
-        return verdict("4.3", False, "", f"n must be a whole number from 1 to 64, got {n!r}.")
+        return verdict("4.3", False, "", tr("n must be a whole number from 1 to 64, got {value!r}.", value=n))
     entries, distinct = sampling_savings(k)
     saved = 16 * (entries - distinct)
     per_sibling = 16 * (SAMPLING_PROMPT_LEN // 16)  # the full prompt blocks each extra completion shares
-    seen = (f"n={k}: the completions' block tables have {entries} entries but only {distinct} distinct blocks, "
-            f"so sharing saves {saved:,} token slots ({per_sibling} per extra completion)")
+    seen = tr("n={k}: the completions' block tables have {entries} entries but only {distinct} distinct blocks, "
+              "so sharing saves {saved:,} token slots ({per_sibling} per extra completion)",
+              k=k, entries=entries, distinct=distinct, saved=saved, per_sibling=per_sibling)
+    fewer = dict(fewer=k - 1, fewer_saved=saved - per_sibling)
     if saved >= SAVED_TARGET and saved - per_sibling < SAVED_TARGET:
-        return verdict("4.3", True, f"{seen}; n={k - 1} would save {saved - per_sibling:,}, under "
-                                    f"{SAVED_TARGET:,}.", "")
-    hint = "too few: raise n" if saved < SAVED_TARGET else f"n={k - 1} already saves {saved - per_sibling:,}"
-    return verdict("4.3", False, "", f"{seen}: {hint}. Each extra completion shares the prompt's "
-                                     f"{SAMPLING_PROMPT_LEN // 16} full blocks.")
+        return verdict("4.3", True, tr("{seen}; n={fewer} would save {fewer_saved:,}, under {target:,}.",
+                                       seen=seen, target=SAVED_TARGET, **fewer), "")
+    hint = tr("too few: raise n") if saved < SAVED_TARGET else tr("n={fewer} already saves {fewer_saved:,}", **fewer)
+    return verdict("4.3", False, "", tr("{seen}: {hint}. Each extra completion shares the prompt's {blocks} full "
+                                        "blocks.", seen=seen, hint=hint, blocks=SAMPLING_PROMPT_LEN // 16))
 
 
 __all__ = ["TraceResult", "chapter_trace", "check_block_size", "check_parallel_sampling", "check_pool_size",

@@ -28,6 +28,7 @@ from typing import Sequence
 from nanoengine import LLMEngine, RequestOutput, SamplingParams
 from nanoengine.config import POLICIES
 from nanoengine.events import RequestPreempted, RequestScheduled, StepFinished
+from translations import tr
 from widgets._common import TokenSource, single_thread, tiny_engine
 from widgets.exercises import CheckResult, todo, verdict, whole
 
@@ -237,12 +238,12 @@ def newcomer_run(max_num_batched_tokens: int = 32, scheduling_policy: str = "fcf
 def check_token_budget(max_num_batched_tokens) -> CheckResult:
     """5.1: the smallest budget that prefills the newcomer within 3 steps of its arrival."""
     if todo(max_num_batched_tokens):
-        return verdict("5.1", False, "", "replace ... with a token budget per step (a whole number from 1 to "
-                                         "512), then run the cell again.")
+        return verdict("5.1", False, "", tr("replace ... with a token budget per step (a whole number from 1 to "
+                                            "512), then run the cell again."))
     b = whole(max_num_batched_tokens, 1, 512)
     if b is None:
-        return verdict("5.1", False, "", f"max_num_batched_tokens must be a whole number from 1 to 512, "
-                                         f"got {max_num_batched_tokens!r}.")
+        return verdict("5.1", False, "", tr("max_num_batched_tokens must be a whole number from 1 to 512, "
+                                            "got {value!r}.", value=max_num_batched_tokens))
 
     def steps_to_prefill(budget: int) -> tuple[int, TraceRun]:
         run = newcomer_run(budget)
@@ -252,18 +253,20 @@ def check_token_budget(max_num_batched_tokens) -> CheckResult:
     took, run = steps_to_prefill(b)
     chunks = [n for s in run.steps for rid, n, prefill in s.chunks
               if rid == run.requests[-1].request_id and prefill]
-    seen = (f"With a {b}-token budget the {NEWCOMER_LEN}-token prompt took {took} step(s) "
-            f"(chunks of {chunks}) and running decodes were skipped "
-            f"{run.num_stalls} time(s)")
+    seen = tr("With a {b}-token budget the {length}-token prompt took {took} step(s) (chunks of {chunks}) and "
+              "running decodes were skipped {stalls} time(s)",
+              b=b, length=NEWCOMER_LEN, took=took, chunks=chunks, stalls=run.num_stalls)
     if took > PREFILL_WITHIN:
-        return verdict("5.1", False, "", f"{seen}: too slow. Each step the three decodes take their token first; "
-                                         f"the prompt gets what is left of the budget.")
+        return verdict("5.1", False, "", tr("{seen}: too slow. Each step the three decodes take their token "
+                                            "first; the prompt gets what is left of the budget.", seen=seen))
     smaller, _ = steps_to_prefill(b - 1) if b > 1 else (PREFILL_WITHIN + 1, None)
     if smaller <= PREFILL_WITHIN:
-        return verdict("5.1", False, "", f"{seen}: fast enough, but not the smallest budget that is. Work out "
-                                         f"how many prompt tokens each of the {PREFILL_WITHIN} steps must carry.")
-    return verdict("5.1", True, f"{seen}; {b - 1} would need {smaller}. Three decodes take 3 tokens of every "
-                                f"step, so 3 x ({b} - 3) >= {NEWCOMER_LEN} is what the chunks need.", "")
+        return verdict("5.1", False, "", tr("{seen}: fast enough, but not the smallest budget that is. Work out "
+                                            "how many prompt tokens each of the {within} steps must carry.",
+                                            seen=seen, within=PREFILL_WITHIN))
+    return verdict("5.1", True, tr("{seen}; {fewer} would need {smaller}. Three decodes take 3 tokens of every "
+                                   "step, so 3 x ({b} - 3) >= {length} is what the chunks need.",
+                                   seen=seen, fewer=b - 1, smaller=smaller, b=b, length=NEWCOMER_LEN), "")
 
 
 # ------------------------------------------------------------------ exercise 5.2
@@ -288,25 +291,28 @@ def check_pool_size(num_kv_blocks) -> CheckResult:
     """5.2: the smallest pool with which the preemption trace runs without a preemption."""
     low = 96 // BLOCK_SIZE
     if todo(num_kv_blocks):
-        return verdict("5.2", False, "", f"replace ... with a number of {BLOCK_SIZE}-token blocks (a whole number "
-                                         f"from {low} to 64), then run the cell again.")
+        return verdict("5.2", False, "", tr("replace ... with a number of {bs}-token blocks (a whole number from "
+                                            "{low} to 64), then run the cell again.", bs=BLOCK_SIZE, low=low))
     n = whole(num_kv_blocks, low, 64)
     if n is None:
-        return verdict("5.2", False, "", f"num_kv_blocks must be a whole number from {low} to 64, "
-                                         f"got {num_kv_blocks!r}.")
+        return verdict("5.2", False, "", tr("num_kv_blocks must be a whole number from {low} to 64, "
+                                            "got {value!r}.", low=low, value=num_kv_blocks))
     run = preemption_run(n)
-    seen = (f"With {n} blocks the trace took {run.num_steps} steps, {len(run.preemptions)} preemption(s) and "
-            f"{run.recomputed_tokens} recomputed tokens")
+    seen = tr("With {n} blocks the trace took {steps} steps, {preemptions} preemption(s) and {recomputed} "
+              "recomputed tokens", n=n, steps=run.num_steps, preemptions=len(run.preemptions),
+              recomputed=run.recomputed_tokens)
     if run.preemptions:
-        return verdict("5.2", False, "", f"{seen}: the pool is too small. Count the blocks each request holds "
-                                         f"when it finishes.")
+        return verdict("5.2", False, "", tr("{seen}: the pool is too small. Count the blocks each request holds "
+                                            "when it finishes.", seen=seen))
     fewer = preemption_run(n - 1) if n > low else None
     if fewer is not None and not fewer.preemptions:
-        return verdict("5.2", False, "", f"{seen}: no preemption, but this is not the smallest such pool. Count "
-                                         f"the blocks each request holds at the end instead of trying values.")
-    return verdict("5.2", True, f"{seen}; with {n - 1} blocks it preempts {len(fewer.preemptions)} time(s). "
-                                f"A request holds ceil((prompt + output - 1) / {BLOCK_SIZE}) blocks at the end: the "
-                                f"last sampled token is never written to the cache.", "")
+        return verdict("5.2", False, "", tr("{seen}: no preemption, but this is not the smallest such pool. Count "
+                                            "the blocks each request holds at the end instead of trying values.",
+                                            seen=seen))
+    return verdict("5.2", True, tr("{seen}; with {fewer} blocks it preempts {preemptions} time(s). A request holds "
+                                   "ceil((prompt + output - 1) / {bs}) blocks at the end: the last sampled token is "
+                                   "never written to the cache.", seen=seen, fewer=n - 1,
+                                   preemptions=len(fewer.preemptions), bs=BLOCK_SIZE), "")
 
 
 # ------------------------------------------------------------------ exercise 5.3
@@ -318,29 +324,33 @@ def check_skipped_decodes(skipped) -> CheckResult:
     trace and compares with what the engine did.
     """
     if todo(skipped):
-        return verdict("5.3", False, "", "replace ... with a number of skipped decode steps (a whole number "
-                                         "from 0 to 100), then run the cell again.")
+        return verdict("5.3", False, "", tr("replace ... with a number of skipped decode steps (a whole number "
+                                            "from 0 to 100), then run the cell again."))
     n = whole(skipped, 0, 100)
     if n is None:
-        return verdict("5.3", False, "", f"skipped must be a whole number from 0 to 100, got {skipped!r}.")
+        return verdict("5.3", False, "", tr("skipped must be a whole number from 0 to 100, got {value!r}.",
+                                            value=skipped))
     run = newcomer_run(SKIP_BUDGET, SKIP_POLICY)
     newcomer = run.requests[-1]
     chunks = [k for s in run.steps for rid, k, prefill in s.chunks if rid == newcomer.request_id and prefill]
     if n == run.num_stalls:
-        return verdict("5.3", True, f"The {NEWCOMER_LEN}-token prompt went in chunks of {chunks}; each of those "
-                                    f"{len(chunks)} steps ran prefill only, so each of the 3 running requests "
-                                    f"lost a decode step in each: {run.num_stalls}. Under fcfs the same trace "
-                                    f"loses {newcomer_run(SKIP_BUDGET, 'fcfs').num_stalls}.", "")
+        return verdict("5.3", True, tr("The {length}-token prompt went in chunks of {chunks}; each of those "
+                                       "{n_chunks} steps ran prefill only, so each of the 3 running requests lost a "
+                                       "decode step in each: {stalls}. Under fcfs the same trace loses "
+                                       "{fcfs_stalls}.", length=NEWCOMER_LEN, chunks=chunks, n_chunks=len(chunks),
+                                       stalls=run.num_stalls,
+                                       fcfs_stalls=newcomer_run(SKIP_BUDGET, 'fcfs').num_stalls), "")
     if n == 0:
-        hint = ("under prefill_first a step that can do prefill work does only that: do the running requests "
-                "get their token in it?")
+        hint = tr("under prefill_first a step that can do prefill work does only that: do the running requests "
+                  "get their token in it?")
     elif n % 3:
-        hint = ("each prefill-only step costs every running request its token, and three are running: the "
-                "count is a multiple of 3.")
+        hint = tr("each prefill-only step costs every running request its token, and three are running: the "
+                  "count is a multiple of 3.")
     else:
-        hint = (f"{n} is {n // 3} prefill-only step(s) for each of the 3 running requests: into how many chunks "
-                f"of at most {SKIP_BUDGET} tokens is a {NEWCOMER_LEN}-token prompt cut?")
-    return verdict("5.3", False, "", f"{n} is not what the engine did: {hint}")
+        hint = tr("{n} is {steps} prefill-only step(s) for each of the 3 running requests: into how many chunks "
+                  "of at most {budget} tokens is a {length}-token prompt cut?",
+                  n=n, steps=n // 3, budget=SKIP_BUDGET, length=NEWCOMER_LEN)
+    return verdict("5.3", False, "", tr("{n} is not what the engine did: {hint}", n=n, hint=hint))
 
 
 __all__ = ["RequestStat", "StepStat", "TraceRun", "check_pool_size", "check_skipped_decodes", "check_token_budget",

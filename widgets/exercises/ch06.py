@@ -42,6 +42,7 @@ from nanoengine import LLMEngine, SamplingParams
 from nanoengine.events import StepFinished
 from nanobench import Roofline, measure, model_gemm_shapes
 from nanoengine.models.config import ModelConfig
+from translations import tr
 from widgets.exercises import CheckResult, todo, verdict, whole
 from widgets.step_cost_explorer import StepCostFit, explore
 
@@ -171,10 +172,11 @@ class ArrivalRun:
         return max(s.num_prefill_tokens + s.num_decode_tokens for s in self.steps)
 
     def describe(self) -> str:
-        return (f"budget {self.budget:>4}, {self.policy:<13}: long prompt in {len(self.prefill_steps)} step(s), "
-                f"{self.stalled_steps} without decodes; decode ITL p50 {1e3 * self.itl_p50:.0f} ms, "
-                f"worst {1e3 * self.itl_max:.0f} ms (of {len(self.decoder_itls)} gaps); long prompt TTFT "
-                f"{1e3 * self.long_ttft:.0f} ms")
+        return tr("budget {budget:>4}, {policy:<13}: long prompt in {steps} step(s), {stalled} without decodes; "
+                  "decode ITL p50 {p50:.0f} ms, worst {worst:.0f} ms (of {gaps} gaps); long prompt TTFT {ttft:.0f} ms",
+                  budget=self.budget, policy=self.policy, steps=len(self.prefill_steps), stalled=self.stalled_steps,
+                  p50=1e3 * self.itl_p50, worst=1e3 * self.itl_max, gaps=len(self.decoder_itls),
+                  ttft=1e3 * self.long_ttft)
 
 
 def arrival_engine(budget: int, policy: str = "fcfs") -> LLMEngine:
@@ -247,12 +249,12 @@ def read_token_costs(prefill_s_per_token: float, decode_s_per_token: float) -> s
         raise ValueError("the costs must be > 0 seconds")
     r = decode_s_per_token / prefill_s_per_token
     if r >= 2:
-        return f"reading: per token, the prefill was far cheaper than a decode step ({r:.0f}x less per token)"
+        return tr("reading: per token, the prefill was far cheaper than a decode step ({r:.0f}x less per token)", r=r)
     if r >= 1.25:
-        return f"reading: per token, the prefill was cheaper than a decode step ({r:.1f}x less per token)"
+        return tr("reading: per token, the prefill was cheaper than a decode step ({r:.1f}x less per token)", r=r)
     if r > 0.8:
-        return f"reading: per token, the prefill cost about what a decode step did ({r:.2f}x)"
-    return f"reading: per token, the prefill cost more than a decode step ({1 / r:.1f}x more per token)"
+        return tr("reading: per token, the prefill cost about what a decode step did ({r:.2f}x)", r=r)
+    return tr("reading: per token, the prefill cost more than a decode step ({more:.1f}x more per token)", more=1 / r)
 
 
 def read_chunking(runs: dict, similar: float = 0.05) -> list[str]:
@@ -263,25 +265,30 @@ def read_chunking(runs: dict, similar: float = 0.05) -> list[str]:
     if len(fcfs) < 2:
         raise ValueError("need fcfs runs at two budgets or more")
     gaps = [r.itl_max for _, r in fcfs]
-    names = ", ".join(f"{1e3 * g:.0f} ms at {b}" for (b, _), g in zip(fcfs, gaps))
-    lines = [("the decoders' worst gap grows with the budget (" if all(x < y for x, y in zip(gaps, gaps[1:]))
-              else "the decoders' worst gap does not grow steadily with the budget (") + names + ")"]
+    names = ", ".join(tr("{ms:.0f} ms at {budget}", ms=1e3 * g, budget=b) for (b, _), g in zip(fcfs, gaps))
+    lines = [tr("the decoders' worst gap grows with the budget ({names})", names=names)
+             if all(x < y for x, y in zip(gaps, gaps[1:])) else
+             tr("the decoders' worst gap does not grow steadily with the budget ({names})", names=names)]
     top_budget, top = fcfs[-1]
 
     def compare(x: float, y: float, other: str) -> str:
         if abs(x / y - 1) <= similar:
-            return f"about the same as {other} (within {similar:.0%})"
-        return f"{x / y - 1:.0%} longer than {other}" if x > y else f"{1 - x / y:.0%} shorter than {other}"
+            return tr("about the same as {other} (within {similar:.0%})", other=other, similar=similar)
+        return (tr("{share:.0%} longer than {other}", share=x / y - 1, other=other) if x > y else
+                tr("{share:.0%} shorter than {other}", share=1 - x / y, other=other))
 
     for b, r in fcfs[:-1]:
-        verdict_ = compare(r.long_ttft, top.long_ttft, "unchunked")
-        why = " (noise: the same work cannot finish sooner)" if r.long_ttft < (1 - similar) * top.long_ttft else ""
-        lines.append(f"budget {b}: the long prompt's TTFT is {verdict_}{why}")
+        verdict_ = compare(r.long_ttft, top.long_ttft, tr("unchunked"))
+        if r.long_ttft < (1 - similar) * top.long_ttft:
+            lines.append(tr("budget {budget}: the long prompt's TTFT is {verdict} (noise: the same work cannot "
+                            "finish sooner)", budget=b, verdict=verdict_))
+        else:
+            lines.append(tr("budget {budget}: the long prompt's TTFT is {verdict}", budget=b, verdict=verdict_))
     for (b, p), r in runs.items():
         if p == "prefill_first":
-            lines.append(f"prefill_first, budget {b}: the decoders' worst gap is "
-                         f"{compare(r.itl_max, top.itl_max, f'fcfs at {top_budget}')}")
-    return ["reading: " + line for line in lines]
+            lines.append(tr("prefill_first, budget {budget}: the decoders' worst gap is {verdict}", budget=b,
+                            verdict=compare(r.itl_max, top.itl_max, tr("fcfs at {budget}", budget=top_budget))))
+    return [tr("reading: {line}", line=line) for line in lines]
 
 
 # ------------------------------------------------------------------ the checks
@@ -313,35 +320,39 @@ def check_decode_batch(decode_batch, roof: Roofline | None, engine: LLMEngine | 
     """6.1: the smallest decode batch (contexts of ``DECODE_CONTEXT`` tokens) whose arithmetic
     intensity reaches ``roof``'s ridge point; a step of that many decodes is run on ``engine``."""
     if todo(decode_batch):
-        return verdict("6.1", False, "", "replace ... with a decode batch size (a whole number from 1 to 4096), "
-                                         "then run the cell again.")
+        return verdict("6.1", False, "", tr("replace ... with a decode batch size (a whole number from 1 to 4096), "
+                                            "then run the cell again."))
     b = whole(decode_batch, 1, 4096)
     if b is None:
-        return verdict("6.1", False, "", f"decode_batch must be a whole number from 1 to 4096, got {decode_batch!r}.")
+        return verdict("6.1", False, "", tr("decode_batch must be a whole number from 1 to 4096, got {value!r}.",
+                                            value=decode_batch))
     if roof is None or engine is None:
-        return verdict("6.1", False, "", "run the chapter's roofline section first (it defines roof and engine).")
+        return verdict("6.1", False, "", tr("run the chapter's roofline section first (it defines roof and engine)."))
     cfg = engine.model_config
     ai, below = decode_intensity(cfg, b), decode_intensity(cfg, b - 1) if b > 1 else 0.0
     best = ridge_batch(cfg, roof.ridge_point)
-    seen = (f"a decode step of {b} requests ({DECODE_CONTEXT}-token contexts) does {ai:.1f} FLOPs per byte; "
-            f"this machine's ridge point is {roof.ridge_point:.1f} FLOPs per byte")
+    seen = tr("a decode step of {b} requests ({context}-token contexts) does {ai:.1f} FLOPs per byte; "
+              "this machine's ridge point is {ridge:.1f} FLOPs per byte",
+              b=b, context=DECODE_CONTEXT, ai=ai, ridge=roof.ridge_point)
     if ai < roof.ridge_point:
-        return verdict("6.1", False, "", f"{seen}: still memory-bound. Raise the batch: each extra sequence reuses "
-                                         f"the weights the step reads anyway.")
+        return verdict("6.1", False, "", tr("{seen}: still memory-bound. Raise the batch: each extra sequence reuses "
+                                            "the weights the step reads anyway.", seen=seen))
     if below >= roof.ridge_point:
-        return verdict("6.1", False, "", f"{seen}: it reaches the ridge, but so does a smaller batch. Solve for "
-                                         f"the batch where the intensity first reaches the ridge point.")
+        return verdict("6.1", False, "", tr("{seen}: it reaches the ridge, but so does a smaller batch. Solve for "
+                                            "the batch where the intensity first reaches the ridge point.", seen=seen))
     steps, timing, context = decode_step_tokens(engine, min(b, engine.config.max_num_seqs))
     decodes = {s.num_decode_tokens for s in steps}
     ran = all(s.num_prefill_tokens == 0 for s in steps) and decodes == {b}
     right = ran and b == best
     achieved = step_cost(cfg, [(1, context)] * b)[0] / timing.median
     return verdict("6.1", right,
-                   f"{seen}, and {b - 1} requests stay below it ({below:.1f}). On the engine the step computed "
-                   f"{b} decode tokens in {1e3 * timing.median:.0f} ms median, {achieved / 1e9:.0f} GFLOP/s of "
-                   f"the roof's {roof.attainable(ai) / 1e9:.0f} GFLOP/s: from here on, more sequences per step "
-                   f"cost compute time, no longer only memory time.",
-                   f"{seen}, but the engine's steps carried {sorted(decodes)} decode tokens; raise max_num_seqs.")
+                   tr("{seen}, and {fewer} requests stay below it ({below:.1f}). On the engine the step computed "
+                      "{b} decode tokens in {ms:.0f} ms median, {achieved:.0f} GFLOP/s of the roof's {roof:.0f} "
+                      "GFLOP/s: from here on, more sequences per step cost compute time, no longer only memory time.",
+                      seen=seen, fewer=b - 1, below=below, b=b, ms=1e3 * timing.median, achieved=achieved / 1e9,
+                      roof=roof.attainable(ai) / 1e9),
+                   tr("{seen}, but the engine's steps carried {decodes} decode tokens; raise max_num_seqs.",
+                      seen=seen, decodes=sorted(decodes)))
 
 
 # ------------------------------------------------------------------ exercise 6.2
@@ -369,33 +380,36 @@ def check_token_budget(budget, fit: StepCostFit | None) -> CheckResult:
     twice a decode-only step of the four decoders (judged on ``fit``, the chapter's own
     measurement of the arrival's steps)."""
     if todo(budget):
-        return verdict("6.2", False, "", f"replace ... with a token budget (max_num_batched_tokens, a whole number "
-                                         f"from {BUDGET_DECODERS + 1} to 8192), then run the cell again.")
+        return verdict("6.2", False, "", tr("replace ... with a token budget (max_num_batched_tokens, a whole number "
+                                            "from {low} to 8192), then run the cell again.", low=BUDGET_DECODERS + 1))
     b = whole(budget, BUDGET_DECODERS + 1, 8192)  # the four decodes take the first tokens of every step
     if b is None:
-        return verdict("6.2", False, "", f"the budget must be a whole number from {BUDGET_DECODERS + 1} to 8192 "
-                                         f"(the {BUDGET_DECODERS} decodes come first), got {budget!r}.")
+        return verdict("6.2", False, "", tr("the budget must be a whole number from {low} to 8192 (the {decoders} "
+                                            "decodes come first), got {value!r}.", low=BUDGET_DECODERS + 1,
+                                            decoders=BUDGET_DECODERS, value=budget))
     if not isinstance(fit, StepCostFit):
-        return verdict("6.2", False, "", "run section 6 first: it fits the step cost of the arrival's own steps "
-                                         "(arrival_fit) that this check uses.")
+        return verdict("6.2", False, "", tr("run section 6 first: it fits the step cost of the arrival's own steps "
+                                            "(arrival_fit) that this check uses."))
     d = BUDGET_DECODERS
     decode_only = fit.step_time(0, d)
     step = longest_chunk_step(fit, b, d)
     limit = BUDGET_STEP_RATIO * decode_only + 1e-12
-    seen = (f"budget {b}: the longest step of the prompt's chunked prefill ({d} decodes and a chunk of up to "
-            f"{b - d} tokens) is predicted at {1e3 * step:.0f} ms, {step / decode_only:.2f}x a decode-only step "
-            f"({1e3 * decode_only:.0f} ms)")
+    seen = tr("budget {b}: the longest step of the prompt's chunked prefill ({d} decodes and a chunk of up to "
+              "{chunk} tokens) is predicted at {ms:.0f} ms, {ratio:.2f}x a decode-only step ({decode_ms:.0f} ms)",
+              b=b, d=d, chunk=b - d, ms=1e3 * step, ratio=step / decode_only, decode_ms=1e3 * decode_only)
     if step > limit:
-        return verdict("6.2", False, "", f"{seen}: above {BUDGET_STEP_RATIO:g}x. Under fcfs the decodes take "
-                                         f"their {d} tokens first; the chunk is the rest of the budget, and a late "
-                                         f"chunk also attends over the prompt's earlier chunks.")
+        return verdict("6.2", False, "", tr("{seen}: above {limit:g}x. Under fcfs the decodes take their {d} tokens "
+                                            "first; the chunk is the rest of the budget, and a late chunk also "
+                                            "attends over the prompt's earlier chunks.",
+                                            seen=seen, limit=BUDGET_STEP_RATIO, d=d))
     if largest_budget(fit, d) > b:
-        return verdict("6.2", False, "", f"{seen}: within {BUDGET_STEP_RATIO:g}x, but not the largest budget "
-                                         f"that is. Which chunk is the most expensive, and what does it cost?")
-    return verdict("6.2", True, f"{seen}, and no larger budget stays within {BUDGET_STEP_RATIO:g}x. Every step "
-                                f"pays the fixed cost once, so a chunk may add about one fixed cost's worth of "
-                                f"work, and the last chunk pays the most attention; a larger budget lets a long "
-                                f"prompt stretch the decoders' gaps further.", "")
+        return verdict("6.2", False, "", tr("{seen}: within {limit:g}x, but not the largest budget that is. Which "
+                                            "chunk is the most expensive, and what does it cost?",
+                                            seen=seen, limit=BUDGET_STEP_RATIO))
+    return verdict("6.2", True, tr("{seen}, and no larger budget stays within {limit:g}x. Every step pays the fixed "
+                                   "cost once, so a chunk may add about one fixed cost's worth of work, and the last "
+                                   "chunk pays the most attention; a larger budget lets a long prompt stretch the "
+                                   "decoders' gaps further.", seen=seen, limit=BUDGET_STEP_RATIO), "")
 
 
 # ------------------------------------------------------------------ exercise 6.3
@@ -405,28 +419,30 @@ def check_policy(policy, budget) -> CheckResult:
     from nanoengine.config import POLICIES
 
     if todo(policy) or todo(budget):
-        return verdict("6.3", False, "", "replace both ... with a policy ('fcfs' or 'prefill_first') and a token "
-                                         "budget, then run the cell again.")
+        return verdict("6.3", False, "", tr("replace both ... with a policy ('fcfs' or 'prefill_first') and a token "
+                                            "budget, then run the cell again."))
     if policy not in ("fcfs", "prefill_first"):
-        return verdict("6.3", False, "", f"policy must be 'fcfs' or 'prefill_first' (the engine knows "
-                                         f"{POLICIES}), got {policy!r}.")
+        return verdict("6.3", False, "", tr("policy must be 'fcfs' or 'prefill_first' (the engine knows "
+                                            "{policies}), got {value!r}.", policies=POLICIES, value=policy))
     b = whole(budget, 16, 4096)
     if b is None:
-        return verdict("6.3", False, "", f"the budget must be a whole number from 16 to 4096, got {budget!r}.")
+        return verdict("6.3", False, "", tr("the budget must be a whole number from 16 to 4096, got {value!r}.",
+                                            value=budget))
     run = run_arrival(b, policy)
     n = len(run.prefill_steps)
-    seen = (f"{policy} with budget {b}: the long prompt took {n} step(s); in {run.stalled_steps} of them the "
-            f"decoding requests got no token (decode tokens per step: "
-            f"{[run.steps[i].num_decode_tokens for i in run.prefill_steps]})")
     largest = max(run.steps[i].num_prefill_tokens + run.steps[i].num_decode_tokens for i in run.prefill_steps)
-    seen += f"; the largest step carried {largest} tokens"
+    seen = tr("{policy} with budget {b}: the long prompt took {n} step(s); in {stalled} of them the decoding "
+              "requests got no token (decode tokens per step: {per_step}); the largest step carried {largest} tokens",
+              policy=policy, b=b, n=n, stalled=run.stalled_steps,
+              per_step=[run.steps[i].num_decode_tokens for i in run.prefill_steps], largest=largest)
     right = run.stalled_steps == 0 and n <= POLICY_PREFILL_STEPS and largest <= POLICY_MAX_STEP_TOKENS
-    hint = ("prefill_first runs a step with prefill work as prefill only: the decoders wait in every one of those "
-            "steps, however small the chunks" if run.stalled_steps else
-            f"too many chunks: the prompt must fit in {POLICY_PREFILL_STEPS} steps" if n > POLICY_PREFILL_STEPS else
-            f"a step carried more than {POLICY_MAX_STEP_TOKENS} tokens: the budget caps a step")
-    return verdict("6.3", right, f"{seen}. fcfs schedules the running decodes first and gives the prefill what is "
-                                 f"left of the budget, so nobody stalls.", f"{seen}: {hint}.")
+    hint = (tr("prefill_first runs a step with prefill work as prefill only: the decoders wait in every one of those "
+               "steps, however small the chunks") if run.stalled_steps else
+            tr("too many chunks: the prompt must fit in {steps} steps", steps=POLICY_PREFILL_STEPS)
+            if n > POLICY_PREFILL_STEPS else
+            tr("a step carried more than {tokens} tokens: the budget caps a step", tokens=POLICY_MAX_STEP_TOKENS))
+    return verdict("6.3", right, tr("{seen}. fcfs schedules the running decodes first and gives the prefill what is "
+                                    "left of the budget, so nobody stalls.", seen=seen), f"{seen}: {hint}.")
 
 
 __all__ = ["ArrivalRun", "arrival_engine", "check_decode_batch", "check_policy", "check_token_budget",

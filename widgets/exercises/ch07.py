@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 
 from nanoengine import LLM, LLMEngine, SamplingParams
+from translations import tr
 from widgets._common import TokenSource, single_thread, tiny_engine
 from widgets.exercises import CheckResult, todo, verdict, whole
 
@@ -106,31 +107,33 @@ def check_pool_size(num_kv_blocks) -> CheckResult:
     """7.1: the smallest pool where every later request is served its whole system prompt."""
     low = TENANT_MAX_MODEL_LEN // 16
     if todo(num_kv_blocks):
-        return verdict("7.1", False, "", f"replace ... with a number of 16-token blocks, from {low} (one "
-                                         f"{TENANT_MAX_MODEL_LEN}-token request must fit) to 64, then run the cell "
-                                         f"again.")
+        return verdict("7.1", False, "", tr("replace ... with a number of 16-token blocks, from {low} (one "
+                                            "{max_len}-token request must fit) to 64, then run the cell again.",
+                                            low=low, max_len=TENANT_MAX_MODEL_LEN))
     n = whole(num_kv_blocks, low, 64)
     if n is None:
-        return verdict("7.1", False, "", f"num_kv_blocks must be a whole number from {low} to 64, "
-                                         f"got {num_kv_blocks!r}.")
+        return verdict("7.1", False, "", tr("num_kv_blocks must be a whole number from {low} to 64, got {value!r}.",
+                                            low=low, value=num_kv_blocks))
     r = tenant_turns(n)
-    seen = (f"With {n} blocks the requests were served {list(r.cached_tokens)} prompt tokens from the cache "
-            f"({r.num_evictions} evictions)")
+    seen = tr("With {n} blocks the requests were served {cached} prompt tokens from the cache ({evictions} "
+              "evictions)", n=n, cached=list(r.cached_tokens), evictions=r.num_evictions)
     kept = all(c == TENANT_PROMPT_LEN for c in r.later_requests)
     if not kept:
-        return verdict("7.1", False, "", f"{seen}: the later requests should get all {TENANT_PROMPT_LEN}. "
-                                         f"Count the blocks both system prompts occupy, plus what one request "
-                                         f"needs beyond its prompt's shared blocks.")
+        return verdict("7.1", False, "", tr("{seen}: the later requests should get all {prompt_len}. Count the "
+                                            "blocks both system prompts occupy, plus what one request needs beyond "
+                                            "its prompt's shared blocks.", seen=seen, prompt_len=TENANT_PROMPT_LEN))
     smaller = tenant_turns(n - 1) if n > low else None
     if smaller is not None and all(c == TENANT_PROMPT_LEN for c in smaller.later_requests):
-        return verdict("7.1", False, "", f"{seen}. That works, but it is not the smallest pool that does: "
-                                         f"count the blocks instead of trying values.")
-    below = (f"; with {n - 1} the later requests get only {smaller.later_requests[0]}" if smaller is not None
-             else "")
-    return verdict("7.1", True,
-                   f"{seen}{below}. Both system prompts (6 blocks each) stay cached and each request needs 2 "
-                   f"blocks of its own; the evictions left are old questions' blocks, the least recently used.",
-                   "")
+        return verdict("7.1", False, "", tr("{seen}. That works, but it is not the smallest pool that does: "
+                                            "count the blocks instead of trying values.", seen=seen))
+    if smaller is not None:
+        success = tr("{seen}; with {fewer} the later requests get only {got}. Both system prompts (6 blocks each) "
+                     "stay cached and each request needs 2 blocks of its own; the evictions left are old questions' "
+                     "blocks, the least recently used.", seen=seen, fewer=n - 1, got=smaller.later_requests[0])
+    else:
+        success = tr("{seen}. Both system prompts (6 blocks each) stay cached and each request needs 2 blocks of its "
+                     "own; the evictions left are old questions' blocks, the least recently used.", seen=seen)
+    return verdict("7.1", True, success, "")
 
 
 # ------------------------------------------------------------------ exercise 7.2
@@ -163,29 +166,30 @@ def padded_prefix_hits(padding: int, num_requests: int = 3) -> tuple[tuple[int, 
 def check_prefix_padding(padding) -> CheckResult:
     """7.2: the fewest shared tokens to add so that 16-token blocks cover the whole shared prefix."""
     if todo(padding):
-        return verdict("7.2", False, "", f"replace ... with a number of shared tokens to add (a whole number "
-                                         f"from 0 to {MAX_PADDING}), then run the cell again.")
+        return verdict("7.2", False, "", tr("replace ... with a number of shared tokens to add (a whole number "
+                                            "from 0 to {most}), then run the cell again.", most=MAX_PADDING))
     pad = whole(padding, 0, MAX_PADDING)
     if pad is None:
-        return verdict("7.2", False, "", f"padding must be a whole number from 0 to {MAX_PADDING}, "
-                                         f"got {padding!r}.")
+        return verdict("7.2", False, "", tr("padding must be a whole number from 0 to {most}, got {value!r}.",
+                                            most=MAX_PADDING, value=padding))
     hits, shared = padded_prefix_hits(pad)
-    seen = (f"With {pad} tokens added the shared prefix is {shared} tokens, and the three requests were served "
-            f"{list(hits)} of them from the cache")
+    seen = tr("With {pad} tokens added the shared prefix is {shared} tokens, and the three requests were served "
+              "{hits} of them from the cache", pad=pad, shared=shared, hits=list(hits))
     if not all(h == shared for h in hits[1:]):
-        return verdict("7.2", False, "", f"{seen}: not all of it. Only full {PADDING_BLOCK_SIZE}-token blocks "
-                                         f"whose tokens are all shared can match; the block that holds the first "
-                                         f"private token never does.")
+        return verdict("7.2", False, "", tr("{seen}: not all of it. Only full {bs}-token blocks whose tokens are "
+                                            "all shared can match; the block that holds the first private token "
+                                            "never does.", seen=seen, bs=PADDING_BLOCK_SIZE))
     # an aligned prefix stays aligned one block shorter: if that one works too, this was not the fewest
     shorter = pad - PADDING_BLOCK_SIZE
     smaller, smaller_shared = padded_prefix_hits(shorter) if shorter >= 0 else ((), 0)
     if shorter >= 0 and all(h == smaller_shared for h in smaller[1:]):
-        return verdict("7.2", False, "", f"{seen}: all of it, but with fewer added tokens it would be too: "
-                                         f"what length must a prefix have for its last block to be full?")
-    return verdict("7.2", True, f"{seen}: every shared token, in {shared // PADDING_BLOCK_SIZE} full blocks. A "
-                                f"prefix is served whole only if its length is a multiple of the block size; "
-                                f"the {SHARED_PREFIX_LEN}-token one lost its last {SHARED_PREFIX_LEN % PADDING_BLOCK_SIZE} "
-                                f"tokens to a block it shared with private ones.", "")
+        return verdict("7.2", False, "", tr("{seen}: all of it, but with fewer added tokens it would be too: what "
+                                            "length must a prefix have for its last block to be full?", seen=seen))
+    return verdict("7.2", True, tr("{seen}: every shared token, in {blocks} full blocks. A prefix is served whole "
+                                   "only if its length is a multiple of the block size; the {prefix_len}-token one "
+                                   "lost its last {lost} tokens to a block it shared with private ones.",
+                                   seen=seen, blocks=shared // PADDING_BLOCK_SIZE, prefix_len=SHARED_PREFIX_LEN,
+                                   lost=SHARED_PREFIX_LEN % PADDING_BLOCK_SIZE), "")
 
 
 # ------------------------------------------------------------------ exercise 7.3
@@ -210,25 +214,26 @@ def layout_hits(layout: str, llm: LLM | LLMEngine) -> tuple[tuple[int, ...], int
 def check_prompt_layout(layout, llm: LLM | LLMEngine) -> CheckResult:
     """7.3: a layout whose later requests are served most of the rules from the prefix cache."""
     if todo(layout):
-        return verdict("7.3", False, "", "replace ... with a format string that uses {rules}, {date} and "
-                                         "{question} once each, then run the cell again.")
+        return verdict("7.3", False, "", tr("replace ... with a format string that uses {rules}, {date} and "
+                                            "{question} once each, then run the cell again."))
     if not isinstance(layout, str):
-        return verdict("7.3", False, "", f"layout must be a string, got {type(layout).__name__}.")
+        return verdict("7.3", False, "", tr("layout must be a string, got {kind}.", kind=type(layout).__name__))
     try:
         fields = _layout_fields(layout)
     except ValueError as error:
-        return verdict("7.3", False, "", f"layout is not a valid format string ({error}).")
+        return verdict("7.3", False, "", tr("layout is not a valid format string ({error}).", error=error))
     if sorted(fields) != sorted(LAYOUT_FIELDS):
-        return verdict("7.3", False, "", f"layout must use {{rules}}, {{date}} and {{question}} exactly once "
-                                         f"each (and no other field), got {fields}.")
+        return verdict("7.3", False, "", tr("layout must use {{rules}}, {{date}} and {{question}} exactly once "
+                                            "each (and no other field), got {fields}.", fields=fields))
     hits, rules_tokens = layout_hits(layout, llm)
-    seen = (f"The three requests were served {list(hits)} prompt tokens from the cache (the rules are "
-            f"{rules_tokens} tokens)")
+    seen = tr("The three requests were served {hits} prompt tokens from the cache (the rules are {rules_tokens} "
+              "tokens)", hits=list(hits), rules_tokens=rules_tokens)
     if all(h >= LAYOUT_SHARE * rules_tokens for h in hits[1:]):
-        return verdict("7.3", True, f"{seen}. What every request shares comes first and what changes comes "
-                                    f"after it, so the chained digests of the rules' blocks match.", "")
-    return verdict("7.3", False, "", f"{seen}. A block matches only if every token before it matches too: "
-                                     f"whatever changes between requests must come after what they share.")
+        return verdict("7.3", True, tr("{seen}. What every request shares comes first and what changes comes "
+                                       "after it, so the chained digests of the rules' blocks match.", seen=seen), "")
+    return verdict("7.3", False, "", tr("{seen}. A block matches only if every token before it matches too: "
+                                        "whatever changes between requests must come after what they share.",
+                                        seen=seen))
 
 
 # ------------------------------------------------------------------ readings
@@ -238,18 +243,24 @@ def read_hash_cost(sha_s_per_block: float, python_s_per_block: float, sha_s_per_
     if not (sha_s_per_block > 0 and python_s_per_block > 0 and sha_s_per_token > 0):
         raise ValueError("the times must be > 0 seconds")
     us = 1e6 * sha_s_per_block
-    size = ("under a microsecond" if us < 1 else "about a microsecond" if us < 2 else
-            "a few microseconds" if us < 10 else "tens of microseconds or more")
+    size = (tr("under a microsecond") if us < 1 else tr("about a microsecond") if us < 2 else
+            tr("a few microseconds") if us < 10 else tr("tens of microseconds or more"))
     r = sha_s_per_block / python_s_per_block
-    versus = (f"{r:.1f}x Python's hash, several times slower" if r >= 2 else
-              f"{r:.1f}x Python's hash, somewhat slower" if r >= 1.25 else
-              f"{r:.2f}x Python's hash, about as fast" if r >= 0.8 else
-              f"{r:.2f}x Python's hash, faster")
+    versus = (tr("{r:.1f}x Python's hash, several times slower", r=r) if r >= 2 else
+              tr("{r:.1f}x Python's hash, somewhat slower", r=r) if r >= 1.25 else
+              tr("{r:.2f}x Python's hash, about as fast", r=r) if r >= 0.8 else
+              tr("{r:.2f}x Python's hash, faster", r=r))
     ns = 1e9 * sha_s_per_token
     lo, hi = VLLM_SHA256_NS_PER_TOKEN
-    order = ("the same order as" if lo / 3 <= ns <= hi * 3 else "well below" if ns < lo else "well above")
-    return (f"reading: SHA-256 costs {size} per block here ({us:.1f} µs), {versus}; {ns:.0f} ns per token is "
-            f"{order} vLLM's cited {lo}-{hi} ns per token.")
+    fields = dict(size=size, us=us, versus=versus, ns=ns, lo=lo, hi=hi)
+    if lo / 3 <= ns <= hi * 3:
+        return tr("reading: SHA-256 costs {size} per block here ({us:.1f} µs), {versus}; {ns:.0f} ns per token is "
+                  "the same order as vLLM's cited {lo}-{hi} ns per token.", **fields)
+    if ns < lo:
+        return tr("reading: SHA-256 costs {size} per block here ({us:.1f} µs), {versus}; {ns:.0f} ns per token is "
+                  "well below vLLM's cited {lo}-{hi} ns per token.", **fields)
+    return tr("reading: SHA-256 costs {size} per block here ({us:.1f} µs), {versus}; {ns:.0f} ns per token is "
+              "well above vLLM's cited {lo}-{hi} ns per token.", **fields)
 
 
 def read_ttft_agreement(engine_s: float, wall_s: float, tolerance: float = 0.05) -> str:
@@ -258,14 +269,16 @@ def read_ttft_agreement(engine_s: float, wall_s: float, tolerance: float = 0.05)
     if not (engine_s > 0 and wall_s > 0):
         raise ValueError("the times must be > 0 seconds")
     gap = (wall_s - engine_s) / wall_s
-    ms = f"{1e3 * engine_s:.0f} ms against {1e3 * wall_s:.0f} ms"
+    fields = dict(engine=1e3 * engine_s, wall=1e3 * wall_s)
     if abs(gap) <= tolerance:
-        return f"{ms}: the same within {tolerance:.0%}"
+        return tr("{engine:.0f} ms against {wall:.0f} ms: the same within {tolerance:.0%}", tolerance=tolerance,
+                  **fields)
     if gap > 0:
-        return (f"{ms}: {gap:.0%} below the wall time, which also counts the call's own work before the request "
-                f"arrives and after its first token (tokenizing the prompt, building the output)")
-    return (f"{ms}: {-gap:.0%} above the wall time around the whole call, which it should not be: a noisy run "
-            f"(the two medians may come from different runs)")
+        return tr("{engine:.0f} ms against {wall:.0f} ms: {gap:.0%} below the wall time, which also counts the "
+                  "call's own work before the request arrives and after its first token (tokenizing the prompt, "
+                  "building the output)", gap=gap, **fields)
+    return tr("{engine:.0f} ms against {wall:.0f} ms: {gap:.0%} above the wall time around the whole call, which it "
+              "should not be: a noisy run (the two medians may come from different runs)", gap=-gap, **fields)
 
 
 def read_cache_speedup(speedup: float, token_ratio: float, tolerance: float = 0.10) -> str:
@@ -274,14 +287,15 @@ def read_cache_speedup(speedup: float, token_ratio: float, tolerance: float = 0.
     if not (speedup > 0 and token_ratio > 0):
         raise ValueError("both ratios must be > 0")
     share = speedup / token_ratio
+    fields = dict(speedup=speedup, ratio=token_ratio)
     if share < 1 - tolerance:
-        return (f"reading: the cache gave {speedup:.1f}x against {token_ratio:.0f}x fewer tokens computed: less, "
-                f"because a request pays a cost that does not shrink with the tokens it computes.")
+        return tr("reading: the cache gave {speedup:.1f}x against {ratio:.0f}x fewer tokens computed: less, because "
+                  "a request pays a cost that does not shrink with the tokens it computes.", **fields)
     if share > 1 + tolerance:
-        return (f"reading: the cache gave {speedup:.1f}x against {token_ratio:.0f}x fewer tokens computed: more "
-                f"than the tokens alone explain (the long prefill costs more per token than the short one).")
-    return (f"reading: the cache gave {speedup:.1f}x against {token_ratio:.0f}x fewer tokens computed: about the "
-            f"ratio of tokens, so almost nothing is paid per request beyond its tokens.")
+        return tr("reading: the cache gave {speedup:.1f}x against {ratio:.0f}x fewer tokens computed: more than the "
+                  "tokens alone explain (the long prefill costs more per token than the short one).", **fields)
+    return tr("reading: the cache gave {speedup:.1f}x against {ratio:.0f}x fewer tokens computed: about the ratio "
+              "of tokens, so almost nothing is paid per request beyond its tokens.", **fields)
 
 
 __all__ = ["TurnsResult", "VLLM_SHA256_NS_PER_TOKEN", "read_cache_speedup", "read_hash_cost", "read_ttft_agreement",

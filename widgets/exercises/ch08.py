@@ -26,6 +26,7 @@ import torch
 
 from nanoengine import LLM, LLMEngine
 from nanoengine.layers.sampler import kept_mask, sampling_probs
+from translations import tr
 from widgets._common import single_thread, token_label
 from widgets.exercises import CheckResult, todo, verdict, whole
 
@@ -72,22 +73,27 @@ def check_top_p(llm, top_p) -> CheckResult:
     """8.1: a top_p that keeps exactly KEEP_TOKENS tokens after PEAKED_PROMPT."""
     engine = _engine(llm)
     if todo(top_p):
-        return verdict("8.1", False, "", "replace ... with a top_p (a number above 0 and at most 1), then run "
-                                         "the cell again.")
+        return verdict("8.1", False, "", tr("replace ... with a top_p (a number above 0 and at most 1), then run "
+                                            "the cell again."))
     p = _number(top_p, 0.0, 1.0)
     if p is None:
-        return verdict("8.1", False, "", f"top_p must be a number above 0 and at most 1, got {top_p!r}.")
+        return verdict("8.1", False, "", tr("top_p must be a number above 0 and at most 1, got {value!r}.",
+                                            value=top_p))
     kept = kept_by_top_p(engine, p)
     probs = torch.softmax(peaked_logits(engine), dim=-1)
     shown = ", ".join(f"{token_label(engine, t)!r} {float(probs[t]):.4f}" for t in kept[:6])
-    seen = f"top_p={p:g} keeps {len(kept)} token(s) ({shown}{', ...' if len(kept) > 6 else ''})"
+    seen = tr("top_p={p:g} keeps {n} token(s) ({shown})", p=p, n=len(kept),
+              shown=shown + (", ..." if len(kept) > 6 else ""))
+    fields = dict(seen=seen, keep=KEEP_TOKENS, fewer=KEEP_TOKENS - 1)
+    hint = (tr("{seen}; {keep} asked. Lower p: add up the sorted probabilities and put p between the sum of the top "
+               "{fewer} and the sum of the top {keep}.", **fields) if len(kept) > KEEP_TOKENS else
+            tr("{seen}; {keep} asked. Raise p: add up the sorted probabilities and put p between the sum of the top "
+               "{fewer} and the sum of the top {keep}.", **fields))
     return verdict("8.1", len(kept) == KEEP_TOKENS,
-                   f"{seen}. Top-p keeps a token while the mass of the tokens before it is below p, so any p "
-                   f"above the mass of the top {KEEP_TOKENS - 1} and at most that of the top {KEEP_TOKENS} "
-                   f"keeps exactly {KEEP_TOKENS}.",
-                   f"{seen}; {KEEP_TOKENS} asked. {'Lower' if len(kept) > KEEP_TOKENS else 'Raise'} p: add up "
-                   f"the sorted probabilities and put p between the sum of the top {KEEP_TOKENS - 1} and "
-                   f"the sum of the top {KEEP_TOKENS}.")
+                   tr("{seen}. Top-p keeps a token while the mass of the tokens before it is below p, so any p "
+                      "above the mass of the top {fewer} and at most that of the top {keep} keeps exactly {keep}.",
+                      **fields),
+                   hint)
 
 
 # ------------------------------------------------------------------ exercise 8.2
@@ -102,24 +108,29 @@ def check_temperature(llm, temperature) -> CheckResult:
     """8.2: a temperature putting the top token's probability in [TOP_PROB_LOW, TOP_PROB_HIGH)."""
     engine = _engine(llm)
     if todo(temperature):
-        return verdict("8.2", False, "", "replace ... with a temperature (a number above 0, at most 10), then "
-                                         "run the cell again.")
+        return verdict("8.2", False, "", tr("replace ... with a temperature (a number above 0, at most 10), then "
+                                            "run the cell again."))
     t = _number(temperature, 0.0, 10.0)
     if t is None:
-        return verdict("8.2", False, "", f"temperature must be a number above 0 and at most 10 (0 is greedy, "
-                                         f"which has no distribution to shape), got {temperature!r}.")
+        return verdict("8.2", False, "", tr("temperature must be a number above 0 and at most 10 (0 is greedy, "
+                                            "which has no distribution to shape), got {value!r}.", value=temperature))
     top = top_probability(engine, t)
     at_one = top_probability(engine, 1.0)
-    seen = f"at temperature {t:g} the top token has probability {top:.3f}"
     if t != 1.0:
-        seen += f" (at temperature 1 it has {at_one:.3f})"
+        seen = tr("at temperature {t:g} the top token has probability {top:.3f} (at temperature 1 it has "
+                  "{at_one:.3f})", t=t, top=top, at_one=at_one)
+    else:
+        seen = tr("at temperature {t:g} the top token has probability {top:.3f}", t=t, top=top)
     right = TOP_PROB_LOW <= top < TOP_PROB_HIGH
-    direction = "raise" if top >= TOP_PROB_HIGH else "lower"
+    fields = dict(seen=seen, low=TOP_PROB_LOW, high=TOP_PROB_HIGH)
+    hint = (tr("{seen}; aim for {low:g} to {high:g}: raise the temperature (T > 1 flattens, T < 1 sharpens).",
+               **fields) if top >= TOP_PROB_HIGH else
+            tr("{seen}; aim for {low:g} to {high:g}: lower the temperature (T > 1 flattens, T < 1 sharpens).",
+               **fields))
     return verdict("8.2", right,
-                   f"{seen}. Dividing the logits by T > 1 shrinks the gaps between them, so the softmax "
-                   f"flattens and the top token loses probability to the rest; no token is removed.",
-                   f"{seen}; aim for {TOP_PROB_LOW:g} to {TOP_PROB_HIGH:g}: {direction} the temperature "
-                   f"(T > 1 flattens, T < 1 sharpens).")
+                   tr("{seen}. Dividing the logits by T > 1 shrinks the gaps between them, so the softmax "
+                      "flattens and the top token loses probability to the rest; no token is removed.", seen=seen),
+                   hint)
 
 
 # ------------------------------------------------------------------ exercise 8.3
@@ -142,8 +153,9 @@ def fit_p_value(draws: torch.Tensor, probs: torch.Tensor) -> float:
 def _run_draw(draw, logits: torch.Tensor, seed: int):
     out = draw(logits, torch.Generator().manual_seed(seed))
     if not isinstance(out, torch.Tensor) or out.shape != (logits.shape[0],) or out.dtype.is_floating_point:
-        raise TypeError(f"draw(logits, generator) must return one integer index per row, a tensor of shape "
-                        f"({logits.shape[0]},); got {type(out).__name__} {tuple(getattr(out, 'shape', ()))}")
+        raise TypeError(tr("draw(logits, generator) must return one integer index per row, a tensor of shape "
+                           "({rows},); got {kind} {shape}", rows=logits.shape[0], kind=type(out).__name__,
+                           shape=tuple(getattr(out, "shape", ()))))
     return out.long()
 
 
@@ -151,10 +163,10 @@ def check_gumbel_draw(llm, draw) -> CheckResult:
     """8.3: a Gumbel-max draw: fits the softmax, reproducible, and coupled like an argmax of noise."""
     engine = _engine(llm)
     if todo(draw):
-        return verdict("8.3", False, "", "fill in the line marked # TODO (noise = ...) so that draw(logits, "
-                                         "generator) returns one token index per row, then run the cell again.")
+        return verdict("8.3", False, "", tr("fill in the line marked # TODO (noise = ...) so that draw(logits, "
+                                            "generator) returns one token index per row, then run the cell again."))
     if not callable(draw):
-        return verdict("8.3", False, "", f"draw must be a function, got {type(draw).__name__}.")
+        return verdict("8.3", False, "", tr("draw must be a function, got {kind}.", kind=type(draw).__name__))
     head = story_head_logits(engine)
     probs = torch.softmax(head.double(), dim=-1)
     rows = head[None].expand(GUMBEL_DRAWS, -1).contiguous()
@@ -162,24 +174,30 @@ def check_gumbel_draw(llm, draw) -> CheckResult:
         first = _run_draw(draw, rows, seed=0)
         again = _run_draw(draw, rows, seed=0)
     except (TypeError, RuntimeError, ValueError) as err:
-        return verdict("8.3", False, "", f"calling draw(logits, generator) on a ({GUMBEL_DRAWS}, {GUMBEL_TOKENS}) "
-                                         f"batch failed: {err}")
+        return verdict("8.3", False, "", tr("calling draw(logits, generator) on a ({rows}, {k}) batch failed: "
+                                            "{error}", rows=GUMBEL_DRAWS, k=GUMBEL_TOKENS, error=err))
     if first.min() < 0 or first.max() >= GUMBEL_TOKENS:
-        return verdict("8.3", False, "", f"the indices must be in [0, {GUMBEL_TOKENS}); got "
-                                         f"{int(first.min())} to {int(first.max())}.")
+        return verdict("8.3", False, "", tr("the indices must be in [0, {k}); got {low} to {high}.",
+                                            k=GUMBEL_TOKENS, low=int(first.min()), high=int(first.max())))
     if not torch.equal(first, again):
-        return verdict("8.3", False, "", "two calls with generators seeded the same gave different draws: take "
-                                         "every random number from the generator you are given.")
+        return verdict("8.3", False, "", tr("two calls with generators seeded the same gave different draws: take "
+                                            "every random number from the generator you are given."))
     p_value = fit_p_value(first, probs)
     top_share = float((first == 0).double().mean())
-    seen = (f"{GUMBEL_DRAWS:,} draws over the story prompt's {GUMBEL_TOKENS} likeliest tokens: the most likely "
-            f"token came up {100 * top_share:.1f}% of the time against {100 * float(probs[0]):.1f}% expected; fit "
-            f"to the softmax: {'yes' if p_value >= GUMBEL_MIN_P_VALUE else 'no'} (chi-square p-value "
-            f"{'at least' if p_value >= GUMBEL_MIN_P_VALUE else 'below'} {GUMBEL_MIN_P_VALUE:g})")
+    fields = dict(draws=GUMBEL_DRAWS, tokens=GUMBEL_TOKENS, share=100 * top_share, expected=100 * float(probs[0]),
+                  min_p=GUMBEL_MIN_P_VALUE)
+    if p_value >= GUMBEL_MIN_P_VALUE:
+        seen = tr("{draws:,} draws over the story prompt's {tokens} likeliest tokens: the most likely token came up "
+                  "{share:.1f}% of the time against {expected:.1f}% expected; fit to the softmax: yes (chi-square "
+                  "p-value at least {min_p:g})", **fields)
+    else:
+        seen = tr("{draws:,} draws over the story prompt's {tokens} likeliest tokens: the most likely token came up "
+                  "{share:.1f}% of the time against {expected:.1f}% expected; fit to the softmax: no (chi-square "
+                  "p-value below {min_p:g})", **fields)
     if p_value < GUMBEL_MIN_P_VALUE:
-        return verdict("8.3", False, "", f"{seen}. The noise you add does not turn the argmax into a draw from "
-                                         f"the softmax: what distribution must the noise have, for the largest "
-                                         f"of logit + noise to be token t with probability p_t?")
+        return verdict("8.3", False, "", tr("{seen}. The noise you add does not turn the argmax into a draw from "
+                                            "the softmax: what distribution must the noise have, for the largest "
+                                            "of logit + noise to be token t with probability p_t?", seen=seen))
     raised = rows.clone()
     bump = 5
     raised[:, bump] += 1.0  # the same rows with one token's logit raised
@@ -188,16 +206,16 @@ def check_gumbel_draw(llm, draw) -> CheckResult:
     to_third = int((changed & (moved != bump)).sum())
     to_raised = int((changed & (moved == bump)).sum())
     coupled = to_third == 0 and to_raised > 0
-    detail = (f"raising token {bump}'s logit by 1 with the same random numbers changed {int(changed.sum()):,} "
-              f"draws, {to_raised:,} of them to that token and {to_third:,} to another one")
     return verdict("8.3", coupled,
-                   f"{seen}; raising token {bump}'s logit by 1 with the same random numbers moved draws only to that "
-                   f"token. An argmax of logit + Gumbel noise is vLLM v1's exponential race in "
-                   f"logarithms (argmax p/E with E exponential): one random number per token, no sort, no "
-                   f"cumulative sum, and a raised logit can only win draws, never move them elsewhere.",
-                   f"{seen}, but {detail}. With one fixed random number per token and an argmax, raising one "
-                   f"logit can only make that token win: draw by taking an argmax, not by walking the cumulative "
-                   f"probabilities.")
+                   tr("{seen}; raising token {bump}'s logit by 1 with the same random numbers moved draws only to "
+                      "that token. An argmax of logit + Gumbel noise is vLLM v1's exponential race in logarithms "
+                      "(argmax p/E with E exponential): one random number per token, no sort, no cumulative sum, and "
+                      "a raised logit can only win draws, never move them elsewhere.", seen=seen, bump=bump),
+                   tr("{seen}, but raising token {bump}'s logit by 1 with the same random numbers changed {changed:,} "
+                      "draws, {to_raised:,} of them to that token and {to_third:,} to another one. With one fixed "
+                      "random number per token and an argmax, raising one logit can only make that token win: draw "
+                      "by taking an argmax, not by walking the cumulative probabilities.",
+                      seen=seen, bump=bump, changed=int(changed.sum()), to_raised=to_raised, to_third=to_third))
 
 
 __all__ = ["GUMBEL_DRAWS", "GUMBEL_TOKENS", "KEEP_TOKENS", "PEAKED_PROMPT", "STORY_PROMPT", "TOP_PROB_HIGH",

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoengine.layers.linear import RowParallelLinear
+from translations import tr
 from widgets.exercises import CheckResult, todo, verdict, whole
 
 EX1_TP = 4  # exercise 9.1: ranks to split the MLP over (1536 / 4 = 384 features each)
@@ -82,12 +83,12 @@ def hidden_states(engine, model, layer: int, prompt: str = EX1_PROMPT) -> torch.
 def check_mlp_split(shard_mlp, llm) -> CheckResult:
     """9.1: the ranks' partial outputs must add up to the unsplit MLP's output."""
     if todo(shard_mlp) or not callable(shard_mlp):
-        return verdict("9.1", False, "", "define shard_mlp in the scaffold cell (replace each ... marked TODO) and "
-                                         "pass the function itself, then run the cell again.")
+        return verdict("9.1", False, "", tr("define shard_mlp in the scaffold cell (replace each ... marked TODO) "
+                                            "and pass the function itself, then run the cell again."))
     model, engine = _model_of(llm)
     if model is None:
-        return verdict("9.1", False, "", "pass the chapter's one-process engine, llm = LLM(...), as the second "
-                                         "argument.")
+        return verdict("9.1", False, "", tr("pass the chapter's one-process engine, llm = LLM(...), as the second "
+                                            "argument."))
     mlp = model.model.layers[EX1_LAYER].mlp
     inter = mlp.down_proj.weight.shape[1]
     gate, up = mlp.gate_up_proj.weight.split(inter, dim=0)  # (I, H) each
@@ -100,18 +101,20 @@ def check_mlp_split(shard_mlp, llm) -> CheckResult:
             try:
                 parts = shard_mlp(gate, up, down, rank, EX1_TP)
             except Exception as exc:  # the learner's code: say what went wrong, as a hint
-                return verdict("9.1", False, "", f"shard_mlp(..., rank={rank}, tp={EX1_TP}) raised "
-                                                 f"{type(exc).__name__}: {exc}")
+                return verdict("9.1", False, "", tr("shard_mlp(..., rank={rank}, tp={tp}) raised {kind}: {error}",
+                                                    rank=rank, tp=EX1_TP, kind=type(exc).__name__, error=exc))
             if not isinstance(parts, tuple) or len(parts) != 3 or any(todo(p) for p in parts):
-                return verdict("9.1", False, "", "shard_mlp must return (gate_r, up_r, down_r), three tensors; "
-                                                 "replace every ... marked TODO.")
+                return verdict("9.1", False, "", tr("shard_mlp must return (gate_r, up_r, down_r), three tensors; "
+                                                    "replace every ... marked TODO."))
             gate_r, up_r, down_r = parts
             want = [(share, gate.shape[1]), (share, up.shape[1]), (down.shape[0], share)]
             got = [tuple(getattr(p, "shape", ())) for p in parts]
             if got != want:
-                return verdict("9.1", False, "", f"rank {rank}'s shares have shapes {got}; with {inter} "
-                                                 f"intermediate features over {EX1_TP} ranks each rank holds "
-                                                 f"{share}: gate and up rows {want[0]}, down columns {want[2]}.")
+                return verdict("9.1", False, "", tr("rank {rank}'s shares have shapes {got}; with {inter} "
+                                                    "intermediate features over {tp} ranks each rank holds {share}: "
+                                                    "gate and up rows {rows}, down columns {columns}.",
+                                                    rank=rank, got=got, inter=inter, tp=EX1_TP, share=share,
+                                                    rows=want[0], columns=want[2]))
             h = F.silu(x @ gate_r.T) * (x @ up_r.T)  # (T, I/tp): this rank's slice, no communication
             partials.append(h @ down_r.T)  # (T, H): a partial sum of the whole output
         full = mlp(x)  # the unsplit layer, as the engine runs it
@@ -119,14 +122,15 @@ def check_mlp_split(shard_mlp, llm) -> CheckResult:
     err = (summed - full).abs().max().item()
     scale = full.abs().max().item()
     right = err <= 1e-4 * max(1.0, scale)
-    seen = f"Layer {EX1_LAYER}'s MLP over {EX1_TP} ranks ({share} of {inter} features each), {x.shape[0]} real tokens"
+    seen = tr("Layer {layer}'s MLP over {tp} ranks ({share} of {inter} features each), {tokens} real tokens",
+              layer=EX1_LAYER, tp=EX1_TP, share=share, inter=inter, tokens=x.shape[0])
     return verdict("9.1", right,
-                   f"{seen}: the summed partial outputs equal the unsplit layer's output up to float rounding (the "
-                   f"sum is taken in another order). Gate and up are cut by rows (column-parallel), down by the same "
-                   f"columns (row-parallel), so SiLU-and-multiply stays local.",
-                   f"{seen}: the summed partial outputs differ from the unsplit layer by up to {err:.1e}, far from "
-                   f"rounding. Rank r must take the same intermediate features r*{share} to (r+1)*{share} in all "
-                   f"three: rows of gate and up, columns of down.")
+                   tr("{seen}: the summed partial outputs equal the unsplit layer's output up to float rounding (the "
+                      "sum is taken in another order). Gate and up are cut by rows (column-parallel), down by the "
+                      "same columns (row-parallel), so SiLU-and-multiply stays local.", seen=seen),
+                   tr("{seen}: the summed partial outputs differ from the unsplit layer by up to {err:.1e}, far from "
+                      "rounding. Rank r must take the same intermediate features r*{share} to (r+1)*{share} in all "
+                      "three: rows of gate and up, columns of down.", seen=seen, err=err, share=share))
 
 
 # ------------------------------------------------------------------ exercise 9.2
@@ -143,38 +147,44 @@ def check_tp_size(tp_size, replicas) -> CheckResult:
     from nanoengine.models.presets import PRESETS
 
     if todo(tp_size) or todo(replicas):
-        return verdict("9.2", False, "", f"replace both ... (a tensor_parallel_size and a number of replicas, whole "
-                                         f"numbers from 1 to {EX2_GPUS}), then run the cell again.")
+        return verdict("9.2", False, "", tr("replace both ... (a tensor_parallel_size and a number of replicas, "
+                                            "whole numbers from 1 to {gpus}), then run the cell again.",
+                                            gpus=EX2_GPUS))
     n, r = whole(tp_size, 1, EX2_GPUS), whole(replicas, 1, EX2_GPUS)
     if n is None or r is None:
-        return verdict("9.2", False, "", f"tensor_parallel_size and replicas must be whole numbers from 1 to "
-                                         f"{EX2_GPUS} (one rank per GPU), got {tp_size!r} and {replicas!r}.")
+        return verdict("9.2", False, "", tr("tensor_parallel_size and replicas must be whole numbers from 1 to "
+                                            "{gpus} (one rank per GPU), got {tp!r} and {replicas!r}.",
+                                            gpus=EX2_GPUS, tp=tp_size, replicas=replicas))
     shape = PRESETS[EX2_MODEL]
     try:
         check_tensor_parallel_size(shape, n, torch.device("cpu"))
     except ValueError as err:
-        return verdict("9.2", False, "", f"The engine refuses tensor_parallel_size={n}: {err}")
+        return verdict("9.2", False, "", tr("The engine refuses tensor_parallel_size={n}: {error}", n=n, error=err))
     if n * r > EX2_GPUS:
-        return verdict("9.2", False, "", f"{r} replica(s) of {n} GPUs need {n * r} GPUs; there are {EX2_GPUS}.")
+        return verdict("9.2", False, "", tr("{r} replica(s) of {n} GPUs need {needed} GPUs; there are {gpus}.",
+                                            r=r, n=n, needed=n * r, gpus=EX2_GPUS))
     share = weight_gb_per_rank(shape, n)
     free = EX2_GPU_GB - share
-    seen = (f"tensor_parallel_size={n}: {share:.1f} GB of weights per GPU, {free:.1f} GB left for the KV cache "
-            f"(at least {EX2_KV_GB} wanted); {r} replica(s) use {n * r} of {EX2_GPUS} GPUs")
+    seen = tr("tensor_parallel_size={n}: {share:.1f} GB of weights per GPU, {free:.1f} GB left for the KV cache "
+              "(at least {kv} wanted); {r} replica(s) use {used} of {gpus} GPUs",
+              n=n, share=share, free=free, kv=EX2_KV_GB, r=r, used=n * r, gpus=EX2_GPUS)
     if free < EX2_KV_GB:
-        return verdict("9.2", False, "", f"{seen}: too little room for the KV cache. Only a larger size lowers "
-                                         f"each GPU's share of the weights.")
+        return verdict("9.2", False, "", tr("{seen}: too little room for the KV cache. Only a larger size lowers "
+                                            "each GPU's share of the weights.", seen=seen))
     fitting = [s_ for s_ in allowed_tensor_parallel_sizes(shape)
                if s_ <= EX2_GPUS and EX2_GPU_GB - weight_gb_per_rank(shape, s_) >= EX2_KV_GB]
     if n != min(fitting):
-        return verdict("9.2", False, "", f"{seen}. It fits, but so does a smaller size the engine accepts: every "
-                                         f"rank beyond what memory needs adds a share of 2 x layers collectives "
-                                         f"per step and leaves fewer GPUs for replicas.")
+        return verdict("9.2", False, "", tr("{seen}. It fits, but so does a smaller size the engine accepts: every "
+                                            "rank beyond what memory needs adds a share of 2 x layers collectives "
+                                            "per step and leaves fewer GPUs for replicas.", seen=seen))
     if r != EX2_GPUS // n:
-        return verdict("9.2", False, "", f"{seen}: GPUs that could hold another whole replica stay idle.")
+        return verdict("9.2", False, "", tr("{seen}: GPUs that could hold another whole replica stay idle.",
+                                            seen=seen))
     return verdict("9.2", True,
-                   f"{seen}. Memory sets the smallest tensor_parallel_size; more throughput then comes from "
-                   f"replicas, which serve their own requests and exchange nothing, while a larger "
-                   f"tensor-parallel group would pay more collectives per step for KV room it does not need.", "")
+                   tr("{seen}. Memory sets the smallest tensor_parallel_size; more throughput then comes from "
+                      "replicas, which serve their own requests and exchange nothing, while a larger "
+                      "tensor-parallel group would pay more collectives per step for KV room it does not need.",
+                      seen=seen), "")
 
 
 # ------------------------------------------------------------------ exercise 9.3
@@ -217,36 +227,41 @@ def check_crossover_batch(batch) -> CheckResult:
     """9.3: the largest decode batch of Llama-3-8B at tensor_parallel_size=4 over PCIe whose
     all-reduce bytes take no longer than the weight read."""
     if todo(batch):
-        return verdict("9.3", False, "", "replace ... with a number of sequences (a whole number), then run the "
-                                         "cell again.")
+        return verdict("9.3", False, "", tr("replace ... with a number of sequences (a whole number), then run the "
+                                            "cell again."))
     b = whole(batch, 1, 10**6)
     if b is None:
-        return verdict("9.3", False, "", f"batch is a whole number of sequences, at least 1, got {batch!r}.")
+        return verdict("9.3", False, "", tr("batch is a whole number of sequences, at least 1, got {value!r}.",
+                                            value=batch))
     right = crossover_batch()
     if b == right:
         return verdict("9.3", True,
-                       f"{right} sequences. The weight read is fixed per step while the all-reduce bytes grow with "
-                       f"every sequence, so past {right} sequences per step PCIe, not HBM, sets the pace of a "
-                       f"decode step (before any latency). Over NVLink the same crossing comes about "
-                       f"{NVLINK_BYTES_PER_S / PCIE_BYTES_PER_S:.0f} times later: that is why tensor parallelism "
-                       f"stays inside an NVLink server.", "")
+                       tr("{right} sequences. The weight read is fixed per step while the all-reduce bytes grow with "
+                          "every sequence, so past {right} sequences per step PCIe, not HBM, sets the pace of a "
+                          "decode step (before any latency). Over NVLink the same crossing comes about {times:.0f} "
+                          "times later: that is why tensor parallelism stays inside an NVLink server.",
+                          right=right, times=NVLINK_BYTES_PER_S / PCIE_BYTES_PER_S), "")
     mistakes = [
-        (crossover_batch(ring=False), "your count leaves out what a ring all-reduce sends per GPU: more than the "
-                                      "tensor itself (section 4)"),
-        (crossover_batch(per_layer=1), "your count has one all-reduce per decoder layer; attention and the MLP "
-                                       "each end in one"),
-        (crossover_batch(embedding=False), "your count leaves out one all-reduce the step runs besides the "
-                                           "decoder layers' (section 8)"),
-        (crossover_batch(split_weights=False), "each GPU reads only its share of the weights, not the whole model"),
-        (crossover_batch(link=NVLINK_BYTES_PER_S), "these GPUs are joined by PCIe only, not NVLink"),
+        (crossover_batch(ring=False), tr("your count leaves out what a ring all-reduce sends per GPU: more than the "
+                                         "tensor itself (section 4)")),
+        (crossover_batch(per_layer=1), tr("your count has one all-reduce per decoder layer; attention and the MLP "
+                                          "each end in one")),
+        (crossover_batch(embedding=False), tr("your count leaves out one all-reduce the step runs besides the "
+                                              "decoder layers' (section 8)")),
+        (crossover_batch(split_weights=False), tr("each GPU reads only its share of the weights, not the whole "
+                                                  "model")),
+        (crossover_batch(link=NVLINK_BYTES_PER_S), tr("these GPUs are joined by PCIe only, not NVLink")),
     ]
     for value, why in mistakes:
         if b == value and value != right:
-            return verdict("9.3", False, "", f"{b} sequences is not it: {why}.")
-    side = "too many: at that batch the bytes already take longer than the read" if b > right else \
-        "too few: a larger batch still sends its bytes within the read"
-    return verdict("9.3", False, "", f"{b} sequences is {side}. Write the step's two costs as functions of the batch "
-                                     f"and find where they cross.")
+            return verdict("9.3", False, "", tr("{b} sequences is not it: {why}.", b=b, why=why))
+    if b > right:
+        return verdict("9.3", False, "", tr("{b} sequences is too many: at that batch the bytes already take longer "
+                                            "than the read. Write the step's two costs as functions of the batch and "
+                                            "find where they cross.", b=b))
+    return verdict("9.3", False, "", tr("{b} sequences is too few: a larger batch still sends its bytes within the "
+                                        "read. Write the step's two costs as functions of the batch and find where "
+                                        "they cross.", b=b))
 
 
 __all__ = ["EX2_GPUS", "EX2_GPU_GB", "EX2_KV_GB", "check_crossover_batch", "check_mlp_split", "check_tp_size", "gpu_results",
@@ -261,56 +276,71 @@ __all__ = ["EX2_GPUS", "EX2_GPU_GB", "EX2_KV_GB", "check_crossover_batch", "chec
 def read_tp_step(one_s: float, split_s: float, ranks: int) -> str:
     """The decode step at ``tensor_parallel_size=ranks`` against one process."""
     ratio = split_s / one_s
-    verdict_ = "slower" if ratio > 1.05 else "faster" if ratio < 0.95 else "about as fast"
-    return (f"tensor_parallel_size={ranks} took {ratio:.1f}x as long per decode step as one process "
-            f"({1e3 * (split_s - one_s):+.1f} ms): {verdict_} on this machine")
+    fields = dict(ranks=ranks, ratio=ratio, delta=1e3 * (split_s - one_s))
+    if ratio > 1.05:
+        return tr("tensor_parallel_size={ranks} took {ratio:.1f}x as long per decode step as one process "
+                  "({delta:+.1f} ms): slower on this machine", **fields)
+    if ratio < 0.95:
+        return tr("tensor_parallel_size={ranks} took {ratio:.1f}x as long per decode step as one process "
+                  "({delta:+.1f} ms): faster on this machine", **fields)
+    return tr("tensor_parallel_size={ranks} took {ratio:.1f}x as long per decode step as one process "
+              "({delta:+.1f} ms): about as fast on this machine", **fields)
 
 
 def read_allreduce_size(small, large) -> str:
     """Two all-reduce timings (``widgets.allreduce_timing.AllReduceTiming``) of different sizes:
     does the time follow the bytes (bandwidth) or stay put (a fixed cost per collective)?"""
     bytes_ratio, time_ratio = large.bytes / small.bytes, large.median / small.median
-    text = f"{bytes_ratio:.0f}x the bytes took {time_ratio:.1f}x the time: "
+    fields = dict(bytes_ratio=bytes_ratio, time_ratio=time_ratio)
     if time_ratio < 2:
-        return text + "the cost is per collective (latency), not per byte"
+        return tr("{bytes_ratio:.0f}x the bytes took {time_ratio:.1f}x the time: the cost is per collective "
+                  "(latency), not per byte", **fields)
     if time_ratio < bytes_ratio / 2:
-        return text + "both a fixed cost per collective and the bytes count"
-    return text + "the bytes set the time (bandwidth)"
+        return tr("{bytes_ratio:.0f}x the bytes took {time_ratio:.1f}x the time: both a fixed cost per collective "
+                  "and the bytes count", **fields)
+    return tr("{bytes_ratio:.0f}x the bytes took {time_ratio:.1f}x the time: the bytes set the time (bandwidth)",
+              **fields)
 
 
 def read_ranks(two, three) -> str:
     """The same all-reduce over 2 and over 3 processes, against the ring's extra bytes (1.00x -> 1.33x)."""
     ring = (2 * (three.world_size - 1) / three.world_size) / (2 * (two.world_size - 1) / two.world_size)
     ratio = three.median / two.median
-    text = (f"over {three.world_size} processes the same all-reduce took {ratio:.1f}x as long as over "
-            f"{two.world_size}, where the ring's extra bytes alone give {ring:.2f}x: ")
+    fields = dict(three=three.world_size, two=two.world_size, ratio=ratio, ring=ring)
     if ratio > 1.5 * ring:
-        return text + "far more, so most of that time is ranks waiting for one another to be scheduled"
-    return text + "about what the ring's extra traffic explains"
+        return tr("over {three} processes the same all-reduce took {ratio:.1f}x as long as over {two}, where the "
+                  "ring's extra bytes alone give {ring:.2f}x: far more, so most of that time is ranks waiting for "
+                  "one another to be scheduled", **fields)
+    return tr("over {three} processes the same all-reduce took {ratio:.1f}x as long as over {two}, where the ring's "
+              "extra bytes alone give {ring:.2f}x: about what the ring's extra traffic explains", **fields)
 
 
 def read_cores(ranks: int, cores: int) -> str:
     """Ranks against the machine's cores (the driver process comes on top)."""
     if ranks > cores:
-        return (f"{ranks} ranks and the driver share {cores} cores: ranks outnumber the cores, so at an all-reduce "
-                f"some rank is often not running and the others wait for it")
+        return tr("{ranks} ranks and the driver share {cores} cores: ranks outnumber the cores, so at an all-reduce "
+                  "some rank is often not running and the others wait for it", ranks=ranks, cores=cores)
     if ranks == cores:
-        return f"{ranks} ranks on {cores} cores, plus the driver: a core each, and the driver takes turns with them"
-    return f"{ranks} ranks on {cores} cores: each rank has a core of its own"
+        return tr("{ranks} ranks on {cores} cores, plus the driver: a core each, and the driver takes turns with "
+                  "them", ranks=ranks, cores=cores)
+    return tr("{ranks} ranks on {cores} cores: each rank has a core of its own", ranks=ranks, cores=cores)
 
 
 def read_allreduce_share(per_allreduce_s: float, count: int, overhead_s: float) -> str:
     """How much of the measured tensor-parallel overhead ``count`` all-reduces of the timed cost explain."""
     estimate = per_allreduce_s * count
-    text = (f"{count} all-reduces per step x {1e6 * per_allreduce_s:.0f} µs = {1e3 * estimate:.1f} ms per step")
+    fields = dict(count=count, us=1e6 * per_allreduce_s, ms=1e3 * estimate)
     if overhead_s <= 0:
-        return text + ", yet the split step was not slower here: nothing to explain"
+        return tr("{count} all-reduces per step x {us:.0f} µs = {ms:.1f} ms per step, yet the split step was not "
+                  "slower here: nothing to explain", **fields)
     share = estimate / overhead_s
-    text += f", {share:.0%} of the {1e3 * overhead_s:.1f} ms the split added"
+    fields.update(share=share, added=1e3 * overhead_s)
     if share >= 0.5:
-        return text + ": the collectives alone account for most of it"
-    return (text + ": they are part of it; the rest is the driver's round trip to the ranks and ranks waiting "
-                   "for a core")
+        return tr("{count} all-reduces per step x {us:.0f} µs = {ms:.1f} ms per step, {share:.0%} of the {added:.1f} "
+                  "ms the split added: the collectives alone account for most of it", **fields)
+    return tr("{count} all-reduces per step x {us:.0f} µs = {ms:.1f} ms per step, {share:.0%} of the {added:.1f} ms "
+              "the split added: they are part of it; the rest is the driver's round trip to the ranks and ranks "
+              "waiting for a core", **fields)
 
 
 def _find(tree, needle: str) -> list[str]:

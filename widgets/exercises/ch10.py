@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from translations import tr
 from widgets.exercises import CheckResult, todo, verdict, whole
 
 # Exercise 10.1: one head, 1,024 tokens, head_dim 64, fp32 (4 bytes a number).
@@ -165,55 +166,61 @@ def check_tile_size(attention_fn, block_q, block_k) -> CheckResult:
     <= 30% of naive's bytes, and the same result as naive attention."""
     n, d = ATTN_TOKENS, ATTN_HEAD_DIM
     if todo(block_q) or todo(block_k):
-        return verdict("10.1", False, "", "replace both ... with tile sizes in tokens (whole numbers from 1 to "
-                                          f"{n}), then run the cell again.")
+        return verdict("10.1", False, "", tr("replace both ... with tile sizes in tokens (whole numbers from 1 to "
+                                             "{n}), then run the cell again.", n=n))
     bq, bk = whole(block_q, 1, n), whole(block_k, 1, n)
     if bq is None or bk is None:
-        return verdict("10.1", False, "", f"block_q and block_k must be whole numbers from 1 to {n}, got "
-                                          f"{block_q!r} and {block_k!r}.")
+        return verdict("10.1", False, "", tr("block_q and block_k must be whole numbers from 1 to {n}, got "
+                                             "{block_q!r} and {block_k!r}.", n=n, block_q=block_q, block_k=block_k))
     if not callable(attention_fn):
-        return verdict("10.1", False, "", "pass the chapter's tiled attention function as the first argument.")
+        return verdict("10.1", False, "", tr("pass the chapter's tiled attention function as the first argument."))
     if not (_power_of_two(bq) and _power_of_two(bk)) or min(bq, bk) < MIN_TILE:
-        return verdict("10.1", False, "", f"block_q={bq}, block_k={bk}: a GPU kernel could not use these tiles. "
-                                          f"Triton's tl.arange only makes tiles whose size is a power of two, and "
-                                          f"the tensor cores multiply fragments {MIN_TILE} wide: a smaller tile "
-                                          f"is padded to {MIN_TILE} and spends the padding's arithmetic on zeros.")
+        return verdict("10.1", False, "", tr("block_q={bq}, block_k={bk}: a GPU kernel could not use these tiles. "
+                                             "Triton's tl.arange only makes tiles whose size is a power of two, and "
+                                             "the tensor cores multiply fragments {min_tile} wide: a smaller tile "
+                                             "is padded to {min_tile} and spends the padding's arithmetic on zeros.",
+                                             bq=bq, bk=bk, min_tile=MIN_TILE))
     naive, tiled = naive_attention_bytes(n, d), tiled_attention_bytes(n, d, bq)
     sram = tile_working_set_bytes(bq, bk, d)
     share = tiled / naive
-    seen = (f"block_q={bq}, block_k={bk}: the tiles take {sram / 1024:.1f} KiB on chip (budget "
-            f"{SRAM_BYTES // 1024} KiB) and the kernel moves {tiled / 2**20:.1f} MiB, {100 * share:.0f}% of naive "
-            f"attention's {naive / 2**20:.1f} MiB")
+    seen = tr("block_q={bq}, block_k={bk}: the tiles take {sram_kib:.1f} KiB on chip (budget {budget_kib} KiB) "
+              "and the kernel moves {tiled_mib:.1f} MiB, {percent:.0f}% of naive attention's {naive_mib:.1f} MiB",
+              bq=bq, bk=bk, sram_kib=sram / 1024, budget_kib=SRAM_BYTES // 1024, tiled_mib=tiled / 2**20,
+              percent=100 * share, naive_mib=naive / 2**20)
     if sram > SRAM_BYTES:
-        return verdict("10.1", False, "", f"{seen}: the tiles do not fit. Count which buffers grow with "
-                                          f"block_q and which with block_k.")
+        return verdict("10.1", False, "", tr("{seen}: the tiles do not fit. Count which buffers grow with "
+                                             "block_q and which with block_k.", seen=seen))
     if share > TRAFFIC_TARGET:
-        return verdict("10.1", False, "", f"{seen}: above {100 * TRAFFIC_TARGET:.0f}%. Look at the byte formula: "
-                                          f"which of the two tile sizes appears in it?")
+        return verdict("10.1", False, "", tr("{seen}: above {target:.0f}%. Look at the byte formula: "
+                                             "which of the two tile sizes appears in it?",
+                                             seen=seen, target=100 * TRAFFIC_TARGET))
     q, k, v = attention_inputs(n, d)
     result, shapes = product_shapes(lambda: attention_fn(q, k, v, bq, bk))
     out = result[0] if isinstance(result, tuple) else result
     if not isinstance(out, torch.Tensor) or out.shape != (n, d):
-        return verdict("10.1", False, "", f"{seen}, but the function returned {type(out).__name__} "
-                                          f"{getattr(out, 'shape', '')}, not an ({n}, {d}) tensor.")
+        return verdict("10.1", False, "", tr("{seen}, but the function returned {kind} {shape}, not an ({n}, {d}) "
+                                             "tensor.", seen=seen, kind=type(out).__name__,
+                                             shape=getattr(out, 'shape', ''), n=n, d=d))
     too_big = [s for s in shapes if len(s) < 2 or math.prod(s[:-1]) > bq or s[-1] > max(bk, d)]
     score_tiles = sum(1 for s in shapes if len(s) >= 2 and math.prod(s[:-1]) <= bq and s[-1] <= bk)
     needed = math.ceil(n / bq) * math.ceil(n / bk)
     if too_big or score_tiles < needed:
-        what = (f"a product of shape {too_big[0]}, larger than a {bq} x {max(bk, d)} tile" if too_big else
-                f"{score_tiles} products of at most {bq} x {bk}, where one per (query tile, key tile) pair is "
-                f"{needed}")
-        return verdict("10.1", False, "", f"{seen}, but the function did not work in those tiles: it computed "
-                                          f"{what}. The check runs your function with your tile sizes: it "
-                                          f"must be the tiled loop, not naive attention.")
+        what = (tr("a product of shape {shape}, larger than a {bq} x {cols} tile",
+                   shape=too_big[0], bq=bq, cols=max(bk, d)) if too_big else
+                tr("{score_tiles} products of at most {bq} x {bk}, where one per (query tile, key tile) pair is "
+                   "{needed}", score_tiles=score_tiles, bq=bq, bk=bk, needed=needed))
+        return verdict("10.1", False, "", tr("{seen}, but the function did not work in those tiles: it computed "
+                                             "{what}. The check runs your function with your tile sizes: it "
+                                             "must be the tiled loop, not naive attention.", seen=seen, what=what))
     error = float((out - naive_attention(q, k, v)).abs().max())
     right = error <= ATTN_TOLERANCE
     return verdict("10.1", right,
-                   f"{seen}; it ran {score_tiles} score tiles and equals naive attention within "
-                   f"{ATTN_TOLERANCE:g}. A big query tile reads K and V fewer times; a small key tile keeps the "
-                   f"tiles on chip and costs no bytes.",
-                   f"{seen}, but the result is not naive attention's (off by more than {ATTN_TOLERANCE:g}): "
-                   f"check the rescaling of the running sum and accumulator.")
+                   tr("{seen}; it ran {score_tiles} score tiles and equals naive attention within "
+                      "{tolerance:g}. A big query tile reads K and V fewer times; a small key tile keeps the "
+                      "tiles on chip and costs no bytes.",
+                      seen=seen, score_tiles=score_tiles, tolerance=ATTN_TOLERANCE),
+                   tr("{seen}, but the result is not naive attention's (off by more than {tolerance:g}): "
+                      "check the rescaling of the running sum and accumulator.", seen=seen, tolerance=ATTN_TOLERANCE))
 
 
 # ------------------------------------------------------------------ exercise 10.2
@@ -253,24 +260,27 @@ def check_dtype(dtype, largest_activation) -> CheckResult:
 
     name = dtype if isinstance(dtype, str) else next((k for k, v in DTYPES.items() if v == dtype), None)
     if todo(dtype) or todo(largest_activation):
-        return verdict("10.2", False, "", f"replace both ... (a dtype name, one of {sorted(DTYPES)}, and the "
-                                          f"largest activation you measured), then run the cell again.")
+        return verdict("10.2", False, "", tr("replace both ... (a dtype name, one of {names}, and the "
+                                             "largest activation you measured), then run the cell again.",
+                                             names=sorted(DTYPES)))
     if name not in DTYPES:
-        return verdict("10.2", False, "", f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}.")
+        return verdict("10.2", False, "", tr("dtype must be one of {names}, got {dtype!r}.",
+                                             names=sorted(DTYPES), dtype=dtype))
     if isinstance(largest_activation, bool) or not isinstance(largest_activation, (int, float)) \
             or not 0 < largest_activation < float("inf"):
-        return verdict("10.2", False, "", f"largest_activation must be a positive number (a magnitude), got "
-                                          f"{largest_activation!r}.")
+        return verdict("10.2", False, "", tr("largest_activation must be a positive number (a magnitude), got "
+                                             "{value!r}.", value=largest_activation))
     reference = LLM(dtype="float32", num_kv_blocks=16, max_model_len=128)
     base, base_tokens = reference.memory_report(), _greedy_tokens(reference)
     row = largest_hidden_state(reference)
     reference.shutdown()
     measured = float(row.abs().max())
     if abs(largest_activation - measured) > ACTIVATION_TOLERANCE * measured:
-        return verdict("10.2", False, "", f"largest_activation={largest_activation:g} is not what the model's "
-                                          f"hidden states reach on the chapter's prompts (the check measures "
-                                          f"them with forward hooks on every layer's self_attn and mlp, over "
-                                          f"ch10.DTYPE_PROMPTS): measure the largest |value| the same way.")
+        return verdict("10.2", False, "", tr("largest_activation={value:g} is not what the model's "
+                                             "hidden states reach on the chapter's prompts (the check measures "
+                                             "them with forward hooks on every layer's self_attn and mlp, over "
+                                             "ch10.DTYPE_PROMPTS): measure the largest |value| the same way.",
+                                             value=largest_activation))
     chosen = LLM(dtype=name, num_kv_blocks=16, max_model_len=128)
     report, tokens = chosen.memory_report(), _greedy_tokens(chosen)
     chosen.shutdown()
@@ -278,24 +288,28 @@ def check_dtype(dtype, largest_activation) -> CheckResult:
     same = sum(a == b for a, b in zip(tokens, base_tokens))
     squares = row.to(DTYPES[name]).pow(2)  # what an RMSNorm computed in the storage dtype does first
     finite = bool(torch.isfinite(squares).all())
-    seen = (f"{name}: weights {report.weight_bytes / 2**20:.0f} MiB ({100 * weights:.0f}% of float32), KV "
-            f"{report.kv_bytes_per_token:,} bytes per token ({100 * kv:.0f}%); greedy next token equal to "
-            f"float32's on {same} of {len(DTYPE_PROMPTS)} prompts; the largest activation squared in {name} "
-            f"is {'finite' if finite else 'inf (overflow)'}")
+    seen = tr("{name}: weights {weight_mib:.0f} MiB ({weight_percent:.0f}% of float32), KV "
+              "{kv_bytes:,} bytes per token ({kv_percent:.0f}%); greedy next token equal to "
+              "float32's on {same} of {prompts} prompts; the largest activation squared in {name} "
+              "is {square}", name=name, weight_mib=report.weight_bytes / 2**20, weight_percent=100 * weights,
+              kv_bytes=report.kv_bytes_per_token, kv_percent=100 * kv, same=same, prompts=len(DTYPE_PROMPTS),
+              square=tr("finite") if finite else tr("inf (overflow)"))
     halved = weights <= 0.5 and kv <= 0.5
     right = halved and same == len(DTYPE_PROMPTS) and finite
     if not halved:
-        hint = "the bytes did not halve: how many bytes does each dtype store per number?"
+        hint = tr("the bytes did not halve: how many bytes does each dtype store per number?")
     elif not finite:
-        hint = (f"squaring {measured:,.0f} overflows this dtype: compare that square with "
-                f"torch.finfo({name}).max, and look at how many exponent bits each 2-byte dtype keeps")
+        hint = tr("squaring {measured:,.0f} overflows this dtype: compare that square with "
+                  "torch.finfo({name}).max, and look at how many exponent bits each 2-byte dtype keeps",
+                  measured=measured, name=name)
     else:
-        hint = "the bytes halved but the greedy answers changed"
+        hint = tr("the bytes halved but the greedy answers changed")
     return verdict("10.2", right,
-                   f"{seen}. Half the bytes is up to twice the tokens per second where memory bandwidth is the "
-                   f"limit, and twice the KV capacity; bfloat16 keeps float32's 8 exponent bits, so the "
-                   f"model's rare huge activations and their squares stay in range, where float16's 5 do not.",
-                   f"{seen}: {hint}.")
+                   tr("{seen}. Half the bytes is up to twice the tokens per second where memory bandwidth is the "
+                      "limit, and twice the KV capacity; bfloat16 keeps float32's 8 exponent bits, so the "
+                      "model's rare huge activations and their squares stay in range, where float16's 5 do not.",
+                      seen=seen),
+                   tr("{seen}: {hint}.", seen=seen, hint=hint))
 
 
 # ------------------------------------------------------------------ exercise 10.3
@@ -304,29 +318,30 @@ def check_fusion(fused_fn) -> CheckResult:
     from nanoengine.layers.activation import silu_and_mul
 
     if todo(fused_fn):
-        return verdict("10.3", False, "", "replace ... with a fused version of silu_and_mul (a function taking "
-                                          "x of shape (tokens, 2 * I)), then run the cell again.")
+        return verdict("10.3", False, "", tr("replace ... with a fused version of silu_and_mul (a function taking "
+                                             "x of shape (tokens, 2 * I)), then run the cell again."))
     if not callable(fused_fn):
-        return verdict("10.3", False, "", f"fused_silu_and_mul must be a function, got {type(fused_fn).__name__}.")
+        return verdict("10.3", False, "", tr("fused_silu_and_mul must be a function, got {kind}.",
+                                             kind=type(fused_fn).__name__))
     x = torch.randn(*FUSION_SHAPE, generator=torch.Generator().manual_seed(0))
     expected = silu_and_mul(x)
     got = fused_fn(x)  # the first call compiles, if the function is a compiled one
     if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
-        return verdict("10.3", False, "", f"the function returned {type(got).__name__} "
-                                          f"{tuple(getattr(got, 'shape', ()))}; expected shape "
-                                          f"{tuple(expected.shape)}.")
+        return verdict("10.3", False, "", tr("the function returned {kind} {shape}; expected shape {expected}.",
+                                             kind=type(got).__name__, shape=tuple(getattr(got, 'shape', ())),
+                                             expected=tuple(expected.shape)))
     error = float((got - expected).abs().max())
     eager_ops, fused_ops = operator_calls(lambda: silu_and_mul(x)), operator_calls(lambda: fused_fn(x))
-    seen = (f"eager runs {len(eager_ops)} passes over the data ({', '.join(eager_ops)}), yours "
-            f"{len(fused_ops)} ({', '.join(fused_ops) or 'none'}); equal to silu_and_mul within 1e-5: "
-            f"{error <= 1e-5}")
+    seen = tr("eager runs {eager} passes over the data ({eager_ops}), yours {fused} ({fused_ops}); equal to "
+              "silu_and_mul within 1e-5: {equal}", eager=len(eager_ops), eager_ops=', '.join(eager_ops),
+              fused=len(fused_ops), fused_ops=', '.join(fused_ops) or tr('none'), equal=error <= 1e-5)
     right = error <= 1e-5 and len(fused_ops) == 1
-    hint = ("the result differs from silu_and_mul" if error > 1e-5 else
-            "still more than one pass: torch.compile generates one loop for the whole function")
+    hint = (tr("the result differs from silu_and_mul") if error > 1e-5 else
+            tr("still more than one pass: torch.compile generates one loop for the whole function"))
     return verdict("10.3", right,
-                   f"{seen}. One pass reads gate and up once and writes the product once, with no temporary "
-                   f"for silu(gate).",
-                   f"{seen}: {hint}.")
+                   tr("{seen}. One pass reads gate and up once and writes the product once, with no temporary "
+                      "for silu(gate).", seen=seen),
+                   tr("{seen}: {hint}.", seen=seen, hint=hint))
 
 
 # ------------------------------------------------------------------ readings of the chapter's measurements
@@ -338,12 +353,13 @@ SAME = 0.10  # two times within 10% of each other: "about the same"
 def compare_times(ratio: float, this: str, other: str) -> str:
     """'<this> took 2.72x the time of <other> (slower)' / '(faster)' / '(about the same, within 10%)'."""
     if ratio > 1 + SAME:
-        verdict_ = "slower"
+        verdict_ = tr("slower")
     elif ratio < 1 - SAME:
-        verdict_ = "faster"
+        verdict_ = tr("faster")
     else:
-        verdict_ = f"about the same, within {SAME:.0%}"
-    return f"{this} took {ratio:.2f}x the time of {other} ({verdict_})"
+        verdict_ = tr("about the same, within {same:.0%}", same=SAME)
+    return tr("{this} took {ratio:.2f}x the time of {other} ({verdict})", this=this, ratio=ratio, other=other,
+              verdict=verdict_)
 
 
 def fusion_reading(ratios: dict[int, float]) -> str:
@@ -351,42 +367,44 @@ def fusion_reading(ratios: dict[int, float]) -> str:
     and whether the compiled call's disadvantage shrank as the rows grew (its guard checks are a
     fixed cost per call, the fused pass saves work per row)."""
     sizes = sorted(ratios)
-    parts = [compare_times(ratios[r], f"at {r} row(s) compiled", "eager") for r in sizes]
+    parts = [compare_times(ratios[r], tr("at {rows} row(s) compiled", rows=r), tr("eager")) for r in sizes]
     small, large = ratios[sizes[0]], ratios[sizes[-1]]
     if len(sizes) > 1:
         if large < small * (1 - SAME):
-            trend = f"the compiled call's ratio fell from {small:.2f} to {large:.2f} as the rows grew"
+            trend = tr("the compiled call's ratio fell from {small:.2f} to {large:.2f} as the rows grew",
+                       small=small, large=large)
         elif large > small * (1 + SAME):
-            trend = f"the compiled call's ratio rose from {small:.2f} to {large:.2f} as the rows grew"
+            trend = tr("the compiled call's ratio rose from {small:.2f} to {large:.2f} as the rows grew",
+                       small=small, large=large)
         else:
-            trend = f"the ratio barely changed between {sizes[0]} and {sizes[-1]} rows"
+            trend = tr("the ratio barely changed between {low} and {high} rows", low=sizes[0], high=sizes[-1])
         parts.append(trend)
     if large < 1 - SAME:
-        parts.append(f"at {sizes[-1]} rows compiling paid on this machine")
+        parts.append(tr("at {rows} rows compiling paid on this machine", rows=sizes[-1]))
     elif large > 1 + SAME:
-        parts.append(f"even at {sizes[-1]} rows compiling did not pay on this machine")
+        parts.append(tr("even at {rows} rows compiling did not pay on this machine", rows=sizes[-1]))
     else:
-        parts.append(f"at {sizes[-1]} rows compiled and eager were level on this machine")
+        parts.append(tr("at {rows} rows compiled and eager were level on this machine", rows=sizes[-1]))
     return "; ".join(parts) + "."
 
 
 def speedup_reading(speedup: float, what: str) -> str:
     """A benchmark's speed-up (eager time / compiled time, > 1 is faster) read with a 5% band."""
     if speedup > 1.05:
-        return f"{what}: {speedup:.2f}x, a speed-up"
+        return tr("{what}: {speedup:.2f}x, a speed-up", what=what, speedup=speedup)
     if speedup < 0.95:
-        return f"{what}: {speedup:.2f}x, a slow-down"
-    return f"{what}: {speedup:.2f}x, no measurable difference (within 5%)"
+        return tr("{what}: {speedup:.2f}x, a slow-down", what=what, speedup=speedup)
+    return tr("{what}: {speedup:.2f}x, no measurable difference (within 5%)", what=what, speedup=speedup)
 
 
 def dispatch_reading(overhead_s: float, step_s: float, matmul_s: float, operators_s: float) -> str:
     """A CPU decode step: the matrix multiplies' share of the profiled operator time, and the
     dispatch overhead (calls x the cost of a call that does no work) as a share of the step."""
     mm, ov = matmul_s / operators_s, overhead_s / step_s
-    parts = [f"the matrix multiplies took {mm:.0%} of the profiled operator time "
-             f"({'most of it' if mm >= 0.5 else 'less than half of it'})",
-             f"dispatch overhead was about {ov:.0%} of the step "
-             f"({'the smaller part' if ov < 0.5 else 'the larger part: this step is dispatch-bound'})"]
+    parts = [tr("the matrix multiplies took {share:.0%} of the profiled operator time ({how})", share=mm,
+                how=tr("most of it") if mm >= 0.5 else tr("less than half of it")),
+             tr("dispatch overhead was about {share:.0%} of the step ({how})", share=ov,
+                how=tr("the smaller part") if ov < 0.5 else tr("the larger part: this step is dispatch-bound"))]
     return "; ".join(parts) + "."
 
 
@@ -403,29 +421,31 @@ def precision_reading(times: dict[tuple[int, str], float], halves: float = 0.55,
     parts = []
     for rows in sorted({r for r, _ in times}):
         ratio = times[rows, "bfloat16"] / times[rows, "float32"]
-        reason = "as the bytes did" if rows <= MAX_ROWS else "from faster bfloat16 arithmetic: at this many rows " \
-                                                              "the products, not the bytes, set the time"
         if ratio <= beyond:
-            how = ("far more than the halved bytes explain: the CPU multiplies bfloat16 faster than float32"
-                   if rows > MAX_ROWS else "by more than half: more than the halved bytes explain")
+            how = (tr("far more than the halved bytes explain: the CPU multiplies bfloat16 faster than float32")
+                   if rows > MAX_ROWS else tr("by more than half: more than the halved bytes explain"))
         elif ratio <= halves:
-            how = f"about halved, {reason}"
+            how = (tr("about halved, as the bytes did") if rows <= MAX_ROWS else
+                   tr("about halved, from faster bfloat16 arithmetic: at this many rows the products, not the "
+                      "bytes, set the time"))
         elif ratio < 1 - SAME:
-            how = "faster, by less than half"
+            how = tr("faster, by less than half")
         elif ratio <= 1 + SAME:
-            how = "about the same (within 10%): bfloat16 was not faster"
+            how = tr("about the same (within 10%): bfloat16 was not faster")
         else:
-            how = "slower: bfloat16 cost time here"
-        parts.append(f"at {rows} row(s) bfloat16 took {ratio:.2f}x float32's time ({how})")
+            how = tr("slower: bfloat16 cost time here")
+        parts.append(tr("at {rows} row(s) bfloat16 took {ratio:.2f}x float32's time ({how})", rows=rows, ratio=ratio,
+                        how=how))
     return "; ".join(parts) + "."
 
 
 def bytes_reading(what: str, float32_bytes: int, bfloat16_bytes: int) -> str:
     """'halve exactly' only when they do; otherwise the share, and why it can differ (tensors kept in float32)."""
     if 2 * bfloat16_bytes == float32_bytes:
-        return f"{what}: bfloat16 halves them exactly"
-    return (f"{what}: bfloat16 holds {bfloat16_bytes / float32_bytes:.1%} of float32's bytes "
-            f"({'some tensors stay in float32' if 2 * bfloat16_bytes > float32_bytes else 'less than half'})")
+        return tr("{what}: bfloat16 halves them exactly", what=what)
+    return tr("{what}: bfloat16 holds {share:.1%} of float32's bytes ({why})", what=what,
+              share=bfloat16_bytes / float32_bytes,
+              why=tr("some tensors stay in float32") if 2 * bfloat16_bytes > float32_bytes else tr("less than half"))
 
 
 def parity_reading(runs: dict[str, dict]) -> str:
@@ -436,11 +456,14 @@ def parity_reading(runs: dict[str, dict]) -> str:
         total, same, ties = run["total"], run["identical"], run["near_tie_divergences"]
         parted, unexplained = total - same, len(run["unexplained"])
         if parted == 0:
-            parts.append(f"in {name} the engine and transformers agreed token for token ({same} of {total})")
+            parts.append(tr("in {name} the engine and transformers agreed token for token ({same} of {total})",
+                            name=name, same=same, total=total))
         elif unexplained == 0:
-            parts.append(f"in {name} {parted} of {total} outputs parted, every one at a near tie")
+            parts.append(tr("in {name} {parted} of {total} outputs parted, every one at a near tie",
+                            name=name, parted=parted, total=total))
         else:
-            parts.append(f"in {name} {parted} of {total} outputs parted, {unexplained} of them not at a near tie")
+            parts.append(tr("in {name} {parted} of {total} outputs parted, {unexplained} of them not at a near tie",
+                            name=name, parted=parted, total=total, unexplained=unexplained))
     return "; ".join(parts) + "."
 
 
@@ -449,9 +472,10 @@ def decode_step_settings(engine, context_tokens: int) -> str:
     model runs (``LLMEngine.forward_mode``), threads and how idle threads wait."""
     from nanobench.timing import wait_policy
 
-    return (f"1 request, context {context_tokens} tokens, {str(engine.config.torch_dtype).replace('torch.', '')}, "
-            f"{engine.forward_mode}, {torch.get_num_threads()} threads, "
-            f"idle threads {'sleep' if wait_policy() == 'PASSIVE' else 'spin'}")
+    return tr("1 request, context {context} tokens, {dtype}, {mode}, {threads} threads, idle threads {wait}",
+              context=context_tokens, dtype=str(engine.config.torch_dtype).replace('torch.', ''),
+              mode=engine.forward_mode, threads=torch.get_num_threads(),
+              wait=tr("sleep") if wait_policy() == 'PASSIVE' else tr("spin"))
 
 
 def decode_steps(engine, prompt, steps: int = 11) -> tuple[list[float], int]:
@@ -479,8 +503,9 @@ def agreement_reading(a_s: float, b_s: float, a: str, b: str, band: float = 0.15
     """Two medians of the same kind of step: agree (within ``band``) or not, and by how much."""
     ratio = a_s / b_s
     if abs(ratio - 1) <= band:
-        return f"{a} and {b} agree within {band:.0%} ({ratio:.2f}x)"
-    return f"{a} took {ratio:.2f}x the time of {b}: they do not agree within {band:.0%}"
+        return tr("{a} and {b} agree within {band:.0%} ({ratio:.2f}x)", a=a, b=b, band=band, ratio=ratio)
+    return tr("{a} took {ratio:.2f}x the time of {b}: they do not agree within {band:.0%}", a=a, b=b, band=band,
+              ratio=ratio)
 
 __all__ = ["agreement_reading", "bytes_reading", "compare_times", "decode_step_settings", "decode_steps",
            "dispatch_reading", "fusion_reading", "parity_reading", "precision_reading", "speedup_reading",

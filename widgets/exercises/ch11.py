@@ -8,10 +8,9 @@ threshold (the machine is shared and noisy):
   *computes* for the chapter's workload in batches of ``STATIC_BATCH`` (every request of a
   batch runs to the batch's longest; only the requested tokens count in tok/s). Judged with
   the benchmark's own ``static_computed_tokens``;
-* ``check_max_num_seqs`` (11.2): the smallest ``max_num_seqs`` that serves
-  ``SLOT_LENS`` (8 requests of uneven lengths, all queued at once) in the fewest engine
-  steps, counted on a tiny random engine (mechanics only) with the learner's value, and one
-  less;
+* ``check_max_num_seqs`` (11.2): the smallest ``max_num_seqs`` that serves ``SLOT_LENS`` (8
+  requests of uneven lengths, all queued at once) in the fewest engine steps, counted on a tiny
+  random engine (mechanics only) with the learner's value, and one less;
 * ``check_ttft_slo`` (11.3): the tightest whole-millisecond TTFT limit that at least
   ``SLO_TARGET`` of the requests of a measured run met (DistServe's SLO attainment), judged
   on that run's own per-request TTFTs, so the answer is this machine's.
@@ -24,6 +23,7 @@ import math
 from nanoengine import SamplingParams
 from nanoengine.events import StepFinished
 from nanobench import make_output_lens, make_workload, static_computed_tokens
+from translations import tr
 from widgets._common import single_thread, tiny_engine
 from widgets.exercises import CheckResult, todo, verdict, whole
 
@@ -46,25 +46,26 @@ def check_static_tokens(computed) -> CheckResult:
     """11.1: the output tokens static batching computes for the chapter's workload."""
     name = "11.1"
     if todo(computed):
-        return verdict(name, False, "", "set computed to a whole number of output tokens.")
+        return verdict(name, False, "", tr("set computed to a whole number of output tokens."))
     value = whole(computed, 0, 10**6)
     if value is None:
-        return verdict(name, False, "", "computed is a whole number of tokens.")
+        return verdict(name, False, "", tr("computed is a whole number of tokens."))
     _, lens = chapter_workload()
     right = static_computed_tokens(lens, STATIC_BATCH)
     requested = sum(lens)
     if value == right:
-        return verdict(name, True, f"{right} tokens computed for {requested} requested: "
-                       f"{right - requested} were computed for requests that had already finished, and are thrown "
-                       "away. Throughput counts only the requested ones, so that waste shows up as a longer run, "
-                       "not as more tokens.", "")
+        return verdict(name, True, tr("{right} tokens computed for {requested} requested: "
+                                      "{wasted} were computed for requests that had already finished, and are thrown "
+                                      "away. Throughput counts only the requested ones, so that waste shows up as a "
+                                      "longer run, not as more tokens.",
+                                      right=right, requested=requested, wasted=right - requested), "")
     if value == requested:
-        hint = "that is what the requests asked for; a static batch computes more than that."
+        hint = tr("that is what the requests asked for; a static batch computes more than that.")
     elif value < requested:
-        hint = "fewer than the requests asked for: every requested token is computed, and then some."
+        hint = tr("fewer than the requests asked for: every requested token is computed, and then some.")
     else:
-        hint = (f"not what {STATIC_BATCH}-request batches in workload order compute: take the batches one by one, "
-                "and for each, how long it runs and how many rows it has.")
+        hint = tr("not what {batch}-request batches in workload order compute: take the batches one by one, "
+                  "and for each, how long it runs and how many rows it has.", batch=STATIC_BATCH)
     return verdict(name, False, "", hint)
 
 
@@ -89,23 +90,25 @@ def check_max_num_seqs(max_num_seqs) -> CheckResult:
     """11.2: the smallest ``max_num_seqs`` that serves ``SLOT_LENS`` in the fewest steps."""
     name = "11.2"
     if todo(max_num_seqs):
-        return verdict(name, False, "", "set max_num_seqs to a whole number of sequences.")
+        return verdict(name, False, "", tr("set max_num_seqs to a whole number of sequences."))
     value = whole(max_num_seqs, 1, 256)
     if value is None:
-        return verdict(name, False, "", "max_num_seqs is a whole number of sequences per step, 1 to 256.")
+        return verdict(name, False, "", tr("max_num_seqs is a whole number of sequences per step, 1 to 256."))
     fewest = steps_to_serve(len(SLOT_LENS), SLOT_LENS)  # every request in every step: nothing waits
     steps = steps_to_serve(value, SLOT_LENS)
     if steps > fewest:
-        return verdict(name, False, "", f"with {value} sequences per step the workload takes {steps} steps, "
-                       "not the fewest: some request starts too late to finish with the longest. Which requests "
-                       "must start in the first step?")
+        return verdict(name, False, "", tr("with {value} sequences per step the workload takes {steps} steps, "
+                                           "not the fewest: some request starts too late to finish with the longest. "
+                                           "Which requests must start in the first step?", value=value, steps=steps))
     below = steps_to_serve(value - 1, SLOT_LENS) if value > 1 else None
     if below == steps:
-        return verdict(name, False, "", f"{value} sequences per step reach the fewest steps, but so does one less: "
-                       "look for the smallest. A short request that waits for a slot can still finish in time.")
-    return verdict(name, True, f"{value} sequences per step serve the workload in {steps} steps, the fewest; "
-                   f"{value - 1} would need {below}. The long requests must start at once, and the short ones "
-                   "fit into the slots that free up; beyond that, more slots cost memory and buy nothing.", "")
+        return verdict(name, False, "", tr("{value} sequences per step reach the fewest steps, but so does one "
+                                           "less: look for the smallest. A short request that waits for a slot can "
+                                           "still finish in time.", value=value))
+    return verdict(name, True, tr("{value} sequences per step serve the workload in {steps} steps, the fewest; "
+                                  "{fewer} would need {below}. The long requests must start at once, and the short "
+                                  "ones fit into the slots that free up; beyond that, more slots cost memory and buy "
+                                  "nothing.", value=value, steps=steps, fewer=value - 1, below=below), "")
 
 
 def needed_ms(ttfts_s: list[float], target: float = SLO_TARGET) -> int:
@@ -120,24 +123,28 @@ def check_ttft_slo(run, slo_ms) -> CheckResult:
     less would not do."""
     name = "11.3"
     if todo(slo_ms):
-        return verdict(name, False, "", "set slo_ms to a number of milliseconds.")
+        return verdict(name, False, "", tr("set slo_ms to a number of milliseconds."))
     if isinstance(slo_ms, bool) or not isinstance(slo_ms, (int, float)) or not slo_ms > 0 \
             or (isinstance(slo_ms, float) and not slo_ms.is_integer()):
-        return verdict(name, False, "", "slo_ms is a whole, positive number of milliseconds.")
+        return verdict(name, False, "", tr("slo_ms is a whole, positive number of milliseconds."))
     ttfts = [t for t, _ in run.latencies]
     n, k = len(ttfts), math.ceil(SLO_TARGET * len(ttfts) - 1e-9)
     met = sum(t * 1e3 <= slo_ms for t in ttfts)
     need = needed_ms(ttfts)
     if met < k:
-        return verdict(name, False, "", f"with {slo_ms:g} ms, {met} of the {n} requests met the limit; at least "
-                       f"{SLO_TARGET:.0%} of {n} is {k}. A percentile printed above is interpolated between "
-                       "requests: which request has to be inside the limit?")
+        return verdict(name, False, "", tr("with {slo_ms:g} ms, {met} of the {n} requests met the limit; at least "
+                                           "{target:.0%} of {n} is {k}. A percentile printed above is interpolated "
+                                           "between requests: which request has to be inside the limit?",
+                                           slo_ms=slo_ms, met=met, n=n, target=SLO_TARGET, k=k))
     if slo_ms > need:
-        return verdict(name, False, "", f"with {slo_ms:g} ms, {met} of the {n} requests met the limit, but a "
-                       "tighter limit would still be met by enough of them: find the tightest.")
-    return verdict(name, True, f"{slo_ms:g} ms is met by {met} of {n} requests ({met / n:.0%}), and one millisecond "
-                   f"less would leave fewer than {k}: with {n} requests, {SLO_TARGET:.0%} attainment means "
-                   f"{k} of them, so the limit is set by the slowest of the {k} fastest TTFTs, not by a percentile.", "")
+        return verdict(name, False, "", tr("with {slo_ms:g} ms, {met} of the {n} requests met the limit, but a "
+                                           "tighter limit would still be met by enough of them: find the tightest.",
+                                           slo_ms=slo_ms, met=met, n=n))
+    return verdict(name, True, tr("{slo_ms:g} ms is met by {met} of {n} requests ({share:.0%}), and one millisecond "
+                                  "less would leave fewer than {k}: with {n} requests, {target:.0%} attainment means "
+                                  "{k} of them, so the limit is set by the slowest of the {k} fastest TTFTs, not by a "
+                                  "percentile.", slo_ms=slo_ms, met=met, n=n, share=met / n, k=k, target=SLO_TARGET),
+                   "")
 
 
 # ------------------------------------------------------------------ the chapter's readings
@@ -164,52 +171,62 @@ def step_settings(engine, *, batch: str, context: str, threads: int | None = Non
             mode += ", no CUDA graphs" if cfg.enforce_eager else ", CUDA graphs"
     threads = torch.get_num_threads() if threads is None else threads
     dtype = str(cfg.torch_dtype).removeprefix("torch.")
-    return f"settings: {batch}, {context}, {dtype} on {device}, {threads} CPU thread(s) per process, {mode}"
+    return tr("settings: {batching}, {context}, {dtype} on {device}, {threads} CPU thread(s) per process, {mode}",
+              batching=batch, context=context, dtype=dtype, device=device, threads=threads, mode=mode)
 
 
 def read_first_call(first_s: float, warm_s: float) -> str:
     """Section 1: did the first call after the build pay a cold cost of its own (> 1.2x the warm median)?"""
     ratio = first_s / warm_s
     if ratio > 1.2:
-        return f"({ratio:.2f}x): the first call paid a cold cost of its own"
-    return f"({ratio:.2f}x): the first call paid little extra here, so this engine's cold cost sat in the build"
+        return tr("({ratio:.2f}x): the first call paid a cold cost of its own", ratio=ratio)
+    return tr("({ratio:.2f}x): the first call paid little extra here, so this engine's cold cost sat in the build",
+              ratio=ratio)
 
 
 def read_oversized_cache(setup_ratio: float, big_run_s: float, runs_min_s: float, runs_max_s: float) -> str:
     """Section 3: what a 16x cache did to the manager's setup and to its generation run."""
     inside = runs_min_s * 0.9 <= big_run_s <= runs_max_s * 1.1
-    return (f"the 16x cache made the setup {setup_ratio:.1f}x " + ("longer" if setup_ratio > 1 else "shorter")
-            + "; its generation run " + ("fell within 10% of the sized cache's range of runs" if inside else
-                                         "fell outside the sized cache's range of runs by more than 10%"))
+    setup = (tr("the 16x cache made the setup {ratio:.1f}x longer", ratio=setup_ratio) if setup_ratio > 1 else
+             tr("the 16x cache made the setup {ratio:.1f}x shorter", ratio=setup_ratio))
+    run = (tr("its generation run fell within 10% of the sized cache's range of runs") if inside else
+           tr("its generation run fell outside the sized cache's range of runs by more than 10%"))
+    return setup + "; " + run
 
 
 def _moved(ratio: float, what: str) -> str:
     if ratio >= 1.25:
-        return f"{what} climbed ({ratio:.1f}x)"
+        return tr("{what} climbed ({ratio:.1f}x)", what=what, ratio=ratio)
     if ratio <= 0.8:
-        return f"{what} fell ({ratio:.1f}x)"
-    return f"{what} stayed within 25% ({ratio:.1f}x)"
+        return tr("{what} fell ({ratio:.1f}x)", what=what, ratio=ratio)
+    return tr("{what} stayed within 25% ({ratio:.1f}x)", what=what, ratio=ratio)
 
 
 def read_online(rows: list[dict], offline_tok_s: float) -> str:
     """Section 4: from the lowest offered rate to the highest, how TTFT p50, TPOT p50 and throughput moved."""
     lo, hi = rows[0], rows[-1]
     ttft, tpot = hi["ttft_ms"]["p50"] / lo["ttft_ms"]["p50"], hi["tpot_ms"]["p50"] / lo["tpot_ms"]["p50"]
-    return (f"from {lo['rate_requests_per_s']:g} to {hi['rate_requests_per_s']:g} req/s, "
-            + _moved(ttft, f"TTFT p50 {lo['ttft_ms']['p50']:.0f} -> {hi['ttft_ms']['p50']:.0f} ms") + ", "
-            + _moved(tpot, f"TPOT p50 {lo['tpot_ms']['p50']:.0f} -> {hi['tpot_ms']['p50']:.0f} ms")
-            + f"; throughput {lo['output_tokens_per_s']:.1f} -> {hi['output_tokens_per_s']:.1f} tok/s "
-              f"({hi['output_tokens_per_s'] / offline_tok_s:.0%} of the offline figure)")
+    return tr("from {lo_rate:g} to {hi_rate:g} req/s, {ttft}, {tpot}; throughput {lo_tok_s:.1f} -> {hi_tok_s:.1f} "
+              "tok/s ({share:.0%} of the offline figure)",
+              lo_rate=lo['rate_requests_per_s'], hi_rate=hi['rate_requests_per_s'],
+              ttft=_moved(ttft, tr("TTFT p50 {lo:.0f} -> {hi:.0f} ms",
+                                   lo=lo['ttft_ms']['p50'], hi=hi['ttft_ms']['p50'])),
+              tpot=_moved(tpot, tr("TPOT p50 {lo:.0f} -> {hi:.0f} ms",
+                                   lo=lo['tpot_ms']['p50'], hi=hi['tpot_ms']['p50'])),
+              lo_tok_s=lo['output_tokens_per_s'], hi_tok_s=hi['output_tokens_per_s'],
+              share=hi['output_tokens_per_s'] / offline_tok_s)
 
 
 def read_goodput(goodput: float | None, best_rate: float) -> str:
     """Section 4: the goodput against the rate of highest throughput."""
-    text = (f"goodput {goodput:g} req/s" if goodput is not None else "goodput below every measured rate") \
-        + f"; the highest throughput was at {best_rate:g} req/s"
     if goodput is None:
-        return text
-    return text + (": the SLO held up to the highest throughput measured" if goodput >= best_rate else
-                   ": past the goodput, the extra throughput came from requests served too late")
+        return tr("goodput below every measured rate; the highest throughput was at {best_rate:g} req/s",
+                  best_rate=best_rate)
+    if goodput >= best_rate:
+        return tr("goodput {goodput:g} req/s; the highest throughput was at {best_rate:g} req/s: the SLO held up "
+                  "to the highest throughput measured", goodput=goodput, best_rate=best_rate)
+    return tr("goodput {goodput:g} req/s; the highest throughput was at {best_rate:g} req/s: past the goodput, "
+              "the extra throughput came from requests served too late", goodput=goodput, best_rate=best_rate)
 
 
 def read_batch_sweep(sweep: list[dict]) -> str:
@@ -220,25 +237,31 @@ def read_batch_sweep(sweep: list[dict]) -> str:
     batch = large["max_num_seqs"] / small["max_num_seqs"]
     gain = large["output_tokens_per_s"] / small["output_tokens_per_s"]
     cost = large["tpot_ms"]["p50"] / small["tpot_ms"]["p50"]
-    text = (f"max_num_seqs {large['max_num_seqs']} against {small['max_num_seqs']} ({batch:g}x the sequences per "
-            f"step) gave {gain:.1f}x the throughput for {cost:.1f}x the TPOT: ")
+    fields = dict(large=large['max_num_seqs'], small=small['max_num_seqs'], batch=batch, gain=gain, cost=cost)
     if cost < 1 + (batch - 1) / 2:
-        return text + "steps grew far less than the batch, the mark of a step bound by reading the weights"
-    return text + "steps grew almost with the batch: arithmetic, not the weight read, set the step time here"
+        return tr("max_num_seqs {large} against {small} ({batch:g}x the sequences per step) gave {gain:.1f}x the "
+                  "throughput for {cost:.1f}x the TPOT: steps grew far less than the batch, the mark of a step "
+                  "bound by reading the weights", **fields)
+    return tr("max_num_seqs {large} against {small} ({batch:g}x the sequences per step) gave {gain:.1f}x the "
+              "throughput for {cost:.1f}x the TPOT: steps grew almost with the batch: arithmetic, not the weight "
+              "read, set the step time here", **fields)
 
 
 def ridge_side(intensity_min: float, intensity_max: float, ridge: float) -> str:
     """Section 6: where a kind of step sits on the roofline."""
     if intensity_max < ridge:
-        return "left of the ridge"
+        return tr("left of the ridge")
     if intensity_min > ridge:
-        return "right of the ridge"
-    return "on both sides of the ridge"
+        return tr("right of the ridge")
+    return tr("on both sides of the ridge")
 
 
 def read_control_plane(outside_share: float) -> str:
     """Section 7: the most a zero-cost control plane could save, and whether it decides throughput (10%)."""
-    text = f"a control plane that cost nothing would make these steps at most {1 / (1 - outside_share):.3f}x faster; "
+    speedup = 1 / (1 - outside_share)
     if outside_share < 0.1:
-        return text + "the model step decides this machine's throughput"
-    return text + "the control plane is a real share of the step here: a faster one would show in throughput"
+        return tr("a control plane that cost nothing would make these steps at most {speedup:.3f}x faster; "
+                  "the model step decides this machine's throughput", speedup=speedup)
+    return tr("a control plane that cost nothing would make these steps at most {speedup:.3f}x faster; "
+              "the control plane is a real share of the step here: a faster one would show in throughput",
+              speedup=speedup)

@@ -32,6 +32,7 @@ import time
 import urllib.error
 import urllib.request
 
+from translations import tr
 from widgets.exercises import CheckResult, todo, verdict, whole
 
 CONTEXT_PROMPT = "In one paragraph, explain why the sky is blue."  # exercise 12.2
@@ -103,29 +104,31 @@ def check_stream_usage(server, usage) -> CheckResult:
     name = "12.1"
     keys = ("prompt_tokens", "completion_tokens", "total_tokens")
     if todo(usage) or (isinstance(usage, dict) and any(todo(usage.get(k)) for k in keys)):
-        return verdict(name, False, "", "fill in the three counts of usage (whole numbers of tokens).")
+        return verdict(name, False, "", tr("fill in the three counts of usage (whole numbers of tokens)."))
     if not isinstance(usage, dict) or set(usage) != set(keys):
-        return verdict(name, False, "", f"usage is a dictionary with exactly the keys {', '.join(keys)}.")
+        return verdict(name, False, "", tr("usage is a dictionary with exactly the keys {keys}.",
+                                           keys=', '.join(keys)))
     counts = {k: whole(usage[k], 0, 10**7) for k in keys}
     if any(v is None for v in counts.values()):
-        return verdict(name, False, "", "each count in usage is a whole number of tokens, 0 or more.")
+        return verdict(name, False, "", tr("each count in usage is a whole number of tokens, 0 or more."))
     if counts["total_tokens"] != counts["prompt_tokens"] + counts["completion_tokens"]:
-        return verdict(name, False, "", "total_tokens is the prompt's tokens plus the completions' tokens: your "
-                       "three numbers do not add up.")
+        return verdict(name, False, "", tr("total_tokens is the prompt's tokens plus the completions' tokens: your "
+                                           "three numbers do not add up."))
     with _serving(server) as live:
         served, _ = streamed_usage(live)
     if served is None:
-        return verdict(name, False, "", "the stream ended without a usage chunk (is the server an old one?).")
+        return verdict(name, False, "", tr("the stream ended without a usage chunk (is the server an old one?)."))
     wrong = [k for k in keys if counts[k] != served[k]]
     if not wrong:
-        return verdict(name, True, f"the stream's last chunk says {served['prompt_tokens']} prompt + "
-                       f"{served['completion_tokens']} completion = {served['total_tokens']} tokens: every prompt "
-                       f"counted once, whatever its {USAGE_N} completions share, and every completion's "
-                       f"{USAGE_MAX_TOKENS} tokens counted.", "")
-    hints = {"prompt_tokens": "prompt_tokens is not what the server counted: how many times is a prompt "
-                              "counted when several completions share it?",
-             "completion_tokens": "completion_tokens is not what the server counted: count the completions "
-                                  "the request makes (how many prompts, how many each)."}
+        return verdict(name, True, tr("the stream's last chunk says {prompt} prompt + {completion} completion = "
+                                      "{total} tokens: every prompt counted once, whatever its {n} completions "
+                                      "share, and every completion's {max_tokens} tokens counted.",
+                                      prompt=served['prompt_tokens'], completion=served['completion_tokens'],
+                                      total=served['total_tokens'], n=USAGE_N, max_tokens=USAGE_MAX_TOKENS), "")
+    hints = {"prompt_tokens": tr("prompt_tokens is not what the server counted: how many times is a prompt "
+                                 "counted when several completions share it?"),
+             "completion_tokens": tr("completion_tokens is not what the server counted: count the completions "
+                                     "the request makes (how many prompts, how many each).")}
     return verdict(name, False, "", " ".join(hints[k] for k in wrong if k in hints))
 
 
@@ -149,20 +152,22 @@ def check_max_tokens(server, max_tokens) -> CheckResult:
     """12.2: the largest ``max_tokens`` the server accepts for ``CONTEXT_PROMPT``."""
     name = "12.2"
     if todo(max_tokens):
-        return verdict(name, False, "", "set max_tokens to a whole number of tokens.")
+        return verdict(name, False, "", tr("set max_tokens to a whole number of tokens."))
     value = whole(max_tokens, 1, 10**7)
     if value is None:
-        return verdict(name, False, "", "max_tokens is a whole number of tokens, at least 1.")
+        return verdict(name, False, "", tr("max_tokens is a whole number of tokens, at least 1."))
     with _serving(server) as live:
         ok, message = _accepted(live, value)
         if not ok:
-            return verdict(name, False, "", f"the server refused max_tokens={value} with 400: {message}")
+            return verdict(name, False, "", tr("the server refused max_tokens={value} with 400: {message}",
+                                               value=value, message=message))
         more_ok, more_message = _accepted(live, value + 1)
     return verdict(name, not more_ok,
-                   f"max_tokens={value} was accepted and {value + 1} refused: \"{more_message}\". Prompt and "
-                   "output must fit the context window together, so the server refuses up front what the engine "
-                   "would otherwise cut short.",
-                   f"max_tokens={value} was accepted, and so is {value + 1}: find the largest the server accepts.")
+                   tr("max_tokens={value} was accepted and {more} refused: \"{message}\". Prompt and "
+                      "output must fit the context window together, so the server refuses up front what the engine "
+                      "would otherwise cut short.", value=value, more=value + 1, message=more_message),
+                   tr("max_tokens={value} was accepted, and so is {more}: find the largest the server accepts.",
+                      value=value, more=value + 1))
 
 
 def admitted_by_rule(max_queue: int, sizes: list[int] = QUEUE_SIZES) -> list[str]:
@@ -204,7 +209,7 @@ def overload(max_queue: int, sizes: list[int] = QUEUE_SIZES) -> list[str]:
             deadline = time.monotonic() + TIMEOUT
             while server.engine.stats.num_running < 1:  # published by the engine thread after each step
                 if time.monotonic() > deadline:
-                    raise RuntimeError("the long request did not start")
+                    raise RuntimeError(tr("the long request did not start"))
                 time.sleep(0.01)
             # it holds the only seat now: everything that arrives waits or is refused
             try:
@@ -228,27 +233,36 @@ def check_max_queue(max_queue) -> CheckResult:
     with 400."""
     name = "12.3"
     if todo(max_queue):
-        return verdict(name, False, "", "set max_queue to a whole number of waiting requests.")
+        return verdict(name, False, "", tr("set max_queue to a whole number of waiting requests."))
     value = whole(max_queue, 1, 10_000)
     if value is None:
-        return verdict(name, False, "", "max_queue is a whole number of waiting prompts, at least 1.")
+        return verdict(name, False, "", tr("max_queue is a whole number of waiting prompts, at least 1."))
     answers = overload(value)
     refused, bad = answers.count("429"), answers.count("400")
-    said = ", ".join(f"{k} prompt{'s' if k > 1 else ''}: {a}" for k, a in zip(QUEUE_SIZES, answers))
+    said = ", ".join((tr("{k} prompts: {answer}", k=k, answer=_answer(a)) if k > 1 else
+                      tr("{k} prompt: {answer}", k=k, answer=_answer(a))) for k, a in zip(QUEUE_SIZES, answers))
     if bad:
-        return verdict(name, False, "", f"with max_queue={value} the server answered ({said}): a request with more "
-                       "prompts than may ever wait is refused with 400, since retrying it could never succeed.")
+        return verdict(name, False, "", tr("with max_queue={value} the server answered ({said}): a request with "
+                                           "more prompts than may ever wait is refused with 400, since retrying it "
+                                           "could never succeed.", value=value, said=said))
     if refused > 1:
-        return verdict(name, False, "", f"with max_queue={value} the server answered ({said}): {refused} refused. "
-                       "Count the prompts waiting after each arrival: a request is admitted whole or not at all.")
+        return verdict(name, False, "", tr("with max_queue={value} the server answered ({said}): {refused} refused. "
+                                           "Count the prompts waiting after each arrival: a request is admitted "
+                                           "whole or not at all.", value=value, said=said, refused=refused))
     smaller = admitted_by_rule(value - 1) if value > 1 else None  # the rule, which overload is tested to follow
     if smaller is not None and smaller.count("429") <= 1 and "400" not in smaller:
-        return verdict(name, False, "", f"with max_queue={value} at most one request is refused, but a smaller "
-                       "limit does that too: find the smallest (a smaller queue is a shorter wait for the ones "
-                       "admitted).")
-    return verdict(name, True, f"the server answered ({said}). The refused request waits for nothing and can retry "
-                   "or go to another replica, while the waiting ones start as seats free up; one prompt fewer "
-                   "of room and a second request would be refused.", "")
+        return verdict(name, False, "", tr("with max_queue={value} at most one request is refused, but a smaller "
+                                           "limit does that too: find the smallest (a smaller queue is a shorter "
+                                           "wait for the ones admitted).", value=value))
+    return verdict(name, True, tr("the server answered ({said}). The refused request waits for nothing and can "
+                                  "retry or go to another replica, while the waiting ones start as seats free up; "
+                                  "one prompt fewer of room and a second request would be refused.", said=said), "")
+
+
+def _answer(answer: str) -> str:
+    """One of ``overload``'s answers as a learner reads it: "wait" in the notebook's language, a
+    status code as it is."""
+    return tr("wait") if answer == "wait" else answer
 
 
 # ------------------------------------------------------------------ the chapter's readings
@@ -263,37 +277,46 @@ def read_ttft_climb(rows: list[dict], label: str) -> str:
     stays level, the rates never passed that path's capacity."""
     lo, hi = rows[0], rows[-1]
     ratio = hi["ttft_ms"]["p50"] / lo["ttft_ms"]["p50"]
-    seen = (f"{label}: TTFT p50 {lo['ttft_ms']['p50']:.0f} -> {hi['ttft_ms']['p50']:.0f} ms from "
-            f"{lo['rate_requests_per_s']:g} to {hi['rate_requests_per_s']:g} req/s ({ratio:.1f}x)")
+    fields = dict(label=label, lo=lo['ttft_ms']['p50'], hi=hi['ttft_ms']['p50'], lo_rate=lo['rate_requests_per_s'],
+                  hi_rate=hi['rate_requests_per_s'], ratio=ratio)
     if ratio >= CLIMB:
-        return seen + ": it climbed, so the highest rates passed what this path serves and requests queued"
-    return seen + ": it stayed about level, so even the highest rate stayed within what this path serves"
+        return tr("{label}: TTFT p50 {lo:.0f} -> {hi:.0f} ms from {lo_rate:g} to {hi_rate:g} req/s ({ratio:.1f}x): "
+                  "it climbed, so the highest rates passed what this path serves and requests queued", **fields)
+    return tr("{label}: TTFT p50 {lo:.0f} -> {hi:.0f} ms from {lo_rate:g} to {hi_rate:g} req/s ({ratio:.1f}x): "
+              "it stayed about level, so even the highest rate stayed within what this path serves", **fields)
 
 
 def read_gap_trend(gaps_ms: list[float], hops_ms: float) -> str:
     """Section 6: how the server-minus-in-process TTFT gap moved with the rate (two lowest rates
     against two highest; a change within the measured hops counts as level)."""
     low, high = sum(gaps_ms[:2]) / len(gaps_ms[:2]), sum(gaps_ms[-2:]) / len(gaps_ms[-2:])
-    trend = "widened" if high > low + hops_ms else "narrowed" if high < low - hops_ms else "stayed about level"
-    return f"the gap {trend} with the rate (mean {low:+.0f} ms at the two lowest rates, {high:+.0f} ms at the two highest)"
+    if high > low + hops_ms:
+        return tr("the gap widened with the rate (mean {low:+.0f} ms at the two lowest rates, {high:+.0f} ms at the "
+                  "two highest)", low=low, high=high)
+    if high < low - hops_ms:
+        return tr("the gap narrowed with the rate (mean {low:+.0f} ms at the two lowest rates, {high:+.0f} ms at the "
+                  "two highest)", low=low, high=high)
+    return tr("the gap stayed about level with the rate (mean {low:+.0f} ms at the two lowest rates, {high:+.0f} ms "
+              "at the two highest)", low=low, high=high)
 
 
 def read_median_gap(median_gap_ms: float, hops_ms: float) -> str:
     """Section 6: the median gap against the HTTP + engine-thread hops measured in section 3."""
     if median_gap_ms > 2 * hops_ms:
-        said = (f"{median_gap_ms / hops_ms:.0f}x the measured HTTP + engine-thread hops: most of it is something "
-                "else; in this notebook, the client's work on the same cores and the engine thread's second OpenMP "
-                "team (section 3), which a server in a process of its own does not have (the next cell)")
+        said = tr("{times:.0f}x the measured HTTP + engine-thread hops: most of it is something "
+                  "else; in this notebook, the client's work on the same cores and the engine thread's second OpenMP "
+                  "team (section 3), which a server in a process of its own does not have (the next cell)",
+                  times=median_gap_ms / hops_ms)
     elif median_gap_ms >= -2 * hops_ms:
-        said = "within twice the measured HTTP + engine-thread hops: those hops account for it"
+        said = tr("within twice the measured HTTP + engine-thread hops: those hops account for it")
     else:
-        said = ("negative: the server's requests got their first token sooner in this run, which no serving cost "
-                "explains; with one run per rate, this machine's noise is larger than what serving adds")
-    return f"the median gap, {median_gap_ms:+.0f} ms, is {said}"
+        said = tr("negative: the server's requests got their first token sooner in this run, which no serving cost "
+                  "explains; with one run per rate, this machine's noise is larger than what serving adds")
+    return tr("the median gap, {gap:+.0f} ms, is {said}", gap=median_gap_ms, said=said)
 
 
 def read_slow_reader(waiting: int) -> str:
     """Section 7: chunks already waiting after a client's pause mean the engine did not wait for it."""
     if waiting:
-        return "the engine did not wait for the reader"
-    return "none had piled up, so this run shows nothing either way (was the pause shorter than a step?)"
+        return tr("the engine did not wait for the reader")
+    return tr("none had piled up, so this run shows nothing either way (was the pause shorter than a step?)")

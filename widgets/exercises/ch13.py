@@ -31,6 +31,7 @@ from collections.abc import Sequence
 import torch
 
 from nanoengine.spec_decode.rejection import accept_greedy
+from translations import tr
 from widgets.exercises import CheckResult, todo, verdict, whole
 from widgets.exercises.ch08 import fit_p_value
 
@@ -54,40 +55,43 @@ def check_greedy_verify(emitted) -> CheckResult:
     drafts, targets = list(GREEDY_DRAFTS), list(GREEDY_TARGETS)
     k = len(drafts)
     if todo(emitted):
-        return verdict("13.1", False, "", "replace ... with the list of token ids the verify pass emits, in "
-                                          "order, then run the cell again.")
+        return verdict("13.1", False, "", tr("replace ... with the list of token ids the verify pass emits, in "
+                                             "order, then run the cell again."))
     ids = _token_list(emitted, 2 * k + 2)
     if ids is None:
-        return verdict("13.1", False, "", f"give a list of token ids (whole numbers >= 0), got {emitted!r}.")
+        return verdict("13.1", False, "", tr("give a list of token ids (whole numbers >= 0), got {emitted!r}.",
+                                             emitted=emitted))
     right = accept_greedy(targets, drafts)
     if ids == right:
         return verdict("13.1", True,
-                       f"the drafts are kept while each equals the target's argmax; at the first mismatch the pass "
-                       f"emits the target's own token, which plain greedy decoding would have produced there, and "
-                       f"stops: the rows after it were computed with a rejected draft in their context. "
-                       f"{len(right)} tokens from one pass instead of one, and the text is plain greedy's.", "")
+                       tr("the drafts are kept while each equals the target's argmax; at the first mismatch the "
+                          "pass emits the target's own token, which plain greedy decoding would have produced "
+                          "there, and stops: the rows after it were computed with a rejected draft in their "
+                          "context. {n} tokens from one pass instead of one, and the text is plain greedy's.",
+                          n=len(right)), "")
     m = len(right) - 1  # the first mismatch
     if not ids:
-        hint = "a verify pass always emits at least one token: the target's row for the first position is there."
+        hint = tr("a verify pass always emits at least one token: the target's row for the first position is "
+                  "there.")
     elif len(ids) > m + 1 and ids[m] == drafts[m]:
-        hint = ("you kept a draft that is not the target's argmax at its position, and went on past it. Greedy "
-                "output must equal plain greedy decoding: which token would plain greedy decoding write there?")
+        hint = tr("you kept a draft that is not the target's argmax at its position, and went on past it. Greedy "
+                  "output must equal plain greedy decoding: which token would plain greedy decoding write there?")
     elif ids == drafts[:m + 1]:
-        hint = ("your last token is a draft the target disagrees with: at a mismatch the draft is rejected, "
-                "so it cannot be emitted. What does the target's own row say at that position?")
+        hint = tr("your last token is a draft the target disagrees with: at a mismatch the draft is rejected, "
+                  "so it cannot be emitted. What does the target's own row say at that position?")
     elif ids == drafts[:m]:
-        hint = ("you emitted only the accepted drafts. The verify pass has already computed the target's own "
-                "token at the first mismatch, for free: a pass emits one token more than it accepts.")
+        hint = tr("you emitted only the accepted drafts. The verify pass has already computed the target's own "
+                  "token at the first mismatch, for free: a pass emits one token more than it accepts.")
     elif len(ids) == m + 2 and ids[-1] == targets[k]:
-        hint = ("the token after the last draft is a bonus only when every draft was accepted: its row was "
-                "computed with the drafts in its context, and here one of them was rejected.")
+        hint = tr("the token after the last draft is a bonus only when every draft was accepted: its row was "
+                  "computed with the drafts in its context, and here one of them was rejected.")
     elif len(ids) > m + 1:
-        hint = ("you emitted tokens past the first rejected draft. The rows after it were computed with that "
-                "wrong draft in their context, so they are not what the target would say.")
+        hint = tr("you emitted tokens past the first rejected draft. The rows after it were computed with that "
+                  "wrong draft in their context, so they are not what the target would say.")
     else:
-        hint = ("walk the drafts in order against the target's argmax at the same position: keep a draft while "
-                "they agree; at the first disagreement emit the target's token and stop; if all agree, emit "
-                "the last row's token too.")
+        hint = tr("walk the drafts in order against the target's argmax at the same position: keep a draft while "
+                  "they agree; at the first disagreement emit the target's token and stop; if all agree, emit "
+                  "the last row's token too.")
     return verdict("13.1", False, "", hint)
 
 
@@ -124,51 +128,53 @@ def _blocks(tokens: int) -> int:
 def check_roll_back(answer) -> CheckResult:
     """13.2: (tokens with valid KV, tokens of the request, blocks kept) after the verify pass."""
     if todo(answer) or (isinstance(answer, tuple) and any(todo(v) for v in answer)):
-        return verdict("13.2", False, "", "replace each ... with a whole number: (tokens with valid KV, tokens "
-                                          "the request has, blocks it keeps), then run the cell again.")
+        return verdict("13.2", False, "", tr("replace each ... with a whole number: (tokens with valid KV, "
+                                             "tokens the request has, blocks it keeps), then run the cell again."))
     if not isinstance(answer, (tuple, list)) or len(answer) != 3:
-        return verdict("13.2", False, "", f"give three whole numbers as a tuple (computed, tokens, blocks); got "
-                                          f"{answer!r}.")
+        return verdict("13.2", False, "", tr("give three whole numbers as a tuple (computed, tokens, blocks); got "
+                                             "{answer!r}.", answer=answer))
     values = [whole(v, 0, 10**6) for v in answer]
     if any(v is None for v in values):
-        return verdict("13.2", False, "", f"each of the three must be a whole number >= 0; got {answer!r}.")
+        return verdict("13.2", False, "", tr("each of the three must be a whole number >= 0; got {answer!r}.",
+                                             answer=answer))
     computed, tokens, blocks = values
     start, k, a = ROLLBACK_START, ROLLBACK_DRAFTS, ROLLBACK_ACCEPTED
     right = _roll_back(start, k, a, ROLLBACK_BLOCK_SIZE)
     if (computed, tokens, blocks) == right:
         return verdict("13.2", True,
-                       "the newest token and the accepted drafts now have valid KV; the token emitted after them "
-                       "was only just sampled, so its KV comes with the next step; and the blocks that held only "
-                       "rejected drafts go back to the pool, their guesses never read and never hashed.", "")
+                       tr("the newest token and the accepted drafts now have valid KV; the token emitted after "
+                          "them was only just sampled, so its KV comes with the next step; and the blocks that held "
+                          "only rejected drafts go back to the pool, their guesses never read and never hashed."),
+                       "")
     wrong = []
     if computed != right[0]:
         if computed == start + 1 + k:
-            wrong.append("tokens with valid KV: the pass wrote KV for every draft, but a rejected draft's KV "
-                         "belongs to a token the request does not have")
+            wrong.append(tr("tokens with valid KV: the pass wrote KV for every draft, but a rejected draft's KV "
+                            "belongs to a token the request does not have"))
         elif computed == right[0] + 1:
-            wrong.append("tokens with valid KV: the token emitted after the accepted run was sampled from the "
-                         "last row's logits; no pass has fed it through the model yet")
+            wrong.append(tr("tokens with valid KV: the token emitted after the accepted run was sampled from the "
+                            "last row's logits; no pass has fed it through the model yet"))
         elif computed == start + a:
-            wrong.append("tokens with valid KV: the step fed the request's newest token too, not only the drafts")
+            wrong.append(tr("tokens with valid KV: the step fed the request's newest token too, not only the drafts"))
         else:
-            wrong.append("tokens with valid KV: count which of the rows the pass computed hold tokens the request "
-                         "keeps")
+            wrong.append(tr("tokens with valid KV: count which of the rows the pass computed hold tokens the request "
+                            "keeps"))
     if tokens != right[1]:
         if tokens in (start + 1 + k, start + 2 + k):
-            wrong.append("tokens of the request: rejected drafts are not part of it")
+            wrong.append(tr("tokens of the request: rejected drafts are not part of it"))
         elif tokens == right[1] - 1:
-            wrong.append("tokens of the request: a verify pass emits one token more than it accepts")
+            wrong.append(tr("tokens of the request: a verify pass emits one token more than it accepts"))
         else:
-            wrong.append("tokens of the request: add up what it had before the step and what the pass emitted")
+            wrong.append(tr("tokens of the request: add up what it had before the step and what the pass emitted"))
     if blocks != right[2]:
         if blocks == _blocks(start + 1 + k):
-            wrong.append("blocks: you kept the blocks allocated for all the drafts; those that held only "
-                         "rejected drafts are given back")
+            wrong.append(tr("blocks: you kept the blocks allocated for all the drafts; those that held only "
+                            "rejected drafts are given back"))
         elif blocks == _blocks(right[0]):
-            wrong.append("blocks: every token of the request needs a slot, the one whose KV is still to come too")
+            wrong.append(tr("blocks: every token of the request needs a slot, the one whose KV is still to come too"))
         else:
-            wrong.append(f"blocks: a request keeps the blocks of {ROLLBACK_BLOCK_SIZE} tokens that its tokens "
-                         f"fill, the last one perhaps partly")
+            wrong.append(tr("blocks: a request keeps the blocks of {bs} tokens that its tokens fill, the last "
+                            "one perhaps partly", bs=ROLLBACK_BLOCK_SIZE))
     return verdict("13.2", False, "", "; ".join(wrong) + ".")
 
 
@@ -193,8 +199,8 @@ def _run_accept(accept, draft: int, seed: int, draws: int) -> list[list[int]]:
             out = out.tolist()
         ids = _token_list(out, 2)
         if not ids or any(t >= vocab for t in ids):
-            raise TypeError(f"accept(probs, draft, generator) must return a list of 1 or 2 token ids in "
-                            f"[0, {vocab}); got {out!r}")
+            raise TypeError(tr("accept(probs, draft, generator) must return a list of 1 or 2 token ids in "
+                               "[0, {vocab}); got {out!r}", vocab=vocab, out=out))
         outputs.append(ids)
     return outputs
 
@@ -202,64 +208,69 @@ def _run_accept(accept, draft: int, seed: int, draws: int) -> list[list[int]]:
 def check_accept(accept) -> CheckResult:
     """13.3: a one-hot acceptance rule: the first token has p's distribution; accepted drafts get a bonus."""
     if todo(accept):
-        return verdict("13.3", False, "", "fill in the line marked # TODO so that accept(probs, draft, generator) "
-                                          "returns the list of tokens emitted, then run the cell again.")
+        return verdict("13.3", False, "", tr("fill in the line marked # TODO so that accept(probs, draft, "
+                                             "generator) returns the list of tokens emitted, then run the cell "
+                                             "again."))
     if not callable(accept):
-        return verdict("13.3", False, "", f"accept must be a function, got {type(accept).__name__}.")
+        return verdict("13.3", False, "", tr("accept must be a function, got {kind}.", kind=type(accept).__name__))
     p, bonus_row = ACCEPT_PROBS[0], ACCEPT_PROBS[1]
     for seed, draft in enumerate(ACCEPT_DRAFTS):
         try:
             outputs = _run_accept(accept, draft, seed, ACCEPT_DRAWS)
             again = _run_accept(accept, draft, seed, 200)
         except (TypeError, RuntimeError, ValueError, IndexError) as err:
-            return verdict("13.3", False, "", f"calling accept(probs, draft={draft}, generator) failed: {err}")
+            return verdict("13.3", False, "", tr("calling accept(probs, draft={draft}, generator) failed: {err}",
+                                                 draft=draft, err=err))
         if again != outputs[:200]:
-            return verdict("13.3", False, "", "two runs with generators seeded the same gave different tokens: take "
-                                              "every random number from the generator you are given.")
-        where = f"draft {draft} (p = {float(p[draft]):.2f})"
+            return verdict("13.3", False, "", tr("two runs with generators seeded the same gave different tokens: "
+                                                 "take every random number from the generator you are given."))
+        where = tr("draft {draft} (p = {p:.2f})", draft=draft, p=float(p[draft]))
         if any(len(o) == 2 and o[0] != draft for o in outputs):
-            return verdict("13.3", False, "", f"{where}: a two-token output means the draft was accepted, so its "
-                                              f"first token must be the draft itself.")
+            return verdict("13.3", False, "", tr("{where}: a two-token output means the draft was accepted, so "
+                                                 "its first token must be the draft itself.", where=where))
         accepted = sum(len(o) == 2 for o in outputs)
         share = accepted / ACCEPT_DRAWS
         sigma = math.sqrt(float(p[draft]) * (1 - float(p[draft])) / ACCEPT_DRAWS)
         first = torch.tensor([o[0] for o in outputs])
         fits = fit_p_value(first, p) >= ACCEPT_MIN_P_VALUE
         rejected = [o[0] for o in outputs if len(o) == 1]
-        seen = f"{where}: accepted in {100 * share:.1f}% of {ACCEPT_DRAWS:,} calls"
+        seen = tr("{where}: accepted in {percent:.1f}% of {draws:,} calls", where=where, percent=100 * share,
+                  draws=ACCEPT_DRAWS)
         if accepted == 0 and fits:
-            return verdict("13.3", False, "", f"{where}: no call ever returned two tokens. When the draft is "
-                                              f"accepted the pass has also computed the row after it: emit one "
-                                              f"more token, drawn from that row.")
+            return verdict("13.3", False, "", tr("{where}: no call ever returned two tokens. When the draft is "
+                                                 "accepted the pass has also computed the row after it: emit one "
+                                                 "more token, drawn from that row.", where=where))
         if abs(share - float(p[draft])) > ACCEPT_SIGMAS * sigma:
             if share == 1.0:
-                why = "every draft was accepted, so the output is whatever the proposer guessed, not the model"
+                why = tr("every draft was accepted, so the output is whatever the proposer guessed, not the model")
             elif abs(share - (1 - float(p[draft]))) <= ACCEPT_SIGMAS * sigma:
-                why = "the more likely the model finds the draft, the less often you keep it: check the comparison"
+                why = tr("the more likely the model finds the draft, the less often you keep it: check the "
+                         "comparison")
             else:
-                why = "for the first token to keep the model's distribution, how often must the draft be kept?"
-            return verdict("13.3", False, "", f"{seen}, and the first token does not follow the model's "
-                                              f"distribution: {why}.")
+                why = tr("for the first token to keep the model's distribution, how often must the draft be kept?")
+            return verdict("13.3", False, "", tr("{seen}, and the first token does not follow the model's "
+                                                 "distribution: {why}.", seen=seen, why=why))
         if rejected and any(t == draft for t in rejected):
             share_x = sum(t == draft for t in rejected) / len(rejected)
-            return verdict("13.3", False, "", f"{seen}, which is right, but after a rejection your resample gave "
-                                              f"the draft itself {100 * share_x:.1f}% of the time, so the draft "
-                                              f"comes out more often than the model says: what must the resample "
-                                              f"leave out?")
+            return verdict("13.3", False, "", tr("{seen}, which is right, but after a rejection your resample gave "
+                                                 "the draft itself {percent:.1f}% of the time, so the draft comes "
+                                                 "out more often than the model says: what must the resample "
+                                                 "leave out?", seen=seen, percent=100 * share_x))
         if not fits:
-            return verdict("13.3", False, "", f"{seen}, which is right, but the tokens drawn after a rejection do "
-                                              f"not follow the model's distribution over the other tokens: which "
-                                              f"distribution must they come from?")
+            return verdict("13.3", False, "", tr("{seen}, which is right, but the tokens drawn after a rejection do "
+                                                 "not follow the model's distribution over the other tokens: which "
+                                                 "distribution must they come from?", seen=seen))
         bonus = torch.tensor([o[1] for o in outputs if len(o) == 2])
         if fit_p_value(bonus, bonus_row) < ACCEPT_MIN_P_VALUE:
-            return verdict("13.3", False, "", f"{seen}, and the first token is right, but the bonus token after an "
-                                              f"accepted draft does not follow the distribution at its own position.")
+            return verdict("13.3", False, "", tr("{seen}, and the first token is right, but the bonus token after "
+                                                 "an accepted draft does not follow the distribution at its own "
+                                                 "position.", seen=seen))
     return verdict("13.3", True,
-                   f"over {ACCEPT_DRAWS:,} calls for each of the drafts {list(ACCEPT_DRAFTS)}, the first token fits "
-                   f"the model's distribution, the draft is kept as often as the model gives it, and the bonus "
-                   f"follows the next row: a draft x is kept with probability p(x), and otherwise every other "
-                   f"token y comes out with (1 - p(x)) * p(y) / (1 - p(x)) = p(y). Speculation changes the speed, "
-                   f"not the text's distribution.", "")
+                   tr("over {draws:,} calls for each of the drafts {drafts}, the first token fits the model's "
+                      "distribution, the draft is kept as often as the model gives it, and the bonus follows the "
+                      "next row: a draft x is kept with probability p(x), and otherwise every other token y comes "
+                      "out with (1 - p(x)) * p(y) / (1 - p(x)) = p(y). Speculation changes the speed, not the "
+                      "text's distribution.", draws=ACCEPT_DRAWS, drafts=list(ACCEPT_DRAFTS)), "")
 
 
 # ------------------------------------------------------------------ exercise 13.4
@@ -301,40 +312,42 @@ def _linear_expected(alpha: float, k: int) -> float:  # the mistake: every draft
 def check_best_k(answer) -> CheckResult:
     """13.4: (best k at batch 1, best k at batch 32) by expected tokens per millisecond."""
     if todo(answer) or (isinstance(answer, tuple) and any(todo(v) for v in answer)):
-        return verdict("13.4", False, "", "replace each ... with a number of drafts k from 0 to "
-                                          f"{MAX_DRAFTS}: (k at batch 1, k at batch 32), then run the cell again.")
+        return verdict("13.4", False, "", tr("replace each ... with a number of drafts k from 0 to {most}: (k at "
+                                             "batch 1, k at batch 32), then run the cell again.", most=MAX_DRAFTS))
     if not isinstance(answer, (tuple, list)) or len(answer) != 2:
-        return verdict("13.4", False, "", f"give two whole numbers as a tuple (k at batch 1, k at batch 32); got "
-                                          f"{answer!r}.")
+        return verdict("13.4", False, "", tr("give two whole numbers as a tuple (k at batch 1, k at batch 32); "
+                                             "got {answer!r}.", answer=answer))
     ks = [whole(v, 0, MAX_DRAFTS) for v in answer]
     if any(k is None for k in ks):
-        return verdict("13.4", False, "", f"each k must be a whole number from 0 to {MAX_DRAFTS}; got {answer!r}.")
+        return verdict("13.4", False, "", tr("each k must be a whole number from 0 to {most}; got {answer!r}.",
+                                             most=MAX_DRAFTS, answer=answer))
     right = (_best_k(1), _best_k(32))
     if tuple(ks) == right:
         return verdict("13.4", True,
-                       "at batch 1 a verify pass costs about one decode step, so drafts are nearly free until the "
-                       "extra rows start to cost more than the ever-smaller chance that a later draft is reached; "
-                       "at batch 32 each extra row costs time in proportion, and the expected gain of another draft "
-                       "shrinks geometrically, so speculation pays for far fewer drafts.", "")
+                       tr("at batch 1 a verify pass costs about one decode step, so drafts are nearly free until "
+                          "the extra rows start to cost more than the ever-smaller chance that a later draft is "
+                          "reached; at batch 32 each extra row costs time in proportion, and the expected gain of "
+                          "another draft shrinks geometrically, so speculation pays for far fewer drafts."), "")
     linear = (_best_k(1, _linear_expected), _best_k(32, _linear_expected))
     if tuple(ks) == linear:
-        return verdict("13.4", False, "", "your choice is what 1 + k * alpha tokens per pass would give. But draft "
-                                          "i counts only if drafts 1..i-1 were all accepted: the later drafts are "
-                                          "reached less and less often.")
+        return verdict("13.4", False, "", tr("your choice is what 1 + k * alpha tokens per pass would give. But "
+                                             "draft i counts only if drafts 1..i-1 were all accepted: the later "
+                                             "drafts are reached less and less often."))
     notes = []
     if ks[0] == ks[1] and ks[0] != right[1]:
-        notes.append("you chose the same k for both batches, but their step times grow very differently with the "
-                     "query tokens")
+        notes.append(tr("you chose the same k for both batches, but their step times grow very differently with "
+                        "the query tokens"))
     if ks[1] != right[1]:
         if ks[1] == MAX_DRAFTS:
-            notes.append("at batch 32 the most drafts is not the best: the step time grows with every query token")
+            notes.append(tr("at batch 32 the most drafts is not the best: the step time grows with every query "
+                            "token"))
         else:
-            notes.append("at batch 32 another k gives more expected tokens per millisecond")
+            notes.append(tr("at batch 32 another k gives more expected tokens per millisecond"))
     if ks[0] != right[0]:
-        notes.append("at batch 1 another k gives more expected tokens per millisecond: even a nearly flat step "
-                     "time grows a little, and a later draft is reached ever less often")
-    return verdict("13.4", False, "", "; ".join(notes) + ". Divide the expected tokens of a pass by its step "
-                                                         "time for every k.")
+        notes.append(tr("at batch 1 another k gives more expected tokens per millisecond: even a nearly flat step "
+                        "time grows a little, and a later draft is reached ever less often"))
+    return verdict("13.4", False, "", tr("{notes}. Divide the expected tokens of a pass by its step time for every "
+                                         "k.", notes="; ".join(notes)))
 
 
 __all__ = ["ACCEPT_DRAFTS", "ACCEPT_DRAWS", "ACCEPT_PROBS", "ALPHA", "GREEDY_DRAFTS", "GREEDY_TARGETS", "MAX_DRAFTS",

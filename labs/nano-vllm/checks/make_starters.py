@@ -66,14 +66,15 @@ def stub_source(source: str, version: str, stubs: list[Stub], file_name: str) ->
     return "".join(lines)
 
 
-COPIED = ("NOTES.md", "expected_output.txt")  # travel with the starter, unchanged
+COPIED = ("NOTES.md", "NOTES.ko.md", "expected_output.txt")  # travel with the starter, unchanged (where present)
 
 
 def starter_files(version: str) -> dict[str, str]:
     """File name -> text of one version's starter: its stubbed ``.py`` files, its notes
-    (the task) and its transcript (what ``run.py`` must print)."""
+    (the task; ``NOTES.ko.md`` in Korean, built by ``python -m translations build``) and its
+    transcript (what ``run.py`` must print)."""
     solution = VERSIONS / V[version]
-    files = {name: (solution / name).read_text() for name in COPIED}
+    files = {name: (solution / name).read_text() for name in COPIED if (solution / name).is_file()}
     for path in sorted(solution.glob("*.py")):
         stubs = [s for s in TASKS[version] if s.file == path.name]
         text = path.read_text()
