@@ -169,6 +169,7 @@ def lab(tmp_path_factory):
     (root / "solutions").mkdir()
     for path in [NOTEBOOKS / "README.md", *NOTEBOOKS.glob("*.ipynb"), *NOTEBOOKS.glob("solutions/*.ipynb")]:
         shutil.copy(path, root / path.relative_to(NOTEBOOKS))  # the course's folder, as a learner has it
+    shutil.copytree(NOTEBOOKS / "ko", root / "ko")  # the Korean edition, beside it as in the repository
     server = JupyterLab(root, home)
     server.root = root
     try:
@@ -485,5 +486,30 @@ def test_5_save_restart_reopen_shows_how_to_bring_the_simulators_back(lab, page)
     assert "Error displaying widget" not in text and "model not found" not in text
     panel.locator(".jp-OutputArea-output", has_text=RERUN_NOTE).first.scroll_into_view_if_needed()
     page.screenshot(path=str(ARTIFACTS / "reopened-after-restart.png"))
+    lab.remember_descendants()
+    assert not page.errors, page.errors
+
+
+def test_6_a_notebook_in_the_korean_folder_gets_a_korean_quiz(lab, page) -> None:
+    """The widgets read the language from the folder the kernel starts in (``ko/``): a quiz run
+    from there shows chapter 14's questions and its buttons in Korean, with no setting at all."""
+    import translations
+
+    english = REPO / "widgets" / "quizzes" / "ch14.json"
+    korean = translations.translated_quiz("ko", json.loads(english.read_text(encoding="utf-8")), english)
+    cell = {"cell_type": "code", "execution_count": None, "id": "quiz", "metadata": {}, "outputs": [],
+            "source": "from widgets import Quiz\nQuiz(14)"}
+    notebook = {"cells": [cell], "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
+                "nbformat": 4, "nbformat_minor": 5}
+    (lab.root / "ko" / "quiz_language.ipynb").write_text(json.dumps(notebook))
+    page.goto(f"{lab.url}/lab/tree/ko/quiz_language.ipynb?token={TOKEN}", wait_until="domcontentloaded")
+    panel = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden)")
+    panel.locator(".jp-Cell").first.wait_for(timeout=90_000)
+    _wait_for_kernel_idle(page, 120_000)
+    _run_all_cells(page)
+    first = korean["questions"][0]["question"].split("`")[0].strip()[:20]
+    panel.locator(".widget-html", has_text=first).first.wait_for(timeout=120_000)
+    assert panel.get_by_role("button", name="확인").count() >= 1, "the quiz's Check buttons are not in Korean"
+    page.screenshot(path=str(ARTIFACTS / "korean-quiz.png"))
     lab.remember_descendants()
     assert not page.errors, page.errors
