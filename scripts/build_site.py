@@ -370,6 +370,12 @@ def _fix_dir_links(text: str, here: Path) -> str:
     return re.sub(r"\[([^\]]*)\]\(([^)\s]+)\)", fix, text)
 
 
+def _html_anchors_as_targets(text: str) -> str:
+    """A translated page keeps the English heading's anchor as ``<a id="..."></a>`` before its
+    own heading (GitHub and JupyterLab link to it); Sphinx knows only MyST targets: ``(...)=``."""
+    return re.sub(r'^<a id="([\w-]+)"></a>$', r"(\1)=", text, flags=re.M)
+
+
 def toctree(caption: str, entries: list[str]) -> str:
     body = "\n".join(entries)
     return f"\n```{{toctree}}\n:hidden:\n:caption: {caption}\n\n{body}\n```\n"
@@ -398,7 +404,7 @@ def stage(root: Path, pages: list[Page], src: Path, lang: str = "en") -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         english = lang == "en" or str(md) not in translations.documents()
         text = md_text(root / md) if english else translations.build_document(lang, root / md, repoint=False)
-        text = _fix_dir_links(text, (root / md).parent)
+        text = _fix_dir_links(_html_anchors_as_targets(text), (root / md).parent)
         if md == LABS / "README.md":
             children = [str(p.relative_to(LABS).with_suffix("")) for p in lab_pages if p != md]
             text += toctree(WORDS[lang]["lab notes"], children)

@@ -327,7 +327,7 @@ def test_korean_pages_draw_every_hangul_glyph_with_a_font_that_has_it(browser, s
         cdp.send("CSS.enable")
         root = cdp.send("DOM.getDocument", {"depth": -1})["root"]["nodeId"]
         checked = 0
-        for selector in ("article p", "article h1", "nav.bd-links a.reference.internal", "article li"):
+        for selector in ("article section p", "article h1", "nav.bd-links a.reference.internal", "article section li"):
             node = cdp.send("DOM.querySelector", {"nodeId": root, "selector": selector})["nodeId"]
             text = page.locator(selector).first.inner_text()
             fonts = cdp.send("CSS.getPlatformFontsForNode", {"nodeId": node})["fonts"]
