@@ -1,8 +1,9 @@
 """The course in other languages: translations keyed to their English source, never copied.
 
 A *unit* is one piece of English a learner reads: a notebook's markdown cell (keyed by the
-cell's id), a section of a markdown document (keyed by its heading), or a quiz's title,
-question, option or explanation (keyed by its place in the quiz). Each translation file stores,
+cell's id), a section of a markdown document (keyed by its heading), a quiz's title, question,
+option or explanation (keyed by its place in the quiz), or a string a widget or check shows
+(``tr("{n} blocks", n=n)``, keyed by the hash of its English template). Each translation file stores,
 per unit, the English it translates (``en``), a hash of that English (``sha``) and the
 translation. When the English changes, the stored hash no longer matches and
 ``python -m translations check`` names the unit and shows the English change, so an English
@@ -17,10 +18,12 @@ Where the files live (``<lang>`` is ``ko`` today)::
     translations/<lang>/GLOSSARY.md            the term choices, checked by tests
     translations/<lang>/notebooks/NN_name.json   a chapter's units and its solution's own units
     translations/<lang>/quizzes/chNN.json        a quiz's units
-    translations/<lang>/docs/NAME.json           a markdown document's sections (the index, README)
+    translations/<lang>/docs/NAME.json           a markdown document's sections (the index, the
+                                                 README, the lab's README, notes and reports)
+    translations/<lang>/widgets/MODULE.json      the strings of a widget or check module
 
-This module needs only the standard library: the widgets read translated quizzes through it,
-and the site's build uses it without torch.
+This module needs only the standard library: the widgets read their strings and quizzes through
+it (``tr``, ``language``, ``translated_quiz``), and the site's build uses it without torch.
 """
 from __future__ import annotations
 
@@ -49,8 +52,6 @@ def documents() -> list[str]:
     found += sorted(str(p.relative_to(REPO)) for folder in ("versions", "starters") if (lab / folder).is_dir()
                     for p in (lab / folder).glob("v*/*.md") if not is_translation_name(p))
     return found
-
-
 
 
 def is_translation_name(path: Path) -> bool:
