@@ -399,6 +399,12 @@ def tr(template: str, /, **fields) -> str:
     lang = language()
     if lang != "en":
         template = catalog(lang).get(sha(template), template)
+    return english(template, **fields)
+
+
+def english(template: str, /, **fields) -> str:
+    """``tr`` without the translation: the template filled as the English notebooks show it
+    (for text that code reads back, such as a log that a chapter filters by its English words)."""
     return template.format(**fields) if fields else template
 
 

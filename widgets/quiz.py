@@ -35,7 +35,8 @@ computed answer and plausible wrong computations.
 In a translated notebook (``notebooks/ko/``) the quiz speaks its language: ``load_quiz`` reads
 the English file, shuffles it as above (the seeds come from the English text, so every
 language shows the same order), then swaps each text for its translation
-(``translations.translated_quiz``). Live questions are computed in English.
+(``translations.translated_quiz``). Live questions are built in the notebook's language too
+(``widgets/live_questions.py``), and shuffled by their own text.
 
 ``QuizController`` is the testable part; ``Quiz`` draws radio buttons, a Check button per
 question and a running score. A quiz is for learning, and its score for honesty: a wrong

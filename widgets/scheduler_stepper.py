@@ -30,7 +30,7 @@ import ipywidgets as W
 from nanoengine import LLMEngine, RequestOutput, RequestSnapshot, SamplingParams
 from nanoengine.events import (Event, PrefixCacheHit, RequestFinished, RequestPreempted, RequestQueued,
                                RequestScheduled, StepFinished)
-from translations import tr
+from translations import english, tr
 from widgets._common import (PALETTE, ControllerView, EngineWatcher, TokenSource, check_int, check_request_fits,
                              escape, guarded, shared_engine_note)
 
@@ -262,7 +262,7 @@ class SchedulerStepperController:
         """Log one line. ``say(tr)`` writes it with the ``tr`` it is given: ``log`` keeps it in
         English (code filters it on English words, as chapter 5 does), ``shown_log`` in the
         notebook's language for the view's event log."""
-        self.log.append(f"[step {event.step}] {say(_english)}")
+        self.log.append(f"[step {event.step}] {say(english)}")
         self.shown_log.append(tr("[step {step}] {text}", step=event.step, text=say(tr)))
 
     def _remember_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -278,11 +278,6 @@ class SchedulerStepperController:
 # ---------------------------------------------------------------------------------------
 # Rendering
 # ---------------------------------------------------------------------------------------
-
-
-def _english(template: str, /, **fields) -> str:
-    """``tr`` without the translation: the English a template gives."""
-    return template.format(**fields) if fields else template
 
 
 def plural(n: int, word: str) -> str:
