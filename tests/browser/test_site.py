@@ -240,17 +240,23 @@ def test_every_notebook_page_names_its_machine_and_date(crawled, server, pages) 
             assert "no saved outputs" in text and "./course lab" in text, page.path
 
 
-def test_chapter_7_quiz_shows_questions_and_options_without_the_answer(crawled, server) -> None:
-    quiz = json.loads((REPO / "widgets" / "quizzes" / "ch07.json").read_text(encoding="utf-8"))
-    report = crawled.pages[server.url + "notebooks/07_prefix_caching.html"]
-    views = [text for text in report["statics"] if text.startswith("Quiz")]
+def _quiz_view(report: dict, heading: str, quiz: dict) -> str:
+    """The page's one static quiz card (its text starts with ``heading``), checked to show every
+    question and option of ``quiz`` and no explanation (explanations tell the answer)."""
+    views = [text for text in report["statics"] if text.startswith(heading)]
     assert len(views) == 1
     view = " ".join(views[0].split())
     for question in quiz["questions"]:
         assert " ".join(question["question"].replace("`", "").split()) in view
         for option in question["options"]:
             assert " ".join(option["text"].replace("`", "").split()) in view
-            assert " ".join(option["explanation"].replace("`", "").split()) not in view  # explanations tell
+            assert " ".join(option["explanation"].replace("`", "").split()) not in view
+    return view
+
+
+def test_chapter_7_quiz_shows_questions_and_options_without_the_answer(crawled, server) -> None:
+    quiz = json.loads((REPO / "widgets" / "quizzes" / "ch07.json").read_text(encoding="utf-8"))
+    view = _quiz_view(crawled.pages[server.url + "notebooks/07_prefix_caching.html"], "Quiz", quiz)
     assert "open notebooks/07_prefix_caching.ipynb" in view
 
 
@@ -356,13 +362,5 @@ def test_the_korean_chapter_7_quiz_is_in_korean_without_the_answer(crawled, serv
 
     english = REPO / "widgets" / "quizzes" / "ch07.json"
     quiz = translations.translated_quiz("ko", json.loads(english.read_text(encoding="utf-8")), english)
-    report = crawled.pages[server.url + "ko/notebooks/07_prefix_caching.html"]
-    views = [text for text in report["statics"] if text.startswith("퀴즈")]
-    assert len(views) == 1
-    view = " ".join(views[0].split())
-    for question in quiz["questions"]:
-        assert " ".join(question["question"].replace("`", "").split()) in view
-        for option in question["options"]:
-            assert " ".join(option["text"].replace("`", "").split()) in view
-            assert " ".join(option["explanation"].replace("`", "").split()) not in view
+    view = _quiz_view(crawled.pages[server.url + "ko/notebooks/07_prefix_caching.html"], "퀴즈", quiz)
     assert "./course lab --lang ko" in view and "notebooks/ko/07_prefix_caching.ipynb" in view
