@@ -12,8 +12,8 @@ timed passes after one warm-up. This is the measurement behind ``cpu_native.MAX_
 
 Decode attention: one decode step's 30 layers of SmolLM2's attention (9 query heads, 3 KV heads,
 64-wide, 16-token blocks) for 1 and 24 sequences of a given context, by the native kernel and by
-the batched PyTorch version (``kernels/cpu_attention.py``, its plan built once per step as the
-backend does), in ms per step (median of 5).
+the reference (``kernels/reference.py``, what the CPU backend runs without the native kernels), in
+ms per step (median of 5).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from nanoengine.kernels import cpu_attention, cpu_gemm, cpu_native
+from nanoengine.kernels import cpu_gemm, cpu_native, reference
 
 SHAPES = {(960, 576): 30, (3072, 576): 30, (576, 1536): 30, (49152, 576): 1}  # (out, in): how many
 ROWS = (1, 2, 3, 4, 6, 8, 16)
@@ -60,9 +60,9 @@ def main() -> None:
                 cells.append(f"{rows} rows: kernel {kernel:.1f} packed {library:.1f} F.linear {mkl:.1f}")
             print(f"({out_features}, {in_features}) x{count} | " + " | ".join(cells))
         for seqs, context in ((1, 100), (1, 1000), (24, 300)):
-            native, batched = attention_ms(dtype, seqs, context)
+            native, plain = attention_ms(dtype, seqs, context)
             print(f"decode attention, {seqs} sequence(s) x {context} tokens, 30 layers: native {native:.2f} ms, "
-                  f"batched PyTorch {batched:.2f} ms")
+                  f"reference {plain:.2f} ms")
 
 
 def attention_ms(dtype, seqs: int, context: int, layers: int = 30) -> tuple[float, float]:
@@ -84,9 +84,8 @@ def attention_ms(dtype, seqs: int, context: int, layers: int = 30) -> tuple[floa
         return statistics.median(times[1:]) * 1e3
 
     native = step_ms(lambda: cpu_native.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125))
-    plan = cpu_attention.DecodePlan.build(tables, lens, block_size, kv_heads, heads, head_dim, k_cache.element_size())
-    batched = step_ms(lambda: cpu_attention.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125, plan))
-    return native, batched
+    plain = step_ms(lambda: reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125))
+    return native, plain
 
 
 if __name__ == "__main__":

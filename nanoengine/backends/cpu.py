@@ -18,13 +18,10 @@ module it names (what each bought: ``results/README.md``):
 * **A decoder layer in one call** (``backends.cpu_fused``). Each Llama layer runs as one C++
   operator that makes the layer's own calls, in the same order: eager's bits, most of a step's
   Python gone. ``enforce_eager=True`` runs the layers' Python ``forward`` instead (``fuse_layers``).
-* **A decode plan per step.** Without the native kernels, the batched PyTorch decode attention
-  (``kernels.cpu_attention``) gathers keys through cache-row indices computed from the block
-  tables (a ``DecodePlan``); the tables are the same in every layer, so ``build_metadata`` builds
-  that plan once per step, as a field of the step's ``CpuAttentionMetadata``, and all 30 layers read it.
 * **Store-KV without a check per layer.** Whether any token of the step has no slot (-1,
-  a warm-up row) is decided once from the plan on the host (``all_slots_stored``); the
-  layers then copy their keys and values with no host synchronisation.
+  a warm-up row) is decided once per step on the host (``all_slots_stored``, a field of the
+  step's ``CpuAttentionMetadata``); the layers then copy their keys and values with no host
+  synchronisation.
 * **The host's settings** (``backends.cpu_platform``). When the backend is built, two malloc
   settings keep freed memory for the next step and oneDNN's per-shape caches are bounded
   (``tune_engine_process``); ``place_weights`` moves the parameters, before they are filled, into
@@ -47,8 +44,7 @@ from nanoengine.backends import cpu_fused
 from nanoengine.backends.base import Backend
 from nanoengine.backends.cpu_platform import (bytes_in_huge_page_regions, move_budget, move_to_huge_pages,
                                                 tune_engine_process)
-from nanoengine.kernels import cpu_attention, cpu_gemm, cpu_native, reference
-from nanoengine.kernels.cpu_attention import DecodePlan
+from nanoengine.kernels import cpu_gemm, cpu_native, reference
 from nanoengine.layers.attention import AttentionImpl, AttentionMetadata
 from nanoengine.layers.kernels import LayerKernels
 
@@ -61,14 +57,13 @@ LOGITS_CHUNK_BYTES = 30 * 1024 * 1024
 class CpuAttentionMetadata(AttentionMetadata):
     """``AttentionMetadata`` plus what the CPU kernels derive from it once per step."""
 
-    decode_plan: DecodePlan | None = None  # where each decode sequence's K/V rows are (None: no decodes)
     all_slots_stored: bool = True  # every token of the step has a cache slot (no -1 in slot_mapping)
     widen_prefill: bool = False  # prefill attention widens a 16-bit cache to float32 (``CpuAttention.prefill_dtype``)
 
 
 class CpuAttention(AttentionImpl):
-    """Store-KV by row copy; decode by the native kernel (or the batched PyTorch version); prefill
-    by the native kernel's tiles or SDPA (or the reference's calls from Python).
+    """Store-KV by row copy; decode and prefill by the native kernels, or, where they are not
+    loaded or do not take the cache's dtype, by the reference kernels (``kernels.reference``).
 
     ``native``: a layer's step is one ``cpu_native.paged_attention`` call, which stores K/V and
     runs ``paged_decode_attention`` and ``paged_prefill_attention`` as ``AttentionImpl.forward``
@@ -86,7 +81,7 @@ class CpuAttention(AttentionImpl):
         prefill = f"{'native' if self.native else 'reference'} prefill"
         if self.prefill_dtype is not None:
             prefill += f" in {str(self.prefill_dtype).removeprefix('torch.')}"
-        return f"cpu ({'native paged' if self.native else 'batched'} decode, {prefill})"
+        return f"cpu ({'native paged' if self.native else 'reference'} decode, {prefill})"
 
     def forward(self, q, k, v, k_cache, v_cache, meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
         if self.native and meta.all_slots_stored:  # ``AttentionImpl.forward``'s calls, made from C++
@@ -108,8 +103,8 @@ class CpuAttention(AttentionImpl):
         if self.native:
             return cpu_native.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
                                                      meta.decode_context_lens, scale)
-        return cpu_attention.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
-                                                    meta.decode_context_lens, scale, meta.decode_plan)
+        return reference.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
+                                                meta.decode_context_lens, scale)
 
     def prefill(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if self.native:  # the whole step in one call: tiles in float32, SDPA per sequence in bfloat16
@@ -196,7 +191,7 @@ class CpuBackend(Backend):
 
     def layer_kernels(self) -> LayerKernels:
         """The native kernels where they are loaded and take the model's dtype; else the layers' own
-        functions, oneDNN's GEMMs and the batched PyTorch attention."""
+        functions, oneDNN's GEMMs and the reference attention."""
         native = self.attention.native  # decided with the attention's: the kernels are loaded and take the dtype
         ops = dict(rms_norm=cpu_native.rms_norm, add_rms_norm=cpu_native.add_rms_norm,
                    rotate_half=cpu_native.rotate_half, silu_and_mul=cpu_native.silu_and_mul,
@@ -234,18 +229,13 @@ class CpuBackend(Backend):
 
     def build_metadata(self, plan) -> CpuAttentionMetadata:
         fields = self._metadata_fields(plan)
-        decode_plan = None
-        if plan.num_decode_tokens and not self.attention.native:  # the native kernel reads the tables itself
-            decode_plan = DecodePlan.build(fields["decode_block_tables"], fields["decode_context_lens"],
-                                           self.block_size, self.num_kv_heads, self.num_heads, self.head_dim,
-                                           torch.empty(0, dtype=self.kv_dtype).element_size())
         slots = plan.slot_mapping
         all_stored = bool((slots >= 0).all()) if isinstance(slots, torch.Tensor) else min(slots, default=0) >= 0
         one_call = (self.fuse_layers and self.fused_layers > 0 and all_stored
                     and not cpu_fused.hooked(self.fused_modules))  # a hook must see the layers run
         widen = cpu_native.widens(self.kv_dtype, self.attention.prefill_dtype)  # what CpuAttention.prefill does
-        return CpuAttentionMetadata(**fields, decode_plan=decode_plan, all_slots_stored=all_stored,
-                                    one_call_layers=one_call, widen_prefill=widen)
+        return CpuAttentionMetadata(**fields, all_slots_stored=all_stored, one_call_layers=one_call,
+                                    widen_prefill=widen)
 
     def logits_rows_per_chunk(self, num_rows: int, vocab_size: int, hidden_size: int) -> int:
         """How many rows of logits one LM-head call computes.

@@ -2,8 +2,7 @@
 
 Each operation has a PyTorch reference (``reference.py``, the specification), a Triton kernel
 (``triton_kernels.py``, the CUDA path) and, for attention, the CPU's native kernels
-(``cpu_native.py``; where they cannot be built, a batched PyTorch decode, ``cpu_attention.py``).
-The engine never picks among them per call: its device backend (``nanoengine.backends``)
+(``cpu_native.py``; where they cannot be built, the CPU runs the reference). The engine never picks among them per call: its device backend (``nanoengine.backends``)
 chooses the kernels once, when the engine is built. The three functions below are for
 tools and notebooks that hold tensors and want "the path the engine would take for
 them". Only ``triton_kernels`` imports triton, and only when first needed, so importing
@@ -16,7 +15,7 @@ import functools
 
 import torch
 
-from nanoengine.kernels import cpu_attention, cpu_native, reference
+from nanoengine.kernels import cpu_native, reference
 
 
 @functools.lru_cache(maxsize=None)
@@ -46,12 +45,8 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale):
     """Decode attention over the paged cache (see ``reference.paged_decode_attention``)."""
-    triton = _triton_for(query)
-    if triton is not None:
-        return triton.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
-    if runs_native(query):
-        return cpu_native.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
-    return cpu_attention.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+    impl = _triton_for(query) or (cpu_native if runs_native(query) else reference)
+    return impl.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale):

@@ -11,9 +11,9 @@ that measured them: ``results/README.md``):
   each weight's rows between the threads and streams them once, and stays ahead up to
   ``MAX_ROWS`` rows.
 * **Decode attention** (``paged_decode_attention``, ``csrc/paged_decode_attention.cpp``).
-  The batched PyTorch version (``cpu_attention``) gathers keys and pays a dozen tensor ops
-  per layer; this kernel walks each sequence's block table and reads every K/V row where it
-  lies in the cache, once for all the query heads that share it. One source, written over a
+  PyTorch's calls (the reference) gather each sequence's keys and values and pay several
+  tensor ops per sequence and layer; this kernel walks each sequence's block table and reads
+  every K/V row where it lies in the cache, once for all the query heads that share it. One source, written over a
   small vector type (``csrc/cpu_vec.h``'s ``Vec``), runs eight lanes wide in the AVX2 build
   and sixteen in the AVX-512 one, with the same bits.
 * **Prefill attention for a whole step** (``paged_prefill_attention``,
@@ -48,7 +48,7 @@ not by the CPU, the build, the thread count or the batch: every x86-64 machine c
 bits, and a row gets the same bits alone or in a batch.
 
 Without a C++ compiler, ninja, or AVX2 + FMA, ``load`` says why in one warning and returns
-False; the CPU backend then uses the libraries and the batched PyTorch attention.
+False; the CPU backend then uses the libraries and the reference attention (``kernels.reference``).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def load(verbose: bool = False) -> bool:
             reason = f"building them failed ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]})"
     if reason is not None:
         warnings.warn(f"nanoengine's native CPU kernels are off: {reason}; the engine uses PyTorch's libraries "
-                      "(slower decoding)", KernelBuildWarning, stacklevel=2)
+                      "and the reference attention (slower)", KernelBuildWarning, stacklevel=2)
         return False
     return True
 

@@ -20,11 +20,11 @@ Shapes used throughout::
                        last block are padding and never read
     context_lens     : (num_seqs,) int32, tokens in the cache for each sequence
 
-These run on any device and are written to be read, not to be fast: the engine's CPU
-path uses them for store-KV and prefill, and ``cpu_attention`` for decode (the same
-arithmetic, batched); ``triton_kernels`` holds the CUDA versions. Both are tested
-against these functions. Grouped-query attention (GQA) is handled by letting
-each group of ``num_heads // num_kv_heads`` query heads share one KV head.
+These run on any device and are written to be read, not to be fast: the CPU's native
+kernels (``cpu_native``) and the CUDA ones (``triton_kernels``) are tested against them,
+and the CPU backend attends with them where its native kernels cannot be built.
+Grouped-query attention (GQA) is handled by letting each group of
+``num_heads // num_kv_heads`` query heads share one KV head.
 """
 
 from __future__ import annotations
@@ -71,9 +71,8 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
     query (num_seqs, num_heads, head_dim) -> output of the same shape. For each sequence:
     read its keys and values through its block table (``gather_kv``), let each group of
-    query heads share its KV head (GQA), and take ``softmax(q k^T * scale) v``. The CPU
-    path runs a batched version of the same arithmetic (``cpu_attention``), the GPU path a
-    Triton kernel; both are tested against this function.
+    query heads share its KV head (GQA), and take ``softmax(q k^T * scale) v``. The CPU's
+    native kernel and the GPU's Triton kernel are tested against this function.
     """
     num_seqs, num_heads, head_dim = query.shape
     group = num_heads // k_cache.shape[2]  # grouped-query attention: query heads per KV head

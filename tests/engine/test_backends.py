@@ -17,7 +17,6 @@ from nanoengine.layers.attention import ReferenceAttention
 from nanoengine.backends.cpu import CpuAttentionMetadata, CpuBackend
 from nanoengine.config import EngineConfig
 from nanoengine.engine.model_runner import BatchPlan, ModelRunner, plan_batch
-from nanoengine.kernels.cpu_attention import DecodePlan
 from nanoengine.loader.weights import random_model
 
 
@@ -48,7 +47,7 @@ def test_a_cpu_gets_the_cpu_backend_and_every_attention_layer_its_kernels():
     assert all(layer.impl is backend.attention for layer in engine.runner.model.attention_layers())
 
 
-def test_the_cpu_backend_builds_the_decode_plan_once_per_step_as_a_typed_field():
+def test_the_cpu_backend_builds_its_metadata_once_per_step_as_typed_fields():
     engine = _engine()
     engine.add_request([5, 9, 200, 31, 7], SamplingParams(temperature=0.0, max_tokens=4))
     engine.add_request(list(range(20, 33)), SamplingParams(temperature=0.0, max_tokens=4))
@@ -57,14 +56,11 @@ def test_the_cpu_backend_builds_the_decode_plan_once_per_step_as_a_typed_field()
     backend = engine.runner.backend
     meta = backend.build_metadata(plan)
     assert isinstance(meta, CpuAttentionMetadata) and meta.num_decode_tokens == 2 and meta.all_slots_stored
-    assert (meta.decode_plan is None) == backend.attention.native  # the native kernel reads the tables itself
-    backend.attention.native = False  # without the native kernels: the batched PyTorch decode and its plan
-    assert isinstance(backend.build_metadata(plan).decode_plan, DecodePlan)
     warm_up = engine.runner.backend.build_metadata(BatchPlan.dummy(3))  # slot -1: nothing stored
-    assert warm_up.decode_plan is None and not warm_up.all_slots_stored
+    assert not warm_up.all_slots_stored
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native decode", "batched PyTorch decode"])
+@pytest.mark.parametrize("native", [True, False], ids=["native kernels", "reference kernels"])
 def test_the_cpu_backend_generates_what_the_reference_kernels_do(native):
     prompts = [[5, 9, 200, 31, 7], list(range(40, 70)), [3] * 9]
     engine = _engine()

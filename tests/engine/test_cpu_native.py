@@ -128,7 +128,7 @@ def test_without_the_kernel_one_warning_names_why_and_the_libraries_compute(monk
             backend.process_weights_after_loading(torch.nn.ModuleList([layer]))
         assert not backend.native_kernels and "few-rows" not in backend.describe()
         assert backend.kernels.name == "cpu, PyTorch libraries" and backend.kernels.decoder_layer is None
-        assert not backend.attention.native and "batched decode" in backend.attention.name
+        assert not backend.attention.native and "reference decode" in backend.attention.name
         x = torch.randn(1, 48)
         expected = (cpu_gemm.linear(x, layer.weight, None, layer.linear_method.packed)
                     if isinstance(layer.linear_method, CpuLinearMethod) else F.linear(x, layer.weight))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import nanoengine.kernels as kernels
-from nanoengine.kernels import cpu_attention, reference
+from nanoengine.kernels import reference
 
 # Reference (fp32 compute) vs naive float64: fp32 rounding only; fp16/bf16: output rounding.
 TOLERANCES = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -107,45 +107,6 @@ def test_decode_matches_naive(num_heads, num_kv_heads, block_size, lens):
         # The decode query is the sequence's last token: position n - 1 sees everything.
         expected = naive_attention(query[s:s + 1], ks[s], vs[s], scale, q_offset=n - 1)[0]
         torch.testing.assert_close(out[s].double(), expected, atol=1e-5, rtol=1e-5)
-
-
-def test_decode_plan_is_shared_by_the_layers_of_one_step():
-    """A step's layers reuse one gather plan (the CPU backend builds it once) and get what they would alone."""
-    lens, num_heads, num_kv_heads, head_dim, block_size = [9, 30, 17], 6, 2, 8, 4
-    layers = [make_paged(*random_sequences(lens, num_kv_heads, head_dim, torch.float32, seed=layer), block_size)
-              for layer in range(3)]  # same tables and lengths, different K/V: three layers of one step
-    query = torch.randn(len(lens), num_heads, head_dim)
-    _, _, tables, context_lens = layers[0]
-    plan = cpu_attention.DecodePlan.build(tables, context_lens, block_size, num_kv_heads, num_heads, head_dim, 4)
-    for k_cache, v_cache, tables, context_lens in layers:
-        shared = cpu_attention.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3, plan)
-        alone = cpu_attention.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3)
-        assert torch.equal(shared, alone)
-        torch.testing.assert_close(shared, reference.paged_decode_attention(query, k_cache, v_cache, tables,
-                                                                            context_lens, 0.3), atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_groups_sequences_when_the_gather_would_be_large(monkeypatch, dtype):
-    """Past the gather budget the batch is sorted by length and cut into groups; same answer."""
-    lens, num_heads, num_kv_heads, head_dim, block_size = [40, 3, 25, 9, 33, 1, 17], 6, 2, 8, 4
-    ks, vs = random_sequences(lens, num_kv_heads, head_dim, dtype)
-    k_cache, v_cache, tables, context_lens = make_paged(ks, vs, block_size)
-    query = torch.randn(len(lens), num_heads, head_dim).to(dtype)
-    whole = cpu_attention.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3)
-    row_bytes = num_kv_heads * head_dim * k_cache.element_size()
-    monkeypatch.setattr(cpu_attention, "GATHER_BUDGET_BYTES", row_bytes * 60)  # a few sequences per group
-    plan = cpu_attention.DecodePlan.build(tables, context_lens, block_size, num_kv_heads, num_heads, head_dim,
-                                          k_cache.element_size())
-    grouped = cpu_attention.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3, plan)
-    groups = plan.groups
-    assert len(groups) > 2 and sorted(torch.cat([g.seqs for g in groups]).tolist()) == list(range(len(lens)))
-    for group in groups:  # each group's padded gather fits the budget (a lone long sequence may not)
-        assert group.rows.shape[0] == 1 or row_bytes * group.rows.shape[0] * group.rows.shape[2] <= row_bytes * 60
-    expected = reference.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.3)
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(grouped.float(), expected.float(), **tol)
-    torch.testing.assert_close(whole.float(), expected.float(), **tol)
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", HEADS)
@@ -252,16 +213,16 @@ def test_store_kv_skips_minus_one_slots():
 @pytest.mark.parametrize("native", [True, False], ids=["native kernels built", "no native kernels"])
 def test_dispatch_keeps_cpu_tensors_off_triton(monkeypatch, native):
     """CPU tensors never reach Triton: store-KV runs the reference; attention runs what the CPU
-    engine runs, the native kernels where they are built (else the batched decode and the reference)."""
+    engine runs, the native kernels where they are built (else the reference)."""
     from nanoengine.kernels import cpu_native
 
     if native and not cpu_native.load():
         pytest.skip("the native kernels cannot be built here")
     monkeypatch.setattr(kernels, "runs_native", lambda tensor: native)
-    attention = cpu_native if native else None
+    attention = cpu_native if native else reference
     calls = []
-    for module, name in ((reference, "store_kv"), (attention or cpu_attention, "paged_decode_attention"),
-                         (attention or reference, "paged_prefill_attention")):
+    for module, name in ((reference, "store_kv"), (attention, "paged_decode_attention"),
+                         (attention, "paged_prefill_attention")):
         original = getattr(module, name)
 
         def spy(*args, _name=name, _original=original):

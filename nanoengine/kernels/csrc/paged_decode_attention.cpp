@@ -7,9 +7,8 @@
 // threads -- the query heads that share that KV head (grouped-query attention) walk the
 // sequence's block table once: each key row is read once and dotted with every query of the
 // group, each value row is read once and added, weighted, into every query's output. Nothing
-// is gathered or padded: the batched PyTorch version (cpu_attention.py) copies each group's
-// keys into one tensor and pays a dozen tensor ops per layer, which is most of a one-sequence
-// decode step's attention time.
+// is gathered or padded, and a layer's decode attention is one call, where the reference copies
+// each sequence's keys and values and makes several tensor ops per sequence.
 //
 // Numerics: scores, softmax and the weighted sum are float32 whatever the cache dtype; the
 // order of every sum is fixed by this source (not by the CPU, the threads or the batch).
