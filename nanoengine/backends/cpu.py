@@ -11,10 +11,11 @@ module it names (what each bought: ``results/README.md``):
 * **Kernels of its own** (``kernels.cpu_native``, C++ compiled once per machine and cached). Up
   to ``cpu_native.MAX_ROWS`` rows of a product take the few-rows kernel: a fixed rule, not timed,
   so two engines built alike compute alike. Decode attention reads each K/V row where it lies in
-  the paged cache; float32 prefill attention runs in tiles of its own (a bfloat16 cache on a CPU
-  with bfloat16 instructions: SDPA in bfloat16, ``prefill_dtype``). The norms, the rotary
-  embedding, the activation and a layer's attention (``paged_attention``: store-KV, decode and
-  prefill, the calls ``AttentionImpl.forward`` makes) are one call each, with eager's bits.
+  the paged cache; prefill attention is SDPA once per sequence, the step's sequences shared out
+  over the threads (a bfloat16 cache on a CPU with bfloat16 instructions: SDPA in bfloat16,
+  ``prefill_dtype``). The norms, the rotary embedding, the activation and a layer's attention
+  (``paged_attention``: store-KV, decode and prefill, the calls ``AttentionImpl.forward`` makes)
+  are one call each, with eager's bits.
 * **A decoder layer in one call** (``backends.cpu_fused``). Each Llama layer runs as one C++
   operator that makes the layer's own calls, in the same order: eager's bits, most of a step's
   Python gone. ``enforce_eager=True`` runs the layers' Python ``forward`` instead (``fuse_layers``).
@@ -107,7 +108,7 @@ class CpuAttention(AttentionImpl):
                                                 meta.decode_context_lens, scale)
 
     def prefill(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if self.native:  # the whole step in one call: tiles in float32, SDPA per sequence in bfloat16
+        if self.native:  # the whole step in one call: SDPA per sequence, the reference's bits
             return cpu_native.paged_prefill_attention(query, k_cache, v_cache, meta.prefill_block_tables,
                                                       meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale,
                                                       self.prefill_dtype)

@@ -13,16 +13,13 @@ that measured them: ``results/README.md``):
 * **Decode attention** (``paged_decode_attention``, ``csrc/paged_decode_attention.cpp``).
   PyTorch's calls (the reference) gather each sequence's keys and values and pay several
   tensor ops per sequence and layer; this kernel walks each sequence's block table and reads
-  every K/V row where it lies in the cache, once for all the query heads that share it. One source, written over a
-  small vector type (``csrc/cpu_vec.h``'s ``Vec``), runs eight lanes wide in the AVX2 build
-  and sixteen in the AVX-512 one, with the same bits.
+  every K/V row where it lies in the cache, once for all the query heads that share it. One
+  source, written over a small vector type (``csrc/cpu_vec.h``'s ``Vec``), runs eight lanes
+  wide in the AVX2 build and sixteen in the AVX-512 one, with the same bits.
 * **Prefill attention for a whole step** (``paged_prefill_attention``,
-  ``csrc/paged_prefill_attention.cpp``). In float32 arithmetic, tiles written out: the keys
-  packed once per sequence and KV head, the scores, the softmax and the weighted values as
-  small matrix products held in registers, eight lanes wide in either build (sixteen bought
-  under 10%), much faster than PyTorch's SDPA on a short prompt. In bfloat16 arithmetic (oneDNN's AMX and AVX512-BF16
-  kernels behind SDPA), the reference's PyTorch calls made from C++, each thread taking the
-  step's next sequence whole.
+  ``csrc/paged_prefill_attention.cpp``). The reference's calls (SDPA once per sequence, itself
+  FlashAttention-style tiles) made from C++: SDPA splits a short prompt badly over the threads,
+  so each thread takes the step's next sequence whole, unless one sequence outweighs the rest.
 * **RMSNorm with its residual add** (``rms_norm``, ``add_rms_norm``, ``csrc/rms_norm.cpp``):
   one call and one pass per row where eager PyTorch makes five calls; for one decoding
   sequence the calls, not the arithmetic, were the cost.
@@ -43,9 +40,10 @@ into ``~/.cache/nanoengine/kernels/`` under a name that carries the torch and Py
 the instruction set, so another PyTorch never loads them; ``./course setup`` builds them ahead.
 They are built for one of two instruction sets exactly (not ``-march=native``): AVX-512 where
 PyTorch runs its own kernels with it (``torch.backends.cpu.get_cpu_capability()``, which
-``ATEN_CPU_CAPABILITY=avx2`` lowers), else AVX2 + FMA. Every sum's order is fixed by the source,
-not by the CPU, the build, the thread count or the batch: every x86-64 machine computes the same
-bits, and a row gets the same bits alone or in a batch.
+``ATEN_CPU_CAPABILITY=avx2`` lowers), else AVX2 + FMA. Every sum the kernels compute themselves
+has its order fixed by the source, not by the CPU, the build, the thread count or the batch: every
+x86-64 machine computes the same bits, and a row gets the same bits alone or in a batch (the calls
+made from C++, prefill attention's SDPA among them, have the bits of the PyTorch calls they make).
 
 Without a C++ compiler, ninja, or AVX2 + FMA, ``load`` says why in one warning and returns
 False; the CPU backend then uses the libraries and the reference attention (``kernels.reference``).
@@ -222,12 +220,9 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                             scale: float, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``reference.paged_prefill_attention`` for a whole step (``csrc/paged_prefill_attention.cpp``).
+    """``reference.paged_prefill_attention`` for a whole step, with its bits (``csrc/paged_prefill_attention.cpp``).
 
-    ``compute_dtype`` as there: None widens 16-bit caches to float32; the cache's own dtype keeps
-    them. Float32 arithmetic runs the file's tiles (head sizes a multiple of 32): within float32
-    rounding of the reference, with bits that depend on neither the CPU, the threads, the batch nor
-    the chunking. Otherwise, SDPA per sequence with the reference's own bits.
+    ``compute_dtype`` as there: None widens 16-bit caches to float32; the cache's own dtype keeps them.
     """
     return torch.ops.nanoengine.paged_prefill_attention(query.contiguous(), k_cache, v_cache, block_tables,
                                                         cu_seqlens_q, context_lens, scale,

@@ -365,71 +365,32 @@ def _with_threads(threads, fn):
 
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype, compute_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                                  (torch.bfloat16, torch.bfloat16)],
+                         ids=["float32", "bfloat16 widened", "bfloat16"])
 @pytest.mark.parametrize("lens, q_lens", PREFILL_CASES)
-def test_native_prefill_attention_in_bfloat16_has_the_references_bits(threads, lens, q_lens):
-    """bfloat16 arithmetic is SDPA's, called per sequence from C++: the reference's bits, also with the
-    sequences shared out between threads that run in the caller's inference mode."""
-    args = _prefill_case(torch.bfloat16, lens, q_lens)
-    expected = reference.paged_prefill_attention(*args, 0.125, compute_dtype=torch.bfloat16)
+def test_native_prefill_attention_has_the_references_bits(threads, dtype, compute_dtype, lens, q_lens):
+    """SDPA called per sequence from C++: the reference's bits, also with the sequences shared out
+    between threads that run in the caller's inference mode."""
+    args = _prefill_case(dtype, lens, q_lens)
+    expected = reference.paged_prefill_attention(*args, 0.125, compute_dtype=compute_dtype)
     assert torch.equal(_with_threads(threads, lambda: cpu_native.paged_prefill_attention(
-        *args, 0.125, torch.bfloat16)), expected)
+        *args, 0.125, compute_dtype)), expected)
     with torch.inference_mode():  # the engine's mode: the worker threads run in it too
-        out = _with_threads(threads, lambda: cpu_native.paged_prefill_attention(*args, 0.125, torch.bfloat16))
+        out = _with_threads(threads, lambda: cpu_native.paged_prefill_attention(*args, 0.125, compute_dtype))
     assert torch.equal(out, expected)
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [dict(), dict(heads=4, kv_heads=2, head_dim=128), dict(heads=4, kv_heads=4, head_dim=32),
-                                   dict(heads=8, kv_heads=1, head_dim=64)],
-                         ids=["groups of 3, 64-wide heads", "groups of 2, 128-wide", "mha, 32-wide", "groups of 8"])
+@pytest.mark.parametrize("shape", [dict(heads=4, kv_heads=2, head_dim=128), dict(heads=4, kv_heads=4, head_dim=32),
+                                   dict(heads=8, kv_heads=1, head_dim=64), dict(heads=4, kv_heads=2, head_dim=20)],
+                         ids=["groups of 2, 128-wide", "mha, 32-wide", "groups of 8", "groups of 2, 20-wide"])
 @pytest.mark.parametrize("lens, q_lens", PREFILL_CASES)
-def test_native_prefill_attention_in_float32_is_the_reference_within_rounding(dtype, shape, lens, q_lens):
-    """The tiles (float32 arithmetic, a bfloat16 cache widened) against the reference's SDPA: the same
-    attention summed in another order, so equal within float32 rounding (bfloat16: its last bit)."""
+def test_native_prefill_attention_has_the_references_bits_for_every_head_shape(dtype, shape, lens, q_lens):
     args = _prefill_case(dtype, lens, q_lens, **shape)
-    out = cpu_native.paged_prefill_attention(*args, 0.125)
-    expected = reference.paged_prefill_attention(*args, 0.125)
-    tolerance = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-5)
-    torch.testing.assert_close(out, expected, **tolerance)
-    if dtype == torch.float32:  # and against float64, to be sure the tolerance is rounding's
-        wide = reference.paged_prefill_attention(*(a.double() if a.is_floating_point() else a for a in args), 0.125)
-        torch.testing.assert_close(out.double(), wide, rtol=1e-5, atol=2e-6)
-
-
-@needs_kernel
-def test_native_prefill_attention_keeps_the_references_bits_for_head_sizes_the_tiles_do_not_take():
-    args = _prefill_case(torch.float32, *PREFILL_CASES[0], heads=4, kv_heads=2, head_dim=20)
     assert torch.equal(cpu_native.paged_prefill_attention(*args, 0.125),
                        reference.paged_prefill_attention(*args, 0.125))
-
-
-@needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tiled_prefill_bits_depend_on_neither_threads_batch_nor_chunking(dtype):
-    """What the tiles promise: each number one chain of operations in an order fixed by the source."""
-    lens, q_lens = PREFILL_CASES[0]
-    chunk, k_cache, v_cache, tables, cu, context_lens = _prefill_case(dtype, lens, q_lens)
-
-    def attend(*args):
-        return cpu_native.paged_prefill_attention(*args, 0.125)
-
-    whole = attend(chunk, k_cache, v_cache, tables, cu, context_lens)
-    for threads in (1, 2, 3):
-        assert torch.equal(_with_threads(threads, lambda: attend(chunk, k_cache, v_cache, tables, cu, context_lens)),
-                           whole)
-    for seq in range(len(lens)):  # each sequence alone
-        rows = slice(int(cu[seq]), int(cu[seq + 1]))
-        alone = attend(chunk[rows], k_cache, v_cache, tables[seq:seq + 1],
-                       torch.tensor([0, q_lens[seq]], dtype=torch.int32), context_lens[seq:seq + 1])
-        assert torch.equal(alone, whole[rows])
-    # sequence 2's 20 tokens after 44 cached: split as 7 then 13, each chunk after its own cached prefix
-    rows = slice(int(cu[2]), int(cu[3]))
-    first = attend(chunk[rows][:7], k_cache, v_cache, tables[2:3], torch.tensor([0, 7], dtype=torch.int32),
-                   torch.tensor([51], dtype=torch.int32))
-    rest = attend(chunk[rows][7:], k_cache, v_cache, tables[2:3], torch.tensor([0, 13], dtype=torch.int32),
-                  torch.tensor([64], dtype=torch.int32))
-    assert torch.equal(torch.cat([first, rest]), whole[rows])
 
 
 @needs_kernel
