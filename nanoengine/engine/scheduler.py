@@ -332,7 +332,8 @@ class Scheduler:
                     request.append_output_token(token, now)
                 else:
                     self.accept_token(request, token, now)
-            batch = [r for r in batch if r.request_id not in faults]
+            if faults:
+                batch = [r for r in batch if r.request_id not in faults]
             logprobs = {r.request_id: result.logprobs[r.request_id][index] for r in batch
                         if r.request_id in result.logprobs}
             stop_strings = detokenizer.detokenize(batch, logprobs, faults)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanoengine.sampling_params import SamplingParams, StructuredOutputsParams
+from nanoengine.sampling_params import SamplingParams
 from nanoengine.structured_output.backend import (StructuredOutputBackend, StructuredOutputGrammar,
                                                   allocate_token_bitmask)
 from nanoengine.structured_output.config import StructuredOutputsConfig
@@ -42,8 +42,7 @@ WAIT_S = 0.05  # the longest an otherwise idle step waits for a compile (``colle
 class StructuredOutputRequest:
     """One request's constraint and, once compiled, its grammar (vLLM's ``StructuredOutputRequest``)."""
 
-    def __init__(self, params: StructuredOutputsParams, compiling: concurrent.futures.Future) -> None:
-        self.params = params
+    def __init__(self, compiling: concurrent.futures.Future) -> None:
         self.compiling = compiling
         self.grammar: StructuredOutputGrammar | None = None  # set by ``StructuredOutputManager.collect``
 
@@ -107,7 +106,7 @@ class StructuredOutputManager:
             self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                                    thread_name_prefix="nanoengine-grammar")
         compiling = self._executor.submit(self.backend.compile_grammar, constraint.kind, constraint.spec)
-        request.structured_output = StructuredOutputRequest(constraint, compiling)
+        request.structured_output = StructuredOutputRequest(compiling)
         self.pending.append(request)
 
     def collect(self, wait: bool = False) -> list[tuple[Request, Exception]]:
@@ -140,8 +139,8 @@ class StructuredOutputManager:
         ``requests`` sample this step in ``plan.logits_indices`` order; ``drafts`` the drafts each
         checks (empty: nobody speculates).
         """
-        if not any(r.structured_output is not None for r in requests):
-            return None
+        if self._backend is None or not any(r.structured_output is not None for r in requests):
+            return None  # no request was ever constrained, or none of this step's is
         drafts = drafts or [()] * len(requests)
         bitmask = allocate_token_bitmask(len(requests) + sum(map(len, drafts)), self.backend.vocab_size)
         row = 0

@@ -266,7 +266,7 @@ def test_draft_rows_get_the_mask_after_each_draft_and_the_grammar_is_left_as_it_
     tokenizer = load_tokenizer(tiny_llama_tok_dir)
     backend = GuidanceBackend(tokenizer, 49152, (tokenizer.eos_token_id,))
     request = Request("r", [1], SamplingParams(structured_outputs=StructuredOutputsParams(regex="[ab][cd]")))
-    request.structured_output = StructuredOutputRequest(request.sampling_params.structured_outputs, None)
+    request.structured_output = StructuredOutputRequest(None)
     request.structured_output.grammar = backend.compile_grammar("regex", "[ab][cd]")
     a, c = (tokenizer.convert_tokens_to_ids(t) for t in ("a", "c"))
     bitmask = allocate_token_bitmask(3, 49152)
