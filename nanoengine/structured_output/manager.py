@@ -4,16 +4,13 @@ As vLLM's ``StructuredOutputManager`` (``vllm/v1/structured_output/__init__.py``
 
 1. ``validate`` refuses a constraint the library cannot compile before the request is queued
    (the server answers 400 with the library's reason), and ``request_for`` starts compiling it
-   on a worker thread. The request waits in the queue until its grammar is ready; the
-   scheduler passes over it (``Request.waits_for_grammar``) and admits the requests behind it,
-   so one slow grammar holds up nobody else.
+   on a worker thread. The scheduler passes over the waiting request until its grammar is
+   ready (``Request.waits_for_grammar``), so one slow grammar holds up nobody else.
 2. ``collect`` (at the start of each step) hands each compiled grammar to its request, and
    returns those that failed to compile: the engine finishes them with the reason.
-3. ``grammar_bitmask`` fills one packed int32 row per logits row that samples. A request that
-   checks k drafts owns k+1 rows; row i is the mask after its drafts 0..i-1, made by accepting
-   those drafts, filling, and rolling them back. Unconstrained rows allow everything, and a step
-   without constrained requests makes no bitmask at all. The runner applies it to the logits
-   before the sampler (``backend.apply_token_bitmask``).
+3. ``grammar_bitmask`` fills one packed int32 row per logits row that samples (a request
+   checking k drafts owns k+1: ``fill_rows``); the runner applies it to the logits before the
+   sampler. A step without constrained requests makes no bitmask at all.
 4. After the step, the scheduler advances each grammar with the tokens its request really got
    (``Scheduler.update_from_output``), and ``trim_drafts`` cuts the next step's drafts to the
    prefix the grammar accepts.
