@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
 METHODS = ("ngram",)
 # vLLM's defaults when neither lookup length is given (its source calls them untuned).
@@ -65,19 +64,6 @@ class SpeculativeConfig:
                 break
             k = range_k
         return min(k, self.num_speculative_tokens)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any] | "SpeculativeConfig") -> "SpeculativeConfig":
-        """From ``LLM(speculative_config={...})`` or ``--speculative-config JSON``; unknown keys are refused."""
-        if isinstance(values, SpeculativeConfig):
-            return values
-        if not isinstance(values, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(values).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys {unknown}; allowed: {sorted(known)}")
-        return cls(**values)
 
 
 def _checked_schedule(schedule) -> tuple[tuple[int, int, int], ...]:

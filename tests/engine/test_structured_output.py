@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from nanoengine import LLMEngine, SamplingParams
+from nanoengine.config import EngineConfig
 from nanoengine.sampling_params import StructuredOutputsParams
-from nanoengine.structured_output import StructuredOutputsConfig, allocate_token_bitmask, apply_token_bitmask
+from nanoengine.structured_output import allocate_token_bitmask, apply_token_bitmask
 from nanoengine.structured_output.guidance import GuidanceBackend
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "level": {"enum": [1, 2, 3]},
@@ -238,9 +239,9 @@ def test_sampling_params_and_engine_config_refuse_the_wrong_types():
     with pytest.raises(ValueError, match="StructuredOutputsParams"):
         SamplingParams(structured_outputs={"regex": "a"})
     with pytest.raises(ValueError, match="backend='xgrammarx' is not available"):
-        StructuredOutputsConfig.from_dict({"backend": "xgrammarx"})
+        EngineConfig(device="cpu", structured_outputs_config={"backend": "xgrammarx"})
     with pytest.raises(ValueError, match=r"unknown structured_outputs_config key\(s\) \['whitespace'\]"):
-        StructuredOutputsConfig.from_dict({"whitespace": False})
+        EngineConfig(device="cpu", structured_outputs_config={"whitespace": False})
     assert StructuredOutputsParams(json={"type": "object"}).spec == '{"type": "object"}'
     assert StructuredOutputsParams(json_object=True, regex=None).kind == "json_object"
 
