@@ -65,19 +65,14 @@ class InputProcessor:
             if sampling_params is None or sampling_params is prompt.sampling_params:
                 return prompt
             return self.process_tokens(prompt.prompt_token_ids, sampling_params, prompt.prompt)
-        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-            return self.process_chat(prompt, sampling_params)  # refuses malformed messages by name
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):  # a conversation
+            params = self.check_params(sampling_params)
+            text = self.apply_chat_template(prompt)  # refuses malformed messages by name
+            return ProcessedPrompt(text, self._check_length(self.encode(text, rendered_chat=True)), params)
         if isinstance(prompt, (list, tuple)):
             return self.process_tokens(prompt, sampling_params)
         text, token_ids = self.tokenize(prompt)
         return ProcessedPrompt(text, tuple(token_ids), self.check_params(sampling_params))
-
-    def process_chat(self, messages: Sequence[Message],
-                     sampling_params: SamplingParams | None = None) -> ProcessedPrompt:
-        """A conversation through the chat template (with the assistant's turn opened), checked."""
-        params = self.check_params(sampling_params)
-        text = self.apply_chat_template(messages)
-        return ProcessedPrompt(text, self._check_length(self.encode(text, rendered_chat=True)), params)
 
     def process_tokens(self, token_ids: Sequence[int], sampling_params: SamplingParams | None = None,
                        prompt: str | None = None) -> ProcessedPrompt:

@@ -11,8 +11,7 @@ the update: ``structured_output``.)
 
 Everything a reader or a simulator wants to watch is available without touching internal
 state: ``snapshot()`` and ``memory_report()`` return frozen records, and ``events``
-publishes what happened (queued, scheduled, preempted, finished, blocks allocated, forked,
-freed, stored, evicted, prefix hits, each step's batch layout and timings).
+publishes what happened (``nanoengine.events``).
 
 Module map of the engine core: ``input_processor`` turns prompts into checked requests,
 ``parallel_sampling`` fans a request out into its ``n`` completions (and queues the

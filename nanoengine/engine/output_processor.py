@@ -169,10 +169,8 @@ class OutputProcessor:
     def _detokenize(self, request: Request, detokenizer: IncrementalDetokenizer) -> str:
         """Feed the detokenizer the tokens it has not seen yet; the text delta.
 
-        A new last token among ``stop_token_ids`` will end the request (the scheduler's
-        ``check_stop`` lets only EOS, also a stop, come before it), so the detokenizer is
-        told to leave its text out, as vLLM does; this runs before that decision because
-        stop strings must be looked for first.
+        A new last token among ``stop_token_ids`` will end the request (``check_stop``, which runs
+        after this: stop strings are looked for first), so its text is left out.
         """
         new_token_ids = request.output_token_ids[detokenizer.num_tokens:]
         ends_on_stop_token = bool(new_token_ids) and new_token_ids[-1] in request.sampling_params.stop_token_ids

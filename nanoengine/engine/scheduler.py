@@ -98,10 +98,6 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.scheduled if not s.is_prefill)
 
     @property
-    def total_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
@@ -375,14 +371,12 @@ class Scheduler:
         if request.num_computed_tokens >= (len(request.block_hashes) + 1) * self.block_manager.block_size:
             self.block_manager.cache_full_blocks(request)
 
-    def finish_if_stopped(self, request: Request, stop_string: str | None = None) -> bool:
-        """Finish ``request`` if its newest token ends it (see ``check_stop``); True if it did."""
+    def finish_if_stopped(self, request: Request, stop_string: str | None = None) -> None:
+        """Finish ``request`` if its newest token ends it (see ``check_stop``)."""
         decision = check_stop(request, stop_string, self.max_model_len)
-        if decision is None:
-            return False
-        status, request.stop_reason = decision
-        self.finish_request(request, status)
-        return True
+        if decision is not None:
+            status, request.stop_reason = decision
+            self.finish_request(request, status)
 
 
 def check_stop(request: Request, stop_string: str | None, max_model_len: int) -> tuple[RequestStatus, str | int | None] | None:

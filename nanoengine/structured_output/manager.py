@@ -72,7 +72,7 @@ class StructuredOutputManager:
 
     @property
     def backend(self) -> StructuredOutputBackend:
-        """The grammar library, set up for the tokenizer at the first constrained request (~0.4 s)."""
+        """The grammar library, set up for the tokenizer at the first constrained request."""
         with self._lock:  # a server checks requests on its own thread while the engine steps
             if self._backend is None:
                 if self.tokenizer is None:
