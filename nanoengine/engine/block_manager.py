@@ -74,15 +74,15 @@ class Block:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what the block holds: it is not (or no longer) in the prefix cache."""
         self.block_hash: bytes | None = None  # set while the block is in the prefix cache
         self.parent_hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
         self.serial: int | None = None  # unique per caching: names this exact KV content
         self.parent_serial: int | None = None  # the serial of the block this one was computed after
-
-    def reset(self) -> None:
-        self.block_hash, self.parent_hash, self.token_ids = None, None, ()
-        self.serial, self.parent_serial = None, None
 
 
 @dataclass(frozen=True)

@@ -34,15 +34,13 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method={self.method!r} is not supported; allowed: {METHODS}")
-        k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"speculative_config num_speculative_tokens must be an integer >= 1, got {k!r}")
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is None and high is None:
             low = high = DEFAULT_PROMPT_LOOKUP
         low = high if low is None else low
         high = low if high is None else high
-        for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+        for name, value in (("num_speculative_tokens", self.num_speculative_tokens), ("prompt_lookup_min", low),
+                            ("prompt_lookup_max", high)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config {name} must be an integer >= 1, got {value!r}")
         if low > high:
