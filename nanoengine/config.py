@@ -37,12 +37,10 @@ class EngineConfig:
     num_kv_blocks: size of the KV pool in blocks; None derives it from kv_cache_memory_gb.
     kv_cache_memory_gb: memory budget for the KV pool when num_kv_blocks is None.
     max_num_seqs: most requests running at once. None (the default) takes 256, or
-        max_num_batched_tokens when that is smaller: every running request needs at least
-        one token of a step's budget, so a larger max_num_seqs would admit requests that
-        then wait for tokens while others run (vLLM refuses the same setting,
-        ``SchedulerConfig.verify_max_model_len`` in vllm/config/scheduler.py).
-    max_num_batched_tokens: the token budget of one step (prefill chunks + decodes);
-        at least max_num_seqs.
+        max_num_batched_tokens when that is smaller.
+    max_num_batched_tokens: the token budget of one step (prefill chunks + decodes); at least
+        max_num_seqs, since every running request needs a token of it (vLLM refuses the same
+        setting, ``SchedulerConfig.verify_max_model_len`` in vllm/config/scheduler.py).
     max_model_len: longest prompt + output a request may reach; None takes the model's.
     enable_prefix_caching: reuse KV blocks of identical prefixes.
     enable_chunked_prefill: split long prompts over several steps.
@@ -125,17 +123,15 @@ class EngineConfig:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64) (torch.Generator's range), got {self.seed!r}")
         if self.speculative_config is not None:
-            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
-        self.structured_outputs_config = StructuredOutputsConfig.from_dict(self.structured_outputs_config)
+            self.speculative_config = _from_dict(SpeculativeConfig, "speculative_config", self.speculative_config)
+        self.structured_outputs_config = _from_dict(StructuredOutputsConfig, "structured_outputs_config",
+                                                    self.structured_outputs_config)
         check_environment(self.torch_device)  # the backend's environment variables, before anything loads
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Build from keyword arguments, naming any unknown key and the known ones."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise ValueError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}")
+        _check_keys(cls, kwargs, "engine option")
         return cls(**kwargs)
 
     @property
@@ -189,3 +185,21 @@ def resolve_num_kv_blocks(config: EngineConfig, model_config: ModelConfig, max_m
 def _positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _check_keys(cls: type, given: dict, what: str) -> None:
+    """Refuse a key of ``given`` that names no field of the dataclass ``cls``, listing the known ones."""
+    known = sorted(f.name for f in fields(cls))
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ValueError(f"unknown {what}(s) {unknown}; known: {known}")
+
+
+def _from_dict(cls: type, name: str, value: object):
+    """A sub-config from the dict ``LLM(name={...})`` gave (vLLM's shape); None: its defaults."""
+    if value is None or isinstance(value, cls):
+        return cls() if value is None else value
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a dict, got {value!r:.80}")
+    _check_keys(cls, value, f"{name} key")
+    return cls(**value)

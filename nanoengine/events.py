@@ -198,11 +198,9 @@ class EventBus:
     exception becomes a warning and the step goes on.
     """
 
-    def __init__(self, history: int = 0) -> None:
+    def __init__(self) -> None:
         self._observers: list[tuple[Observer, tuple[type, ...] | None]] = []
         self.history: collections.deque[Event] = collections.deque(maxlen=0)
-        if history:
-            self.keep_history(history)
 
     def keep_history(self, maxlen: int = 10_000) -> collections.deque[Event]:
         """Keep the last ``maxlen`` events (0 turns the history off again); returns the history."""

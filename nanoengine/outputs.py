@@ -67,12 +67,8 @@ class TokenLogprob:
 
 @dataclass(frozen=True)
 class CompletionOutput:
-    """One completion of a request (vLLM's name and fields).
-
-    ``text``, ``token_ids`` and ``logprobs`` hold the whole completion so far, except in
-    the outputs of a ``RequestOutputKind.DELTA`` request, where they hold only what is new
-    since its previous output (then ``text == delta``).
-    """
+    """One completion of a request (vLLM's name and fields): all of it so far, or only what is new
+    for a ``RequestOutputKind.DELTA`` request (then ``text == delta``)."""
 
     index: int  # 0 .. n-1
     text: str

@@ -10,11 +10,7 @@ The lists are bounded too: every step searches a request's new text for each of 
 strings and checks its new token against each stop token id, so a request with a million
 of them would slow every request sharing its steps (and a body of a few megabytes can
 carry that many). OpenAI's API takes at most 4 stop strings; vLLM sets no limit.
-
-``StructuredOutputsParams`` (chapter 14) is the one constraint a request's output must
-satisfy: a JSON schema, a regular expression, a list of choices or a grammar. It is checked
-here for its shape (exactly one constraint, of the right type and size); whether it
-compiles is the grammar library's to say, when the request enters the engine.
+``StructuredOutputsParams`` (chapter 14) is checked here for its shape only.
 """
 
 from __future__ import annotations
@@ -158,11 +154,9 @@ class SamplingParams:
         (``RequestOutputKind``): every step with everything so far (the default), every
         step with what is new, or only once finished.
     structured_outputs: None, or the constraint the output must satisfy
-        (``StructuredOutputsParams``, chapter 14). Every token is then drawn from the
-        tokens the constraint allows next (the others' logits are set to -inf before
-        temperature and the filters, so logprobs are those of that masked distribution),
-        and the request finishes ("stop") when the constraint is complete and allows no
-        more text.
+        (``StructuredOutputsParams``, chapter 14): every token is drawn from those it allows
+        next (logprobs are those of that masked distribution), and the request finishes
+        ("stop") when the constraint is complete.
     """
 
     temperature: float = 1.0

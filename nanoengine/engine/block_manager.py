@@ -18,11 +18,9 @@ the block's stored token ids must equal the request's, and the block must have b
 computed after the very block matched just before it in the chain (each cached block
 records the *cache serial* of its parent, a number no other cached block ever gets).
 
-Parallel sampling (``SamplingParams(n=...)``, chapter 8) needs nothing of its own here:
-siblings find the prompt's blocks in the prefix cache like any request with the same
-prompt, or, with the cache off, the scheduler hands them over (``allocate_slots``'s
-``forked_from``; ``parallel_sampling`` tells the story). This class never holds a request
-between calls, nor reads another request's progress.
+Parallel sampling (chapter 8) needs nothing of its own here: siblings share the prompt's
+blocks as prefix-cache hits or, with the cache off, as blocks the scheduler hands over
+(``allocate_slots``'s ``forked_from``). This class never holds a request between calls.
 
 Freed blocks go to the back of an LRU free queue but keep their hash, so a later request
 can still hit them; a block is only forgotten when the queue hands it out again for new
@@ -76,15 +74,15 @@ class Block:
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what the block holds: it is not (or no longer) in the prefix cache."""
         self.block_hash: bytes | None = None  # set while the block is in the prefix cache
         self.parent_hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
         self.serial: int | None = None  # unique per caching: names this exact KV content
         self.parent_serial: int | None = None  # the serial of the block this one was computed after
-
-    def reset(self) -> None:
-        self.block_hash, self.parent_hash, self.token_ids = None, None, ()
-        self.serial, self.parent_serial = None, None
 
 
 @dataclass(frozen=True)

@@ -15,15 +15,11 @@ one ``index_select``. vLLM v1 keeps its block tables the same way (a persistent 
 worker; its scheduler output names each request's new block ids, and a request admitted or
 resumed sends them all).
 
-A row is told, never guesses. A request seen for the first time (a new row) is written
-whole. When a request holds fewer blocks than its row (speculative decoding gave back the
-blocks only rejected drafts used: ``BlockManager.release_slots_after``), the row's surplus
-entries are cleared before the new ones land, so a block given back and another appended in
-its place are never confused. One map says which row is whose: request id -> ``_Row`` (its
-index in the tensor, its request, how many of its entries are written). Rows of requests
-that are no longer running are taken back only when a new request needs one and none is
-free, so nothing has to tell this class that a request ended; a row refers to its request
-weakly, so it never keeps a finished request alive.
+A row is told, never guesses: a new row is written whole, and when a request holds fewer
+blocks than its row (speculative decoding gave back the blocks only rejected drafts used),
+the surplus entries are cleared before the new ones land. Rows of requests that are no
+longer running are taken back only when a new request needs one and none is free, so
+nothing has to tell this class that a request ended.
 """
 
 from __future__ import annotations

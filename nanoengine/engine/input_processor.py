@@ -1,34 +1,21 @@
 """The input processor: a prompt and its sampling parameters in, a checked request out (chapter 2).
 
 Every way into the engine (``LLM.generate``, ``LLM.chat``, ``LLM.stream``,
-``LLMEngine.add_request``, the server) goes through here, so a prompt is
+``LLMEngine.add_request``, the server) goes through here, so a prompt is rendered once (chat
+messages through the model's chat template), tokenized once, the way the tokenizer says
+(``encode``), and checked once against what only the engine knows: the vocabulary,
+``max_model_len``, ``max_num_seqs``, having a tokenizer, whether a constraint compiles
+(``check_params``; ``SamplingParams`` checked everything a value can be judged by alone).
+``LLM.generate`` and the server refuse the same way (a ``ValueError`` naming the field; a 400).
+One difference is vLLM's as well: a ``max_tokens`` that the prompt leaves no room for ends
+the request at the window ("length") here and in vLLM's ``LLM``, while the server refuses it
+before it starts (``protocol.fit_to_context``), as vLLM's and OpenAI's servers do.
 
-* rendered once: chat messages through the model's chat template,
-* tokenized once, the way the tokenizer says: a text prompt gets the special tokens its
-  tokenizer adds (a BOS token for Llama-3 or TinyLlama, none for SmolLM2), exactly as
-  ``tokenizer(prompt)`` in Hugging Face and a text prompt in vLLM do. A rendered chat
-  template already holds its special tokens, so its text is encoded without adding
-  more (vLLM's ``LLM.chat`` in vllm/entrypoints/llm.py does the same),
-* checked once: the token ids against the vocabulary, the length against
-  ``max_model_len``, ``n`` against ``max_num_seqs``, ``top_k``, ``logprobs`` and stop token
-  ids against the vocabulary, stop strings against having a tokenizer to find them with.
-  (``SamplingParams`` checked everything a value can be judged by alone when it was built.)
-
-What is refused here is refused the same way by ``LLM.generate`` and by the server, which
-sends every request through here too (a ``ValueError`` naming the field; a 400). One
-difference is vLLM's as well: a ``max_tokens`` that the prompt leaves no room for in
-``max_model_len`` ends the request at the window ("length") here and in vLLM's ``LLM``,
-while the server refuses it before it starts (``protocol.fit_to_context``), as vLLM's and
-OpenAI's servers do, so a client is never silently given less than it asked for.
-
-The result is a ``ProcessedPrompt``, which ``LLMEngine.add_request`` accepts as it is.
-vLLM v1 splits its engine the same way (vllm/v1/engine/processor.py turns prompts into
-``EngineCoreRequest`` objects before the engine core sees them).
-
-The processor reads only its tokenizer and fixed limits, none of the engine's state
-(queues, blocks, request ids), so a server may call it on a thread other than the one
-stepping the engine, tokenizing a large prompt while the engine keeps serving others (the
-tokenizer is then shared by that thread and the engine's detokenizer).
+The result is a ``ProcessedPrompt``, which ``LLMEngine.add_request`` accepts as it is (vLLM
+v1 splits its engine the same way: vllm/v1/engine/processor.py). The processor reads only
+its tokenizer and fixed limits, none of the engine's state, so a server may call it on a
+thread other than the one stepping the engine, tokenizing a large prompt while the engine
+keeps serving others.
 """
 
 from __future__ import annotations
@@ -78,19 +65,14 @@ class InputProcessor:
             if sampling_params is None or sampling_params is prompt.sampling_params:
                 return prompt
             return self.process_tokens(prompt.prompt_token_ids, sampling_params, prompt.prompt)
-        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
-            return self.process_chat(prompt, sampling_params)  # refuses malformed messages by name
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):  # a conversation
+            params = self.check_params(sampling_params)
+            text = self.apply_chat_template(prompt)  # refuses malformed messages by name
+            return ProcessedPrompt(text, self._check_length(self.encode(text, rendered_chat=True)), params)
         if isinstance(prompt, (list, tuple)):
             return self.process_tokens(prompt, sampling_params)
         text, token_ids = self.tokenize(prompt)
         return ProcessedPrompt(text, tuple(token_ids), self.check_params(sampling_params))
-
-    def process_chat(self, messages: Sequence[Message],
-                     sampling_params: SamplingParams | None = None) -> ProcessedPrompt:
-        """A conversation through the chat template (with the assistant's turn opened), checked."""
-        params = self.check_params(sampling_params)
-        text = self.apply_chat_template(messages)
-        return ProcessedPrompt(text, self._check_length(self.encode(text, rendered_chat=True)), params)
 
     def process_tokens(self, token_ids: Sequence[int], sampling_params: SamplingParams | None = None,
                        prompt: str | None = None) -> ProcessedPrompt:

@@ -11,8 +11,7 @@ the update: ``structured_output``.)
 
 Everything a reader or a simulator wants to watch is available without touching internal
 state: ``snapshot()`` and ``memory_report()`` return frozen records, and ``events``
-publishes what happened (queued, scheduled, preempted, finished, blocks allocated, forked,
-freed, stored, evicted, prefix hits, each step's batch layout and timings).
+publishes what happened (``nanoengine.events``).
 
 Module map of the engine core: ``input_processor`` turns prompts into checked requests,
 ``parallel_sampling`` fans a request out into its ``n`` completions (and queues the
@@ -222,11 +221,8 @@ class LLMEngine:
 
     @property
     def requests(self) -> LiveRequests:
-        """Unfinished requests by id: a completion each when n > 1, siblings not yet queued included.
-
-        A live read-only mapping: ``id in engine.requests`` and ``engine.requests[id]`` are
-        one lookup each, whatever the number in flight (``LiveRequests``).
-        """
+        """Unfinished requests by id, a live read-only mapping (``LiveRequests``): a completion each
+        when n > 1, siblings not yet queued included."""
         return LiveRequests(self.output_processor.completions_by_id)
 
     def has_request(self, request_id: str) -> bool:
@@ -338,11 +334,9 @@ class LLMEngine:
         """Finish each user request one of whose completions raised in this step, with
         finish_reason "error" and the exception as ``CompletionOutput.error``.
 
-        The inputs every request brings are checked before it is queued, so this is an
-        engine bug that one request's data reached (the log has the traceback). Its
-        blocks are freed like any finished request's, and the step's other requests
-        carry on. A fault of the model's forward pass, which computes every request at
-        once, is the engine's own: ``step`` raises it and the engine stops.
+        Every request's inputs were checked before it was queued, so this is an engine bug
+        that one request's data reached (the log has the traceback); its blocks are freed
+        and the step's other requests carry on.
         """
         outputs = []
         for completion_id, exc in faults.items():
@@ -434,11 +428,8 @@ class LLMEngine:
 
 
 def _backend(config: EngineConfig, max_model_len: int) -> Backend:
-    """The backend for the engine's device and dtype (chosen here, once).
-
-    CUDA graphs unless enforce_eager (never on a CPU); compiled fused ops with compile=True (CUDA); on a CPU
-    one native call per decoder layer unless enforce_eager.
-    """
+    """The backend for the engine's device and dtype (chosen here, once; ``EngineConfig`` says what
+    enforce_eager and compile do)."""
     return select_backend(config.torch_device, dtype=config.torch_dtype, compile=config.compile,
                           enforce_eager=config.enforce_eager, max_model_len=max_model_len,
                           cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512))

@@ -132,10 +132,8 @@ def plan_batch(out: SchedulerOutput, block_size: int,
     its own position (context length ``start + 1 + i``), which is exactly causal
     attention over the drafts, and each row runs through the same kernels as a plain
     decode, so the rows' logits are the ones plain decoding would compute.
-    ``block_tables`` is the engine's persistent ``BlockTables``: only the blocks each request
-    gained for this step (``new_block_ids``) are written into it, and the slot of every token is computed from it with
-    tensor arithmetic, ``table[row, pos // B] * B + pos % B``. Without one (tests, tools),
-    a temporary one is used.
+    ``block_tables``: the engine's persistent ``BlockTables`` (a temporary one without), from
+    which every token's slot is gathered, ``table[row, pos // B] * B + pos % B``.
     """
     decodes = [s for s in out.scheduled if not s.is_prefill]
     prefills = [s for s in out.scheduled if s.is_prefill]
@@ -149,16 +147,12 @@ def plan_batch(out: SchedulerOutput, block_size: int,
     decode_rows, decode_context_lens = [], []
     for scheduled, row in zip(ordered, rows):
         request, span = scheduled.request, scheduled.positions
-        if scheduled.num_tokens == 1:
-            input_ids.append(request.all_token_ids[span.start])
-            positions.append(span.start)
-        elif scheduled.draft_token_ids:  # its last token, then the guesses after it
+        if scheduled.draft_token_ids:  # its last token, then the guesses after it
             input_ids.append(request.all_token_ids[span.start])
             input_ids.extend(scheduled.draft_token_ids)
-            positions.extend(span)
         else:
             input_ids.extend(request.all_token_ids[span.start:span.stop])
-            positions.extend(span)
+        positions.extend(span)
         counts.append(scheduled.num_tokens)
         query_start.append(len(input_ids))
         if scheduled.is_prefill:

@@ -1,22 +1,12 @@
 """Output processing: sampled tokens in, ``RequestOutput`` objects out (chapters 2 and 8).
 
-After the scheduler has appended a step's tokens to its requests, this module turns them
-into what the user sees. For every request that produced a token it
-
-* records the token's logprobs (when asked for),
-* detokenizes incrementally (``IncrementalDetokenizer``: no half characters in a stream),
-  and only what somebody reads: a ``FINAL_ONLY`` request (``LLM.generate``) gets its text
-  once, when it finishes,
-* hands out what the request's ``RequestOutputKind`` asks for: everything so far every step
-  (``CUMULATIVE``), only what is new every step (``DELTA``, what a stream appends), or
-  the final output alone (``FINAL_ONLY``),
-* reports a stop *string* that appears in a request's text; it does not end the request
-  itself: whether a request has finished is decided in one place, the scheduler's
-  ``check_stop``, which weighs the stop string against EOS, stop token ids and lengths,
-* and builds one ``RequestOutput`` per user request, gathering its ``n`` completions.
-
-A step therefore goes ``detokenize`` (text so far, stop strings found), then the
-engine's stop decision, then ``make_outputs`` (the outputs, with the finish reasons).
+After the scheduler has appended a step's tokens to its requests, this module records their
+logprobs, detokenizes incrementally (``IncrementalDetokenizer``), and only what somebody
+reads: a ``FINAL_ONLY`` request (``LLM.generate``) gets its text once, when it finishes. It
+reports the stop *strings* it finds but ends no request: ``check_stop`` in the scheduler
+decides that. So a step goes ``detokenize`` (text so far, stop strings found), then the
+stop decision, then ``make_outputs``: one ``RequestOutput`` per user request, gathering its
+``n`` completions, holding what its ``RequestOutputKind`` asks for.
 
 A user request (the id ``add_request`` returned) is a ``RequestState`` here: its prompt,
 its completion requests in index order, and one detokenizer per completion. The state
@@ -179,10 +169,8 @@ class OutputProcessor:
     def _detokenize(self, request: Request, detokenizer: IncrementalDetokenizer) -> str:
         """Feed the detokenizer the tokens it has not seen yet; the text delta.
 
-        A new last token among ``stop_token_ids`` will end the request (the scheduler's
-        ``check_stop`` lets only EOS, also a stop, come before it), so the detokenizer is
-        told to leave its text out, as vLLM does; this runs before that decision because
-        stop strings must be looked for first.
+        A new last token among ``stop_token_ids`` will end the request (``check_stop``, which runs
+        after this: stop strings are looked for first), so its text is left out.
         """
         new_token_ids = request.output_token_ids[detokenizer.num_tokens:]
         ends_on_stop_token = bool(new_token_ids) and new_token_ids[-1] in request.sampling_params.stop_token_ids

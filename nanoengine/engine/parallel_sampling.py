@@ -23,44 +23,30 @@ mark, only with the prefix cache off (``Request.fork_source``, below):
    (``gather_metrics`` covers the timings); the user request ends when its last child
    does. Aborting it finishes every child, released or not.
 
-How a sibling finds the prompt's blocks depends on the prefix cache:
+How a sibling finds the prompt's blocks depends on the prefix cache. With caching on (the
+default) nothing special happens: child 0 cached its full prompt blocks as it computed them,
+and the sibling finds them as any request with that prompt would (a ``PrefixCacheHit``). With
+caching off the parent marks each sibling with ``Request.fork_source`` (child 0, its number of
+full prompt blocks), and the scheduler at admission hands those blocks to
+``BlockManager.allocate_slots``, which shares them as it shares hits (a ``BlocksForked``).
 
-* **caching on** (the default): nothing special at all. Child 0 put its full prompt blocks
-  in the prefix cache as it computed them (``BlockManager.cache_full_blocks``), so the
-  sibling's ``get_computed_blocks`` finds them like any request with the same prompt
-  would (a ``PrefixCacheHit``).
-* **caching off**: an explicit fork. The parent marks each sibling with
-  ``Request.fork_source``, (child 0, number of its full prompt blocks), and the scheduler
-  at admission passes those blocks to ``BlockManager.allocate_slots``, which shares them
-  exactly as it shares cache hits (a ``BlocksForked``). The block manager itself never
-  learns who computed what.
+Only *full* blocks are shared: every sibling writes its own next token into the prompt's
+partly filled last block. vLLM v0 copied that block on write (a device-side KV copy in every
+worker); here each sibling recomputes its tokens instead (at most ``block_size - 1``; a whole
+block when the prompt fills its last one, since the sibling needs that last token's logits),
+which needs no copy kernel and works unchanged under tensor parallelism.
 
-Only *full* blocks are shared. The prompt's partly filled last block is not: every
-sibling will write its own next token into it. vLLM v0 copied that block on write (a
-device-side KV copy in every worker); here each sibling recomputes the tokens of that
-block instead (at most ``block_size - 1``; a whole block when the prompt fills its last
-one, since the sibling needs that last token's logits for its own first token), which
-needs no copy kernel and works unchanged under tensor parallelism.
+Siblings enter the waiting queue like new requests, so ``max_num_seqs`` and the token budget
+hold without special rules; the price is that they start a step after child 0. If child 0
+loses its blocks first (preempted, or finished at its first token), nothing stale is shared:
+a hit is verified as every hit is, and a fork is taken only while child 0 holds the blocks
+computed (``Scheduler.computed_blocks``); otherwise the sibling computes what it lacks.
 
-Siblings enter the waiting queue like new requests, so ``max_num_seqs`` and the token
-budget hold without special rules; the price is that they start a step after child 0
-(with the ``static`` policy, in the next batch). If child 0 loses its blocks before a
-sibling is admitted (preempted, or finished at its first token), nothing stale is shared:
-with caching on the sibling takes whatever of the prompt is still cached, verified as
-every hit is, and computes the rest; with caching off the scheduler checks at each
-admission attempt that child 0 holds the blocks computed at that moment (a preempted
-child 0 may have computed them again since), and a sibling admitted while it does not
-computes its prompt itself.
-
-vLLM v1 has the same object in vllm/v1/engine/parallel_sampling.py: a ``ParentRequest``
-that makes the child requests and their seeds and gathers their outputs. It queues all
-children at once and relies on the prefix cache alone. That works even for children
-admitted in the same step as child 0, because vLLM registers a block's digest when the
-block is *scheduled* (its ``allocate_slots``), and the one forward pass writes each
-layer's keys and values before attention reads them. This engine registers a digest only
-once the block is computed (after the step), so it holds the siblings back a step
-instead. With caching off vLLM computes the prompt once per child; here the siblings
-fork it, so "prefill once" holds either way.
+vLLM v1 has the same ``ParentRequest`` (vllm/v1/engine/parallel_sampling.py) but queues all
+children at once and relies on the prefix cache alone: it registers a block's digest when the
+block is *scheduled*, so siblings admitted in child 0's step already hit. This engine
+registers a digest once the block is computed, so it holds the siblings back a step instead;
+and with caching off, where vLLM computes the prompt once per child, the siblings fork it.
 """
 
 from __future__ import annotations

@@ -109,11 +109,6 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     @property
-    def is_prefill(self) -> bool:
-        """Still working through prompt (or, after a preemption, recomputed) tokens."""
-        return self.num_tokens_to_compute > 1
-
-    @property
     def is_finished(self) -> bool:
         return self.status.finished
 

@@ -20,25 +20,12 @@ admits nobody new.
 That order is the ``fcfs`` policy's; ``engine/scheduling_policy.py`` says what a policy
 decides, and has the other two (``prefill_first``, ``static``).
 
-Whether a scheduled request is a *prefill* or a *decode* is decided here, once, and
-recorded in its ``ScheduledRequest``: a decode computes exactly one new token whose whole
-context is already in the cache (the decode kernel's case); anything else is a prefill
-chunk. The record also names the blocks the request gained for this step
-(``new_block_ids``: all of them when it was admitted), as vLLM's scheduler output does, so
-the runner's block table appends exactly those (``engine/block_table.py``). The runner, the
-events and the step statistics all read that record.
-
-Whether a request has finished after a token (EOS, a stop token id, a stop string, a
-complete grammar, its length) is decided in one function, ``check_stop``, with its
-precedence stated there, and applied in one place, ``update_from_output``, as in vLLM v1's scheduler.
-
-Speculative decoding (chapter 13): a decoding request that carries drafted tokens
-(``Request.spec_token_ids``, proposed after the previous step) is budgeted ``1 + k``
-tokens, its last token and the k drafts, and gets KV slots for all of them
-(``_fitting_drafts``); the record keeps the drafts (``ScheduledRequest.draft_token_ids``).
-It is still a decode: every one of its rows attends over the cache up to its own position.
-After the step, ``update_from_output`` takes in the drafts the model agreed with one at a
-time, so that a stop among them ends the request there.
+Each scheduled request gets a ``ScheduledRequest`` that the runner, the events and the step
+statistics all read: whether it is a prefill chunk or a decode (decided here, once), the
+blocks it gained for the step (``new_block_ids``, what ``engine/block_table.py`` appends), and
+the drafts it checks (speculative decoding, chapter 13: ``_fitting_drafts``). Whether a
+request has finished after a token is decided in one function, ``check_stop``, and applied
+in one place, ``update_from_output``, as in vLLM v1's scheduler.
 """
 
 from __future__ import annotations
@@ -111,10 +98,6 @@ class SchedulerOutput:
         return sum(s.num_tokens for s in self.scheduled if not s.is_prefill)
 
     @property
-    def total_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
@@ -182,11 +165,14 @@ class Scheduler:
         (``fcfs``: ``schedule_running``, then ``admit_waiting`` unless someone was preempted)."""
         out = SchedulerOutput(token_budget=self.max_num_batched_tokens)
         self.policy.schedule(self, out)
-        now = time.perf_counter()
-        for s in out.scheduled:  # the time a request is first scheduled (its queueing delay ends)
-            if s.request.first_scheduled_time is None:
+        now, announce = time.perf_counter(), self.events.wants(RequestScheduled)
+        for s in out.scheduled:
+            if s.request.first_scheduled_time is None:  # its queueing delay ends
                 s.request.first_scheduled_time = now
-        return self._announce(out)
+            if announce:
+                self.events.emit(RequestScheduled(self.step, s.request.request_id, s.num_tokens,
+                                                  s.num_computed_tokens, s.is_prefill))
+        return out
 
     def schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Give each running request its tokens, preempting the newest when blocks run out."""
@@ -260,14 +246,10 @@ class Scheduler:
     def computed_blocks(self, request: Request) -> tuple[list[int], int, str | None]:
         """The leading full blocks ``request`` need not compute: (block ids, their tokens, forked from).
 
-        A parallel-sampling sibling with the prefix cache off carries ``fork_source``: the
-        completion that computed its prompt and how many of its full blocks to share. They are
-        taken, with that completion's id for the ``BlocksForked`` event, if it holds them
-        computed right now. It may not: preempted, it holds nothing (or, readmitted, blocks
-        not yet recomputed); finished, nothing. The sibling then computes its prompt like any
-        request, or, if it is not admitted this time, asks again at its next attempt. Everything
-        else asks the prefix cache. The scheduler, not the block manager, reads the other
-        request: the block manager keeps no request between calls.
+        Usually the prefix cache's hits. A parallel-sampling sibling with the cache off carries
+        ``fork_source`` instead (``parallel_sampling``): it takes that completion's full prompt
+        blocks, with its id for the ``BlocksForked`` event, only if they are computed right now
+        (a preempted or finished source holds none); else it computes its prompt like any request.
         """
         if request.fork_source is not None:
             source, num_blocks = request.fork_source
@@ -288,12 +270,6 @@ class Scheduler:
         self.waiting.appendleft(request)
         out.preempted.append(request)
         self.events.emit(RequestPreempted(self.step, request.request_id, num_blocks))
-
-    def _announce(self, out: SchedulerOutput) -> SchedulerOutput:
-        for s in out.scheduled if self.events.wants(RequestScheduled) else ():
-            self.events.emit(RequestScheduled(self.step, s.request.request_id, s.num_tokens,
-                                              s.num_computed_tokens, s.is_prefill))
-        return out
 
     # ------------------------------------------------------------- updating
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput,
@@ -332,7 +308,8 @@ class Scheduler:
                     request.append_output_token(token, now)
                 else:
                     self.accept_token(request, token, now)
-            batch = [r for r in batch if r.request_id not in faults]
+            if faults:
+                batch = [r for r in batch if r.request_id not in faults]
             logprobs = {r.request_id: result.logprobs[r.request_id][index] for r in batch
                         if r.request_id in result.logprobs}
             stop_strings = detokenizer.detokenize(batch, logprobs, faults)
@@ -394,14 +371,12 @@ class Scheduler:
         if request.num_computed_tokens >= (len(request.block_hashes) + 1) * self.block_manager.block_size:
             self.block_manager.cache_full_blocks(request)
 
-    def finish_if_stopped(self, request: Request, stop_string: str | None = None) -> bool:
-        """Finish ``request`` if its newest token ends it (see ``check_stop``); True if it did."""
+    def finish_if_stopped(self, request: Request, stop_string: str | None = None) -> None:
+        """Finish ``request`` if its newest token ends it (see ``check_stop``)."""
         decision = check_stop(request, stop_string, self.max_model_len)
-        if decision is None:
-            return False
-        status, request.stop_reason = decision
-        self.finish_request(request, status)
-        return True
+        if decision is not None:
+            status, request.stop_reason = decision
+            self.finish_request(request, status)
 
 
 def check_stop(request: Request, stop_string: str | None, max_model_len: int) -> tuple[RequestStatus, str | int | None] | None:
@@ -420,11 +395,8 @@ def check_stop(request: Request, stop_string: str | None, max_model_len: int) ->
     5. ``max_tokens`` or ``max_model_len`` is reached: "length", stop_reason None.
 
     So a stop matched on the last allowed token still reports "stop", as vLLM and the
-    OpenAI API do. vLLM's rules are the same: its scheduler's ``check_stop``
-    (vllm/v1/core/sched/utils.py) tests EOS (stop_reason left None), then stop token ids
-    (stop_reason the id), then the length; its output processor
-    (vllm/v1/engine/output_processor.py) turns a request into "stop" with the string as
-    stop_reason when the detokenizer finds a stop string, even one the length had ended.
+    OpenAI API do (vLLM: ``check_stop`` in vllm/v1/core/sched/utils.py, and its output
+    processor for stop strings).
     """
     token = request.output_token_ids[-1]
     params = request.sampling_params

@@ -57,7 +57,7 @@ class EngineSnapshot:
     num_preemptions: int
     num_evictions: int = 0  # cached digests forgotten: blocks handed out again, and reset_prefix_cache() drops
     scheduling_policy: str = "fcfs"
-    # Speculative decoding since the engine started (``spec_decode.SpecDecodeStats``); 0 without it.
+    # Speculative decoding since the engine started (``SpecDecodeStats`` has the rates); 0 without it.
     num_speculative_tokens: int = 0
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
@@ -66,18 +66,6 @@ class EngineSnapshot:
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
-
-    @property
-    def spec_decode_acceptance_rate(self) -> float | None:
-        """Accepted / drafted tokens; None before any draft was checked."""
-        drafted = self.spec_decode_num_draft_tokens
-        return self.spec_decode_num_accepted_tokens / drafted if drafted else None
-
-    @property
-    def spec_decode_mean_acceptance_length(self) -> float | None:
-        """Tokens per verify pass: 1 + accepted / drafts; None before any."""
-        drafts = self.spec_decode_num_drafts
-        return 1 + self.spec_decode_num_accepted_tokens / drafts if drafts else None
 
 
 @dataclass(frozen=True)

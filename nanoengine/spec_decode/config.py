@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
 METHODS = ("ngram",)
 # vLLM's defaults when neither lookup length is given (its source calls them untuned).
@@ -35,15 +34,13 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method={self.method!r} is not supported; allowed: {METHODS}")
-        k = self.num_speculative_tokens
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise ValueError(f"speculative_config num_speculative_tokens must be an integer >= 1, got {k!r}")
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is None and high is None:
             low = high = DEFAULT_PROMPT_LOOKUP
         low = high if low is None else low
         high = low if high is None else high
-        for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+        for name, value in (("num_speculative_tokens", self.num_speculative_tokens), ("prompt_lookup_min", low),
+                            ("prompt_lookup_max", high)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config {name} must be an integer >= 1, got {value!r}")
         if low > high:
@@ -65,19 +62,6 @@ class SpeculativeConfig:
                 break
             k = range_k
         return min(k, self.num_speculative_tokens)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any] | "SpeculativeConfig") -> "SpeculativeConfig":
-        """From ``LLM(speculative_config={...})`` or ``--speculative-config JSON``; unknown keys are refused."""
-        if isinstance(values, SpeculativeConfig):
-            return values
-        if not isinstance(values, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(values).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"speculative_config has unknown keys {unknown}; allowed: {sorted(known)}")
-        return cls(**values)
 
 
 def _checked_schedule(schedule) -> tuple[tuple[int, int, int], ...]:

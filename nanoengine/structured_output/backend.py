@@ -1,24 +1,13 @@
 """The grammar library's side of structured output, in the shape of vLLM's interface (chapter 14).
 
 vLLM keeps every grammar library behind two small classes
-(``vllm/v1/structured_output/backend_types.py``): a *backend* compiles a constraint for the
-engine's tokenizer, and each request holds a *grammar*: a matcher that knows which tokens may
-come next. The engine calls nothing else:
-
-- ``StructuredOutputBackend.validate(kind, spec)``: refuse a constraint that does not compile,
-  with the library's reason, before the request is queued (cheap);
-- ``StructuredOutputBackend.compile_grammar(kind, spec)``: a matcher at the start of the output
-  (on a thread, while the request waits);
-- ``StructuredOutputGrammar.fill_bitmask(bitmask, row)``: the tokens allowed next, one bit per
-  token, written into one row of the step's packed int32 bitmask;
-- ``accept_tokens(request_id, tokens)``: advance by tokens the request really got (False: one was
-  not allowed, and the matcher is now in an error state);
-- ``validate_tokens(tokens)``: the longest prefix of drafted tokens it would accept, without
-  advancing; ``rollback(n)``: forget the last n accepted tokens (how the masks of draft
-  positions are made: accept, fill, roll back);
-- ``is_terminated()``: the constraint is complete and allows no more text.
-
-``apply_token_bitmask`` turns the packed rows into ``-inf`` for every token a row forbids.
+(``vllm/v1/structured_output/backend_types.py``): a *backend* validates and compiles a
+constraint for the engine's tokenizer, and each request holds a *grammar*: a matcher that
+knows which tokens may come next, writes them into its row of the step's packed int32
+bitmask, and advances by the tokens the request really got. Draft positions (chapter 13)
+get their masks by accepting the drafts, filling, and rolling back (``manager.fill_rows``).
+The engine calls nothing else. ``apply_token_bitmask`` turns the packed rows into ``-inf``
+for every token a row forbids.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 BACKENDS = ("guidance",)  # llguidance (``structured_output/guidance.py``); "auto" picks it too
 
@@ -25,19 +25,3 @@ class StructuredOutputsConfig:
         if not isinstance(self.disable_any_whitespace, bool):
             raise ValueError(f"structured_outputs_config disable_any_whitespace must be True or False, "
                              f"got {self.disable_any_whitespace!r}")
-
-    @classmethod
-    def from_dict(cls, value: "StructuredOutputsConfig | dict | None") -> "StructuredOutputsConfig":
-        """The config from ``LLM(structured_outputs_config={...})``, naming any unknown key."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if not isinstance(value, dict):
-            raise ValueError(f"structured_outputs_config must be a dict such as {{'backend': 'guidance'}}, "
-                             f"got {value!r:.80}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"unknown structured_outputs_config key(s) {unknown}; known: {sorted(known)}")
-        return cls(**value)

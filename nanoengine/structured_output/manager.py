@@ -4,16 +4,13 @@ As vLLM's ``StructuredOutputManager`` (``vllm/v1/structured_output/__init__.py``
 
 1. ``validate`` refuses a constraint the library cannot compile before the request is queued
    (the server answers 400 with the library's reason), and ``request_for`` starts compiling it
-   on a worker thread. The request waits in the queue until its grammar is ready; the
-   scheduler passes over it (``Request.waits_for_grammar``) and admits the requests behind it,
-   so one slow grammar holds up nobody else.
+   on a worker thread. The scheduler passes over the waiting request until its grammar is
+   ready (``Request.waits_for_grammar``), so one slow grammar holds up nobody else.
 2. ``collect`` (at the start of each step) hands each compiled grammar to its request, and
    returns those that failed to compile: the engine finishes them with the reason.
-3. ``grammar_bitmask`` fills one packed int32 row per logits row that samples. A request that
-   checks k drafts owns k+1 rows; row i is the mask after its drafts 0..i-1, made by accepting
-   those drafts, filling, and rolling them back. Unconstrained rows allow everything, and a step
-   without constrained requests makes no bitmask at all. The runner applies it to the logits
-   before the sampler (``backend.apply_token_bitmask``).
+3. ``grammar_bitmask`` fills one packed int32 row per logits row that samples (a request
+   checking k drafts owns k+1: ``fill_rows``); the runner applies it to the logits before the
+   sampler. A step without constrained requests makes no bitmask at all.
 4. After the step, the scheduler advances each grammar with the tokens its request really got
    (``Scheduler.update_from_output``), and ``trim_drafts`` cuts the next step's drafts to the
    prefix the grammar accepts.
@@ -27,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanoengine.sampling_params import SamplingParams, StructuredOutputsParams
+from nanoengine.sampling_params import SamplingParams
 from nanoengine.structured_output.backend import (StructuredOutputBackend, StructuredOutputGrammar,
                                                   allocate_token_bitmask)
 from nanoengine.structured_output.config import StructuredOutputsConfig
@@ -42,8 +39,7 @@ WAIT_S = 0.05  # the longest an otherwise idle step waits for a compile (``colle
 class StructuredOutputRequest:
     """One request's constraint and, once compiled, its grammar (vLLM's ``StructuredOutputRequest``)."""
 
-    def __init__(self, params: StructuredOutputsParams, compiling: concurrent.futures.Future) -> None:
-        self.params = params
+    def __init__(self, compiling: concurrent.futures.Future) -> None:
         self.compiling = compiling
         self.grammar: StructuredOutputGrammar | None = None  # set by ``StructuredOutputManager.collect``
 
@@ -76,7 +72,7 @@ class StructuredOutputManager:
 
     @property
     def backend(self) -> StructuredOutputBackend:
-        """The grammar library, set up for the tokenizer at the first constrained request (~0.4 s)."""
+        """The grammar library, set up for the tokenizer at the first constrained request."""
         with self._lock:  # a server checks requests on its own thread while the engine steps
             if self._backend is None:
                 if self.tokenizer is None:
@@ -107,7 +103,7 @@ class StructuredOutputManager:
             self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1,
                                                                    thread_name_prefix="nanoengine-grammar")
         compiling = self._executor.submit(self.backend.compile_grammar, constraint.kind, constraint.spec)
-        request.structured_output = StructuredOutputRequest(constraint, compiling)
+        request.structured_output = StructuredOutputRequest(compiling)
         self.pending.append(request)
 
     def collect(self, wait: bool = False) -> list[tuple[Request, Exception]]:
@@ -140,8 +136,8 @@ class StructuredOutputManager:
         ``requests`` sample this step in ``plan.logits_indices`` order; ``drafts`` the drafts each
         checks (empty: nobody speculates).
         """
-        if not any(r.structured_output is not None for r in requests):
-            return None
+        if self._backend is None or not any(r.structured_output is not None for r in requests):
+            return None  # no request was ever constrained, or none of this step's is
         drafts = drafts or [()] * len(requests)
         bitmask = allocate_token_bitmask(len(requests) + sum(map(len, drafts)), self.backend.vocab_size)
         row = 0

@@ -7,7 +7,7 @@ import pytest
 from nanoengine import LLMEngine, SamplingParams
 from nanoengine.engine import block_manager as block_manager_module
 from nanoengine.engine import scheduler as scheduler_module
-from nanoengine.events import BlocksAllocated, EventBus, RequestScheduled, StepFinished
+from nanoengine.events import BlocksAllocated, RequestScheduled, StepFinished
 from nanoengine.loader.weights import random_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: see conftest
@@ -61,4 +61,3 @@ def test_the_history_is_opt_in_bounded_and_holds_the_latest_events():
     assert len(e.events.history) == 0 and not e.events.wants(StepFinished)
     with pytest.raises(ValueError, match="maxlen must be a whole number of events >= 0, got -1"):
         e.events.keep_history(-1)
-    assert EventBus(history=3).history.maxlen == 3

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from nanoengine.config import EngineConfig
 from nanoengine.spec_decode import NgramProposer, SpeculativeConfig, accept_drafts, accept_greedy, propose_ngram
 
 
@@ -12,7 +13,7 @@ from nanoengine.spec_decode import NgramProposer, SpeculativeConfig, accept_draf
 def test_config_defaults_follow_vllm():
     assert (SpeculativeConfig(num_speculative_tokens=3).prompt_lookup_min,
             SpeculativeConfig(num_speculative_tokens=3).prompt_lookup_max) == (5, 5)
-    only_max = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4})
+    only_max = SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=4)
     assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)
     only_min = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=2)
     assert (only_min.prompt_lookup_min, only_min.prompt_lookup_max) == (2, 2)
@@ -25,17 +26,17 @@ def test_config_defaults_follow_vllm():
      "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 0, "prompt_lookup_max": 2}, "prompt_lookup_min must be"),
     ({"method": "eagle", "num_speculative_tokens": 2}, "method='eagle' is not supported"),
-    ({"num_speculative_tokens": 2, "draft_model": "x"}, "unknown keys \\['draft_model'\\]"),
+    ({"num_speculative_tokens": 2, "draft_model": "x"}, "unknown speculative_config key\\(s\\) \\['draft_model'\\]"),
 ])
 def test_bad_configs_say_what_was_wrong(values, message):
     with pytest.raises(ValueError, match=message):
-        SpeculativeConfig.from_dict(values)
+        EngineConfig(device="cpu", speculative_config=values)
 
 
 # ------------------------------------------------------------------ prompt lookup
 def test_a_batch_size_schedule_gives_each_size_its_k_as_vllm_does():
-    config = SpeculativeConfig.from_dict({"num_speculative_tokens": 6, "num_speculative_tokens_per_batch_size":
-                                          [[4, 8, 2], [1, 1, 9], [16, 32, 0]]})  # unsorted, a k above 6
+    config = SpeculativeConfig(num_speculative_tokens=6,  # the ranges unsorted, a k above 6
+                               num_speculative_tokens_per_batch_size=[[4, 8, 2], [1, 1, 9], [16, 32, 0]])
     assert config.num_speculative_tokens_per_batch_size == ((1, 1, 9), (4, 8, 2), (16, 32, 0))
     # 1: its range's 9, capped at 6; 2-3 between ranges and 9-15: the range before's; past the last: the last's
     assert [config.tokens_for_batch(b) for b in (1, 2, 3, 4, 8, 9, 15, 16, 32, 100)] == [6, 6, 6, 2, 2, 2, 2, 0, 0, 0]
@@ -53,7 +54,7 @@ def test_a_batch_size_schedule_gives_each_size_its_k_as_vllm_does():
 ])
 def test_bad_batch_size_schedules_are_refused(schedule, message):
     with pytest.raises(ValueError, match=message):
-        SpeculativeConfig.from_dict({"num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": schedule})
+        SpeculativeConfig(num_speculative_tokens=2, num_speculative_tokens_per_batch_size=schedule)
 
 
 def test_prompt_lookup_takes_the_longest_suffix_at_its_earliest_match():

@@ -205,7 +205,7 @@ def test_bad_speculative_configs_are_refused_before_anything_loads(tmp_path):
     for config, message in [({"method": "eagle", "num_speculative_tokens": 2}, "not supported"),
                             ({"method": "ngram", "num_speculative_tokens": 0}, ">= 1"),
                             ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "<="),
-                            ({"num_speculative_tokens": 2, "draft_model": "x"}, "unknown keys"),
+                            ({"num_speculative_tokens": 2, "draft_model": "x"}, "unknown speculative_config key"),
                             ("ngram", "must be a dict")]:
         with pytest.raises(ValueError, match=message):
             LLM(str(missing), speculative_config=config)

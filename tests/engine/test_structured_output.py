@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from nanoengine import LLMEngine, SamplingParams
+from nanoengine.config import EngineConfig
 from nanoengine.sampling_params import StructuredOutputsParams
-from nanoengine.structured_output import StructuredOutputsConfig, allocate_token_bitmask, apply_token_bitmask
+from nanoengine.structured_output import allocate_token_bitmask, apply_token_bitmask
 from nanoengine.structured_output.guidance import GuidanceBackend
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "level": {"enum": [1, 2, 3]},
@@ -238,9 +239,9 @@ def test_sampling_params_and_engine_config_refuse_the_wrong_types():
     with pytest.raises(ValueError, match="StructuredOutputsParams"):
         SamplingParams(structured_outputs={"regex": "a"})
     with pytest.raises(ValueError, match="backend='xgrammarx' is not available"):
-        StructuredOutputsConfig.from_dict({"backend": "xgrammarx"})
+        EngineConfig(device="cpu", structured_outputs_config={"backend": "xgrammarx"})
     with pytest.raises(ValueError, match=r"unknown structured_outputs_config key\(s\) \['whitespace'\]"):
-        StructuredOutputsConfig.from_dict({"whitespace": False})
+        EngineConfig(device="cpu", structured_outputs_config={"whitespace": False})
     assert StructuredOutputsParams(json={"type": "object"}).spec == '{"type": "object"}'
     assert StructuredOutputsParams(json_object=True, regex=None).kind == "json_object"
 
@@ -266,7 +267,7 @@ def test_draft_rows_get_the_mask_after_each_draft_and_the_grammar_is_left_as_it_
     tokenizer = load_tokenizer(tiny_llama_tok_dir)
     backend = GuidanceBackend(tokenizer, 49152, (tokenizer.eos_token_id,))
     request = Request("r", [1], SamplingParams(structured_outputs=StructuredOutputsParams(regex="[ab][cd]")))
-    request.structured_output = StructuredOutputRequest(request.sampling_params.structured_outputs, None)
+    request.structured_output = StructuredOutputRequest(None)
     request.structured_output.grammar = backend.compile_grammar("regex", "[ab][cd]")
     a, c = (tokenizer.convert_tokens_to_ids(t) for t in ("a", "c"))
     bitmask = allocate_token_bitmask(3, 49152)
