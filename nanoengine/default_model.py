@@ -17,16 +17,11 @@ Face directory::
 Both our engine and Hugging Face ``transformers`` load that directory, which is what makes
 the parity tests meaningful: the reference and the engine see the very same weights.
 
-Cache discipline (the same as any package cache):
-
-* Build in a temporary folder next to the target and ``rename`` it into place, so a
-  crash never leaves a half-written model that looks complete. A file lock keeps two
-  processes from converting at the same time.
-* Validate cheaply on every call: file sizes from the manifest, small JSON files
-  that parse, and the safetensors header (its declared tensor extents must end exactly
-  at the file's end). Hashing 540 MB each time would cost more than loading the model.
-* Never repair silently: a damaged cache raises :class:`DefaultModelError` naming the
-  file and the fix, ``python -m nanoengine.default_model --rebuild``.
+The cache is built in a temporary folder and renamed into place under a file lock, so a crash
+never leaves a half-written model that looks complete; it is validated cheaply on every call
+(sizes, headers, no hashing: :func:`validate_model_dir`); a damaged cache is never repaired
+silently but raises :class:`DefaultModelError` naming the file and
+``python -m nanoengine.default_model --rebuild``.
 """
 
 from __future__ import annotations

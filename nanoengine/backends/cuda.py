@@ -86,4 +86,4 @@ class CudaBackend(Backend):
     def forward(self, model, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
             return self.cuda_graphs.run(input_ids, positions, meta)
-        return model(input_ids, positions, meta)
+        return super().forward(model, input_ids, positions, meta)

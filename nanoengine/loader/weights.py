@@ -177,9 +177,9 @@ def resolve_model_source(model: str | Path | None) -> Path:
         from nanoengine.default_model import default_model_dir
 
         return default_model_dir()
+    expected = "model must be None (the default SmolLM2-135M-Instruct), a Hugging Face directory or a .gguf file"
     if not isinstance(model, (str, Path)) or not str(model):
-        raise ValueError(f"model must be None (the default SmolLM2-135M-Instruct), a Hugging Face directory or a "
-                         f".gguf file, got {model!r}")
+        raise ValueError(f"{expected}, got {model!r}")
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -187,8 +187,7 @@ def resolve_model_source(model: str | Path | None) -> Path:
         return path
     if path.is_file() and path.suffix == ".gguf":
         return path
-    raise ValueError(f"model must be None (the default SmolLM2-135M-Instruct), a Hugging Face directory or a "
-                     f".gguf file; {str(model)!r} is neither (no model hub is used)")
+    raise ValueError(f"{expected}; {str(model)!r} is neither (no model hub is used)")
 
 
 def load_model_config(source: Path) -> ModelConfig:
