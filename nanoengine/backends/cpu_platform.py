@@ -128,10 +128,8 @@ def release_free_heap() -> bool:
 
 class IdleTrim:
     """When an engine's loop gives freed memory back: once per idle period, after it has stepped
-    and then had nothing to do for ``TRIM_AFTER_IDLE_S`` (the module's docstring says why). The
-    engine core and the async engine's thread both sleep through ``idle``.
-
-    Built where the loop starts: ``TRIM_VARIABLE`` is read once, and a bad value fails there.
+    and then had nothing to do for ``TRIM_AFTER_IDLE_S``. The engine core and the async engine's
+    thread both sleep through ``idle``; built where the loop starts, so a bad ``TRIM_VARIABLE`` fails there.
     """
 
     def __init__(self) -> None:
@@ -288,10 +286,8 @@ FRONT_END_NICENESS = 5
 def engine_core_environment():
     """Around starting the engine core's process: GNU OpenMP's spin count set, unless the user chose one.
 
-    A spawned process inherits ``os.environ`` as it is when the process starts, and GNU
-    OpenMP reads its settings when it loads (the core imports torch after it starts), so
-    the variable is set only around ``Process.start``; this process's OpenMP, loaded long
-    before, keeps its own.
+    Only around ``Process.start``: the spawned process inherits ``os.environ`` then and its OpenMP
+    reads it when it loads, while this process's OpenMP, loaded long before, keeps its own.
     """
     chosen = "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ
     if not chosen:
@@ -306,9 +302,8 @@ def engine_core_environment():
 def build_on_a_passing_thread(build: Callable[[], T]) -> T:
     """``build()`` on a thread that ends when it returns: its result, or its exception raised here.
 
-    Load a model this way when another thread will step it: the OpenMP team that loading
-    starts ends with the loading thread, so the stepping thread's team is the process's
-    only one (the module's docstring says why that matters).
+    Load a model this way when another thread will step it: the OpenMP team that loading starts
+    ends with the loading thread, so the stepping thread's team is the process's only one.
     """
     outcome: dict[str, Any] = {}
 

@@ -337,11 +337,8 @@ def check_device_supported(device: torch.device) -> None:
 
 
 def check_store_kv_args(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """Validate ``store_kv``'s arguments (shapes, dtypes, strides, devices).
-
-    Slot values are not range-checked: that would read them back to the host, a device
-    sync that would also make the call impossible to capture in a CUDA graph.
-    """
+    """Validate ``store_kv``'s arguments (shapes, dtypes, strides, devices), never their values:
+    reading slots back to the host is a sync, which a CUDA graph cannot capture."""
     _check_cache_pair(k_cache, v_cache)
     layout = "(num_tokens, num_kv_heads, head_dim)"
     expected = (k_cache.shape[2], k_cache.shape[3])
@@ -373,12 +370,9 @@ def _check_tables(block_tables, context_lens, num_seqs: int) -> None:
 
 
 def check_decode_args(query, k_cache, v_cache, block_tables, context_lens, scale) -> None:
-    """Validate ``paged_decode_attention``'s arguments (shapes, dtypes, strides, devices).
-
-    Only metadata is inspected, never tensor values: reading ``context_lens`` would be a
-    device-to-host sync, and decode steps are replayed from CUDA graphs, where a sync is
-    not allowed. The block table must cover each context (that is the scheduler's job).
-    """
+    """Validate ``paged_decode_attention``'s arguments (shapes, dtypes, strides, devices), never
+    their values (a sync, which a CUDA graph cannot capture): that the block table covers each
+    context is the scheduler's job."""
     _check_cache_pair(k_cache, v_cache)
     _check_query(query, k_cache, "(num_seqs, num_heads, head_dim)")
     _check_tables(block_tables, context_lens, query.shape[0])

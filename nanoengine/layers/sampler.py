@@ -134,8 +134,7 @@ class Sampler:
         plain = sorted(set(range(len(params))) - set(filtered))  # temperature only: nothing to cut
         if plain:  # the softmax of the scaled logits is the whole distribution: no filter, no sort
             rows = torch.tensor(plain, device=device)
-            temperature = sampling_params_columns(logits, [params[i] for i in plain])[0]
-            probs = torch.softmax(logits.index_select(0, rows) / temperature.clamp(min=1e-6), dim=-1)
+            probs = self.distribution(logits.index_select(0, rows), [params[i] for i in plain])
             tokens[rows] = self._draw(probs, [generators[i] for i in plain], default_generator)
         whole = []  # filtered rows too flat for their candidates: the whole-vocabulary definition
         if filtered:
@@ -152,8 +151,7 @@ class Sampler:
                 tokens[rows] = candidates.index_select(0, at).gather(1, picked[:, None])[:, 0]
         if whole:
             rows = torch.tensor(whole, device=device)
-            chosen = [params[i] for i in whole]
-            probs = self.probs_fn(logits.index_select(0, rows), *sampling_params_columns(logits, chosen))
+            probs = self.distribution(logits.index_select(0, rows), [params[i] for i in whole])
             tokens[rows] = self._draw(probs, [generators[i] for i in whole], default_generator)
         return tokens
 

@@ -254,12 +254,8 @@ def load_gguf_state_dict(path: PathLike | GGUFReader, progress: bool = True) -> 
     ``progress`` shows a tqdm bar over the tensors.
     """
     reader = _open(path)
-    state: dict[str, torch.Tensor] = {}
-    with tqdm(total=len(reader.tensors), desc="dequantize GGUF", unit="tensor", disable=not progress) as bar:
-        for name, weight in iter_gguf_weights(reader):
-            state[name] = weight
-            bar.update(1)
-    return state
+    return dict(tqdm(iter_gguf_weights(reader), total=len(reader.tensors), desc="dequantize GGUF", unit="tensor",
+                     disable=not progress))
 
 
 # ---------------------------------------------------------------------------------------- Tokenizer

@@ -152,11 +152,9 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
                 max_position: int | None = None, tp: TPGroup = TPGroup.single(), backend=None) -> nn.Module:
     """The module tree for ``config`` on ``device``, parameters in ``dtype``, unfilled.
 
-    Every layer takes its kernels from ``backend`` as it is constructed (``layers.kernels``;
-    None: the device's default backend, ``backends.select_backend``), and the backend decides
-    where the parameters live before anything fills them (``Backend.place_weights``). The model
-    keeps those kernels as ``model.kernels``: an engine runs it only with a backend whose
-    kernels have their name.
+    Every layer takes its kernels from ``backend`` (None: the device's default) as it is
+    constructed (``layers.kernels``), and the backend places the parameters before anything fills
+    them. The model keeps the kernels as ``model.kernels``, which an engine's backend must match.
     """
     from nanoengine.backends import select_backend
 
