@@ -109,11 +109,8 @@ def _write_json(path: Path, obj: Any) -> None:
 
 def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
                            progress: bool = True) -> dict[str, Any]:
-    """Convert a llama GGUF into a Hugging Face model directory ``out_dir``; return its manifest.
-
-    Writes config.json, generation_config.json, model.safetensors (float32), the tokenizer
-    files and manifest.json (last, so its presence means the rest is complete).
-    """
+    """Convert a llama GGUF into a Hugging Face model directory ``out_dir`` (the files the module's
+    docstring lists, ``manifest.json`` last: its presence means the rest is complete); return its manifest."""
     from gguf import GGUFReader
     from safetensors.torch import save_file
 
