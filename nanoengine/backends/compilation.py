@@ -1,50 +1,24 @@
 """torch.compile for the engine's small fused ops on CUDA (chapter 10), opt-in with ``compile=True``.
 
-What fusion buys
-----------------
-Eager PyTorch runs a model one operator at a time. RMSNorm with its residual add is seven
-operators (add, pow, mean, add, rsqrt, mul, mul) plus dtype casts: seven passes over the
-activations, six temporaries, and seven trips through Python and PyTorch's dispatcher.
-``torch.compile`` traces such a function (TorchDynamo) and its Inductor backend generates
-one loop nest for it (a Triton kernel on a GPU): the inputs are read once, the outputs written
-once, one launch does the work of seven. nano-vLLM decorates exactly these functions with
-``@torch.compile``: RMSNorm (+ residual), rotary embedding, SiLU-and-mul and the sampler. On a
-GPU every operator is a kernel launch of a few microseconds, so a 30-layer decode step saves
-hundreds of launches, and each fused kernel reads memory once instead of seven times; CUDA
-graphs then replay the compiled kernels without any Python or Dynamo's guard checks.
+Eager PyTorch runs RMSNorm with its residual add as seven operators: seven passes over the
+activations and, on a GPU, seven kernel launches. ``torch.compile`` (Dynamo, then Inductor) turns
+such a function into one generated kernel that reads its inputs once. nano-vLLM compiles exactly
+these: RMSNorm (+ residual), the rotary embedding, SiLU-and-mul and the sampler's filters
+(``COMPILED_OPS``); the GEMMs stay cuBLAS calls. On a CPU there is no launch to save and each
+compiled call pays Dynamo's guards (``results/README.md``), and the CPU backend already runs each
+decoder layer as one native call, so ``compile=True`` is refused there before anything loads
+(``backends.check_compile``).
 
-Why CUDA only
--------------
-A CPU runs an operator as an ordinary function call: there is no launch to save, and each
-compiled call pays Dynamo's guard checks. Measured on the course's CPU, the compiled ops made
-the engine no faster than its eager Python forward (``results/README.md``), and the CPU
-backend's default fast path already runs each decoder layer as one native call
-(``backends.cpu_fused``). So ``EngineConfig`` refuses ``compile=True`` on a CPU, before anything
-loads (``backends.check_compile``); chapter 10 compiles a standalone function to show fusion.
+Wiring: with ``compile=True`` the CUDA backend's kernels are ``compiled_kernels`` (the layers'
+eager functions, compiled), so the layers of that engine's model take the compiled ones when they
+are built (``layers.kernels``). ``compile_runner`` warms them up when the runner is built, timed,
+before CUDA graphs are captured:
 
-How it is wired
----------------
-Each layer keeps its math in a plain function (its class attribute, the readable default) and
-calls the one its backend's kernels (``layers.kernels``) gave it when it was built:
-``RMSNorm.norm_fn`` / ``add_norm_fn``, ``RotaryEmbedding.rotate_fn``,
-``SiluAndMul.silu_and_mul_fn``, ``Sampler.probs_fn``. With ``compile=True`` the CUDA backend's
-kernels are ``compiled_kernels``: those functions compiled, so the layers of that engine's model
-take the compiled ones, and other engines in the same process stay as they were.
-``compile_runner`` then warms them up.
-
-* One compiled version per function, shared by all layers and engines of the process
-  (Dynamo's cache lives on the function's code anyway).
-* ``dynamic=True``: the number of tokens changes every step. Compiled with symbolic sizes,
-  one graph serves them all; Dynamo still specialises a size of 1 (one decode token). The
-  warm-up runs both (``WARM_UP_SIZES``), so later steps compile nothing.
-* The warm-up runs when the runner is built and is timed (``CompileReport.seconds``);
-  otherwise the first steps of a compiled engine would take seconds each.
-* Failure: Inductor needs Triton on a GPU. If it is missing or compiling fails, the engine
-  warns once, naming the cause, and every compiled function runs its eager function from
-  then on: it never crashes for it and never warns per call.
-* The GEMMs are not compiled: they stay cuBLAS calls. The CUDA backend calls
-  ``compile_runner`` from ``prepare_forward`` before it captures CUDA graphs, so the graphs
-  record the compiled kernels.
+* One compiled version per function for the whole process (Dynamo caches per function anyway).
+* ``dynamic=True``: the token count changes every step; one symbolic graph serves all counts but 1,
+  which Dynamo specialises, so the warm-up runs both (``WARM_UP_SIZES``).
+* If Triton is missing or compiling fails, the process warns once, naming the cause, and every
+  compiled function runs its eager function from then on.
 """
 
 from __future__ import annotations

@@ -1,28 +1,19 @@
 """A step's decoder layers, one call each (the CPU backend; chapter 10).
 
-Decoding one sequence, a step run from Python spends most of its time in the GEMMs reading the
-weights and the rest almost all in calls: 30 layers of about 25 operators each (module calls,
-views, two norms, the rotary embedding, store-KV, attention, four GEMMs, the activation). A
-prefill pays the same calls once per step, whatever its length (figures: results/README.md). GPU
-engines hide this behind CUDA graphs, vLLM's CPU backend behind ``torch.compile`` (why this
-engine does not compile its model whole: results/README.md, engine v4's choice of one CPU fast path).
+Run from Python, a decode step spends most of its time in the GEMMs and the rest almost all in
+calls: 30 layers of about 25 operators each (figures: results/README.md). GPU engines hide this
+behind CUDA graphs, vLLM's CPU backend behind ``torch.compile`` (why this engine does not compile
+its model whole: results/README.md, engine v4's choice of one CPU fast path).
 
 So each ``LlamaDecoderLayer`` runs as one C++ operator, ``nanoengine::llama_layer``
 (``kernels/csrc/llama_layer.cpp``), which makes the operator calls the layer's Python ``forward``
-makes (as the CPU backend runs it), in the same order, from C++: the native norms, the few-rows
-kernel or oneDNN's packed GEMM (the same rule as ``CpuLinearMethod``), the rotary embedding, one
-``paged_attention`` call (store-KV, the decode rows, the prefill chunks: ``CpuAttention.forward``)
-and ``silu_and_mul``. It has no arithmetic of its own, so the hidden states are the Python
-forward's, bit for bit (tests/engine/test_cpu_fused.py). Python still walks the 30 layers: the
-model's ``forward`` runs as written, and each layer's ``forward`` makes this one call (its
-``one_call``, a ``FusedLayer`` given to it by the CPU backend's kernels when it was built) on the
-steps the backend says.
-
-A layer runs its Python ``forward`` on a step where a forward hook is registered on it or any
-module inside it (or globally): fused, the hook would silently not be called (``hooked``, asked
-once per step). So do a step with a token that has no cache slot (a warm-up row), and models this
-does not cover (``unfit_reason``: tensor parallelism, Qwen3's per-head norms, a bias on o_proj, a
-dtype the kernels do not take).
+makes on a CPU, in the same order (the native norms, the GEMMs by ``CpuLinearMethod``'s rule, the
+rotary embedding, one ``paged_attention`` call, ``silu_and_mul``), so the hidden states are the
+Python forward's, bit for bit (tests/engine/test_cpu_fused.py). Python still walks the layers;
+each makes this one call (its ``one_call``, given to it by the CPU backend's kernels when it was
+built) on the steps the backend says. It runs its Python ``forward`` instead on a step where a
+forward hook would see it (``hooked``), or that has a token without a cache slot (a warm-up row);
+``unfit_reason`` names the models this does not cover.
 """
 
 from __future__ import annotations

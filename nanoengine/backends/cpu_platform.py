@@ -1,69 +1,36 @@
 """The CPU platform: every host setting a CPU engine and its server make, in one module (chapter 10).
 
-vLLM keeps what it does to a CPU host in its CPU platform (``vllm/platforms/cpu.py``: thread
-binding, the allocator, the OpenMP settings of its workers); this engine keeps it here. The CPU
-backend calls ``tune_engine_process`` when it is built and ``move_to_huge_pages`` in
+vLLM keeps what it does to a CPU host in ``vllm/platforms/cpu.py``; this engine keeps it here. The
+CPU backend calls ``tune_engine_process`` when it is built and ``move_to_huge_pages`` in
 ``place_weights``; ``serve`` builds its engine inside ``serving``; the engine core trims when idle
-(``IdleTrim``) and starts inside ``engine_core_environment``. What each setting bought was
-measured: ``results/README.md``, whose rows name this module.
+(``IdleTrim``) and starts inside ``engine_core_environment``. Each setting, and why (what each
+bought: ``results/README.md``, whose rows name this module):
 
-Freed memory kept. Every forward pass allocates the same large temporaries again (a 2,048-token
-prefill step makes tensors of 2-25 MB per layer). glibc's ``malloc`` serves blocks that large with
-``mmap`` and returns them to the kernel on ``free``, so the next step faults every page back in
-(GPU engines avoid that with PyTorch's caching allocator). Two ``mallopt`` settings keep them:
-``M_MMAP_THRESHOLD`` = 32 MiB (glibc's maximum: blocks up to that size come from the heap, which is
-reused) and ``M_TRIM_THRESHOLD`` = 1 GiB (freed heap memory stays with the process). The cost: the
-process keeps up to its peak working set. They are process-wide, so they are applied once, only on
-Linux with glibc, and never over the user's own ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``.
-
-Weights in huge pages. Decoding one sequence reads every weight once per token (540 MB of SmolLM2
-in float32), and the CPU translates every 4 KiB page of it through its TLB, a cache of a few
-thousand translations: 130,000 pages a token, most of them a miss. With 2 MiB pages the same
-weights are 270 pages. Linux backs memory with *transparent huge pages* where a program asks
-(``madvise(MADV_HUGEPAGE)``, under the default ``[madvise]`` of
-``/sys/kernel/mm/transparent_hugepage/enabled``); PyTorch's allocator does not ask, so where it
-happens to put the weights decides how much of them get huge pages. ``move_to_huge_pages`` copies
-them once, at load, into one 2 MiB-aligned region advised ``MADV_HUGEPAGE`` before the first touch
-(``huge_page_bytes`` says how much the kernel really backs). A huge page is 2 MiB of *contiguous*
-physical memory: where free memory is fragmented the kernel compacts first, and the move can take
-seconds, which a lone sequence repays only after many tokens. So the move has a budget
-(``move_budget``: 1 s unless ``NANOENGINE_HUGE_PAGE_SECONDS`` says otherwise; ``serve`` and the
-benchmark wait as long as it takes): tensors move smallest first, the rest stay where they are.
-
-Freed memory given back when idle. glibc keeps freed memory in its arenas, and
-``M_TRIM_THRESHOLD`` only hands back the free space at the top of the main heap: a free block
-between live ones stays resident. Steps of ever-different shapes leave such holes, and a server's
-resident memory creeps up for hours. ``release_free_heap`` calls ``malloc_trim(0)``, which gives
-every whole free page of every arena back to the kernel; the next step faults back what it needs,
-so the engine core trims once per idle period (``IdleTrim``), never in a step's way.
-``NANOENGINE_TRIM_WHEN_IDLE=0`` switches it off; ``nanobench/soak.py`` measures the difference.
-
-Caches keyed by shape. The prepacked products (``kernels/cpu_gemm.py``) run through oneDNN, which
-builds a *primitive* (a kernel for one problem size) for every new row count and keeps it in two
-caches (its own and PyTorch's ideep descriptor cache), 1,024 entries each by default. A server
-meets a new row count with nearly every prefill, so both grow for hours. ``bound_shape_caches``
-sets both to ``SHAPE_CACHE_ENTRIES`` through their environment variables, leaving a value the user
-set; the caches read them at the process's first oneDNN product, so the CPU backend sets them when
-it is built. A size that comes back after leaving the cache costs about a millisecond to rebuild.
-
-The engine core's OpenMP threads. After each parallel operator GNU OpenMP keeps its threads
-spinning (300,000 rounds by default, milliseconds) so that the next operator starts without a
-wake-up. Beside a server, that spin takes a core while the engine core runs a step's Python, and
-the server then takes a core from the team in the middle of an operator. So the engine core's
-process starts with ``GOMP_SPINCOUNT`` at ``ENGINE_CORE_SPINCOUNT`` (unless you set it, or
-``OMP_WAIT_POLICY``): long enough to catch a step's next operator, not through its Python.
-vLLM's CPU workers bound the wait too (Intel OpenMP's ``KMP_BLOCKTIME``).
-
-One OpenMP team in the process. GNU OpenMP gives every thread that starts parallel work a team of
-its own, kept until that thread ends. A model loaded on one thread and stepped on another leaves
-two teams, more threads than cores, and GNU OpenMP then sleeps at every barrier instead of
-spinning. So ``serve --engine-thread`` loads the model on a thread that ends
-(``build_on_a_passing_thread``).
-
-The server's own priority. The front end needs little CPU but wakes for every step and every
-client, and at equal priority each wake-up may take a core from the engine's OpenMP team
-mid-operator. ``serving`` lowers the server's process by ``FRONT_END_NICENESS`` once its engine
-core runs in a process of its own (which keeps the priority it was born with).
+* Freed memory kept (``keep_freed_memory``): every step allocates the same large temporaries, which
+  glibc serves with ``mmap`` and unmaps on ``free``, so the next step faults every page in again.
+  ``M_MMAP_THRESHOLD`` at glibc's maximum (32 MiB) and ``M_TRIM_THRESHOLD`` at 1 GiB keep them in the
+  heap, at the cost of keeping the peak working set. Linux with glibc only, never over the user's
+  ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``.
+* Weights in huge pages (``move_to_huge_pages``): decoding reads every weight once per token, and
+  each 4 KiB page of them costs a TLB translation (130,000 a token for SmolLM2, most of them misses);
+  in 2 MiB pages they are 270. PyTorch's allocator never asks for transparent huge pages, so the
+  weights are copied once into one 2 MiB-aligned region advised ``MADV_HUGEPAGE``. Finding
+  contiguous memory may take the kernel seconds, so the move has a budget (``move_budget``) and
+  goes smallest tensor first; ``huge_page_bytes`` says how much the kernel really backs.
+* Freed memory given back when idle (``IdleTrim``): ``M_TRIM_THRESHOLD`` trims only the top of the
+  heap, so the holes steps of ever-different shapes leave make a server's memory creep up for hours.
+  ``malloc_trim(0)`` once per idle period gives every free page back, never in a step's way
+  (``NANOENGINE_TRIM_WHEN_IDLE=0``: off; ``nanobench/soak.py`` measures it).
+* oneDNN's shape caches bounded (``bound_shape_caches``): oneDNN keeps a primitive per row count in
+  two caches, and a server meets a new row count with nearly every prefill.
+* The engine core's OpenMP spin bounded (``engine_core_environment``): GNU OpenMP's threads spin for
+  milliseconds after each operator, long enough to take a core from the server while the engine
+  core runs a step's Python; the server then takes one from the team mid-operator.
+* One OpenMP team (``build_on_a_passing_thread``): GNU OpenMP gives every thread that starts
+  parallel work a team of its own; a model loaded on one thread and stepped on another leaves two,
+  more threads than cores, and the teams then sleep at every barrier instead of spinning.
+* The server's priority lowered (``serving``): the front end wakes for every step and client, and
+  each wake-up at equal priority may take a core from the engine's team mid-operator.
 """
 
 from __future__ import annotations
@@ -153,21 +120,16 @@ def trim_when_idle() -> bool:
 
 
 def release_free_heap() -> bool:
-    """Give every whole free page of glibc's heaps back to the kernel (``malloc_trim(0)``).
-
-    Returns whether any memory went back; False where the C library is not glibc, which
-    makes this a no-op there.
-    """
+    """Give every whole free page of glibc's heaps back to the kernel (``malloc_trim(0)``);
+    whether any went back (a no-op, False, where the C library is not glibc)."""
     libc = glibc()
     return libc is not None and bool(libc.malloc_trim(0))
 
 
 class IdleTrim:
     """When an engine's loop gives freed memory back: once per idle period, after it has stepped
-    and then had nothing to do for ``TRIM_AFTER_IDLE_S`` (the module's docstring says why). The
-    engine core and the async engine's thread both sleep through ``idle``.
-
-    Built where the loop starts: ``TRIM_VARIABLE`` is read once, and a bad value fails there.
+    and then had nothing to do for ``TRIM_AFTER_IDLE_S``. The engine core and the async engine's
+    thread both sleep through ``idle``; built where the loop starts, so a bad ``TRIM_VARIABLE`` fails there.
     """
 
     def __init__(self) -> None:
@@ -324,10 +286,8 @@ FRONT_END_NICENESS = 5
 def engine_core_environment():
     """Around starting the engine core's process: GNU OpenMP's spin count set, unless the user chose one.
 
-    A spawned process inherits ``os.environ`` as it is when the process starts, and GNU
-    OpenMP reads its settings when it loads (the core imports torch after it starts), so
-    the variable is set only around ``Process.start``; this process's OpenMP, loaded long
-    before, keeps its own.
+    Only around ``Process.start``: the spawned process inherits ``os.environ`` then and its OpenMP
+    reads it when it loads, while this process's OpenMP, loaded long before, keeps its own.
     """
     chosen = "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ
     if not chosen:
@@ -342,9 +302,8 @@ def engine_core_environment():
 def build_on_a_passing_thread(build: Callable[[], T]) -> T:
     """``build()`` on a thread that ends when it returns: its result, or its exception raised here.
 
-    Load a model this way when another thread will step it: the OpenMP team that loading
-    starts ends with the loading thread, so the stepping thread's team is the process's
-    only one (the module's docstring says why that matters).
+    Load a model this way when another thread will step it: the OpenMP team that loading starts
+    ends with the loading thread, so the stepping thread's team is the process's only one.
     """
     outcome: dict[str, Any] = {}
 

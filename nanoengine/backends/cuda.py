@@ -16,12 +16,13 @@ import torch
 from nanoengine.backends.base import Backend
 from nanoengine.backends.compilation import compile_runner, compiled_kernels
 from nanoengine.kernels import triton_available
-from nanoengine.layers.attention import AttentionImpl, AttentionMetadata
+from nanoengine.layers.attention import AttentionMetadata, ReferenceAttention
 from nanoengine.layers.kernels import LayerKernels
 
 
-class TritonAttention(AttentionImpl):
-    """The Triton kernels; each checks its arguments before it launches."""
+class TritonAttention(ReferenceAttention):
+    """The Triton kernels, called as the reference's (the same signatures); each checks its arguments
+    before it launches."""
 
     name = "triton"
 
@@ -29,17 +30,6 @@ class TritonAttention(AttentionImpl):
         from nanoengine.kernels import triton_kernels  # imports triton: only when this backend is built
 
         self.kernels = triton_kernels
-
-    def store_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        self.kernels.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)  # skips slot -1 in the kernel
-
-    def decode(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return self.kernels.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
-                                                   meta.decode_context_lens, scale)
-
-    def prefill(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return self.kernels.paged_prefill_attention(query, k_cache, v_cache, meta.prefill_block_tables,
-                                                    meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale)
 
 
 class CudaBackend(Backend):
@@ -86,4 +76,4 @@ class CudaBackend(Backend):
     def forward(self, model, input_ids, positions, meta: AttentionMetadata) -> torch.Tensor:
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(meta):
             return self.cuda_graphs.run(input_ids, positions, meta)
-        return model(input_ids, positions, meta)
+        return super().forward(model, input_ids, positions, meta)

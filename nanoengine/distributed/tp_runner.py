@@ -11,23 +11,15 @@ step::
         ◀──("logits", step, (S, vocab) float32)── rank 0
     driver: Sampler(logits, each request's params and generator) -> tokens
 
-Sampling in the driver, with the same ``Sampler`` and the same per-request generators as
-``ModelRunner``, is what makes a seeded request give the same tokens at any
-tensor-parallel size. Greedy tokens match too, up to floating-point summation order
-(row-parallel layers add partial sums across ranks): tests check exact equality on the
-models they use.
+Sampling in the driver, with the same ``Sampler`` and per-request generators as
+``ModelRunner`` (both are a ``SamplingRunner``), makes a seeded request give the same tokens
+at any tensor-parallel size. Greedy tokens match too, up to floating-point summation order
+(row-parallel layers add partial sums across ranks).
 
-``TensorParallelRunner`` has the engine-facing surface of ``ModelRunner``:
-``num_blocks``, ``block_size``, ``device`` (the driver's: the CPU), ``kv_cache_bytes``
-(all ranks together), ``execute_model``, ``compute_logits`` and ``shutdown``.
-
-Failure is loud and bounded. The driver waits on the workers' pipes *and* their process
-sentinels with a timeout, so a worker that raises (it sends its traceback first), dies
-(a signal, out of memory) or stops answering becomes a ``RuntimeError`` naming the rank
-and the cause, after every worker of the engine has been stopped. ``shutdown`` (also run
-by ``weakref.finalize`` when the runner is garbage-collected or the interpreter exits)
-asks the workers to leave, joins them with a timeout, terminates what is left, and
-removes the rendezvous folder.
+Failure is loud and bounded (``WorkerGroup``): a worker that raises, dies or stops answering
+becomes a ``RuntimeError`` naming the rank and the cause, after every worker of the engine has
+been stopped. ``shutdown`` (also run by ``weakref.finalize``) stops the workers and removes the
+rendezvous folder.
 
 Workers start with the "spawn" method (a fresh interpreter: safe with threads and CUDA),
 so a script that builds an ``LLM(tensor_parallel_size=N)`` must guard its top level with

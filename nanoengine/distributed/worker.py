@@ -1,34 +1,22 @@
 """One tensor-parallel worker process: a rank's share of the model and KV cache (chapter 9).
 
-``TensorParallelRunner`` (the driver, in the engine's process) starts one of these per
-rank with the "spawn" start method. Each worker
+``TensorParallelRunner`` (the driver, in the engine's process) spawns one per rank. Each worker
+joins a torch.distributed group (gloo on CPU, NCCL on CUDA) through a ``FileStore`` in a folder
+the driver made for this engine alone; loads the model with its ``TPGroup``, so each parallel
+layer keeps only this rank's slice (``layers/linear.py``, ``layers/embed_head.py``); builds a
+``ModelRunner``, whose KV cache holds this rank's ``KV heads / tp``; and serves the driver::
 
-1. joins a torch.distributed group of its own (gloo on CPU, NCCL on CUDA) through a
-   ``FileStore`` in a temporary folder the driver made for this engine alone, so two
-   engines in one process tree never meet at the same rendezvous;
-2. builds the model with its ``TPGroup``: the parallel layers keep only this rank's
-   slice of each matrix (``layers/linear.py``, ``layers/embed_head.py``), and the
-   loader's ``weight_loader``s cut that slice out of each checkpoint tensor;
-3. allocates its share of the KV cache: a ``ModelRunner`` over the sharded model sizes
-   the cache by the attention layer's ``num_kv_heads``, which is already ``KV heads / tp``;
-4. serves the driver's messages until told to stop::
-
-       driver -> every rank   ("execute", step id, {BatchPlan fields as plain lists})
-       rank 0 -> driver       ("logits", step id, numpy float32 array (S, vocab))
-       any rank -> driver     ("ready", rank, memory usage)     once, after loading
-       any rank -> driver     ("error", rank, traceback text)    then it exits
-       driver -> every rank   ("shutdown",)
+    driver -> every rank   ("execute", step id, {BatchPlan fields as plain lists})
+    rank 0 -> driver       ("logits", step id, numpy float32 array (S, vocab))
+    any rank -> driver     ("ready", rank, memory usage)     once, after loading
+    any rank -> driver     ("error", rank, traceback text)    then it exits
+    driver -> every rank   ("shutdown",)
 
 The step id lets the driver drop a late answer to a step it stopped waiting for (an
-interrupted ``generate``), so logits never reach the wrong step.
-
-All ranks run the same forward on the same plan; the collectives inside the layers keep
-them in lock step, and the LM head's all-gather leaves the full logits on every rank, so
-rank 0 alone answers. Sampling stays in the driver, next to each request's generator.
-
-A worker never outlives its driver: when the driver's end of the pipe closes (the
-engine was shut down, or its process died) ``recv`` raises ``EOFError`` and the worker
-leaves its loop.
+interrupted ``generate``). All ranks run the same forward on the same plan, kept in lock step
+by the layers' collectives; the LM head's all-gather leaves the full logits on every rank, so
+rank 0 alone answers. A worker never outlives its driver: when the driver's end of the pipe
+closes, ``recv`` raises ``EOFError`` and the worker leaves its loop.
 """
 
 from __future__ import annotations

@@ -4,16 +4,11 @@ Each function here has exactly the signature of its PyTorch reference in ``refer
 (the specification; read its docstrings first) and computes the same thing, but as one
 GPU kernel launch instead of a handful of gathers and einsums (chapters 3 and 4):
 
-* ``store_kv``: one program per token copies that token's K and V vectors (all KV heads)
-  into the cache slot ``slot_mapping[token]``, skipping slot ``-1``.
-* ``paged_decode_attention``: one program per (sequence, KV head) walks the sequence's
-  context tile by tile through its block table, keeping an *online softmax* (running
-  max ``m``, running denominator ``l``, running weighted sum ``acc``) in fp32, so the
-  whole context is never materialised; every query head of the GQA group shares the
-  K/V tile it loads.
-* ``paged_prefill_attention``: one program per (tile of query tokens, query head,
-  sequence) does the same for a causal chunk of queries whose earlier tokens may already
-  be cached (prefix-cache hit or an earlier chunk).
+* ``store_kv``: one program per token copies its K and V into slot ``slot_mapping[token]``.
+* ``paged_decode_attention``: one program per (sequence, KV head) walks the context tile by
+  tile through the block table with an *online softmax* in fp32, never materialising it.
+* ``paged_prefill_attention``: the same per (tile of query tokens, query head, sequence), for
+  a causal chunk whose earlier tokens may already be cached.
 
 How a program finds token ``t`` of its sequence in the paged cache (the "virtual memory"
 of chapter 4)::
@@ -268,35 +263,23 @@ INTERPRETED: bool = type(_store_kv_kernel).__name__ == "InterpretedFunction"
 # ---------------------- Input validation (plain Python: callable on CPU without launching anything)
 
 
-def _check_is_tensor(name: str, value) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-
-
-def _check_ndim(name: str, tensor: torch.Tensor, ndim: int, layout: str) -> None:
+def _check_tensor(name: str, tensor, ndim: int, layout: str, dtypes: tuple[torch.dtype, ...]) -> None:
+    """A tensor of ``ndim`` dimensions and one of ``dtypes``, contiguous in its last dimension
+    (the kernels address it as ``ptr + offs``: its stride must be 1)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(tensor.shape)}")
-
-
-def _check_float(name: str, tensor: torch.Tensor) -> None:
-    if tensor.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} has dtype {tensor.dtype}; allowed: float32, float16, bfloat16")
-
-
-def _check_index(name: str, tensor: torch.Tensor, ndim: int, layout: str) -> None:
-    _check_is_tensor(name, tensor)
-    _check_ndim(name, tensor, ndim, layout)
-    if tensor.dtype not in INDEX_DTYPES:
-        raise TypeError(f"{name} has dtype {tensor.dtype}; allowed: int32, int64")
+    if tensor.dtype not in dtypes:
+        allowed = ", ".join(str(dtype).removeprefix("torch.") for dtype in dtypes)
+        raise TypeError(f"{name} has dtype {tensor.dtype}; allowed: {allowed}")
     if tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tensor.stride()}")
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tensor.stride()}; "
+                         f"call .contiguous() first")
 
 
-def _check_last_dim_contiguous(name: str, tensor: torch.Tensor) -> None:
-    # The kernels address head_dim as ``ptr + offs_d``: the last stride must be 1.
-    if tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last (head_dim) dimension, got strides "
-                         f"{tensor.stride()}; call .contiguous() first")
+def _check_index(name: str, tensor, ndim: int, layout: str) -> None:
+    _check_tensor(name, tensor, ndim, layout, INDEX_DTYPES)
 
 
 def _check_same_device(**tensors: torch.Tensor) -> None:
@@ -310,10 +293,7 @@ def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """The two caches: (num_blocks, block_size, num_kv_heads, head_dim), same dtype."""
     layout = "(num_blocks, block_size, num_kv_heads, head_dim)"
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_is_tensor(name, cache)
-        _check_ndim(name, cache, 4, layout)
-        _check_float(name, cache)
-        _check_last_dim_contiguous(name, cache)
+        _check_tensor(name, cache, 4, layout, FLOAT_DTYPES)
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} "
                          f"and {tuple(v_cache.shape)}")
@@ -328,10 +308,7 @@ def _check_cache_pair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
 
 def _check_query(query: torch.Tensor, k_cache: torch.Tensor, layout: str) -> int:
     """Query against the cache: same dtype and head_dim, whole GQA groups. Returns group."""
-    _check_is_tensor("query", query)
-    _check_ndim("query", query, 3, layout)
-    _check_float("query", query)
-    _check_last_dim_contiguous("query", query)
+    _check_tensor("query", query, 3, layout, FLOAT_DTYPES)
     if query.dtype != k_cache.dtype:
         raise TypeError(f"query has dtype {query.dtype} but the cache has {k_cache.dtype}; they must match")
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -360,19 +337,13 @@ def check_device_supported(device: torch.device) -> None:
 
 
 def check_store_kv_args(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """Validate ``store_kv``'s arguments (shapes, dtypes, strides, devices).
-
-    Slot values are not range-checked: that would read them back to the host, a device
-    sync that would also make the call impossible to capture in a CUDA graph.
-    """
+    """Validate ``store_kv``'s arguments (shapes, dtypes, strides, devices), never their values:
+    reading slots back to the host is a sync, which a CUDA graph cannot capture."""
     _check_cache_pair(k_cache, v_cache)
     layout = "(num_tokens, num_kv_heads, head_dim)"
     expected = (k_cache.shape[2], k_cache.shape[3])
     for name, tensor in (("key", key), ("value", value)):
-        _check_is_tensor(name, tensor)
-        _check_ndim(name, tensor, 3, layout)
-        _check_float(name, tensor)
-        _check_last_dim_contiguous(name, tensor)
+        _check_tensor(name, tensor, 3, layout, FLOAT_DTYPES)
         if tuple(tensor.shape[1:]) != expected:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}; expected (num_tokens, {expected[0]}, "
                              f"{expected[1]}) to match the cache's (num_kv_heads, head_dim)")
@@ -399,12 +370,9 @@ def _check_tables(block_tables, context_lens, num_seqs: int) -> None:
 
 
 def check_decode_args(query, k_cache, v_cache, block_tables, context_lens, scale) -> None:
-    """Validate ``paged_decode_attention``'s arguments (shapes, dtypes, strides, devices).
-
-    Only metadata is inspected, never tensor values: reading ``context_lens`` would be a
-    device-to-host sync, and decode steps are replayed from CUDA graphs, where a sync is
-    not allowed. The block table must cover each context (that is the scheduler's job).
-    """
+    """Validate ``paged_decode_attention``'s arguments (shapes, dtypes, strides, devices), never
+    their values (a sync, which a CUDA graph cannot capture): that the block table covers each
+    context is the scheduler's job."""
     _check_cache_pair(k_cache, v_cache)
     _check_query(query, k_cache, "(num_seqs, num_heads, head_dim)")
     _check_tables(block_tables, context_lens, query.shape[0])

@@ -1,10 +1,8 @@
 """SiLU-and-multiply: the gated MLP's activation (SwiGLU).
 
-The merged gate_up projection produces [gate | up]; the MLP output is silu(gate) * up.
-Eager PyTorch makes two passes (silu, then the product) and a temporary the size of the
-intermediate activations; on CUDA with ``compile=True`` (``backends.compilation``) the module's
-``silu_and_mul_fn`` becomes one compiled loop that reads gate and up once. The module takes
-its function from the device backend's kernels when it is built (``layers.kernels``).
+The merged gate_up projection produces [gate | up]; the MLP output is silu(gate) * up. Eager
+PyTorch makes two passes and a temporary; the module calls the version its backend's kernels
+gave it (``layers.kernels``), one pass on a CPU or compiled on CUDA.
 """
 
 from __future__ import annotations

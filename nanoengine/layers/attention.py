@@ -78,20 +78,25 @@ class AttentionImpl:
 
 
 class ReferenceAttention(AttentionImpl):
-    """The specification kernels (``kernels.reference``): a loop over sequences, any device."""
+    """The specification kernels (``kernels.reference``): a loop over sequences, any device.
+
+    A module of kernels with the same signatures runs through a subclass that sets ``kernels``
+    (the CUDA backend's Triton kernels).
+    """
 
     name = "reference"
+    kernels = reference
 
     def store_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        reference.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        self.kernels.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
 
     def decode(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return reference.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
-                                                meta.decode_context_lens, scale)
+        return self.kernels.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
+                                                   meta.decode_context_lens, scale)
 
     def prefill(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return reference.paged_prefill_attention(query, k_cache, v_cache, meta.prefill_block_tables,
-                                                 meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale)
+        return self.kernels.paged_prefill_attention(query, k_cache, v_cache, meta.prefill_block_tables,
+                                                    meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale)
 
 
 class Attention(nn.Module):

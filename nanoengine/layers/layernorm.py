@@ -4,11 +4,9 @@ RMSNorm(x) = x / sqrt(mean(x^2) + eps) * weight. Transformer blocks add the resi
 stream right before normalising it, so ``forward(x, residual)`` returns both the
 normalised sum and the new residual.
 
-The math lives in two plain functions, ``rms_norm`` and ``add_rms_norm``, which eager
-PyTorch runs op by op (add, pow, mean, add, rsqrt, mul, mul: a pass over the activations
-each). The module calls them through ``norm_fn`` / ``add_norm_fn``, taken from the device
-backend's kernels when it is built (``layers.kernels``): these functions, the CPU's native
-kernel (one pass per row) or, on CUDA with ``compile=True``, their compiled versions (``backends.compilation``).
+The math is two plain functions, ``rms_norm`` and ``add_rms_norm``, which eager PyTorch runs
+op by op (a pass over the activations each); the module calls the versions its backend's
+kernels gave it (``layers.kernels``): the CPU's one-pass native kernel, or compiled on CUDA.
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 class RMSNorm(nn.Module):
-    # The eager functions (what ``backends.compilation`` compiles); each instance calls the ones
-    # its kernels gave it.
+    # The eager functions; each instance calls the ones its kernels gave it.
     norm_fn = staticmethod(rms_norm)
     add_norm_fn = staticmethod(add_rms_norm)
 

@@ -12,11 +12,10 @@
 A column-parallel layer followed by a row-parallel one (attention's qkv -> o, the MLP's
 gate_up -> down) needs a single all-reduce per pair: the Megatron-LM layout.
 
-How the product itself is computed is the layer's ``linear_method`` (vLLM's name), made in
-the layer's constructor by the device backend's kernels (``layers.kernels``): plain
-``F.linear`` on the weight as loaded, or a method of the backend's own. Once the weights are
-loaded, the runner calls each method's ``process_weights_after_loading(layer)`` (vLLM's hook):
-the CPU's method keeps a prepacked copy of the weight then (``backends/cpu.py``).
+The product itself is the layer's ``linear_method`` (vLLM's name), made in its constructor
+from the backend's kernels (``layers.kernels``): ``F.linear`` by default. Once the weights are
+loaded, each method's ``process_weights_after_loading(layer)`` (vLLM's hook) may prepare a copy
+(the CPU's prepacks it: ``backends/cpu.py``).
 """
 
 from __future__ import annotations
@@ -86,13 +85,6 @@ class LinearBase(GemmLayer, nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         _copy_checked(param.data, loaded)
-
-
-class ReplicatedLinear(LinearBase):
-    """Every rank holds the whole matrix."""
-
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp: TPGroup = TPGroup.single()):
-        super().__init__(input_size, output_size, bias, tp)
 
 
 class ColumnParallelLinear(LinearBase):

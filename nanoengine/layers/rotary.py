@@ -13,9 +13,8 @@ are the same in every layer: the model keeps one ``RotaryEmbedding`` for all its
 gathers the rows once per step (``rows``) and hands them down, and each layer rotates its
 queries and keys in one call, as one (tokens, heads + kv_heads, head_dim) view.
 
-The math is the plain function ``rotate_half``. The module calls it through ``rotate_fn``,
-taken from the device backend's kernels when it is built (``layers.kernels``): this function,
-the CPU's native one pass or, on CUDA with ``compile=True``, its compiled version (``backends.compilation``).
+The math is the plain function ``rotate_half``; the module calls the version its backend's
+kernels gave it (``layers.kernels``).
 """
 
 from __future__ import annotations

@@ -11,27 +11,17 @@ For each row the filters run in this order, each on what the previous one left:
 
 Cut tokens get a logit of -inf, then one token is drawn from the softmax. A request with a
 seed draws from its own ``torch.Generator``, so what else shares the batch never changes
-its samples. ``filter_logits`` and ``kept_mask`` are public so the sampling playground
-shows exactly what the engine does.
+its samples.
 
-``kept_mask`` is the definition: it sorts each row's whole vocabulary. The engine avoids
-that sort (on a CPU, sorting a full batch of rows of a large vocabulary cost many times
-the rest of the step: ``results/README.md``) because the filters only ever keep the *head*
-of a row. A row with a temperature and no filter needs no cut at all: it draws from the
-softmax of its scaled logits. A filtered row first takes its best candidates with
-``topk`` (its top-k, or ``TOP_P_CANDIDATES`` with top-p or min-p but no top-k) and applies
-the filters to those only, with probabilities normalised as ``kept_mask`` normalises them
-(over the top-k survivors, or over the whole vocabulary when there is no top-k). A row
-without top-k is exact only if the first token *outside* its candidates would be cut:
-its top-p mass is already reached inside them, or min-p cuts their last one. Rows where
-that fails (a very flat distribution) fall back to the whole-vocabulary path. Tests check
-that both paths give the same distribution.
-
-That whole-vocabulary path runs on (B, V) tensors with the per-row parameters as (B, 1)
-columns (``sampling_probs``), so ``torch.compile`` can fuse it when the engine runs on CUDA with
-``compile=True`` (``backends.compilation`` gives the sampler a compiled ``probs_fn``). The draw itself
-stays outside: a seeded row draws with its own generator, the unseeded rows together with
-the engine's. Greedy rows need only a max and never reach the filters.
+``kept_mask`` is the definition (public, so the sampling playground shows exactly it): it
+sorts each row's whole vocabulary, which on a CPU costs many times the rest of the step
+(``results/README.md``). The engine sorts only what the filters can keep: a row with only a
+temperature draws from its scaled softmax; a filtered row applies the filters to its best
+candidates (its top-k, or ``TOP_P_CANDIDATES``), with probabilities normalised as ``kept_mask``
+normalises them. Without top-k that is exact only if the first token past the candidates would
+be cut (by top-p or min-p); a flatter row falls back to ``sampling_probs``, the definition on
+(B, V) tensors with (B, 1) parameter columns, which ``compile=True`` compiles on CUDA. Tests
+check that both paths give the same distribution.
 """
 
 from __future__ import annotations
@@ -118,7 +108,7 @@ class Sampler:
     probs_fn = staticmethod(sampling_probs)  # the eager function; each instance calls the one its kernels gave it
 
     def __init__(self) -> None:
-        self.probs_fn = current_kernels().sampling_probs or sampling_probs  # compiled with compile=True
+        self.probs_fn = current_kernels().sampling_probs or sampling_probs
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None],
@@ -133,7 +123,7 @@ class Sampler:
             tokens[rows] = self._sample(logits.index_select(0, rows), [params[r] for r in random_rows],
                                         [generators[r] for r in random_rows], default_generator)
         token_ids = tokens.tolist()
-        return SampleResult(token_ids, self._logprobs(logits, params, token_ids))
+        return SampleResult(token_ids, self.token_logprobs(logits, params, token_ids))
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], generators: list,
                 default_generator: torch.Generator | None) -> torch.Tensor:
@@ -144,8 +134,7 @@ class Sampler:
         plain = sorted(set(range(len(params))) - set(filtered))  # temperature only: nothing to cut
         if plain:  # the softmax of the scaled logits is the whole distribution: no filter, no sort
             rows = torch.tensor(plain, device=device)
-            temperature = sampling_params_columns(logits, [params[i] for i in plain])[0]
-            probs = torch.softmax(logits.index_select(0, rows) / temperature.clamp(min=1e-6), dim=-1)
+            probs = self.distribution(logits.index_select(0, rows), [params[i] for i in plain])
             tokens[rows] = self._draw(probs, [generators[i] for i in plain], default_generator)
         whole = []  # filtered rows too flat for their candidates: the whole-vocabulary definition
         if filtered:
@@ -162,8 +151,7 @@ class Sampler:
                 tokens[rows] = candidates.index_select(0, at).gather(1, picked[:, None])[:, 0]
         if whole:
             rows = torch.tensor(whole, device=device)
-            chosen = [params[i] for i in whole]
-            probs = self.probs_fn(logits.index_select(0, rows), *sampling_params_columns(logits, chosen))
+            probs = self.distribution(logits.index_select(0, rows), [params[i] for i in whole])
             tokens[rows] = self._draw(probs, [generators[i] for i in whole], default_generator)
         return tokens
 
@@ -244,16 +232,13 @@ class Sampler:
             return torch.softmax(logits / columns[0].clamp(min=1e-6), dim=-1)
         return self.probs_fn(logits, *columns)
 
-    def token_logprobs(self, logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int]):
-        """Per row, the logprob of ``token_ids[row]`` and the row's top-N (None where not asked for)."""
-        return self._logprobs(logits.float(), params, token_ids)
-
     @staticmethod
-    def _logprobs(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int]):
+    def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], token_ids: list[int]):
+        """Per row, the logprob of ``token_ids[row]`` and the row's top-N (None where not asked for)."""
         wanted = [p.logprobs for p in params]
         if all(n is None for n in wanted):
             return [None] * len(params)
-        logprobs = torch.log_softmax(logits, dim=-1)  # the model's own distribution
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # the model's own distribution
         result = []
         for row, n in enumerate(wanted):
             if n is None:

@@ -7,17 +7,11 @@ scale and minimum; Q8_0 as 8-bit integers plus a scale). The course's default mo
 SmolLM2-135M-Instruct, reaches us as such a file (see ``nanoengine.default_model``).
 
 This module turns it into the standard Hugging Face layout that the rest of the engine and
-the parity tests use, in three independent pieces:
-
-* :func:`read_gguf_config` maps the ``llama.*`` metadata keys to a ``LlamaForCausalLM``
-  ``config.json`` dict (``llama.embedding_length`` -> ``hidden_size`` and so on).
-* :func:`iter_gguf_weights` / :func:`load_gguf_state_dict` dequantize every tensor to
-  float32 and rename it to the Hugging Face name (``blk.3.attn_q.weight`` ->
-  ``model.layers.3.self_attn.q_proj.weight``). Dequantizing does not restore the original
-  weights, it reproduces exactly the weights llama.cpp itself computes with.
-* :func:`build_gguf_tokenizer` rebuilds a byte-level BPE ``tokenizers.Tokenizer`` from the
-  vocabulary and merges stored in the metadata; :func:`gguf_tokenizer_files` adds the
-  ``tokenizer_config.json`` (special tokens, chat template) next to it.
+the parity tests use: a ``config.json`` dict (:func:`read_gguf_config`), float32 tensors under
+Hugging Face names (:func:`iter_gguf_weights`: ``blk.3.attn_q.weight`` ->
+``model.layers.3.self_attn.q_proj.weight``; dequantizing reproduces exactly the weights
+llama.cpp computes with, not the original ones) and the tokenizer files
+(:func:`gguf_tokenizer_files`).
 
 The one real quirk: llama.cpp's converter *permutes the rows* of ``attn_q`` and ``attn_k``.
 Hugging Face Llama applies rotary embeddings in "rotate half" form: within a head of
@@ -47,7 +41,7 @@ if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "read_gguf_metadata", "read_gguf_config", "iter_gguf_weights",
-           "load_gguf_state_dict", "unpermute_rotary", "build_gguf_tokenizer", "gguf_tokenizer_files"]
+           "load_gguf_state_dict", "unpermute_rotary", "gguf_tokenizer_files"]
 
 PathLike = str | os.PathLike
 
@@ -105,17 +99,12 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _check_architecture(meta: dict[str, Any], path: Any) -> str:
+def _config_from_metadata(meta: dict[str, Any], tensor_names: set[str], path: Any) -> dict[str, Any]:
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else "the GGUF file"
         raise ValueError(f"unsupported GGUF architecture {arch!r} in {where}: this loader supports only "
                          f"{', '.join(SUPPORTED_ARCHITECTURES)} (LlamaForCausalLM)")
-    return arch
-
-
-def _config_from_metadata(meta: dict[str, Any], tensor_names: set[str], path: Any) -> dict[str, Any]:
-    arch = _check_architecture(meta, path)
 
     def need(key: str) -> Any:
         full = f"{arch}.{key}"
@@ -180,11 +169,10 @@ def _config_from_metadata(meta: dict[str, Any], tensor_names: set[str], path: An
 def read_gguf_config(path: PathLike | GGUFReader) -> dict[str, Any]:
     """Return a Hugging Face ``LlamaForCausalLM`` config dict built from GGUF metadata.
 
-    Reads only the header, but GGUFReader indexes every metadata item when it opens a
-    file (~5 s for SmolLM2's 100k tokenizer strings), so a caller that needs config,
-    weights and tokenizer should open one ``GGUFReader`` and pass it to each function.
-    Raises ``ValueError`` for a non-Llama architecture or
-    missing keys, ``FileNotFoundError`` if ``path`` does not exist.
+    Reads only the header, but GGUFReader indexes every metadata item when it opens a file
+    (seconds for SmolLM2's 100k tokenizer strings), so a caller that needs config, weights and
+    tokenizer should open one ``GGUFReader`` and pass it to each function. Raises ``ValueError``
+    for a non-Llama architecture or missing keys, ``FileNotFoundError`` if ``path`` does not exist.
     """
     reader = _open(path)
     meta = read_gguf_metadata(reader)
@@ -246,8 +234,7 @@ def iter_gguf_weights(path: PathLike | GGUFReader) -> Iterator[tuple[str, torch.
     caller keeps. q/k projections are un-permuted (see :func:`unpermute_rotary`).
     """
     reader = _open(path)
-    meta = read_gguf_metadata(reader)
-    config = _config_from_metadata(meta, {t.name for t in reader.tensors}, path)
+    config = read_gguf_config(reader)
     n_heads, n_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
@@ -267,19 +254,15 @@ def load_gguf_state_dict(path: PathLike | GGUFReader, progress: bool = True) -> 
     ``progress`` shows a tqdm bar over the tensors.
     """
     reader = _open(path)
-    state: dict[str, torch.Tensor] = {}
-    with tqdm(total=len(reader.tensors), desc="dequantize GGUF", unit="tensor", disable=not progress) as bar:
-        for name, weight in iter_gguf_weights(reader):
-            state[name] = weight
-            bar.update(1)
-    return state
+    return dict(tqdm(iter_gguf_weights(reader), total=len(reader.tensors), desc="dequantize GGUF", unit="tensor",
+                     disable=not progress))
 
 
 # ---------------------------------------------------------------------------------------- Tokenizer
 
 
-def build_gguf_tokenizer(path: PathLike | GGUFReader) -> Tokenizer:
-    """Rebuild the byte-level BPE tokenizer stored in the GGUF metadata.
+def _bpe_tokenizer(meta: dict[str, Any]) -> Tokenizer:
+    """Rebuild the byte-level BPE tokenizer stored in the GGUF metadata ``meta``.
 
     ``tokenizer.ggml.tokens`` is the vocabulary in id order (already in GPT-2's
     byte-to-unicode alphabet, e.g. ``Ġ`` for a space) and ``tokenizer.ggml.merges`` the
@@ -290,7 +273,6 @@ def build_gguf_tokenizer(path: PathLike | GGUFReader) -> Tokenizer:
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-    meta = read_gguf_metadata(path)
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(f"unsupported GGUF tokenizer model {kind!r}: only byte-level BPE ('gpt2') is supported")
@@ -324,9 +306,8 @@ def gguf_tokenizer_files(path: PathLike | GGUFReader) -> dict[str, Any]:
     chat template, and asks transformers for the generic ``PreTrainedTokenizerFast`` so
     that it loads ``tokenizer.json`` as-is instead of rebuilding a GPT-2 pipeline.
     """
-    reader = _open(path)
-    meta = read_gguf_metadata(reader)
-    tok = build_gguf_tokenizer(reader)
+    meta = read_gguf_metadata(path)
+    tok = _bpe_tokenizer(meta)
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
 

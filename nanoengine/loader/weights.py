@@ -152,11 +152,9 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
                 max_position: int | None = None, tp: TPGroup = TPGroup.single(), backend=None) -> nn.Module:
     """The module tree for ``config`` on ``device``, parameters in ``dtype``, unfilled.
 
-    Every layer takes its kernels from ``backend`` as it is constructed (``layers.kernels``;
-    None: the device's default backend, ``backends.select_backend``), and the backend decides
-    where the parameters live before anything fills them (``Backend.place_weights``). The model
-    keeps those kernels as ``model.kernels``: an engine runs it only with a backend whose
-    kernels have their name.
+    Every layer takes its kernels from ``backend`` (None: the device's default) as it is
+    constructed (``layers.kernels``), and the backend places the parameters before anything fills
+    them. The model keeps the kernels as ``model.kernels``, which an engine's backend must match.
     """
     from nanoengine.backends import select_backend
 
@@ -177,9 +175,9 @@ def resolve_model_source(model: str | Path | None) -> Path:
         from nanoengine.default_model import default_model_dir
 
         return default_model_dir()
+    expected = "model must be None (the default SmolLM2-135M-Instruct), a Hugging Face directory or a .gguf file"
     if not isinstance(model, (str, Path)) or not str(model):
-        raise ValueError(f"model must be None (the default SmolLM2-135M-Instruct), a Hugging Face directory or a "
-                         f".gguf file, got {model!r}")
+        raise ValueError(f"{expected}, got {model!r}")
     path = Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -187,8 +185,7 @@ def resolve_model_source(model: str | Path | None) -> Path:
         return path
     if path.is_file() and path.suffix == ".gguf":
         return path
-    raise ValueError(f"model must be None (the default SmolLM2-135M-Instruct), a Hugging Face directory or a "
-                     f".gguf file; {str(model)!r} is neither (no model hub is used)")
+    raise ValueError(f"{expected}; {str(model)!r} is neither (no model hub is used)")
 
 
 def load_model_config(source: Path) -> ModelConfig:

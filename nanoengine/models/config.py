@@ -10,7 +10,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+# Each supported architecture and its ``model_type`` in a Hugging Face config.json.
+MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,7 @@ class ModelConfig:
     def from_dict(cls, d: dict) -> "ModelConfig":
         archs = d.get("architectures") or []
         if not archs:
-            model_type = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(d.get("model_type"))
-            archs = [model_type] if model_type else ["(none)"]
+            archs = [arch for arch, kind in MODEL_TYPES.items() if kind == d.get("model_type")] or ["(none)"]
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         heads = d["num_attention_heads"]
@@ -81,10 +82,9 @@ class ModelConfig:
 
     def to_dict(self) -> dict:
         """A Hugging Face ``config.json`` for this shape (the inverse of ``from_dict``)."""
-        model_type = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}[self.architecture]
         eos = list(self.eos_token_ids)
         return {
-            "architectures": [self.architecture], "model_type": model_type,
+            "architectures": [self.architecture], "model_type": MODEL_TYPES[self.architecture],
             "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,

@@ -51,9 +51,9 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
-                rotary_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """``rotary_rows``: this step's cos/sin rows, gathered once for all layers (from ``positions`` if None)."""
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata,
+                rotary_rows: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``rotary_rows``: this step's cos/sin rows, gathered once for all layers (``RotaryEmbedding.rows``)."""
         num_tokens, heads, kv_heads, d = hidden.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(hidden)  # (T, q_size + 2 * kv_size): [q | k | v]
         qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, heads + kv_heads, d)  # query and key heads
@@ -61,7 +61,7 @@ class LlamaAttention(nn.Module):
         if hasattr(self, "q_norm"):  # Qwen3: each head normalised on its own before the rotation
             q, k = qk.split([heads, kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        qk = self.rotary_emb.rotate(qk, rotary_rows or self.rotary_emb.rows(positions))  # all heads in one call
+        qk = self.rotary_emb.rotate(qk, rotary_rows)  # all heads in one call
         q, k = qk.split([heads, kv_heads], dim=1)  # (T, h, d), (T, kvh, d)
         out = self.attn(q, k, v, meta)  # (T, h, d)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -90,14 +90,14 @@ class LlamaDecoderLayer(nn.Module):
         make_one_call = current_kernels().decoder_layer
         self.one_call = make_one_call(self) if make_one_call is not None else None
 
-    def forward(self, positions, hidden, residual, meta, rotary_rows=None):
+    def forward(self, hidden, residual, meta, rotary_rows):
         if self.one_call is not None and meta.one_call_layers:  # decided once per step by the backend
-            return self.one_call(hidden, residual, meta, rotary_rows or self.self_attn.rotary_emb.rows(positions))
+            return self.one_call(hidden, residual, meta, rotary_rows)
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta, rotary_rows)
+        hidden = self.self_attn(hidden, meta, rotary_rows)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -111,14 +111,11 @@ class LlamaModel(nn.Module):
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids, positions, meta, rotary_rows=None):
-        """``rotary_rows``: the step's cos/sin rows when the caller gathered them (the compiled model
-        does, so that the rotary table, max_model_len rows long, is no part of its graph)."""
+    def forward(self, input_ids, positions, meta):
         hidden, residual = self.embed_tokens(input_ids), None  # (T, hidden)
-        if rotary_rows is None:
-            rotary_rows = self.rotary_emb.rows(positions)  # the same in every layer: gathered once
+        rotary_rows = self.rotary_emb.rows(positions)  # the same in every layer: gathered once
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta, rotary_rows)
+            hidden, residual = layer(hidden, residual, meta, rotary_rows)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -134,10 +131,9 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                rotary_rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """(T,) token ids and positions -> (T, hidden) final hidden states."""
-        return self.model(input_ids, positions, meta, rotary_rows)
+        return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(B, hidden) -> (B, vocab)."""

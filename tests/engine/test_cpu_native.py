@@ -14,7 +14,7 @@ from nanoengine.backends.cpu import CpuAttention, CpuBackend, CpuLinearMethod
 from nanoengine.kernels import cpu_gemm, cpu_native, reference
 from nanoengine.layers.attention import AttentionImpl
 from nanoengine.layers.kernels import building_with
-from nanoengine.layers.linear import ReplicatedLinear
+from nanoengine.layers.linear import ColumnParallelLinear
 
 needs_kernel = pytest.mark.skipif(cpu_native.unavailable_reason() is not None or not cpu_native.load(),
                                   reason="the native kernels cannot be built on this machine")
@@ -84,7 +84,7 @@ def test_the_backend_sends_few_rows_to_the_kernel_and_more_to_the_library():
     torch.manual_seed(0)
     backend = CpuBackend("cpu")
     with building_with(backend.kernels):
-        layer = ReplicatedLinear(48, 40)
+        layer = ColumnParallelLinear(48, 40)
     torch.nn.init.normal_(layer.weight)
     backend.process_weights_after_loading(torch.nn.ModuleList([layer]))
     method = layer.linear_method
@@ -123,7 +123,7 @@ def test_without_the_kernel_one_warning_names_why_and_the_libraries_compute(monk
             assert cpu_native.load() is False
             backend = CpuBackend("cpu")
             with building_with(backend.kernels):
-                layer = ReplicatedLinear(48, 40)
+                layer = ColumnParallelLinear(48, 40)
             torch.nn.init.normal_(layer.weight)
             backend.process_weights_after_loading(torch.nn.ModuleList([layer]))
         assert not backend.native_kernels and "few-rows" not in backend.describe()

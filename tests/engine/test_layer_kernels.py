@@ -63,10 +63,11 @@ def test_the_layers_hold_the_kernels_of_the_backend_they_were_built_for(tiny_lla
 
 def test_outside_a_backend_the_layers_run_their_own_pytorch_functions():
     from nanoengine.layers.layernorm import RMSNorm, rms_norm
-    from nanoengine.layers.linear import ReplicatedLinear, UnquantizedLinearMethod
+    from nanoengine.layers.linear import ColumnParallelLinear, UnquantizedLinearMethod
 
     assert current_kernels() is REFERENCE
-    assert RMSNorm(8).norm_fn is rms_norm and isinstance(ReplicatedLinear(4, 4).linear_method, UnquantizedLinearMethod)
+    assert RMSNorm(8).norm_fn is rms_norm
+    assert isinstance(ColumnParallelLinear(4, 4).linear_method, UnquantizedLinearMethod)
     marker = LayerKernels(name="marker", rms_norm=lambda x, w, eps: x)
     with building_with(marker):
         assert current_kernels() is marker and RMSNorm(8).norm_fn is marker.rms_norm
