@@ -30,19 +30,14 @@ once, and routes the aborted final output like any other, so nothing stays behin
 request with ``n`` completions is one user request id: its outputs gather all ``n``, so it
 is routed, aborted and finished by that id alone.
 
-The HTTP server hands prompts over as token ids, already tokenized and length-checked on
-its own tokenizer thread (``serving``): the engine thread then only checks their range and
-queues them, so a huge prompt never stalls the requests in flight. The tokenizer is shared
-read-only: that thread encodes, this one decodes (Hugging Face's fast tokenizers allow it;
-neither changes the tokenizer's truncation or padding state). Text prompts given here
-directly are still tokenized on the engine thread.
+The HTTP server hands prompts over already tokenized on its own tokenizer thread
+(``serving``), so the engine thread only checks and queues them. The tokenizer is shared
+read-only: that thread encodes, this one decodes (Hugging Face's fast tokenizers allow it).
 
-One OpenMP team in the process: ``python -m nanoengine serve --engine-thread`` loads the model
-on a thread that ends (``cpu_platform.build_on_a_passing_thread`` says why), so the engine
-thread's team is the only one; a server started in a notebook (``serve_in_background``) steps
-a model the notebook's own thread loaded and keeps using, so it pays this (chapter 12 measures
-it). ``serve`` itself runs the engine core in a process of its own (``engine_core``, as vLLM
-v1 does) unless told ``--engine-thread``; this module is what the notebooks and tests serve with.
+``serve --engine-thread`` loads the model on a thread that ends, so that the engine thread's
+OpenMP team is the only one in the process (``cpu_platform.build_on_a_passing_thread`` says
+why); plain ``serve`` runs the engine in a process of its own instead (``engine_core``).
+This module is what the notebooks and tests serve with (``serve_in_background``).
 
 Because commands are applied only between steps, a request arriving mid-step waits for
 that step to end: its TTFT (measured from its arrival) includes that wait, as it would in
@@ -53,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -60,6 +56,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from nanoengine.backends.cpu_platform import IdleTrim
+from nanoengine.config import EngineConfig
+from nanoengine.engine.input_processor import InputProcessor
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.engine.output_router import OutputRouter
 from nanoengine.metrics import EngineStats
@@ -218,35 +216,75 @@ class RequestStream:
             self._unfinished.clear()
 
 
-class AsyncLLMEngine:
-    """An ``LLMEngine`` stepped by its own thread, driven from asyncio (vLLM's name).
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the server reads from the engine once, before serving: none of it changes while it runs."""
+
+    config: EngineConfig
+    max_model_len: int
+    num_blocks: int
+    input_processor: InputProcessor  # with the tokenizer: the server tokenizes and checks prompts itself
+    stats: EngineStats
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineFacts:
+        return cls(engine.config, engine.max_model_len, engine.runner.num_blocks, engine.input_processor,
+                   EngineStats.of(engine))
+
+
+class EngineClient:
+    """What the server drives: an engine stepped on a thread of this process (``AsyncLLMEngine``)
+    or in a process of its own (``engine_core.EngineCoreClient``), one interface for both.
 
     ``max_waiting``: refuse an add (``QueueFullError``) that would leave more than this many
-    sequences waiting for admission; None for no limit. ``on_finished`` is called on the
-    engine thread with every final output (finished, stopped or aborted), e.g. for metrics.
-    ``on_dead`` is called once on the event loop if a step fails and the engine stops (the
-    command-line server then exits, ``api_server``); not when it is shut down.
+    sequences waiting for admission; None for no limit. ``on_finished`` is called with every
+    final output (finished, stopped or aborted), e.g. for metrics. ``on_dead`` is called once
+    on the event loop if the engine stops on a fault of its own (the command-line server then
+    exits, ``api_server``); not when it is shut down.
+    """
+
+    def __init__(self, facts: EngineFacts, max_waiting: int | None, on_finished: Callable[[RequestOutput], None] | None,
+                 on_dead: Callable[[], None] | None) -> None:
+        self.max_waiting = checked_max_waiting(max_waiting)
+        self.on_finished = on_finished
+        self.on_dead = on_dead
+        self.config, self.max_model_len, self.num_blocks = facts.config, facts.max_model_len, facts.num_blocks
+        self.input_processor, self.tokenizer = facts.input_processor, facts.input_processor.tokenizer
+        self.stats = facts.stats  # the latest, published after every step (read without waiting)
+        self.error: BaseException | None = None  # why the engine stopped, if it failed
+        self._loop: asyncio.AbstractEventLoop | None = None  # where outputs are delivered, once started
+
+    def _why_dead(self) -> str:
+        if self.error is not None:
+            return f"the engine failed and stopped: {self.error!r}"
+        return "the engine has not been started" if self._loop is None else "the engine is shutting down"
+
+    def _end_streams(self, queues, why: str) -> None:
+        """Nothing more will come: end each stream (once: it ends at the first error), from any thread."""
+        error = EngineDeadError(why)
+        for queue in set(queues):
+            call_on_loop(self._loop, queue.put_nowait, error)
+        if self.error is not None and self.on_dead is not None:
+            call_on_loop(self._loop, self.on_dead)
+
+
+class AsyncLLMEngine(EngineClient):
+    """An ``LLMEngine`` stepped by its own thread, driven from asyncio (vLLM's name).
+
+    ``on_finished`` runs on the engine thread; the rest is ``EngineClient``'s.
     """
 
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
                  on_finished: Callable[[RequestOutput], None] | None = None,
                  on_dead: Callable[[], None] | None = None) -> None:
+        super().__init__(EngineFacts.of(engine), max_waiting, on_finished, on_dead)
         self.engine = engine
-        self.max_waiting = checked_max_waiting(max_waiting)
-        self.on_finished = on_finished
-        self.on_dead = on_dead
         self._cond = threading.Condition()
         self._commands: list[_Add | _Abort | _Call] = []  # guarded by _cond
         self._stopping = False  # guarded by _cond
         self.router = OutputRouter(engine)  # request id -> the sink of its stream; engine thread only
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self.stats = EngineStats.of(engine)  # the latest, published after every step (read without waiting)
-        self.error: BaseException | None = None  # why the engine thread stopped, if it failed
         self._trim = IdleTrim()  # reads its variable once; a bad value fails here, with the variable's name
-        # What the server reads once, before serving: these never change while the engine runs.
-        self.config, self.max_model_len, self.num_blocks = engine.config, engine.max_model_len, engine.runner.num_blocks
-        self.tokenizer, self.input_processor = engine.tokenizer, engine.input_processor
 
     # ----------------------------------------------------------- lifecycle
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -313,13 +351,6 @@ class AsyncLLMEngine:
             self._commands.append(command)
             self._cond.notify()
 
-    def _why_dead(self) -> str:
-        if self._thread is None:
-            return "the engine thread has not been started"
-        if self.error is not None:
-            return f"the engine failed and stopped: {self.error!r}"
-        return "the engine is shutting down"
-
     # ---------------------------------------------------- the engine thread
     def _run(self) -> None:
         """The engine thread: apply commands, step, deliver outputs; sleep when idle."""
@@ -346,8 +377,6 @@ class AsyncLLMEngine:
                     self._commands[:0] = commands[1:]
                 break
         self._stop_everything()
-        if self.error is not None and self.on_dead is not None:
-            call_on_loop(self._loop, self.on_dead)
 
     def _apply(self, command: _Add | _Abort | _Call) -> None:
         if isinstance(command, _Abort):
@@ -382,19 +411,15 @@ class AsyncLLMEngine:
         with self._cond:
             self._stopping = True
             commands, self._commands = self._commands, []
-        error = EngineDeadError(self._why_dead())
         for command in commands:
             if not isinstance(command, _Abort) and command.done.set_running_or_notify_cancel():
-                command.done.set_exception(error)
+                command.done.set_exception(EngineDeadError(self._why_dead()))
         sinks = self.router.close()  # the streams still waiting: they get the error, not an output
         for out in abort_all(self.engine, sinks):
             notify_finished(self.on_finished, out)
-        for queue in {sink.queue for sink in sinks.values() if isinstance(sink, _StreamSink)}:
-            call_on_loop(self._loop, queue.put_nowait, error)  # once per stream: it ends at the first error
-        try:
+        with contextlib.suppress(Exception):
             self.stats = EngineStats.of(self.engine)
-        except Exception:
-            pass
+        self._end_streams([sink.queue for sink in sinks.values() if isinstance(sink, _StreamSink)], self._why_dead())
 
 
 class _StreamSink:
