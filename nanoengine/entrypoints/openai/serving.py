@@ -112,8 +112,7 @@ class OpenAIServing:
         # defaults to True (vllm/entrypoints/openai/protocol.py).
         prepared = await self._prepare(lambda: [self._tokenize(p) for p in prompts], params, request.max_tokens,
                                        request, on_thread=texts)
-        return await self._respond(raw, request, "cmpl", prepared, arrival, "text_completion",
-                                   self._completion_events, _completion_choices)
+        return await self._respond(raw, request, "cmpl", prepared, arrival, "text_completion", _completion_choices)
 
     async def chat(self, raw: Request) -> Response:
         arrival = time.perf_counter()
@@ -126,18 +125,25 @@ class OpenAIServing:
         # (add_special_tokens defaults to False there).
         prepared = await self._prepare(lambda: [self._tokenize(self._render_chat(request), rendered_chat=True)],
                                        params, request.requested_max_tokens, request)
-        return await self._respond(raw, request, "chatcmpl", prepared, arrival, "chat.completion",
-                                   self._chat_events, _chat_choices)
+        # A streamed reply opens every choice with the role. It goes out with the first output,
+        # once the prompt is prefilled and the first token sampled, as vLLM sends it
+        # (serving_chat.py, chat_completion_stream_generator's first iteration): a client that
+        # times the first event then measures the real time to first token.
+        opening = [protocol.choice(i, {"delta": {"role": "assistant", "content": ""}}) for i in range(request.n)]
+        return await self._respond(raw, request, "chatcmpl", prepared, arrival, "chat.completion", _chat_choices,
+                                   opening)
 
     async def _respond(self, raw: Request, request, id_prefix: str, prepared: list[tuple[list[int], object]],
-                       arrival: float, kind: str, events: Callable[["_Context"], AsyncIterator[str]],
-                       choices: Callable[["_Context", RequestOutput], list[dict]]) -> Response:
-        """Steps 3 to 5, the same for both endpoints: submit, then stream ``events``, or
-        collect the final outputs into one ``kind`` response of their ``choices``."""
+                       arrival: float, kind: str, choices: Callable[["_Context", RequestOutput], list[dict]],
+                       opening: list[dict] | None = None) -> Response:
+        """Steps 3 to 5, the same for both endpoints: submit, then stream the ``choices`` of
+        each output as events (``opening`` first), or collect the final outputs into one
+        ``kind`` response."""
         stream = await self._submit(f"{id_prefix}-{uuid.uuid4().hex}", prepared, arrival, request)
         ctx = _Context(stream, request)
         if request.stream:
-            return EventStreamResponse(events(ctx), headers=SSE_HEADERS)
+            chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
+            return EventStreamResponse(self._events(ctx, chunk_kind, opening or [], choices), headers=SSE_HEADERS)
         finals = await _collect_unless_disconnected(stream, raw)
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
@@ -269,17 +275,6 @@ class OpenAIServing:
             raise protocol.value_error(exc, request) from None
 
     # ----------------------------------------------------------- streaming
-    def _completion_events(self, ctx: "_Context") -> AsyncIterator[str]:
-        return self._events(ctx, "text_completion", [], _completion_choices)
-
-    def _chat_events(self, ctx: "_Context") -> AsyncIterator[str]:
-        # OpenAI opens every choice with the role. It goes out with the first output, once
-        # the prompt is prefilled and the first token sampled, as vLLM sends it
-        # (serving_chat.py, chat_completion_stream_generator's first iteration): a client
-        # that times the first event then measures the real time to first token.
-        opening = [protocol.chat_chunk_choice(i, {"role": "assistant", "content": ""}) for i in range(ctx.request.n)]
-        return self._events(ctx, "chat.completion.chunk", opening, _chat_chunk_choices)
-
     async def _events(self, ctx: "_Context", kind: str, opening: list[dict],
                       choices: Callable[["_Context", RequestOutput], list[dict]]) -> AsyncIterator[str]:
         """The server-sent events of one streamed response; ``opening`` goes out with the
@@ -371,21 +366,20 @@ class _Context:
 
 # The choices of one output (``_Context.new_parts``): a streamed delta's, or a final output's.
 def _completion_choices(ctx: _Context, out: RequestOutput) -> list[dict]:
-    return [protocol.completion_choice(ctx.choice_index(out, c), c.text, c.finish_reason, c.stop_reason,
-                                       protocol.completion_logprobs(c.logprobs, ctx.text_offset(out, c)))
+    return [protocol.choice(ctx.choice_index(out, c), {"text": c.text},
+                            protocol.completion_logprobs(c.logprobs, ctx.text_offset(out, c)), c.finish_reason,
+                            c.stop_reason)
             for c in ctx.new_parts(out)]
 
 
 def _chat_choices(ctx: _Context, out: RequestOutput) -> list[dict]:
-    return [protocol.chat_choice(c.index, c.text, c.finish_reason, c.stop_reason,
-                                 protocol.chat_logprobs(c.logprobs, ctx.request.top_logprobs or 0))
-            for c in ctx.new_parts(out)]
+    def content(text: str) -> dict:
+        if ctx.request.stream:
+            return {"delta": {"content": text} if text else {}}
+        return {"message": {"role": "assistant", "content": text}}
 
-
-def _chat_chunk_choices(ctx: _Context, out: RequestOutput) -> list[dict]:
-    return [protocol.chat_chunk_choice(c.index, {"content": c.text} if c.text else {}, c.finish_reason,
-                                       protocol.chat_logprobs(c.logprobs, ctx.request.top_logprobs or 0),
-                                       c.stop_reason)
+    return [protocol.choice(c.index, content(c.text), protocol.chat_logprobs(c.logprobs, ctx.request.top_logprobs or 0),
+                            c.finish_reason, c.stop_reason)
             for c in ctx.new_parts(out)]
 
 
