@@ -67,9 +67,6 @@ from nanoengine.sampling_params import SamplingParams
 logger = logging.getLogger("nanoengine.serve")
 
 Prompt = str | list[int]
-# SamplingParams, or a function of the prompt's token count that returns them, called once a
-# text prompt is tokenized on the engine thread (e.g. to fit max_tokens to the context window).
-ParamsFor = SamplingParams | Callable[[int], SamplingParams]
 
 
 class QueueFullError(RuntimeError):
@@ -88,8 +85,8 @@ def checked_max_waiting(max_waiting: int | None) -> int | None:
     return max_waiting
 
 
-def add_all_or_none(engine: LLMEngine, requests: Sequence[tuple[str, Prompt, ParamsFor]], arrival_time: float,
-                    max_waiting: int | None) -> None:
+def add_all_or_none(engine: LLMEngine, requests: Sequence[tuple[str, Prompt, SamplingParams]],
+                    arrival_time: float, max_waiting: int | None) -> None:
     """Add one engine request per (id, prompt, params), or none of them (the error says why).
 
     Called by whoever steps the engine, between two steps. ``max_waiting`` (None: no limit)
@@ -106,11 +103,8 @@ def add_all_or_none(engine: LLMEngine, requests: Sequence[tuple[str, Prompt, Par
                              f"{max_waiting}); retry later")
     added: list[str] = []
     try:
-        for request_id, prompt, params in requests:
-            _, token_ids = engine.tokenize_prompt(prompt)  # ValueError: empty, too long, bad ids
-            if callable(params):
-                params = params(len(token_ids))
-            engine.add_request(token_ids, params, request_id, arrival_time=arrival_time)
+        for request_id, prompt, params in requests:  # ValueError: an empty or too long prompt, bad ids or params
+            engine.add_request(prompt, params, request_id, arrival_time=arrival_time)
             added.append(request_id)
     except BaseException:
         for request_id in added:
@@ -164,7 +158,7 @@ def call_on_loop(loop: asyncio.AbstractEventLoop | None, fn: Callable, *args) ->
 
 @dataclass
 class _Add:
-    requests: list[tuple[str, Prompt, ParamsFor]]  # (request id, prompt, params) per prompt
+    requests: list[tuple[str, Prompt, SamplingParams]]  # (request id, prompt, params) per prompt
     queue: asyncio.Queue  # where every one of them delivers its outputs
     arrival_time: float
     done: concurrent.futures.Future
@@ -311,7 +305,7 @@ class AsyncLLMEngine(EngineClient):
         return self._thread is not None and self._thread.is_alive()
 
     # ----------------------------------------------------- the asyncio side
-    async def add_requests(self, requests: Sequence[tuple[str, Prompt, ParamsFor]],
+    async def add_requests(self, requests: Sequence[tuple[str, Prompt, SamplingParams]],
                            arrival_time: float | None = None) -> RequestStream:
         """Queue one engine request per (id, prompt, params); all are added or none is.
 

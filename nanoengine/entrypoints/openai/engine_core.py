@@ -53,11 +53,12 @@ from typing import Any, Callable, Sequence
 
 from nanoengine.backends.cpu_platform import IdleTrim, engine_core_environment
 from nanoengine.engine.llm_engine import LLMEngine
-from nanoengine.entrypoints.openai.async_engine import (EngineClient, EngineDeadError, EngineFacts, ParamsFor, Prompt,
+from nanoengine.entrypoints.openai.async_engine import (EngineClient, EngineDeadError, EngineFacts, Prompt,
                                                         RequestStream, abort_all, add_all_or_none, checked_max_waiting,
                                                         notify_finished)
 from nanoengine.metrics import EngineStats
 from nanoengine.outputs import RequestOutput
+from nanoengine.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanoengine.serve")
 
@@ -66,8 +67,8 @@ logger = logging.getLogger("nanoengine.serve")
 def run_engine_core(conn: Connection, build: Callable[[], LLMEngine]) -> None:
     """The engine-core process: build the engine, then serve the commands on ``conn`` until "stop".
 
-    Messages in: ``("add", ticket, requests, arrival_time)``, ``("abort", request_ids)``,
-    ``("call", ticket, pickled fn)``, ``("max_waiting", n)``, ``("stop",)``. Messages out: ``("ready",
+    Messages in: ``("add", ticket, requests, arrival_time, max_waiting)``, ``("abort", request_ids)``,
+    ``("call", ticket, pickled fn)``, ``("stop",)``. Messages out: ``("ready",
     EngineFacts)`` or ``("failed", error)`` once; then ``("step", replies, outputs, stats)`` after
     every round of commands and step, where ``replies`` are ``(ticket, result, error)``; and
     ``("stopped", error, final_outputs)`` last, with the requests it had to abort.
@@ -81,7 +82,6 @@ def run_engine_core(conn: Connection, build: Callable[[], LLMEngine]) -> None:
         return
     conn.send(("ready", EngineFacts.of(engine)))
     error: BaseException | None = None
-    max_waiting: int | None = None
     try:
         while True:
             if not engine.has_unfinished_requests():
@@ -97,12 +97,10 @@ def run_engine_core(conn: Connection, build: Callable[[], LLMEngine]) -> None:
                 elif kind == "abort":
                     outputs.extend(engine.abort(request_id) for request_id in message[1]
                                    if engine.has_request(request_id))
-                elif kind == "max_waiting":
-                    max_waiting = message[1]
                 else:  # "add" or "call": the caller's errors are replies, not the engine's failure
                     ticket = message[1]
                     try:  # a call's function arrives pickled: one its process cannot import fails only the call
-                        result = (add_all_or_none(engine, message[2], message[3], max_waiting) if kind == "add"
+                        result = (add_all_or_none(engine, *message[2:]) if kind == "add"
                                   else pickle.loads(message[2])(engine))
                     except Exception as exc:
                         replies.append((ticket, None, _portable(exc)))
@@ -196,7 +194,6 @@ class EngineCoreClient(EngineClient):
         if self._loop is not None:
             raise RuntimeError("this EngineCoreClient was already started; build a new one")
         self._loop = loop or asyncio.get_running_loop()
-        self._send(("max_waiting", self.max_waiting))
         self._loop.add_reader(self._conn.fileno(), self._read)
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -228,9 +225,9 @@ class EngineCoreClient(EngineClient):
         return self._loop is not None and not self._stopped and self._process.is_alive()
 
     # ----------------------------------------------------- the asyncio side
-    async def add_requests(self, requests: Sequence[tuple[str, Prompt, ParamsFor]],
+    async def add_requests(self, requests: Sequence[tuple[str, Prompt, SamplingParams]],
                            arrival_time: float | None = None) -> RequestStream:
-        """As ``AsyncLLMEngine.add_requests``; ``params`` must be picklable (not a lambda)."""
+        """As ``AsyncLLMEngine.add_requests``."""
         requests = list(requests)
         request_ids = [request_id for request_id, _, _ in requests]
         taken = [request_id for request_id in request_ids if request_id in self._streams]
@@ -242,7 +239,7 @@ class EngineCoreClient(EngineClient):
             self._streams[request_id] = queue
         try:
             await asyncio.wrap_future(self._request(
-                "add", requests, time.perf_counter() if arrival_time is None else arrival_time))
+                "add", requests, time.perf_counter() if arrival_time is None else arrival_time, self.max_waiting))
         except BaseException as exc:
             for request_id in request_ids:  # nobody will read them; a late output is dropped
                 self._streams.pop(request_id, None)

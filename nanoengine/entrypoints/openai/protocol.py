@@ -21,12 +21,7 @@ Structured output (chapter 14) comes two ways, on both endpoints: OpenAI's
 ``{"type": "json_object"}``; ``{"type": "text"}`` is no constraint) and vLLM's
 ``structured_outputs`` (``{"json" | "regex" | "choice" | "grammar" | "json_object": ...}``).
 Both become the engine's ``StructuredOutputsParams``; a constraint that does not compile is
-a 400 with the grammar library's reason. A logprob of a token the constraint forbids is
-``-inf``, which JSON cannot carry: it is sent as -9999.0, as vLLM sends it.
-
-Integer fields (``Int``) take any JSON number that is a whole number: ``4`` and ``4.0``
-are one value to JSON, JSON Schema's ``integer`` accepts both, and so does vLLM; ``4.5``,
-``"4"`` and ``true`` are refused.
+a 400 with the grammar library's reason.
 
 Two OpenAI conventions differ between the endpoints and are mapped here:
 
@@ -57,7 +52,8 @@ from nanoengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def _integral(value):
-    """A JSON number that is a whole number (``5.0``) as the integer it is; anything else
+    """A JSON number that is a whole number (``5.0``) as the integer it is: ``4`` and ``4.0`` are
+    one value to JSON, JSON Schema's ``integer`` accepts both, and so does vLLM. Anything else
     unchanged, for the strict integer check that follows to accept or refuse (``Int``)."""
     if isinstance(value, float):
         if math.isfinite(value) and value.is_integer():

@@ -10,7 +10,7 @@
    event loop: render the chat template, tokenize, refuse a prompt longer than
    ``max_model_len`` and fit ``max_tokens`` to the context window. A prompt whose UTF-8
    length alone proves it too long is refused before it is tokenized (``_too_long``);
-3. **submit** one engine request per prompt, as token ids (``AsyncLLMEngine.add_requests``):
+3. **submit** one engine request per prompt, as token ids (``EngineClient.add_requests``):
    the engine thread only checks and queues them; a full waiting queue is a 429;
 4. **stream** server-sent events, one chunk per completion per step that produced text,
    then ``data: [DONE]`` (``stream: true``), **or collect** the final outputs into one JSON
@@ -52,9 +52,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from nanoengine.entrypoints.openai import protocol
-from nanoengine.entrypoints.openai.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError,
-                                                        RequestStream)
-from nanoengine.entrypoints.openai.cli_args import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES
+from nanoengine.entrypoints.openai.async_engine import EngineClient, EngineDeadError, QueueFullError, RequestStream
 from nanoengine.entrypoints.openai.metrics import ServerMetrics
 from nanoengine.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, Prompt, ProtocolError,
                                                     fit_to_context, parse_request)
@@ -69,24 +67,21 @@ class ClientGone(Exception):
 
 
 class OpenAIServing:
-    """The endpoints' logic over one ``AsyncLLMEngine`` serving one model under one name.
+    """The endpoints' logic over one engine serving one model under one name.
 
-    ``max_body_bytes``: the largest request body read (413 beyond); ``body_timeout``:
-    seconds the whole body may take to arrive once the headers have (408 beyond).
+    ``max_body_bytes`` and ``body_timeout`` bound a request body (``read_body``).
     ``system_fingerprint`` is sent with every response, as OpenAI does, naming the
     configuration that produced it. Call ``shutdown`` to stop the tokenizer thread.
     """
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = DEFAULT_BODY_TIMEOUT,
-                 system_fingerprint: str | None = None) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, metrics: ServerMetrics, max_body_bytes: int,
+                 body_timeout: float, system_fingerprint: str | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
         self.system_fingerprint = system_fingerprint
-        # Read once, before the engine thread starts: these never change while serving.
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer
         # The engine's own input processor holds the rules every entry shares (how text is
