@@ -69,16 +69,15 @@ from nanoengine.entrypoints.openai.serving import ClientGone, OpenAIServing
 logger = logging.getLogger("nanoengine.serve")
 logger.addHandler(logging.NullHandler())
 
+
 def build_app(engine: LLMEngine | EngineCoreClient, served_model_name: str, api_key: str | None = None,
               max_queue: int | None = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               body_timeout: float = DEFAULT_BODY_TIMEOUT, header_timeout: float = DEFAULT_HEADER_TIMEOUT) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_name``.
 
-    The engine thread starts when the app starts (uvicorn's lifespan) and stops when it
-    stops; in between, only that thread touches ``engine``. ``app.state.engine`` is the
-    ``AsyncLLMEngine`` (``app.state.engine.call(fn)`` runs ``fn(engine)`` safely). Given an
-    ``EngineCoreClient`` (``serve``: the engine in a process of its own), the app drives it
-    instead and stops its process when it stops.
+    An ``LLMEngine`` is stepped by an ``AsyncLLMEngine`` thread; an ``EngineCoreClient`` (``serve``:
+    the engine in a process of its own) is driven as it is. Either starts and stops with the app
+    (uvicorn's lifespan) and is ``app.state.engine`` (``.call(fn)`` runs ``fn(engine)`` safely).
     ``header_timeout`` is kept in ``app.state`` for the uvicorn server that runs the app.
     """
     if not isinstance(served_model_name, str) or not served_model_name:

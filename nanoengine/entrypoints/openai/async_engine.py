@@ -138,8 +138,6 @@ def notify_finished(on_finished: Callable[[RequestOutput], None] | None, out: Re
             logger.exception("on_finished failed for request %s", out.request_id)
 
 
-# Commands from the asyncio side to the engine thread. Each result travels back on a
-# concurrent.futures.Future, which any thread may wait on (asyncio wraps it with wrap_future).
 def call_on_loop(loop: asyncio.AbstractEventLoop | None, fn: Callable, *args) -> None:
     """Run ``fn(*args)`` on ``loop`` from any thread; nothing happens if the loop is closed or
     was never started (on the way out nobody may be listening any more)."""
@@ -156,6 +154,8 @@ def call_on_loop(loop: asyncio.AbstractEventLoop | None, fn: Callable, *args) ->
         pass
 
 
+# Commands from the asyncio side to the engine thread. Each result travels back on a
+# concurrent.futures.Future, which any thread may wait on (asyncio wraps it with wrap_future).
 @dataclass
 class _Add:
     requests: list[tuple[str, Prompt, SamplingParams]]  # (request id, prompt, params) per prompt
@@ -179,7 +179,7 @@ class RequestStream:
     """The outputs of the engine requests one HTTP request made (one per prompt), in the
     order the engine produced them; ``async for`` ends once every one has finished."""
 
-    def __init__(self, owner: "AsyncLLMEngine", request_ids: list[str], queue: asyncio.Queue) -> None:
+    def __init__(self, owner: "EngineClient", request_ids: list[str], queue: asyncio.Queue) -> None:
         self.request_ids = list(request_ids)
         self._owner = owner
         self._queue = queue

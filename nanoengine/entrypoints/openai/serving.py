@@ -17,9 +17,8 @@
    response. The engine is asked for what each reads (``RequestOutputKind``): a stream
    only the new text and tokens of every step (``DELTA``), a plain response only the
    final outputs (``FINAL_ONLY``: no output objects and no text until a request ends);
-   **abort** the engine requests if the client goes away first: a streaming response's
-   generator is cancelled by the server when the connection drops (its ``finally`` runs);
-   a plain response races the collection against ``http.disconnect``;
+   **abort** the engine requests if the client goes away first (``_events``,
+   ``_collect_unless_disconnected``);
 5. count ``usage``: prompt, completion and total tokens, and the prompt tokens the prefix
    cache served (``prompt_tokens_details.cached_tokens``).
 
@@ -321,11 +320,8 @@ class EventStreamResponse(StreamingResponse):
 
 
 class _Context:
-    """One response: its stream, its request, and what each completion has sent so far.
-
-    The engine hands a streamed request's outputs as deltas (``RequestOutputKind.DELTA``):
-    each completion's text, token ids and logprobs since its previous output. A plain
-    response's one final output per request (``FINAL_ONLY``) is new in full, just the same."""
+    """One response: its stream, its request, and what each completion has sent so far (every
+    output holds only what is new: a stream's deltas, or a plain response's final outputs)."""
 
     def __init__(self, stream: RequestStream, request) -> None:
         self.stream = stream
