@@ -67,8 +67,8 @@ logger = logging.getLogger("nanoengine.serve")
 def run_engine_core(conn: Connection, build: Callable[[], LLMEngine]) -> None:
     """The engine-core process: build the engine, then serve the commands on ``conn`` until "stop".
 
-    Messages in: ``("add", ticket, requests, arrival_time, max_waiting)``, ``("abort", request_ids)``,
-    ``("call", ticket, pickled fn)``, ``("stop",)``. Messages out: ``("ready",
+    Messages in: ``("add", ticket, requests, arrival_time)``, ``("abort", request_ids)``,
+    ``("call", ticket, pickled fn)``, ``("max_waiting", n)``, ``("stop",)``. Messages out: ``("ready",
     EngineFacts)`` or ``("failed", error)`` once; then ``("step", replies, outputs, stats)`` after
     every round of commands and step, where ``replies`` are ``(ticket, result, error)``; and
     ``("stopped", error, final_outputs)`` last, with the requests it had to abort.
@@ -82,6 +82,7 @@ def run_engine_core(conn: Connection, build: Callable[[], LLMEngine]) -> None:
         return
     conn.send(("ready", EngineFacts.of(engine)))
     error: BaseException | None = None
+    max_waiting: int | None = None
     try:
         while True:
             if not engine.has_unfinished_requests():
@@ -97,10 +98,12 @@ def run_engine_core(conn: Connection, build: Callable[[], LLMEngine]) -> None:
                 elif kind == "abort":
                     outputs.extend(engine.abort(request_id) for request_id in message[1]
                                    if engine.has_request(request_id))
+                elif kind == "max_waiting":
+                    max_waiting = message[1]
                 else:  # "add" or "call": the caller's errors are replies, not the engine's failure
                     ticket = message[1]
                     try:  # a call's function arrives pickled: one its process cannot import fails only the call
-                        result = (add_all_or_none(engine, *message[2:]) if kind == "add"
+                        result = (add_all_or_none(engine, message[2], message[3], max_waiting) if kind == "add"
                                   else pickle.loads(message[2])(engine))
                     except Exception as exc:
                         replies.append((ticket, None, _portable(exc)))
@@ -194,6 +197,7 @@ class EngineCoreClient(EngineClient):
         if self._loop is not None:
             raise RuntimeError("this EngineCoreClient was already started; build a new one")
         self._loop = loop or asyncio.get_running_loop()
+        self._send(("max_waiting", self.max_waiting))
         self._loop.add_reader(self._conn.fileno(), self._read)
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -239,7 +243,7 @@ class EngineCoreClient(EngineClient):
             self._streams[request_id] = queue
         try:
             await asyncio.wrap_future(self._request(
-                "add", requests, time.perf_counter() if arrival_time is None else arrival_time, self.max_waiting))
+                "add", requests, time.perf_counter() if arrival_time is None else arrival_time))
         except BaseException as exc:
             for request_id in request_ids:  # nobody will read them; a late output is dropped
                 self._streams.pop(request_id, None)
