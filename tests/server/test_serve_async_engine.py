@@ -61,11 +61,10 @@ def test_outputs_stream_back_in_order_and_match_the_engine_alone():
     assert outs[-1].finished and outs[-1].token_ids == expected
 
 
-def test_several_prompts_share_one_stream_and_params_can_depend_on_the_prompt_length():
+def test_several_prompts_share_one_stream_each_with_its_own_params():
     async def scenario(ae: AsyncLLMEngine):
-        fitted = lambda num_prompt_tokens: SamplingParams(temperature=0.0, max_tokens=num_prompt_tokens,
-                                                          ignore_eos=True)
-        stream = await ae.add_requests([("r-0", [1, 2], fitted), ("r-1", [3, 4, 5, 6], fitted)])
+        two, four = (SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 4))
+        stream = await ae.add_requests([("r-0", [1, 2], two), ("r-1", [3, 4, 5, 6], four)])
         return {o.request_id: len(o.token_ids) async for o in stream if o.finished}
 
     assert run(scenario, tiny()) == {"r-0": 2, "r-1": 4}

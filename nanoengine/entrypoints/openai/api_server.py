@@ -24,22 +24,11 @@ Every error, including 404s and a missing API key, has OpenAI's shape
 engine). The engine stops only on a fault of its own (a bug a request's data reached fails just
 that request, a 500: ``LLMEngine._fail``); the command-line server (``run_server``) then exits
 with status 1, as vLLM's does, so that a supervisor starts a fresh one; a server in a thread
-(``serve_in_background``) keeps answering 503 until it is stopped.
+(``serve_in_background``: the notebooks and tests) keeps answering 503 until it is stopped.
 
-The server listens on 127.0.0.1 unless told otherwise: a course machine should not offer
-its model to the network by accident. With ``api_key`` set, every request to ``/v1/...``
-must carry ``Authorization: Bearer <key>`` (``openai.OpenAI(api_key=...)`` sends it);
-``/health``, ``/metrics`` and ``/openapi.json`` stay open to probes and scrapers, as in
-vLLM (its ``api_server.py`` checks the key on paths under ``/v1`` only).
-
-Slow clients are cut off: a request's headers must arrive within ``header_timeout``
-seconds of the connection opening (or of the previous response), else the connection gets
-408 and is closed (``_HeadTimeoutH11``: uvicorn times out idle keep-alive connections but
-not one that trickles its headers, the "slowloris" attack); its body within
-``body_timeout`` seconds (``OpenAIServing.read_body``).
-
-``serve_in_background`` runs the same server in a thread of the current process, on a free
-port: the chapter's notebook and the tests use it.
+The server listens on 127.0.0.1 unless told otherwise: a course machine should not offer its
+model to the network by accident. An API key (``ApiKeyMiddleware``) and deadlines for slow
+clients' headers (``_HeadTimeoutH11``) and bodies (``OpenAIServing.read_body``) guard the rest.
 """
 
 from __future__ import annotations
@@ -50,6 +39,7 @@ import functools
 import hashlib
 import json
 import logging
+import operator
 import secrets
 import socket
 import sys
@@ -79,16 +69,15 @@ from nanoengine.entrypoints.openai.serving import ClientGone, OpenAIServing
 logger = logging.getLogger("nanoengine.serve")
 logger.addHandler(logging.NullHandler())
 
+
 def build_app(engine: LLMEngine | EngineCoreClient, served_model_name: str, api_key: str | None = None,
               max_queue: int | None = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               body_timeout: float = DEFAULT_BODY_TIMEOUT, header_timeout: float = DEFAULT_HEADER_TIMEOUT) -> FastAPI:
     """The FastAPI app serving ``engine`` under ``served_model_name``.
 
-    The engine thread starts when the app starts (uvicorn's lifespan) and stops when it
-    stops; in between, only that thread touches ``engine``. ``app.state.engine`` is the
-    ``AsyncLLMEngine`` (``app.state.engine.call(fn)`` runs ``fn(engine)`` safely). Given an
-    ``EngineCoreClient`` (``serve``: the engine in a process of its own), the app drives it
-    instead and stops its process when it stops.
+    An ``LLMEngine`` is stepped by an ``AsyncLLMEngine`` thread; an ``EngineCoreClient`` (``serve``:
+    the engine in a process of its own) is driven as it is. Either starts and stops with the app
+    (uvicorn's lifespan) and is ``app.state.engine`` (``.call(fn)`` runs ``fn(engine)`` safely).
     ``header_timeout`` is kept in ``app.state`` for the uvicorn server that runs the app.
     """
     if not isinstance(served_model_name, str) or not served_model_name:
@@ -180,7 +169,8 @@ def build_app(engine: LLMEngine | EngineCoreClient, served_model_name: str, api_
 
     @app.post("/reset_prefix_cache", responses=_errors(503))
     async def reset_prefix_cache() -> dict:  # benchmarks: a run must not be served from the previous one
-        return {"dropped_blocks": await asyncio.wrap_future(async_engine.call(_reset_prefix_cache))}
+        reset = operator.methodcaller("reset_prefix_cache")  # not a lambda: the engine-core process unpickles it
+        return {"dropped_blocks": await asyncio.wrap_future(async_engine.call(reset))}
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
@@ -200,11 +190,6 @@ _ERROR_MEANINGS = {400: "a bad request: the message names the field and what is 
                    429: "more than --max-queue requests wait for the engine; retry later (Retry-After)",
                    500: "the engine could not finish this request (a bug its data reached); it serves the others on",
                    503: "the engine has stopped"}
-
-
-def _reset_prefix_cache(engine: LLMEngine) -> int:
-    """``engine.reset_prefix_cache()``, by a name the engine-core process can import."""
-    return engine.reset_prefix_cache()
 
 
 def _errors(*statuses: int) -> dict:
@@ -247,8 +232,9 @@ _STARTED = int(time.time())
 
 class ApiKeyMiddleware:
     """Refuse (401) every request to ``/v1/...`` whose ``Authorization`` header is not
-    ``Bearer <key>``; other paths (health, metrics, schema) and CORS preflights pass, as in
-    vLLM's ``AuthenticationMiddleware``.
+    ``Bearer <key>`` (``openai.OpenAI(api_key=...)`` sends it); other paths (health, metrics,
+    schema: open to probes and scrapers) and CORS preflights pass, as in vLLM's
+    ``AuthenticationMiddleware``.
 
     A plain ASGI middleware (not Starlette's ``BaseHTTPMiddleware``, which wraps streamed
     responses and gets in the way of disconnect detection). ``secrets.compare_digest``
@@ -294,8 +280,8 @@ class _HeadTimeoutH11(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, plus a deadline for each request's headers.
 
     uvicorn closes a keep-alive connection that stays silent, but one that sends a byte of
-    its headers now and then (slowloris) holds a connection open for ever, and enough of
-    them exhaust the server. Here a timer starts when the connection opens and again when
+    its headers now and then (the "slowloris" attack) holds a connection open for ever, and
+    enough of them exhaust the server. Here a timer starts when the connection opens and again when
     a response completes; if no complete request head has arrived when it fires, the
     client gets a 408 and the connection is closed. ``head_timeout`` is set per server
     (``_uvicorn`` makes a subclass)."""

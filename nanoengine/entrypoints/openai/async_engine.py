@@ -30,19 +30,14 @@ once, and routes the aborted final output like any other, so nothing stays behin
 request with ``n`` completions is one user request id: its outputs gather all ``n``, so it
 is routed, aborted and finished by that id alone.
 
-The HTTP server hands prompts over as token ids, already tokenized and length-checked on
-its own tokenizer thread (``serving``): the engine thread then only checks their range and
-queues them, so a huge prompt never stalls the requests in flight. The tokenizer is shared
-read-only: that thread encodes, this one decodes (Hugging Face's fast tokenizers allow it;
-neither changes the tokenizer's truncation or padding state). Text prompts given here
-directly are still tokenized on the engine thread.
+The HTTP server hands prompts over already tokenized on its own tokenizer thread
+(``serving``), so the engine thread only checks and queues them. The tokenizer is shared
+read-only: that thread encodes, this one decodes (Hugging Face's fast tokenizers allow it).
 
-One OpenMP team in the process: ``python -m nanoengine serve --engine-thread`` loads the model
-on a thread that ends (``cpu_platform.build_on_a_passing_thread`` says why), so the engine
-thread's team is the only one; a server started in a notebook (``serve_in_background``) steps
-a model the notebook's own thread loaded and keeps using, so it pays this (chapter 12 measures
-it). ``serve`` itself runs the engine core in a process of its own (``engine_core``, as vLLM
-v1 does) unless told ``--engine-thread``; this module is what the notebooks and tests serve with.
+``serve --engine-thread`` loads the model on a thread that ends, so that the engine thread's
+OpenMP team is the only one in the process (``cpu_platform.build_on_a_passing_thread`` says
+why); plain ``serve`` runs the engine in a process of its own instead (``engine_core``).
+This module is what the notebooks and tests serve with (``serve_in_background``).
 
 Because commands are applied only between steps, a request arriving mid-step waits for
 that step to end: its TTFT (measured from its arrival) includes that wait, as it would in
@@ -53,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -60,6 +56,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from nanoengine.backends.cpu_platform import IdleTrim
+from nanoengine.config import EngineConfig
+from nanoengine.engine.input_processor import InputProcessor
 from nanoengine.engine.llm_engine import LLMEngine
 from nanoengine.engine.output_router import OutputRouter
 from nanoengine.metrics import EngineStats
@@ -69,9 +67,6 @@ from nanoengine.sampling_params import SamplingParams
 logger = logging.getLogger("nanoengine.serve")
 
 Prompt = str | list[int]
-# SamplingParams, or a function of the prompt's token count that returns them, called once a
-# text prompt is tokenized on the engine thread (e.g. to fit max_tokens to the context window).
-ParamsFor = SamplingParams | Callable[[int], SamplingParams]
 
 
 class QueueFullError(RuntimeError):
@@ -90,8 +85,8 @@ def checked_max_waiting(max_waiting: int | None) -> int | None:
     return max_waiting
 
 
-def add_all_or_none(engine: LLMEngine, requests: Sequence[tuple[str, Prompt, ParamsFor]], arrival_time: float,
-                    max_waiting: int | None) -> None:
+def add_all_or_none(engine: LLMEngine, requests: Sequence[tuple[str, Prompt, SamplingParams]],
+                    arrival_time: float, max_waiting: int | None) -> None:
     """Add one engine request per (id, prompt, params), or none of them (the error says why).
 
     Called by whoever steps the engine, between two steps. ``max_waiting`` (None: no limit)
@@ -108,11 +103,8 @@ def add_all_or_none(engine: LLMEngine, requests: Sequence[tuple[str, Prompt, Par
                              f"{max_waiting}); retry later")
     added: list[str] = []
     try:
-        for request_id, prompt, params in requests:
-            _, token_ids = engine.tokenize_prompt(prompt)  # ValueError: empty, too long, bad ids
-            if callable(params):
-                params = params(len(token_ids))
-            engine.add_request(token_ids, params, request_id, arrival_time=arrival_time)
+        for request_id, prompt, params in requests:  # ValueError: an empty or too long prompt, bad ids or params
+            engine.add_request(prompt, params, request_id, arrival_time=arrival_time)
             added.append(request_id)
     except BaseException:
         for request_id in added:
@@ -146,8 +138,6 @@ def notify_finished(on_finished: Callable[[RequestOutput], None] | None, out: Re
             logger.exception("on_finished failed for request %s", out.request_id)
 
 
-# Commands from the asyncio side to the engine thread. Each result travels back on a
-# concurrent.futures.Future, which any thread may wait on (asyncio wraps it with wrap_future).
 def call_on_loop(loop: asyncio.AbstractEventLoop | None, fn: Callable, *args) -> None:
     """Run ``fn(*args)`` on ``loop`` from any thread; nothing happens if the loop is closed or
     was never started (on the way out nobody may be listening any more)."""
@@ -164,9 +154,11 @@ def call_on_loop(loop: asyncio.AbstractEventLoop | None, fn: Callable, *args) ->
         pass
 
 
+# Commands from the asyncio side to the engine thread. Each result travels back on a
+# concurrent.futures.Future, which any thread may wait on (asyncio wraps it with wrap_future).
 @dataclass
 class _Add:
-    requests: list[tuple[str, Prompt, ParamsFor]]  # (request id, prompt, params) per prompt
+    requests: list[tuple[str, Prompt, SamplingParams]]  # (request id, prompt, params) per prompt
     queue: asyncio.Queue  # where every one of them delivers its outputs
     arrival_time: float
     done: concurrent.futures.Future
@@ -187,7 +179,7 @@ class RequestStream:
     """The outputs of the engine requests one HTTP request made (one per prompt), in the
     order the engine produced them; ``async for`` ends once every one has finished."""
 
-    def __init__(self, owner: "AsyncLLMEngine", request_ids: list[str], queue: asyncio.Queue) -> None:
+    def __init__(self, owner: "EngineClient", request_ids: list[str], queue: asyncio.Queue) -> None:
         self.request_ids = list(request_ids)
         self._owner = owner
         self._queue = queue
@@ -218,35 +210,75 @@ class RequestStream:
             self._unfinished.clear()
 
 
-class AsyncLLMEngine:
-    """An ``LLMEngine`` stepped by its own thread, driven from asyncio (vLLM's name).
+@dataclass(frozen=True)
+class EngineFacts:
+    """What the server reads from the engine once, before serving: none of it changes while it runs."""
+
+    config: EngineConfig
+    max_model_len: int
+    num_blocks: int
+    input_processor: InputProcessor  # with the tokenizer: the server tokenizes and checks prompts itself
+    stats: EngineStats
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineFacts:
+        return cls(engine.config, engine.max_model_len, engine.runner.num_blocks, engine.input_processor,
+                   EngineStats.of(engine))
+
+
+class EngineClient:
+    """What the server drives: an engine stepped on a thread of this process (``AsyncLLMEngine``)
+    or in a process of its own (``engine_core.EngineCoreClient``), one interface for both.
 
     ``max_waiting``: refuse an add (``QueueFullError``) that would leave more than this many
-    sequences waiting for admission; None for no limit. ``on_finished`` is called on the
-    engine thread with every final output (finished, stopped or aborted), e.g. for metrics.
-    ``on_dead`` is called once on the event loop if a step fails and the engine stops (the
-    command-line server then exits, ``api_server``); not when it is shut down.
+    sequences waiting for admission; None for no limit. ``on_finished`` is called with every
+    final output (finished, stopped or aborted), e.g. for metrics. ``on_dead`` is called once
+    on the event loop if the engine stops on a fault of its own (the command-line server then
+    exits, ``api_server``); not when it is shut down.
+    """
+
+    def __init__(self, facts: EngineFacts, max_waiting: int | None, on_finished: Callable[[RequestOutput], None] | None,
+                 on_dead: Callable[[], None] | None) -> None:
+        self.max_waiting = checked_max_waiting(max_waiting)
+        self.on_finished = on_finished
+        self.on_dead = on_dead
+        self.config, self.max_model_len, self.num_blocks = facts.config, facts.max_model_len, facts.num_blocks
+        self.input_processor, self.tokenizer = facts.input_processor, facts.input_processor.tokenizer
+        self.stats = facts.stats  # the latest, published after every step (read without waiting)
+        self.error: BaseException | None = None  # why the engine stopped, if it failed
+        self._loop: asyncio.AbstractEventLoop | None = None  # where outputs are delivered, once started
+
+    def _why_dead(self) -> str:
+        if self.error is not None:
+            return f"the engine failed and stopped: {self.error!r}"
+        return "the engine has not been started" if self._loop is None else "the engine is shutting down"
+
+    def _end_streams(self, queues, why: str) -> None:
+        """Nothing more will come: end each stream (once: it ends at the first error), from any thread."""
+        error = EngineDeadError(why)
+        for queue in set(queues):
+            call_on_loop(self._loop, queue.put_nowait, error)
+        if self.error is not None and self.on_dead is not None:
+            call_on_loop(self._loop, self.on_dead)
+
+
+class AsyncLLMEngine(EngineClient):
+    """An ``LLMEngine`` stepped by its own thread, driven from asyncio (vLLM's name).
+
+    ``on_finished`` runs on the engine thread; the rest is ``EngineClient``'s.
     """
 
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
                  on_finished: Callable[[RequestOutput], None] | None = None,
                  on_dead: Callable[[], None] | None = None) -> None:
+        super().__init__(EngineFacts.of(engine), max_waiting, on_finished, on_dead)
         self.engine = engine
-        self.max_waiting = checked_max_waiting(max_waiting)
-        self.on_finished = on_finished
-        self.on_dead = on_dead
         self._cond = threading.Condition()
         self._commands: list[_Add | _Abort | _Call] = []  # guarded by _cond
         self._stopping = False  # guarded by _cond
         self.router = OutputRouter(engine)  # request id -> the sink of its stream; engine thread only
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self.stats = EngineStats.of(engine)  # the latest, published after every step (read without waiting)
-        self.error: BaseException | None = None  # why the engine thread stopped, if it failed
         self._trim = IdleTrim()  # reads its variable once; a bad value fails here, with the variable's name
-        # What the server reads once, before serving: these never change while the engine runs.
-        self.config, self.max_model_len, self.num_blocks = engine.config, engine.max_model_len, engine.runner.num_blocks
-        self.tokenizer, self.input_processor = engine.tokenizer, engine.input_processor
 
     # ----------------------------------------------------------- lifecycle
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -273,7 +305,7 @@ class AsyncLLMEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # ----------------------------------------------------- the asyncio side
-    async def add_requests(self, requests: Sequence[tuple[str, Prompt, ParamsFor]],
+    async def add_requests(self, requests: Sequence[tuple[str, Prompt, SamplingParams]],
                            arrival_time: float | None = None) -> RequestStream:
         """Queue one engine request per (id, prompt, params); all are added or none is.
 
@@ -313,13 +345,6 @@ class AsyncLLMEngine:
             self._commands.append(command)
             self._cond.notify()
 
-    def _why_dead(self) -> str:
-        if self._thread is None:
-            return "the engine thread has not been started"
-        if self.error is not None:
-            return f"the engine failed and stopped: {self.error!r}"
-        return "the engine is shutting down"
-
     # ---------------------------------------------------- the engine thread
     def _run(self) -> None:
         """The engine thread: apply commands, step, deliver outputs; sleep when idle."""
@@ -346,8 +371,6 @@ class AsyncLLMEngine:
                     self._commands[:0] = commands[1:]
                 break
         self._stop_everything()
-        if self.error is not None and self.on_dead is not None:
-            call_on_loop(self._loop, self.on_dead)
 
     def _apply(self, command: _Add | _Abort | _Call) -> None:
         if isinstance(command, _Abort):
@@ -382,19 +405,15 @@ class AsyncLLMEngine:
         with self._cond:
             self._stopping = True
             commands, self._commands = self._commands, []
-        error = EngineDeadError(self._why_dead())
         for command in commands:
             if not isinstance(command, _Abort) and command.done.set_running_or_notify_cancel():
-                command.done.set_exception(error)
+                command.done.set_exception(EngineDeadError(self._why_dead()))
         sinks = self.router.close()  # the streams still waiting: they get the error, not an output
         for out in abort_all(self.engine, sinks):
             notify_finished(self.on_finished, out)
-        for queue in {sink.queue for sink in sinks.values() if isinstance(sink, _StreamSink)}:
-            call_on_loop(self._loop, queue.put_nowait, error)  # once per stream: it ends at the first error
-        try:
+        with contextlib.suppress(Exception):
             self.stats = EngineStats.of(self.engine)
-        except Exception:
-            pass
+        self._end_streams([sink.queue for sink in sinks.values() if isinstance(sink, _StreamSink)], self._why_dead())
 
 
 class _StreamSink:

@@ -17,9 +17,10 @@ splits them:
   loops: read the commands that arrived on its pipe (add, abort, call, stop), apply them
   between two steps, run one ``step()``, and send the step's outputs back in one message
   with the replies to the commands and the engine's counters. With nothing to do it sleeps
-  on the pipe, first giving the memory its steps freed back to the kernel (below).
-* **the client** (``EngineCoreClient``, in the server's process) has ``AsyncLLMEngine``'s
-  interface, so the server cannot tell them apart. Its event loop reads the pipe when the
+  on the pipe, first giving the memory its steps freed back to the kernel
+  (``cpu_platform.IdleTrim``, as the async engine's thread does).
+* **the client** (``EngineCoreClient``, in the server's process) is an ``EngineClient``
+  like ``AsyncLLMEngine``, so the server cannot tell them apart. Its event loop reads the pipe when the
   operating system says it is readable (``loop.add_reader``: no thread, no polling) and
   puts each output on its HTTP request's queue; ``add_requests`` waits for the core's
   reply, so a refused request (a bad prompt, a full queue) is an error before its
@@ -28,11 +29,6 @@ splits them:
 One setting differs from an engine in your own process: the core's process starts with GNU
 OpenMP's spin count bounded (``backends/cpu_platform.py``'s ``engine_core_environment`` says
 why), so that its threads do not spin through a step's Python while the server needs a core.
-
-The core also gives freed memory back when it goes idle: once the engine has stepped and then
-had nothing to do for ``TRIM_AFTER_IDLE_S``, it calls ``release_free_heap`` (glibc's
-``malloc_trim``) once, before it sleeps on the pipe, so that no step waits for it
-(``cpu_platform.IdleTrim``, which the async engine's thread uses too; that module says why).
 
 The price is a copy: every step's ``RequestOutput`` objects are pickled and read back, a
 small cost beside the step itself (figures: results/README.md). Arrival times need no
@@ -52,37 +48,19 @@ import pickle
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Sequence
 
 from nanoengine.backends.cpu_platform import IdleTrim, engine_core_environment
-from nanoengine.config import EngineConfig
-from nanoengine.engine.input_processor import InputProcessor
 from nanoengine.engine.llm_engine import LLMEngine
-from nanoengine.entrypoints.openai.async_engine import (EngineDeadError, ParamsFor, Prompt, RequestStream,
-                                                        abort_all, add_all_or_none, checked_max_waiting,
-                                                        call_on_loop, notify_finished)
+from nanoengine.entrypoints.openai.async_engine import (EngineClient, EngineDeadError, EngineFacts, Prompt,
+                                                        RequestStream, abort_all, add_all_or_none, checked_max_waiting,
+                                                        notify_finished)
 from nanoengine.metrics import EngineStats
 from nanoengine.outputs import RequestOutput
+from nanoengine.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanoengine.serve")
-
-
-@dataclass(frozen=True)
-class EngineFacts:
-    """What the server reads from the engine once, before serving (the core sends it when ready)."""
-
-    config: EngineConfig
-    max_model_len: int
-    num_blocks: int
-    input_processor: InputProcessor  # with the tokenizer: the server tokenizes and checks prompts itself
-    stats: EngineStats
-
-    @classmethod
-    def of(cls, engine: LLMEngine) -> EngineFacts:
-        return cls(engine.config, engine.max_model_len, engine.runner.num_blocks, engine.input_processor,
-                   EngineStats.of(engine))
 
 
 # ----------------------------------------------------------------- the core's process
@@ -169,23 +147,20 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 # ----------------------------------------------------------------- the server's side
-class EngineCoreClient:
-    """An engine stepped by a process of its own, driven from asyncio; ``AsyncLLMEngine``'s interface.
+class EngineCoreClient(EngineClient):
+    """An engine stepped by a process of its own, driven from asyncio (``EngineClient``).
 
     ``build`` is called in the new process to make the engine, so it must be picklable: a
     module-level function or ``functools.partial(LLMEngine.from_pretrained, path, **options)``.
     The constructor waits until the engine is built (``startup_timeout`` seconds) and raises
-    the core's error if building failed. ``max_waiting``, ``on_finished`` and ``on_dead`` as in
-    ``AsyncLLMEngine`` (``on_finished`` runs on the event loop here; ``on_dead`` also when the
-    core's process dies without a word).
+    the core's error if building failed. ``on_finished`` runs on the event loop here; ``on_dead``
+    also when the core's process dies without a word.
     """
 
     def __init__(self, build: Callable[[], LLMEngine], max_waiting: int | None = None,
                  on_finished: Callable[[RequestOutput], None] | None = None,
                  startup_timeout: float = 600.0, on_dead: Callable[[], None] | None = None) -> None:
-        self.max_waiting = checked_max_waiting(max_waiting)
-        self.on_finished = on_finished
-        self.on_dead = on_dead
+        checked_max_waiting(max_waiting)  # before the process starts
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked OpenMP or locks
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(target=run_engine_core, args=(child_conn, build),
@@ -198,14 +173,8 @@ class EngineCoreClient:
         self._pending_lock = threading.Lock()
         self._tickets = itertools.count()
         self._streams: dict[str, asyncio.Queue] = {}  # request id -> its HTTP request's queue (loop only)
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped = False
-        self.error: BaseException | None = None
-        facts = self._wait_until_ready(startup_timeout)
-        self.config, self.max_model_len, self.num_blocks = facts.config, facts.max_model_len, facts.num_blocks
-        self.input_processor = facts.input_processor
-        self.tokenizer = facts.input_processor.tokenizer
-        self.stats = facts.stats  # the latest the core sent (after every step; read without waiting)
+        super().__init__(self._wait_until_ready(startup_timeout), max_waiting, on_finished, on_dead)
 
     def _wait_until_ready(self, timeout: float) -> EngineFacts:
         deadline = time.monotonic() + timeout
@@ -260,9 +229,9 @@ class EngineCoreClient:
         return self._loop is not None and not self._stopped and self._process.is_alive()
 
     # ----------------------------------------------------- the asyncio side
-    async def add_requests(self, requests: Sequence[tuple[str, Prompt, ParamsFor]],
+    async def add_requests(self, requests: Sequence[tuple[str, Prompt, SamplingParams]],
                            arrival_time: float | None = None) -> RequestStream:
-        """As ``AsyncLLMEngine.add_requests``; ``params`` must be picklable (not a lambda)."""
+        """As ``AsyncLLMEngine.add_requests``."""
         requests = list(requests)
         request_ids = [request_id for request_id, _, _ in requests]
         taken = [request_id for request_id in request_ids if request_id in self._streams]
@@ -321,13 +290,6 @@ class EngineCoreClient:
         with self._send_lock:
             self._conn.send(message)
 
-    def _why_dead(self) -> str:
-        if self._loop is None and not self._stopped:
-            return "the engine core has not been started"
-        if self.error is not None:
-            return f"the engine failed and stopped: {self.error!r}"
-        return "the engine is shutting down"
-
     # ------------------------------------------- messages from the core (event loop)
     def _read(self) -> None:
         """Handle every message waiting on the pipe (the event loop calls this when it is readable)."""
@@ -379,14 +341,11 @@ class EngineCoreClient:
                 self._loop.remove_reader(self._conn.fileno())
             except (ValueError, OSError, RuntimeError):  # closed pipe or closed loop
                 pass
-        error = EngineDeadError(why)
         with self._pending_lock:
             pending, self._pending = self._pending, {}
         for done in pending.values():
             if done.set_running_or_notify_cancel():
-                done.set_exception(error)
+                done.set_exception(EngineDeadError(why))
         streams, self._streams = self._streams, {}
-        for queue in {id(q): q for q in streams.values()}.values():  # once per stream: it ends at the first error
-            call_on_loop(self._loop, queue.put_nowait, error)  # from any thread: shutdown may run off the loop
-        if first and self.error is not None and self.on_dead is not None and self._loop is not None:
-            call_on_loop(self._loop, self.on_dead)
+        if first:
+            self._end_streams(streams.values(), why)

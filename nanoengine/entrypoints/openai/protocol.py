@@ -21,12 +21,7 @@ Structured output (chapter 14) comes two ways, on both endpoints: OpenAI's
 ``{"type": "json_object"}``; ``{"type": "text"}`` is no constraint) and vLLM's
 ``structured_outputs`` (``{"json" | "regex" | "choice" | "grammar" | "json_object": ...}``).
 Both become the engine's ``StructuredOutputsParams``; a constraint that does not compile is
-a 400 with the grammar library's reason. A logprob of a token the constraint forbids is
-``-inf``, which JSON cannot carry: it is sent as -9999.0, as vLLM sends it.
-
-Integer fields (``Int``) take any JSON number that is a whole number: ``4`` and ``4.0``
-are one value to JSON, JSON Schema's ``integer`` accepts both, and so does vLLM; ``4.5``,
-``"4"`` and ``true`` are refused.
+a 400 with the grammar library's reason.
 
 Two OpenAI conventions differ between the endpoints and are mapped here:
 
@@ -48,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
@@ -57,7 +52,8 @@ from nanoengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 def _integral(value):
-    """A JSON number that is a whole number (``5.0``) as the integer it is; anything else
+    """A JSON number that is a whole number (``5.0``) as the integer it is: ``4`` and ``4.0`` are
+    one value to JSON, JSON Schema's ``integer`` accepts both, and so does vLLM. Anything else
     unchanged, for the strict integer check that follows to accept or refuse (``Int``)."""
     if isinstance(value, float):
         if math.isfinite(value) and value.is_integer():
@@ -209,6 +205,10 @@ class StructuredOutputsRequest(_Strict):
 class _SamplingRequest(_Strict):
     """The fields both endpoints share: the model, sampling, stopping, streaming."""
 
+    # Fields OpenAI defines that this engine does not implement: accepted only at the value that
+    # changes nothing (any empty one, or left out), refused otherwise (``check_supported``).
+    UNSUPPORTED: ClassVar[dict[str, str]] = {"presence_penalty": "0", "frequency_penalty": "0", "logit_bias": "{}"}
+
     model: str | None = None  # None: the served model (vLLM allows leaving it out)
     n: Int = 1
     temperature: float | None = None  # None: 1.0, OpenAI's default
@@ -222,7 +222,6 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id OpenAI accepts; recorded nowhere here
-    # OpenAI fields this engine does not implement: accepted at their neutral value only.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -236,12 +235,10 @@ class _SamplingRequest(_Strict):
 
     def check_supported(self) -> None:
         """Refuse values of fields the engine does not implement (never ignore them silently)."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise ProtocolError(f"{name} is not supported by this server; leave it at 0", param=name,
-                                    code="unsupported")
-        if self.logit_bias:
-            raise ProtocolError("logit_bias is not supported by this server", param="logit_bias", code="unsupported")
+        for name, neutral in self.UNSUPPORTED.items():
+            if getattr(self, name):
+                raise ProtocolError(f"{name} is not supported by this server; leave it out or at {neutral}",
+                                    param=name, code="unsupported")
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("stream_options is only allowed with stream: true", param="stream_options")
 
@@ -268,6 +265,8 @@ class _SamplingRequest(_Strict):
 class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``: continue one prompt, or each of a list of prompts."""
 
+    UNSUPPORTED = {**_SamplingRequest.UNSUPPORTED, "echo": "false", "suffix": '""'}
+
     prompt: str | list[Int] | list[str] | list[list[Int]]
     max_tokens: Int | None = 16
     logprobs: Int | None = None  # the top N tokens per position
@@ -277,10 +276,6 @@ class CompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise ProtocolError("echo is not supported by this server", param="echo", code="unsupported")
-        if self.suffix is not None:
-            raise ProtocolError("suffix is not supported by this server", param="suffix", code="unsupported")
         if self.best_of is not None and self.best_of != self.n:
             raise ProtocolError(f"best_of must equal n ({self.n}) here: the server returns every completion it "
                                 f"samples", param="best_of", code="unsupported")
@@ -419,24 +414,13 @@ def chat_logprobs(entries: tuple[tuple[TokenLogprob, ...], ...] | None, top_n: i
                         for e in entries]}
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None, stop_reason: str | int | None,
-                      logprobs: dict | None) -> dict:
-    """One choice of a completion (or of one streamed chunk of it)."""
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-            "stop_reason": stop_reason}
-
-
-def chat_choice(index: int, text: str, finish_reason: str | None, stop_reason: str | int | None,
-                logprobs: dict | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason, "stop_reason": stop_reason}
-
-
-def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None = None,
-                      logprobs: dict | None = None, stop_reason: str | int | None = None) -> dict:
-    """One choice of a streamed chat chunk: ``delta`` holds the role (first chunk) or new
-    text; the last one of a choice carries its ``finish_reason`` and ``stop_reason``."""
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+def choice(index: int, content: dict, logprobs: dict | None = None, finish_reason: str | None = None,
+           stop_reason: str | int | None = None) -> dict:
+    """One choice of a response or of a streamed chunk. ``content`` is what the endpoint
+    sends: ``{"text": ...}`` for a completion, ``{"message": {"role", "content"}}`` for a
+    chat reply, ``{"delta": ...}`` for a chat chunk (the role in the first, then new text);
+    the last piece of a choice carries its ``finish_reason`` and ``stop_reason``."""
+    return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": stop_reason}
 
 

@@ -10,16 +10,15 @@
    event loop: render the chat template, tokenize, refuse a prompt longer than
    ``max_model_len`` and fit ``max_tokens`` to the context window. A prompt whose UTF-8
    length alone proves it too long is refused before it is tokenized (``_too_long``);
-3. **submit** one engine request per prompt, as token ids (``AsyncLLMEngine.add_requests``):
+3. **submit** one engine request per prompt, as token ids (``EngineClient.add_requests``):
    the engine thread only checks and queues them; a full waiting queue is a 429;
 4. **stream** server-sent events, one chunk per completion per step that produced text,
    then ``data: [DONE]`` (``stream: true``), **or collect** the final outputs into one JSON
    response. The engine is asked for what each reads (``RequestOutputKind``): a stream
    only the new text and tokens of every step (``DELTA``), a plain response only the
    final outputs (``FINAL_ONLY``: no output objects and no text until a request ends);
-   **abort** the engine requests if the client goes away first: a streaming response's
-   generator is cancelled by the server when the connection drops (its ``finally`` runs);
-   a plain response races the collection against ``http.disconnect``;
+   **abort** the engine requests if the client goes away first (``_events``,
+   ``_collect_unless_disconnected``);
 5. count ``usage``: prompt, completion and total tokens, and the prompt tokens the prefix
    cache served (``prompt_tokens_details.cached_tokens``).
 
@@ -52,9 +51,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from nanoengine.entrypoints.openai import protocol
-from nanoengine.entrypoints.openai.async_engine import (AsyncLLMEngine, EngineDeadError, QueueFullError,
-                                                        RequestStream)
-from nanoengine.entrypoints.openai.cli_args import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES
+from nanoengine.entrypoints.openai.async_engine import EngineClient, EngineDeadError, QueueFullError, RequestStream
 from nanoengine.entrypoints.openai.metrics import ServerMetrics
 from nanoengine.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, Prompt, ProtocolError,
                                                     fit_to_context, parse_request)
@@ -69,24 +66,21 @@ class ClientGone(Exception):
 
 
 class OpenAIServing:
-    """The endpoints' logic over one ``AsyncLLMEngine`` serving one model under one name.
+    """The endpoints' logic over one engine serving one model under one name.
 
-    ``max_body_bytes``: the largest request body read (413 beyond); ``body_timeout``:
-    seconds the whole body may take to arrive once the headers have (408 beyond).
+    ``max_body_bytes`` and ``body_timeout`` bound a request body (``read_body``).
     ``system_fingerprint`` is sent with every response, as OpenAI does, naming the
     configuration that produced it. Call ``shutdown`` to stop the tokenizer thread.
     """
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, metrics: ServerMetrics,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, body_timeout: float = DEFAULT_BODY_TIMEOUT,
-                 system_fingerprint: str | None = None) -> None:
+    def __init__(self, engine: EngineClient, model_name: str, metrics: ServerMetrics, max_body_bytes: int,
+                 body_timeout: float, system_fingerprint: str | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout
         self.system_fingerprint = system_fingerprint
-        # Read once, before the engine thread starts: these never change while serving.
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer
         # The engine's own input processor holds the rules every entry shares (how text is
@@ -112,8 +106,7 @@ class OpenAIServing:
         # defaults to True (vllm/entrypoints/openai/protocol.py).
         prepared = await self._prepare(lambda: [self._tokenize(p) for p in prompts], params, request.max_tokens,
                                        request, on_thread=texts)
-        return await self._respond(raw, request, "cmpl", prepared, arrival, "text_completion",
-                                   self._completion_events, _completion_choices)
+        return await self._respond(raw, request, "cmpl", prepared, arrival, "text_completion", _completion_choices)
 
     async def chat(self, raw: Request) -> Response:
         arrival = time.perf_counter()
@@ -126,18 +119,25 @@ class OpenAIServing:
         # (add_special_tokens defaults to False there).
         prepared = await self._prepare(lambda: [self._tokenize(self._render_chat(request), rendered_chat=True)],
                                        params, request.requested_max_tokens, request)
-        return await self._respond(raw, request, "chatcmpl", prepared, arrival, "chat.completion",
-                                   self._chat_events, _chat_choices)
+        # A streamed reply opens every choice with the role. It goes out with the first output,
+        # once the prompt is prefilled and the first token sampled, as vLLM sends it
+        # (serving_chat.py, chat_completion_stream_generator's first iteration): a client that
+        # times the first event then measures the real time to first token.
+        opening = [protocol.choice(i, {"delta": {"role": "assistant", "content": ""}}) for i in range(request.n)]
+        return await self._respond(raw, request, "chatcmpl", prepared, arrival, "chat.completion", _chat_choices,
+                                   opening)
 
     async def _respond(self, raw: Request, request, id_prefix: str, prepared: list[tuple[list[int], object]],
-                       arrival: float, kind: str, events: Callable[["_Context"], AsyncIterator[str]],
-                       choices: Callable[["_Context", RequestOutput], list[dict]]) -> Response:
-        """Steps 3 to 5, the same for both endpoints: submit, then stream ``events``, or
-        collect the final outputs into one ``kind`` response of their ``choices``."""
+                       arrival: float, kind: str, choices: Callable[["_Context", RequestOutput], list[dict]],
+                       opening: list[dict] | None = None) -> Response:
+        """Steps 3 to 5, the same for both endpoints: submit, then stream the ``choices`` of
+        each output as events (``opening`` first), or collect the final outputs into one
+        ``kind`` response."""
         stream = await self._submit(f"{id_prefix}-{uuid.uuid4().hex}", prepared, arrival, request)
         ctx = _Context(stream, request)
         if request.stream:
-            return EventStreamResponse(events(ctx), headers=SSE_HEADERS)
+            chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
+            return EventStreamResponse(self._events(ctx, chunk_kind, opening or [], choices), headers=SSE_HEADERS)
         finals = await _collect_unless_disconnected(stream, raw)
         if finals is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
@@ -269,17 +269,6 @@ class OpenAIServing:
             raise protocol.value_error(exc, request) from None
 
     # ----------------------------------------------------------- streaming
-    def _completion_events(self, ctx: "_Context") -> AsyncIterator[str]:
-        return self._events(ctx, "text_completion", [], _completion_choices)
-
-    def _chat_events(self, ctx: "_Context") -> AsyncIterator[str]:
-        # OpenAI opens every choice with the role. It goes out with the first output, once
-        # the prompt is prefilled and the first token sampled, as vLLM sends it
-        # (serving_chat.py, chat_completion_stream_generator's first iteration): a client
-        # that times the first event then measures the real time to first token.
-        opening = [protocol.chat_chunk_choice(i, {"role": "assistant", "content": ""}) for i in range(ctx.request.n)]
-        return self._events(ctx, "chat.completion.chunk", opening, _chat_chunk_choices)
-
     async def _events(self, ctx: "_Context", kind: str, opening: list[dict],
                       choices: Callable[["_Context", RequestOutput], list[dict]]) -> AsyncIterator[str]:
         """The server-sent events of one streamed response; ``opening`` goes out with the
@@ -331,11 +320,8 @@ class EventStreamResponse(StreamingResponse):
 
 
 class _Context:
-    """One response: its stream, its request, and what each completion has sent so far.
-
-    The engine hands a streamed request's outputs as deltas (``RequestOutputKind.DELTA``):
-    each completion's text, token ids and logprobs since its previous output. A plain
-    response's one final output per request (``FINAL_ONLY``) is new in full, just the same."""
+    """One response: its stream, its request, and what each completion has sent so far (every
+    output holds only what is new: a stream's deltas, or a plain response's final outputs)."""
 
     def __init__(self, stream: RequestStream, request) -> None:
         self.stream = stream
@@ -371,21 +357,20 @@ class _Context:
 
 # The choices of one output (``_Context.new_parts``): a streamed delta's, or a final output's.
 def _completion_choices(ctx: _Context, out: RequestOutput) -> list[dict]:
-    return [protocol.completion_choice(ctx.choice_index(out, c), c.text, c.finish_reason, c.stop_reason,
-                                       protocol.completion_logprobs(c.logprobs, ctx.text_offset(out, c)))
+    return [protocol.choice(ctx.choice_index(out, c), {"text": c.text},
+                            protocol.completion_logprobs(c.logprobs, ctx.text_offset(out, c)), c.finish_reason,
+                            c.stop_reason)
             for c in ctx.new_parts(out)]
 
 
 def _chat_choices(ctx: _Context, out: RequestOutput) -> list[dict]:
-    return [protocol.chat_choice(c.index, c.text, c.finish_reason, c.stop_reason,
-                                 protocol.chat_logprobs(c.logprobs, ctx.request.top_logprobs or 0))
-            for c in ctx.new_parts(out)]
+    def content(text: str) -> dict:
+        if ctx.request.stream:
+            return {"delta": {"content": text} if text else {}}
+        return {"message": {"role": "assistant", "content": text}}
 
-
-def _chat_chunk_choices(ctx: _Context, out: RequestOutput) -> list[dict]:
-    return [protocol.chat_chunk_choice(c.index, {"content": c.text} if c.text else {}, c.finish_reason,
-                                       protocol.chat_logprobs(c.logprobs, ctx.request.top_logprobs or 0),
-                                       c.stop_reason)
+    return [protocol.choice(c.index, content(c.text), protocol.chat_logprobs(c.logprobs, ctx.request.top_logprobs or 0),
+                            c.finish_reason, c.stop_reason)
             for c in ctx.new_parts(out)]
 
 
