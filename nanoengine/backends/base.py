@@ -83,11 +83,9 @@ class Backend:
         self.weight_copy_bytes = sum(method.copy_bytes for _, method in methods)
 
     # ------------------------------------------------------------ metadata
-    def bind_kv_cache(self, block_size: int, num_kv_heads: int, num_heads: int, head_dim: int,
-                      kv_dtype: torch.dtype) -> None:
-        """The KV cache's layout, told once by the runner (a metadata builder may need it)."""
-        self.block_size, self.num_kv_heads, self.num_heads, self.head_dim = block_size, num_kv_heads, num_heads, head_dim
-        self.kv_dtype = kv_dtype
+    def bind_kv_cache(self, block_size: int, kv_dtype: torch.dtype) -> None:
+        """The KV cache's block size and dtype, told once by the runner (a metadata builder may need them)."""
+        self.block_size, self.kv_dtype = block_size, kv_dtype
 
     def build_metadata(self, plan) -> AttentionMetadata:
         """The step's ``AttentionMetadata`` on this backend's device, from a ``BatchPlan``."""

@@ -391,7 +391,7 @@ class ModelRunner(SamplingRunner):
                                     model_config.head_dim, dtype=dtype, device=device)
         for i, attn in enumerate(layers):
             attn.bind(self.kv_cache[0, i], self.kv_cache[1, i])
-        self.backend.bind_kv_cache(block_size, num_kv_heads, layers[0].num_heads, model_config.head_dim, dtype)
+        self.backend.bind_kv_cache(block_size, dtype)
         self.backend.process_weights_after_loading(model)
         with building_with(self.backend.kernels):
             self.sampler = Sampler()

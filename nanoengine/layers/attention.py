@@ -9,8 +9,8 @@ sequence, then the query chunks of the *prefilling* sequences. The layer
 
 ``AttentionMetadata`` carries that layout. The device backend (``nanoengine.backends``)
 builds it once per step and passes it down the model explicitly (no global context); a
-backend may subclass it with fields of its own that every layer reuses (the CPU's decode
-plan). The kernels themselves are the backend's ``AttentionImpl``, which each layer takes
+backend may subclass it with fields of its own that every layer reuses (the CPU's
+``all_slots_stored``). The kernels themselves are the backend's ``AttentionImpl``, which each layer takes
 when it is built (``layers.kernels``; the reference kernels by default); the runner then
 binds each layer to its share of the KV cache. The layer never asks which device it runs on.
 """
