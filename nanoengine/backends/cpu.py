@@ -8,14 +8,10 @@ module it names (what each bought: ``results/README.md``):
 * **Prepacked GEMM weights** (``kernels.cpu_gemm``). Every linear layer's ``CpuLinearMethod``
   (given to it when it is built) reorders its weight into oneDNN's blocked layout once, when the
   weights are loaded (``process_weights_after_loading``; a copy: ``memory_report().weight_copy_bytes``).
-* **Kernels of its own** (``kernels.cpu_native``, C++ compiled once per machine and cached). Up
-  to ``cpu_native.MAX_ROWS`` rows of a product take the few-rows kernel: a fixed rule, not timed,
-  so two engines built alike compute alike. Decode attention reads each K/V row where it lies in
-  the paged cache; prefill attention is SDPA once per sequence, the step's sequences shared out
-  over the threads (a bfloat16 cache on a CPU with bfloat16 instructions: SDPA in bfloat16,
-  ``prefill_dtype``). The norms, the rotary embedding, the activation and a layer's attention
-  (``paged_attention``: store-KV, decode and prefill, the calls ``AttentionImpl.forward`` makes)
-  are one call each, with eager's bits.
+* **Kernels of its own** (``kernels.cpu_native``: what each does and why). Up to
+  ``cpu_native.MAX_ROWS`` rows of a product take the few-rows kernel: a fixed rule, not timed, so
+  two engines built alike compute alike. A bfloat16 cache on a CPU with bfloat16 instructions
+  prefills in bfloat16 (``prefill_dtype``).
 * **A decoder layer in one call** (``backends.cpu_fused``). Each Llama layer runs as one C++
   operator that makes the layer's own calls, in the same order: eager's bits, most of a step's
   Python gone. ``enforce_eager=True`` runs the layers' Python ``forward`` instead (``fuse_layers``).
@@ -101,20 +97,15 @@ class CpuAttention(AttentionImpl):
         v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
 
     def decode(self, query, k_cache, v_cache, meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
-        if self.native:
-            return cpu_native.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
-                                                     meta.decode_context_lens, scale)
-        return reference.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
-                                                meta.decode_context_lens, scale)
+        kernels = cpu_native if self.native else reference
+        return kernels.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
+                                              meta.decode_context_lens, scale)
 
     def prefill(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if self.native:  # the whole step in one call: SDPA per sequence, the reference's bits
-            return cpu_native.paged_prefill_attention(query, k_cache, v_cache, meta.prefill_block_tables,
-                                                      meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale,
-                                                      self.prefill_dtype)
-        return reference.paged_prefill_attention(query, k_cache, v_cache, meta.prefill_block_tables,
-                                                 meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale,
-                                                 compute_dtype=self.prefill_dtype)
+        kernels = cpu_native if self.native else reference  # the native one: the whole step in one call
+        return kernels.paged_prefill_attention(query, k_cache, v_cache, meta.prefill_block_tables,
+                                               meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale,
+                                               compute_dtype=self.prefill_dtype)
 
 
 class CpuLinearMethod:

@@ -81,7 +81,7 @@ void few_rows_kernel(const T* x_in, const T* w, const T* bias, T* y, int64_t M, 
     x = wide.data();
   }
   // Each task takes a run of weight rows: at least ~32 KiB of weights, so a thread's share of
-  // a small matrix is still worth waking it for.
+  // a small matrix is still worth waking it for (a round figure, not tuned by measurement).
   const int64_t grain = std::max<int64_t>(1, (32 * 1024) / (K * static_cast<int64_t>(sizeof(T))));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     float out[4];

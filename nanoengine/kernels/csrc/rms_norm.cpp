@@ -1,7 +1,5 @@
-// RMSNorm, alone or fused with the residual add, in one pass per row (chapter 10: fusion).
-// Built with the other csrc/ sources by cpu_native.py; the operators are
-// torch.ops.nanoengine.rms_norm and torch.ops.nanoengine.add_rms_norm, and the definition
-// they must agree with is layers/layernorm.py.
+// RMSNorm, alone or fused with the residual add, in one pass per row (chapter 10: fusion). The
+// definition it must agree with is layers/layernorm.py.
 //
 // Eager PyTorch runs RMSNorm as several operators (the float32 copy, the norm, the cast, the
 // weight multiply, and the residual add before it), each a pass over the activations and a
@@ -61,6 +59,7 @@ inline void normalise_row(const float* x, const T* weight, T* out, int64_t H, fl
 template <typename T>
 void norm_rows(const T* x, const T* residual, const T* weight, T* out, T* new_residual, int64_t rows, int64_t H,
                float eps) {
+  // At least 16 rows to a thread (a round figure, not tuned): a few decoding rows stay on the caller.
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(H);
     for (int64_t r = begin; r < end; ++r) {

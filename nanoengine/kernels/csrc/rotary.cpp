@@ -43,7 +43,8 @@ void rotate_into(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  // A (token, head) pair is a task; one decoding sequence's 20 heads are too few to split.
+  // A (token, head) pair is a task, at least 64 to a thread (a round figure, not tuned): one
+  // decoding sequence's 20 heads are too few to split.
   at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
       const int64_t t = w / heads, h = w % heads;
