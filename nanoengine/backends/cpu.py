@@ -19,15 +19,11 @@ module it names (what each bought: ``results/README.md``):
   a warm-up row) is decided once per step on the host (``all_slots_stored``, a field of the
   step's ``CpuAttentionMetadata``); the layers then copy their keys and values with no host
   synchronisation.
-* **The host's settings** (``backends.cpu_platform``). When the backend is built, two malloc
-  settings keep freed memory for the next step and oneDNN's per-shape caches are bounded
-  (``tune_engine_process``); ``place_weights`` moves the parameters, before they are filled, into
-  memory advised to use 2 MiB pages, within a time budget (``move_budget``).
-* **Logits in chunks.** A step's logits are (rows, vocab) float32: 256 rows of a
-  49,152-token vocabulary are 50 MB, more than glibc's largest heap block (32 MiB), so they
-  would be mapped fresh every step, faulted in by the LM head and unmapped when freed. So the
-  LM head runs on chunks of rows of at most ``LOGITS_CHUNK_BYTES`` and each chunk is sampled
-  before the next is computed.
+* **The host's settings** (``backends.cpu_platform``): freed memory kept for the next step when the
+  backend is built (``tune_engine_process``), the weights moved into huge pages (``place_weights``).
+* **Logits in chunks** (``logits_rows_per_chunk``). 256 rows of a 49,152-token vocabulary's float32
+  logits are 50 MB, more than glibc's largest heap block, so they would be mapped fresh every step;
+  the LM head runs on chunks of rows, each sampled before the next is computed.
 """
 
 from __future__ import annotations
@@ -62,7 +58,7 @@ class CpuAttention(AttentionImpl):
     """Store-KV by row copy; decode and prefill by the native kernels, or, where they are not
     loaded or do not take the cache's dtype, by the reference kernels (``kernels.reference``).
 
-    ``native``: a layer's step is one ``cpu_native.paged_attention`` call, which stores K/V and
+    ``native``: a layer's step is one ``nanoengine::paged_attention`` call, which stores K/V and
     runs ``paged_decode_attention`` and ``paged_prefill_attention`` as ``AttentionImpl.forward``
     would (set by the backend when the native kernels are loaded and the cache's dtype is one
     they take).

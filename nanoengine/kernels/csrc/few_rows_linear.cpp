@@ -59,25 +59,18 @@ inline void dot_rows(const float* x, int64_t x_stride, const T* w, int64_t K, fl
   }
 }
 
-// x as float32: bfloat16 rows are widened once per call (exactly: every bfloat16 is a float32),
-// not once per weight row, which left a bfloat16 product converting twice the values it
-// needs to and measured compute-bound, well below the copy bandwidth (results/README.md). The
-// sums see the same values in the same order, so the bits are unchanged.
-template <typename T>
-std::vector<float> rows_as_float(const T* x, int64_t count) {
-  std::vector<float> wide(count);
-  for (int64_t i = 0; i < count; ++i) wide[i] = static_cast<float>(x[i]);
-  return wide;
-}
-
 template <typename T>
 void few_rows_kernel(const T* x_in, const T* w, const T* bias, T* y, int64_t M, int64_t K, int64_t N) {
+  // x as float32: bfloat16 rows are widened once per call (exactly: every bfloat16 is a float32),
+  // not once per weight row, which left a bfloat16 product converting twice the values it
+  // needs to and measured compute-bound, well below the copy bandwidth (results/README.md). The
+  // sums see the same values in the same order, so the bits are unchanged.
   std::vector<float> wide;
-  const float* x;
+  const float* x = nullptr;
   if constexpr (std::is_same_v<T, float>) {
     x = x_in;
   } else {
-    wide = rows_as_float(x_in, M * K);
+    wide.assign(x_in, x_in + M * K);
     x = wide.data();
   }
   // Each task takes a run of weight rows: at least ~32 KiB of weights, so a thread's share of

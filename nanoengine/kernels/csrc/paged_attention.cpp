@@ -21,12 +21,14 @@
 #include <cstdint>
 
 namespace nanoengine_cpu {
-namespace {
 
-void check(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
-           const at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_decode_tokens,
-           const at::Tensor& decode_block_tables, const at::Tensor& prefill_cu_seqlens_q, int64_t num_prefills) {
-  const int64_t tokens = query.size(0);
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                           at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_decode_tokens,
+                           const at::Tensor& decode_block_tables, const at::Tensor& decode_context_lens,
+                           const at::Tensor& prefill_block_tables, const at::Tensor& prefill_cu_seqlens_q,
+                           const at::Tensor& prefill_context_lens, double scale, bool widen) {
+  // Everything checked before the caches are written.
+  const int64_t tokens = query.size(0), num_prefills = prefill_context_lens.size(0);
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.sizes() == key.sizes() && key.size(0) == tokens &&
                   query.device().is_cpu(),
               "paged_attention: query (tokens, heads, head_dim) and key, value (tokens, kv_heads, head_dim) on the "
@@ -55,18 +57,6 @@ void check(const at::Tensor& query, const at::Tensor& key, const at::Tensor& val
   TORCH_CHECK(first == 0 && num_decode_tokens + prefill_tokens == tokens, "paged_attention: ", num_decode_tokens,
               " decode tokens and prefill chunks from ", first, " to ", prefill_tokens, " do not make the step's ",
               tokens, " tokens");
-}
-
-}  // namespace
-
-at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
-                           at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_decode_tokens,
-                           const at::Tensor& decode_block_tables, const at::Tensor& decode_context_lens,
-                           const at::Tensor& prefill_block_tables, const at::Tensor& prefill_cu_seqlens_q,
-                           const at::Tensor& prefill_context_lens, double scale, bool widen) {
-  const int64_t num_prefills = prefill_context_lens.size(0);
-  check(query, key, value, k_cache, v_cache, slot_mapping, num_decode_tokens, decode_block_tables,
-        prefill_cu_seqlens_q, num_prefills);
   // Store-KV: each token's key and value rows copied to its slot (AttentionImpl.store_kv).
   const int64_t slots = k_cache.size(0) * k_cache.size(1), kv_heads = k_cache.size(2), d = k_cache.size(3);
   k_cache.view({slots, kv_heads, d}).index_copy_(0, slot_mapping, key);
@@ -75,7 +65,6 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
   static const auto decode_op = operator_named<decltype(paged_decode_attention)>("nanoengine::paged_decode_attention");
   static const auto prefill_op =
       operator_named<decltype(paged_prefill_attention)>("nanoengine::paged_prefill_attention");
-  const int64_t tokens = query.size(0);
   if (num_prefills == 0) {
     return decode_op.call(query.contiguous(), k_cache, v_cache, decode_block_tables.contiguous(),
                           decode_context_lens.contiguous(), scale);

@@ -12,10 +12,9 @@
 // order of every sum is fixed by this source (not by the CPU, the threads or the batch).
 //
 // One source for AVX2 and AVX-512: the task is written over cpu_vec.h's Vec, eight or sixteen
-// lanes as the library was built (cpu_native.py), and each key row and value row is read and
-// widened once for all the query heads that share it. A key's score is a chain of eight-lane
-// products summed in a fixed order, whichever the width (sixteen lanes hold two keys' chains),
-// so both builds compute the same bits: tests/engine/test_cpu_native.py compares them.
+// lanes as the library was built. A key's score is a chain of eight-lane products summed in a
+// fixed order, whichever the width (sixteen lanes hold two keys' chains), so both builds compute
+// the same bits: tests/engine/test_cpu_native.py compares them.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
