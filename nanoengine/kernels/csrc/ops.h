@@ -46,6 +46,24 @@ inline void check_cpu_contiguous(const char* op, std::initializer_list<const at:
   }
 }
 
+// A query (tokens, heads, head_dim) and the paged caches (blocks, block_size, kv_heads, head_dim) it
+// attends over: contiguous, on the CPU, of one dtype, each query head with a KV head to share.
+inline void check_query_and_caches(const char* op, const at::Tensor& query, const at::Tensor& k_cache,
+                                   const at::Tensor& v_cache) {
+  check_cpu_contiguous(op, {&query, &k_cache, &v_cache});
+  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), op,
+              ": query (tokens, heads, head_dim) and caches (blocks, block_size, kv_heads, head_dim) expected, got ",
+              query.sizes(), ", ", k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK(query.size(1) > 0 && query.size(2) > 0 && k_cache.size(1) > 0 && k_cache.size(2) > 0, op,
+              ": heads, head_dim, block_size and kv_heads must be >= 1, got query ", query.sizes(), " and cache ",
+              k_cache.sizes());
+  TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0, op,
+              ": head_dim must match and heads must be a multiple of kv_heads, got query ", query.sizes(),
+              " and cache ", k_cache.sizes());
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(), op,
+              ": query and caches must share a dtype");
+}
+
 // f(T{}) with T the C++ type of `type`: float32 or bfloat16, the activation dtypes the kernels take.
 template <typename F>
 void dispatch_float_or_bfloat16(at::ScalarType type, const char* op, F&& f) {

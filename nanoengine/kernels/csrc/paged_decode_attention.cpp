@@ -266,18 +266,8 @@ void decode_kernel(const T* query, const T* k_cache, const T* v_cache, const Ind
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  check_cpu_contiguous("paged_decode_attention", {&query, &k_cache, &v_cache, &block_tables, &context_lens});
-  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "paged_decode_attention: query (seqs, heads, head_dim) and caches (blocks, block_size, kv_heads, "
-              "head_dim) expected, got ", query.sizes(), ", ", k_cache.sizes(), " and ", v_cache.sizes());
-  TORCH_CHECK(query.size(1) > 0 && query.size(2) > 0 && k_cache.size(1) > 0 && k_cache.size(2) > 0,
-              "paged_decode_attention: heads, head_dim, block_size and kv_heads must be >= 1, got query ",
-              query.sizes(), " and cache ", k_cache.sizes());
-  TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0,
-              "paged_decode_attention: head_dim must match and heads must be a multiple of kv_heads, got query ",
-              query.sizes(), " and cache ", k_cache.sizes());
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "paged_decode_attention: query and caches must share a dtype");
+  check_query_and_caches("paged_decode_attention", query, k_cache, v_cache);
+  check_cpu_contiguous("paged_decode_attention", {&block_tables, &context_lens});
   TORCH_CHECK(block_tables.dim() == 2 && context_lens.dim() == 1 && block_tables.size(0) == query.size(0) &&
                   context_lens.size(0) == query.size(0) && block_tables.scalar_type() == context_lens.scalar_type(),
               "paged_decode_attention: block_tables (seqs, max_blocks) and context_lens (seqs,) of one integer dtype");

@@ -100,13 +100,7 @@ void sdpa_per_sequence(const at::Tensor& query, const at::Tensor& k_cache, const
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
                                    const at::Tensor& context_lens, double scale, bool widen) {
-  check_cpu_contiguous("paged_prefill_attention", {&query, &k_cache, &v_cache});
-  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
-                  query.size(2) == k_cache.size(3) && k_cache.size(2) > 0 && query.size(1) % k_cache.size(2) == 0,
-              "paged_prefill_attention: query (tokens, heads, head_dim) and caches (blocks, block_size, kv_heads, "
-              "head_dim) with heads a multiple of kv_heads expected, got ", query.sizes(), " and ", k_cache.sizes());
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "paged_prefill_attention: query and caches must share a dtype");
+  check_query_and_caches("paged_prefill_attention", query, k_cache, v_cache);
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
   const at::Tensor starts = cu_seqlens_q.to(at::kLong).contiguous(), lengths = context_lens.to(at::kLong).contiguous();
   const int64_t num_seqs = lengths.size(0), max_blocks = tables.dim() == 2 ? tables.size(1) : 0;
