@@ -21,10 +21,14 @@ builds, each for exactly its instruction set (not ``-march=native``): AVX-512 wh
 own kernels with it (``ATEN_CPU_CAPABILITY=avx2`` lowers that), else AVX2 + FMA. Decode attention,
 where the width paid (results/README.md), is written once over ``csrc/cpu_vec.h``'s ``Vec``, eight
 or sixteen lanes; the other kernels are AVX2 in both builds (the GEMM is bound by memory, the norm
-and the rotary embedding by calls; an AVX-512 version of them was not measured). Every sum the
-kernels compute has its order fixed by the source, not by the CPU, the build, the threads or the
-batch, so both builds compute the same bits (a slow test compares them), and a row gets the same
-bits alone or in a batch; the calls made from C++ (SDPA among them) have the bits of those calls.
+and the rotary embedding by calls; an AVX-512 version of them was not measured).
+
+Which bits are kept, and what needs them (``tests/engine/test_cpu_native.py`` unless said): every
+sum a kernel computes has its order fixed by the source, not by the CPU, the threads or the batch,
+so a row gets the same bits alone or in a batch, and decode attention the same in both builds (a
+slow test: the notebooks are checked on the pinned AVX2 path, and read the same on AVX-512). The
+operators that make PyTorch's calls from C++ have those calls' bits (prefill attention the
+reference's), so a fused layer is the Python forward bit for bit (``test_cpu_fused.py``).
 
 Without a C++ compiler, ninja, or AVX2 + FMA, ``load`` says why in one warning and returns
 False; the CPU backend then uses the libraries and the reference attention (``kernels.reference``).
