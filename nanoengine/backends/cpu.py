@@ -8,14 +8,10 @@ module it names (what each bought: ``results/README.md``):
 * **Prepacked GEMM weights** (``kernels.cpu_gemm``). Every linear layer's ``CpuLinearMethod``
   (given to it when it is built) reorders its weight into oneDNN's blocked layout once, when the
   weights are loaded (``process_weights_after_loading``; a copy: ``memory_report().weight_copy_bytes``).
-* **Kernels of its own** (``kernels.cpu_native``, C++ compiled once per machine and cached). Up
-  to ``cpu_native.MAX_ROWS`` rows of a product take the few-rows kernel: a fixed rule, not timed,
-  so two engines built alike compute alike. Decode attention reads each K/V row where it lies in
-  the paged cache; prefill attention is SDPA once per sequence, the step's sequences shared out
-  over the threads (a bfloat16 cache on a CPU with bfloat16 instructions: SDPA in bfloat16,
-  ``prefill_dtype``). The norms, the rotary embedding, the activation and a layer's attention
-  (``paged_attention``: store-KV, decode and prefill, the calls ``AttentionImpl.forward`` makes)
-  are one call each, with eager's bits.
+* **Kernels of its own** (``kernels.cpu_native``: what each does and why). Up to
+  ``cpu_native.MAX_ROWS`` rows of a product take the few-rows kernel: a fixed rule, not timed, so
+  two engines built alike compute alike. A bfloat16 cache on a CPU with bfloat16 instructions
+  prefills in bfloat16 (``prefill_dtype``).
 * **A decoder layer in one call** (``backends.cpu_fused``). Each Llama layer runs as one C++
   operator that makes the layer's own calls, in the same order: eager's bits, most of a step's
   Python gone. ``enforce_eager=True`` runs the layers' Python ``forward`` instead (``fuse_layers``).
@@ -23,15 +19,11 @@ module it names (what each bought: ``results/README.md``):
   a warm-up row) is decided once per step on the host (``all_slots_stored``, a field of the
   step's ``CpuAttentionMetadata``); the layers then copy their keys and values with no host
   synchronisation.
-* **The host's settings** (``backends.cpu_platform``). When the backend is built, two malloc
-  settings keep freed memory for the next step and oneDNN's per-shape caches are bounded
-  (``tune_engine_process``); ``place_weights`` moves the parameters, before they are filled, into
-  memory advised to use 2 MiB pages, within a time budget (``move_budget``).
-* **Logits in chunks.** A step's logits are (rows, vocab) float32: 256 rows of a
-  49,152-token vocabulary are 50 MB, more than glibc's largest heap block (32 MiB), so they
-  would be mapped fresh every step, faulted in by the LM head and unmapped when freed. So the
-  LM head runs on chunks of rows of at most ``LOGITS_CHUNK_BYTES`` and each chunk is sampled
-  before the next is computed.
+* **The host's settings** (``backends.cpu_platform``): freed memory kept for the next step when the
+  backend is built (``tune_engine_process``), the weights moved into huge pages (``place_weights``).
+* **Logits in chunks** (``logits_rows_per_chunk``). 256 rows of a 49,152-token vocabulary's float32
+  logits are 50 MB, more than glibc's largest heap block, so they would be mapped fresh every step;
+  the LM head runs on chunks of rows, each sampled before the next is computed.
 """
 
 from __future__ import annotations
@@ -66,7 +58,7 @@ class CpuAttention(AttentionImpl):
     """Store-KV by row copy; decode and prefill by the native kernels, or, where they are not
     loaded or do not take the cache's dtype, by the reference kernels (``kernels.reference``).
 
-    ``native``: a layer's step is one ``cpu_native.paged_attention`` call, which stores K/V and
+    ``native``: a layer's step is one ``nanoengine::paged_attention`` call, which stores K/V and
     runs ``paged_decode_attention`` and ``paged_prefill_attention`` as ``AttentionImpl.forward``
     would (set by the backend when the native kernels are loaded and the cache's dtype is one
     they take).
@@ -101,20 +93,15 @@ class CpuAttention(AttentionImpl):
         v_cache.view(num_blocks * block_size, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, value)
 
     def decode(self, query, k_cache, v_cache, meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
-        if self.native:
-            return cpu_native.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
-                                                     meta.decode_context_lens, scale)
-        return reference.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
-                                                meta.decode_context_lens, scale)
+        kernels = cpu_native if self.native else reference
+        return kernels.paged_decode_attention(query, k_cache, v_cache, meta.decode_block_tables,
+                                              meta.decode_context_lens, scale)
 
     def prefill(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if self.native:  # the whole step in one call: SDPA per sequence, the reference's bits
-            return cpu_native.paged_prefill_attention(query, k_cache, v_cache, meta.prefill_block_tables,
-                                                      meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale,
-                                                      self.prefill_dtype)
-        return reference.paged_prefill_attention(query, k_cache, v_cache, meta.prefill_block_tables,
-                                                 meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale,
-                                                 compute_dtype=self.prefill_dtype)
+        kernels = cpu_native if self.native else reference  # the native one: the whole step in one call
+        return kernels.paged_prefill_attention(query, k_cache, v_cache, meta.prefill_block_tables,
+                                               meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale,
+                                               compute_dtype=self.prefill_dtype)
 
 
 class CpuLinearMethod:

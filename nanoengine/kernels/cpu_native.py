@@ -1,49 +1,34 @@
 """The CPU backend's own kernels, in C++ (chapter 10: when the libraries are not enough).
 
-Four operations are poorly served by the libraries PyTorch calls (the figures, and the scripts
-that measured them: ``results/README.md``):
+Each ``csrc/`` file opens with why it exists and what definition it must agree with (the figures,
+and the scripts that measured them: ``results/README.md``):
 
-* **A few rows times a weight** (``few_rows_linear``, ``csrc/few_rows_linear.cpp``). When
-  one to a few sequences decode, each linear layer multiplies a few rows of activations by
-  its whole weight matrix: two flops per weight read, so the step's speed is how fast the
-  weights stream from memory. MKL and oneDNN are tuned for many rows and read the weights of
-  one row's product well below the speed at which the CPU copies memory; this kernel splits
-  each weight's rows between the threads and streams them once, and stays ahead up to
-  ``MAX_ROWS`` rows.
-* **Decode attention** (``paged_decode_attention``, ``csrc/paged_decode_attention.cpp``).
-  PyTorch's calls (the reference) gather each sequence's keys and values and pay several
-  tensor ops per sequence and layer; this kernel walks each sequence's block table and reads
-  every K/V row where it lies in the cache, once for all the query heads that share it. One
-  source, written over a small vector type (``csrc/cpu_vec.h``'s ``Vec``), runs eight lanes
-  wide in the AVX2 build and sixteen in the AVX-512 one, with the same bits.
-* **Prefill attention for a whole step** (``paged_prefill_attention``,
-  ``csrc/paged_prefill_attention.cpp``). The reference's calls (SDPA once per sequence, itself
-  FlashAttention-style tiles) made from C++: SDPA splits a short prompt badly over the threads,
-  so each thread takes the step's next sequence whole, unless one sequence outweighs the rest.
-* **RMSNorm with its residual add** (``rms_norm``, ``add_rms_norm``, ``csrc/rms_norm.cpp``):
-  one call and one pass per row where eager PyTorch makes five calls; for one decoding
-  sequence the calls, not the arithmetic, were the cost.
+* ``few_rows_linear`` (``csrc/few_rows_linear.cpp``): a few rows times a weight, streaming the
+  weight once; MKL and oneDNN read one row's weights well below copy speed. Up to ``MAX_ROWS`` rows.
+* ``paged_decode_attention`` (``csrc/paged_decode_attention.cpp``): reads each K/V row where it
+  lies in the paged cache, once for all the query heads that share it.
+* ``paged_prefill_attention`` (``csrc/paged_prefill_attention.cpp``): SDPA once per sequence, as
+  the reference, with the step's sequences shared out over the threads.
+* ``rms_norm``, ``add_rms_norm`` (``csrc/rms_norm.cpp``): one call and one pass per row.
+* ``rotate_half``, ``silu_and_mul``, ``paged_attention`` and ``llama_layer`` make eager PyTorch's
+  calls from C++: one call from Python instead of several, with eager's bits.
 
-Three more files add no arithmetic of their own but the rotary embedding's: they make a layer's
-eager PyTorch calls from C++, one call from Python instead of several, with eager's bits:
-``rotate_half`` (``csrc/rotary.cpp``: eager's six passes as one), ``silu_and_mul``
-(``csrc/silu_and_mul.cpp``: ATen's silu and product) and ``paged_attention``
-(``csrc/paged_attention.cpp``: a layer's store-KV, decode and prefill attention, the calls
-``AttentionImpl.forward`` makes; its schema declares the two caches it writes). And
-``csrc/llama_layer.cpp`` makes a whole Llama decoder layer's calls, these operators among them,
-so that Python makes one call per layer (``backends.cpu_fused``).
+They are registered as PyTorch operators (``torch.ops.nanoengine.*``; their C++ signatures in
+``csrc/ops.h``), run on PyTorch's own thread pool, and are compiled the first time an engine needs
+them (said once on stderr) into ``~/.cache/nanoengine/kernels/`` under a name that carries the torch
+and Python versions and the instruction set; ``./course setup`` builds them ahead. There are two
+builds, each for exactly its instruction set (not ``-march=native``): AVX-512 where PyTorch runs its
+own kernels with it (``ATEN_CPU_CAPABILITY=avx2`` lowers that), else AVX2 + FMA. Decode attention,
+where the width paid (results/README.md), is written once over ``csrc/cpu_vec.h``'s ``Vec``, eight
+or sixteen lanes; the other kernels are AVX2 in both builds (the GEMM is bound by memory, the norm
+and the rotary embedding by calls; an AVX-512 version of them was not measured).
 
-The kernels are C++ with AVX2 and FMA intrinsics, and AVX-512 ones behind ``Vec``, registered as
-PyTorch operators (``torch.ops.nanoengine.*``) and run on PyTorch's own thread pool. They are
-compiled the first time an engine needs them (said once on stderr) by PyTorch's extension builder,
-into ``~/.cache/nanoengine/kernels/`` under a name that carries the torch and Python versions and
-the instruction set, so another PyTorch never loads them; ``./course setup`` builds them ahead.
-They are built for one of two instruction sets exactly (not ``-march=native``): AVX-512 where
-PyTorch runs its own kernels with it (``torch.backends.cpu.get_cpu_capability()``, which
-``ATEN_CPU_CAPABILITY=avx2`` lowers), else AVX2 + FMA. Every sum the kernels compute themselves
-has its order fixed by the source, not by the CPU, the build, the thread count or the batch: every
-x86-64 machine computes the same bits, and a row gets the same bits alone or in a batch (the calls
-made from C++, prefill attention's SDPA among them, have the bits of the PyTorch calls they make).
+Which bits are kept, and what needs them (``tests/engine/test_cpu_native.py`` unless said): every
+sum a kernel computes has its order fixed by the source, not by the CPU, the threads or the batch,
+so a row gets the same bits alone or in a batch, and decode attention the same in both builds (a
+slow test: the notebooks are checked on the pinned AVX2 path, and read the same on AVX-512). The
+operators that make PyTorch's calls from C++ have those calls' bits (prefill attention the
+reference's), so a fused layer is the Python forward bit for bit (``test_cpu_fused.py``).
 
 Without a C++ compiler, ninja, or AVX2 + FMA, ``load`` says why in one warning and returns
 False; the CPU backend then uses the libraries and the reference attention (``kernels.reference``).

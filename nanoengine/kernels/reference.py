@@ -44,12 +44,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     flat_k = k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     flat_v = v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
     keep = slot_mapping >= 0
-    if bool(keep.all()):
-        flat_k[slot_mapping] = key
-        flat_v[slot_mapping] = value
-    else:
-        flat_k[slot_mapping[keep]] = key[keep]
-        flat_v[slot_mapping[keep]] = value[keep]
+    flat_k[slot_mapping[keep]] = key[keep]
+    flat_v[slot_mapping[keep]] = value[keep]
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:

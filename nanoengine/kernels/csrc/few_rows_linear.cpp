@@ -1,6 +1,5 @@
 // A few rows times a weight matrix, streaming the weight once (chapter 10: decode is a
-// matrix-vector product). Built with the other csrc/ sources by cpu_native.py; the
-// operator is torch.ops.nanoengine.few_rows_linear.
+// matrix-vector product).
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n])   x (M, K), w (N, K) row-major, M small.
 //
@@ -25,6 +24,7 @@
 #include <torch/library.h>
 
 #include "cpu_vec.h"
+#include "ops.h"
 
 #include <immintrin.h>
 
@@ -33,10 +33,8 @@
 #include <type_traits>
 #include <vector>
 
+namespace nanoengine_cpu {
 namespace {
-
-using nanoengine_cpu::horizontal_sum;
-using nanoengine_cpu::load8;
 
 // Up to four rows of x (float32) against one weight row, reading the weight row once.
 template <typename T, int ROWS>
@@ -61,29 +59,22 @@ inline void dot_rows(const float* x, int64_t x_stride, const T* w, int64_t K, fl
   }
 }
 
-// x as float32: bfloat16 rows are widened once per call (exactly: every bfloat16 is a float32),
-// not once per weight row, which left a bfloat16 product converting twice the values it
-// needs to and measured compute-bound, well below the copy bandwidth (results/README.md). The
-// sums see the same values in the same order, so the bits are unchanged.
-template <typename T>
-std::vector<float> rows_as_float(const T* x, int64_t count) {
-  std::vector<float> wide(count);
-  for (int64_t i = 0; i < count; ++i) wide[i] = static_cast<float>(x[i]);
-  return wide;
-}
-
 template <typename T>
 void few_rows_kernel(const T* x_in, const T* w, const T* bias, T* y, int64_t M, int64_t K, int64_t N) {
+  // x as float32: bfloat16 rows are widened once per call (exactly: every bfloat16 is a float32),
+  // not once per weight row, which left a bfloat16 product converting twice the values it
+  // needs to and measured compute-bound, well below the copy bandwidth (results/README.md). The
+  // sums see the same values in the same order, so the bits are unchanged.
   std::vector<float> wide;
-  const float* x;
+  const float* x = nullptr;
   if constexpr (std::is_same_v<T, float>) {
     x = x_in;
   } else {
-    wide = rows_as_float(x_in, M * K);
+    wide.assign(x_in, x_in + M * K);
     x = wide.data();
   }
   // Each task takes a run of weight rows: at least ~32 KiB of weights, so a thread's share of
-  // a small matrix is still worth waking it for.
+  // a small matrix is still worth waking it for (a round figure, not tuned by measurement).
   const int64_t grain = std::max<int64_t>(1, (32 * 1024) / (K * static_cast<int64_t>(sizeof(T))));
   at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
     float out[4];
@@ -105,13 +96,14 @@ void few_rows_kernel(const T* x_in, const T* w, const T* bias, T* y, int64_t M, 
   });
 }
 
-at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "few_rows_linear: CPU tensors only");
+}  // namespace
+
+at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  check_cpu_contiguous("few_rows_linear", {&x, &weight});
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
               "few_rows_linear: x (M, K) and weight (N, K) expected, got ", x.sizes(), " and ", weight.sizes());
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "few_rows_linear: x and weight must share a dtype, got ",
               x.scalar_type(), " and ", weight.scalar_type());
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "few_rows_linear: contiguous tensors only");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->scalar_type() == x.scalar_type() &&
@@ -122,25 +114,17 @@ at::Tensor few_rows_linear(const at::Tensor& x, const at::Tensor& weight, const 
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (K == 0) return has_bias ? y.copy_(bias->expand({M, N})) : y.zero_();  // an empty sum, plus the bias
-  if (x.scalar_type() == at::kFloat) {
-    few_rows_kernel<float>(x.data_ptr<float>(), weight.data_ptr<float>(),
-                           has_bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, K, N);
-  } else if (x.scalar_type() == at::kBFloat16) {
-    few_rows_kernel<c10::BFloat16>(x.data_ptr<c10::BFloat16>(), weight.data_ptr<c10::BFloat16>(),
-                                   has_bias ? bias->data_ptr<c10::BFloat16>() : nullptr,
-                                   y.data_ptr<c10::BFloat16>(), M, K, N);
-  } else {
-    TORCH_CHECK(false, "few_rows_linear: float32 or bfloat16 only, got ", x.scalar_type());
-  }
+  dispatch_float_or_bfloat16(x.scalar_type(), "few_rows_linear", [&](auto zero) {
+    using T = decltype(zero);
+    few_rows_kernel<T>(x.data_ptr<T>(), weight.data_ptr<T>(), has_bias ? bias->data_ptr<T>() : nullptr,
+                       y.data_ptr<T>(), M, K, N);
+  });
   return y;
 }
 
-}  // namespace
+}  // namespace nanoengine_cpu
 
 TORCH_LIBRARY_FRAGMENT(nanoengine, m) {
-  m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(nanoengine, CPU, m) {
-  m.impl("few_rows_linear", &few_rows_linear);
+  m.def("few_rows_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor",
+        torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(nanoengine_cpu::few_rows_linear)));
 }

@@ -1,53 +1,34 @@
-// One attention layer's step over the paged cache in one call from Python (chapter 10).
-// Built with the other csrc/ sources by cpu_native.py; the operator is
-// torch.ops.nanoengine.paged_attention, called by backends/cpu.py's CpuAttention.forward. The
-// definition it must agree with, bit for bit, is layers/attention.py's AttentionImpl.forward as
-// CpuAttention runs it: store this step's keys and values at their slots, then the paged decode
-// kernel for the step's decode rows and the native prefill attention for its prefill chunks.
+// One attention layer's step over the paged cache in one call from Python (chapter 10), called by
+// backends/cpu.py's CpuAttention.forward. The definition it must agree with, bit for bit, is
+// layers/attention.py's AttentionImpl.forward as CpuAttention runs it: store this step's keys and
+// values at their slots, then the paged decode kernel for the step's decode rows and the native
+// prefill attention for its prefill chunks.
 //
-// Why one call: from Python that is about a dozen operator calls a layer (views, two row
-// copies, the decode and prefill kernels, a concatenation), each a few microseconds of
-// interpreter and argument parsing; decoding one sequence, 30 layers of them were a visible part
-// of a step beside the GEMMs. Here the same operators run from C++, through the dispatcher (so
-// the profiler still names each), in the same order: the same bits.
+// Why one call: from Python that is about a dozen operator calls a layer (views, two row copies,
+// the decode and prefill kernels, a concatenation), each a few microseconds of interpreter and
+// argument parsing. Here the same operators run from C++, through the dispatcher, in the same
+// order: the same bits.
 //
 // The schema says which arguments it writes: k_cache and v_cache (Tensor(a!), Tensor(b!)).
 // Every token must have a slot (no -1 in slot_mapping): CpuAttention sends a step with a warm-up
 // row (slot -1) through its Python path, which skips those rows.
 
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
+
+#include "ops.h"
 
 #include <cstdint>
 
-namespace {
+namespace nanoengine_cpu {
 
-c10::OperatorHandle operator_named(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
-}
-
-at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  static auto op = operator_named("nanoengine::paged_decode_attention")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, double)>();
-  return op.call(query, k_cache, v_cache, block_tables, context_lens, scale);
-}
-
-at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                   const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
-                                   const at::Tensor& context_lens, double scale, bool widen) {
-  static auto op = operator_named("nanoengine::paged_prefill_attention")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, const at::Tensor&, double, bool)>();
-  return op.call(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, widen);
-}
-
-void check(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& k_cache,
-           const at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_decode_tokens,
-           const at::Tensor& decode_block_tables, const at::Tensor& prefill_cu_seqlens_q, int64_t num_prefills) {
-  const int64_t tokens = query.size(0);
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                           at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_decode_tokens,
+                           const at::Tensor& decode_block_tables, const at::Tensor& decode_context_lens,
+                           const at::Tensor& prefill_block_tables, const at::Tensor& prefill_cu_seqlens_q,
+                           const at::Tensor& prefill_context_lens, double scale, bool widen) {
+  // Everything checked before the caches are written.
+  const int64_t tokens = query.size(0), num_prefills = prefill_context_lens.size(0);
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.sizes() == key.sizes() && key.size(0) == tokens &&
                   query.device().is_cpu(),
               "paged_attention: query (tokens, heads, head_dim) and key, value (tokens, kv_heads, head_dim) on the "
@@ -67,53 +48,42 @@ void check(const at::Tensor& query, const at::Tensor& key, const at::Tensor& val
                   (cu.scalar_type() == at::kInt || cu.scalar_type() == at::kLong),
               "paged_attention: prefill_cu_seqlens_q (", num_prefills, " prefills + 1,) int32 or int64 on the CPU "
               "expected, got ", cu.sizes(), " ", cu.scalar_type());
-  const auto at_index = [&cu](int64_t i) -> int64_t {
-    return cu.scalar_type() == at::kInt ? cu.const_data_ptr<int32_t>()[i * cu.stride(0)]
-                                        : cu.const_data_ptr<int64_t>()[i * cu.stride(0)];
-  };
-  const int64_t first = at_index(0), prefill_tokens = at_index(cu.size(0) - 1);
+  int64_t first = 0, prefill_tokens = 0;
+  dispatch_index(cu.scalar_type(), "paged_attention", [&](auto zero) {
+    const auto* bounds = cu.const_data_ptr<decltype(zero)>();
+    first = bounds[0];
+    prefill_tokens = bounds[(cu.size(0) - 1) * cu.stride(0)];
+  });
   TORCH_CHECK(first == 0 && num_decode_tokens + prefill_tokens == tokens, "paged_attention: ", num_decode_tokens,
               " decode tokens and prefill chunks from ", first, " to ", prefill_tokens, " do not make the step's ",
               tokens, " tokens");
-}
-
-at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
-                           at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_decode_tokens,
-                           const at::Tensor& decode_block_tables, const at::Tensor& decode_context_lens,
-                           const at::Tensor& prefill_block_tables, const at::Tensor& prefill_cu_seqlens_q,
-                           const at::Tensor& prefill_context_lens, double scale, bool widen) {
-  const int64_t num_prefills = prefill_context_lens.size(0);
-  check(query, key, value, k_cache, v_cache, slot_mapping, num_decode_tokens, decode_block_tables,
-        prefill_cu_seqlens_q, num_prefills);
   // Store-KV: each token's key and value rows copied to its slot (AttentionImpl.store_kv).
   const int64_t slots = k_cache.size(0) * k_cache.size(1), kv_heads = k_cache.size(2), d = k_cache.size(3);
   k_cache.view({slots, kv_heads, d}).index_copy_(0, slot_mapping, key);
   v_cache.view({slots, kv_heads, d}).index_copy_(0, slot_mapping, value);
   // Attention: decode rows first, then the prefill chunks (AttentionImpl.forward's split).
-  const int64_t tokens = query.size(0);
+  static const auto decode_op = operator_named<decltype(paged_decode_attention)>("nanoengine::paged_decode_attention");
+  static const auto prefill_op =
+      operator_named<decltype(paged_prefill_attention)>("nanoengine::paged_prefill_attention");
   if (num_prefills == 0) {
-    return paged_decode_attention(query.contiguous(), k_cache, v_cache, decode_block_tables.contiguous(),
-                                  decode_context_lens.contiguous(), scale);
+    return decode_op.call(query.contiguous(), k_cache, v_cache, decode_block_tables.contiguous(),
+                          decode_context_lens.contiguous(), scale);
   }
-  const at::Tensor prefill = paged_prefill_attention(
+  const at::Tensor prefill = prefill_op.call(
       query.narrow(0, num_decode_tokens, tokens - num_decode_tokens).contiguous(), k_cache, v_cache,
       prefill_block_tables, prefill_cu_seqlens_q, prefill_context_lens, scale, widen);
   if (num_decode_tokens == 0) return prefill;
-  const at::Tensor decode = paged_decode_attention(query.narrow(0, 0, num_decode_tokens).contiguous(), k_cache,
-                                                   v_cache, decode_block_tables.contiguous(),
-                                                   decode_context_lens.contiguous(), scale);
+  const at::Tensor decode = decode_op.call(query.narrow(0, 0, num_decode_tokens).contiguous(), k_cache, v_cache,
+                                           decode_block_tables.contiguous(), decode_context_lens.contiguous(), scale);
   return at::cat({decode, prefill}, 0);
 }
 
-}  // namespace
+}  // namespace nanoengine_cpu
 
 TORCH_LIBRARY_FRAGMENT(nanoengine, m) {
   m.def("paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping, int num_decode_tokens, Tensor decode_block_tables, Tensor decode_context_lens, "
         "Tensor prefill_block_tables, Tensor prefill_cu_seqlens_q, Tensor prefill_context_lens, float scale, "
-        "bool widen) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(nanoengine, CPU, m) {
-  m.impl("paged_attention", &paged_attention);
+        "bool widen) -> Tensor",
+        torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(nanoengine_cpu::paged_attention)));
 }

@@ -1,7 +1,5 @@
 // Decode attention that reads each K/V row where it lies in the paged cache (chapter 10).
-// Built with few_rows_linear.cpp by cpu_native.py; the operator is
-// torch.ops.nanoengine.paged_decode_attention. The definition it must agree with is
-// reference.paged_decode_attention.
+// The definition it must agree with is reference.paged_decode_attention.
 //
 // One query token per sequence. For each (sequence, KV head) -- one task for PyTorch's
 // threads -- the query heads that share that KV head (grouped-query attention) walk the
@@ -14,10 +12,9 @@
 // order of every sum is fixed by this source (not by the CPU, the threads or the batch).
 //
 // One source for AVX2 and AVX-512: the task is written over cpu_vec.h's Vec, eight or sixteen
-// lanes as the library was built (cpu_native.py), and each key row and value row is read and
-// widened once for all the query heads that share it. A key's score is a chain of eight-lane
-// products summed in a fixed order, whichever the width (sixteen lanes hold two keys' chains),
-// so both builds compute the same bits: tests/engine/test_cpu_native.py compares them.
+// lanes as the library was built. A key's score is a chain of eight-lane products summed in a
+// fixed order, whichever the width (sixteen lanes hold two keys' chains), so both builds compute
+// the same bits: tests/engine/test_cpu_native.py compares them.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -26,6 +23,7 @@
 #include <torch/library.h>
 
 #include "cpu_vec.h"
+#include "ops.h"
 
 #include <immintrin.h>
 
@@ -35,12 +33,8 @@
 #include <limits>
 #include <vector>
 
+namespace nanoengine_cpu {
 namespace {
-
-using nanoengine_cpu::exp8;
-using nanoengine_cpu::horizontal_sum;
-using nanoengine_cpu::load8;
-using nanoengine_cpu::Vec;
 
 // q (float32, D) . k (the cache's dtype, D)
 template <typename T>
@@ -268,79 +262,41 @@ void decode_kernel(const T* query, const T* k_cache, const T* v_cache, const Ind
   });
 }
 
-template <typename Index>
-void check_tables(const Index* block_tables, const Index* context_lens, int64_t num_seqs, int64_t max_blocks,
-                  int64_t block_size, int64_t num_blocks) {
-  for (int64_t seq = 0; seq < num_seqs; ++seq) {
-    const int64_t length = static_cast<int64_t>(context_lens[seq]);
-    TORCH_CHECK(length >= 1 && length <= max_blocks * block_size, "paged_decode_attention: sequence ", seq,
-                " has context length ", length, "; allowed 1..", max_blocks * block_size, " (its block table's capacity)");
-    for (int64_t b = 0; b < (length + block_size - 1) / block_size; ++b) {
-      const int64_t block = static_cast<int64_t>(block_tables[seq * max_blocks + b]);
-      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: sequence ", seq, " block ", b, " is ",
-                  block, "; the cache has blocks 0..", num_blocks - 1);
-    }
-  }
-}
-
-template <typename T, typename Index>
-void dispatch_cache(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                    const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out, double scale) {
-  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1);
-  const int64_t num_seqs = query.size(0), max_blocks = block_tables.size(1);
-  check_tables(block_tables.data_ptr<Index>(), context_lens.data_ptr<Index>(), num_seqs, max_blocks, block_size,
-               num_blocks);
-  decode_kernel<T, Index>(query.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
-                          block_tables.data_ptr<Index>(), context_lens.data_ptr<Index>(), out.data_ptr<T>(), num_seqs,
-                          query.size(1), k_cache.size(2), query.size(2), block_size, max_blocks,
-                          static_cast<float>(scale));
-}
+}  // namespace
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
-  for (const at::Tensor* t : {&query, &k_cache, &v_cache, &block_tables, &context_lens}) {
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "paged_decode_attention: contiguous CPU tensors only");
-  }
-  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "paged_decode_attention: query (seqs, heads, head_dim) and caches (blocks, block_size, kv_heads, "
-              "head_dim) expected, got ", query.sizes(), ", ", k_cache.sizes(), " and ", v_cache.sizes());
-  TORCH_CHECK(query.size(1) > 0 && query.size(2) > 0 && k_cache.size(1) > 0 && k_cache.size(2) > 0,
-              "paged_decode_attention: heads, head_dim, block_size and kv_heads must be >= 1, got query ",
-              query.sizes(), " and cache ", k_cache.sizes());
-  TORCH_CHECK(query.size(2) == k_cache.size(3) && query.size(1) % k_cache.size(2) == 0,
-              "paged_decode_attention: head_dim must match and heads must be a multiple of kv_heads, got query ",
-              query.sizes(), " and cache ", k_cache.sizes());
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "paged_decode_attention: query and caches must share a dtype");
+  check_query_and_caches("paged_decode_attention", query, k_cache, v_cache);
+  check_cpu_contiguous("paged_decode_attention", {&block_tables, &context_lens});
   TORCH_CHECK(block_tables.dim() == 2 && context_lens.dim() == 1 && block_tables.size(0) == query.size(0) &&
                   context_lens.size(0) == query.size(0) && block_tables.scalar_type() == context_lens.scalar_type(),
               "paged_decode_attention: block_tables (seqs, max_blocks) and context_lens (seqs,) of one integer dtype");
   at::Tensor out = at::empty_like(query);
   if (query.size(0) == 0) return out;
-  const bool long_tables = block_tables.scalar_type() == at::kLong;
-  TORCH_CHECK(long_tables || block_tables.scalar_type() == at::kInt, "paged_decode_attention: int32 or int64 tables");
-  if (query.scalar_type() == at::kFloat) {
-    if (long_tables) dispatch_cache<float, int64_t>(query, k_cache, v_cache, block_tables, context_lens, out, scale);
-    else dispatch_cache<float, int32_t>(query, k_cache, v_cache, block_tables, context_lens, out, scale);
-  } else if (query.scalar_type() == at::kBFloat16) {
-    if (long_tables) {
-      dispatch_cache<c10::BFloat16, int64_t>(query, k_cache, v_cache, block_tables, context_lens, out, scale);
-    } else {
-      dispatch_cache<c10::BFloat16, int32_t>(query, k_cache, v_cache, block_tables, context_lens, out, scale);
-    }
-  } else {
-    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only, got ", query.scalar_type());
-  }
+  const int64_t num_seqs = query.size(0), num_blocks = k_cache.size(0), block_size = k_cache.size(1);
+  const int64_t max_blocks = block_tables.size(1);
+  dispatch_float_or_bfloat16(query.scalar_type(), "paged_decode_attention", [&](auto zero) {
+    using T = decltype(zero);
+    dispatch_index(block_tables.scalar_type(), "paged_decode_attention", [&](auto index_zero) {
+      using Index = decltype(index_zero);
+      const Index* tables = block_tables.data_ptr<Index>();
+      const Index* lens = context_lens.data_ptr<Index>();
+      for (int64_t seq = 0; seq < num_seqs; ++seq) {
+        check_block_table("paged_decode_attention", seq, tables + seq * max_blocks, static_cast<int64_t>(lens[seq]),
+                          1, max_blocks, block_size, num_blocks);
+      }
+      decode_kernel<T, Index>(query.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), tables, lens,
+                              out.data_ptr<T>(), num_seqs, query.size(1), k_cache.size(2), query.size(2), block_size,
+                              max_blocks, static_cast<float>(scale));
+    });
+  });
   return out;
 }
 
-}  // namespace
+}  // namespace nanoengine_cpu
 
 TORCH_LIBRARY_FRAGMENT(nanoengine, m) {
   m.def("paged_decode_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor context_lens, float scale) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(nanoengine, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
+        "Tensor context_lens, float scale) -> Tensor",
+        torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(nanoengine_cpu::paged_decode_attention)));
 }

@@ -1,26 +1,22 @@
-// Prefill attention over the paged cache for a whole step in one call (chapter 10).
-// Built with the other csrc/ sources by cpu_native.py; the operator is
-// torch.ops.nanoengine.paged_prefill_attention. It computes what reference.paged_prefill_attention
-// computes, with its bits: causal attention of each chunk over its sequence's cached tokens and
-// its own, by PyTorch's SDPA once per sequence, in float32 (a float32 cache, or a bfloat16 one
-// widened) or in bfloat16 (CpuAttention.prefill_dtype, on CPUs with bfloat16 instructions).
-// SDPA's CPU kernel is itself FlashAttention's tiling: blocks of queries against blocks of keys,
-// an online softmax, each block's products by the BLAS. What this file adds is how a step's
-// sequences share the threads. The reference calls SDPA per sequence from Python, and SDPA splits
-// one short sequence's work over the threads: a 32-prompt prefill spent a good part of its
-// attention time outside SDPA, and SDPA on two threads took longer than half its one-thread time
-// (figures: results/README.md). Here the sequences are shared out instead: each thread takes the
-// next sequence not yet done (longest first, so that the last ones are short), gathers its K/V
-// rows with memcpy and runs SDPA on it alone (PyTorch runs an operator called inside a parallel
-// region on the calling thread). A lone prompt (the usual prefill of a server at low load) would
-// leave every thread but one idle, so when one sequence outweighs a thread's share of the step's
-// work by more than SDPA loses in splitting it, the sequences run one after another and SDPA
-// splits each over all the threads itself.
+// Prefill attention over the paged cache for a whole step in one call (chapter 10). It computes
+// what reference.paged_prefill_attention computes, with its bits: causal attention of each chunk
+// over its sequence's cached tokens and its own, by PyTorch's SDPA once per sequence, in float32
+// (a float32 cache, or a bfloat16 one widened) or in bfloat16 (CpuAttention.prefill_dtype).
+// SDPA's CPU kernel is itself FlashAttention's tiling; what this file adds is how a step's
+// sequences share the threads. SDPA splits one short sequence's work badly over the threads (on
+// two threads it took longer than half its one-thread time: results/README.md), so each thread
+// takes the next sequence not yet done (costliest first, so that the last ones are short),
+// gathers its K/V rows with memcpy and runs SDPA on it alone (PyTorch runs an operator called
+// inside a parallel region on the calling thread). When one sequence outweighs a thread's share
+// of the step by more than SDPA loses in splitting it (a lone prompt), the sequences run one after
+// another and SDPA splits each over all the threads itself.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
+
+#include "ops.h"
 
 #include <algorithm>
 #include <atomic>
@@ -30,6 +26,7 @@
 #include <optional>
 #include <vector>
 
+namespace nanoengine_cpu {
 namespace {
 
 // How much longer SDPA takes to split one sequence over the threads than its work divided by
@@ -98,18 +95,12 @@ void sdpa_per_sequence(const at::Tensor& query, const at::Tensor& k_cache, const
   });
 }
 
+}  // namespace
+
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
                                    const at::Tensor& context_lens, double scale, bool widen) {
-  for (const at::Tensor* t : {&query, &k_cache, &v_cache}) {
-    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(), "paged_prefill_attention: contiguous CPU tensors only");
-  }
-  TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
-                  query.size(2) == k_cache.size(3) && k_cache.size(2) > 0 && query.size(1) % k_cache.size(2) == 0,
-              "paged_prefill_attention: query (tokens, heads, head_dim) and caches (blocks, block_size, kv_heads, "
-              "head_dim) with heads a multiple of kv_heads expected, got ", query.sizes(), " and ", k_cache.sizes());
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "paged_prefill_attention: query and caches must share a dtype");
+  check_query_and_caches("paged_prefill_attention", query, k_cache, v_cache);
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
   const at::Tensor starts = cu_seqlens_q.to(at::kLong).contiguous(), lengths = context_lens.to(at::kLong).contiguous();
   const int64_t num_seqs = lengths.size(0), max_blocks = tables.dim() == 2 ? tables.size(1) : 0;
@@ -124,27 +115,20 @@ at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_
               "to the query's ", query.size(0), " tokens");
   for (int64_t s = 0; s < num_seqs; ++s) {  // everything checked before any thread reads the cache
     const int64_t q_len = start[s + 1] - start[s];
-    TORCH_CHECK(q_len >= 0 && q_len <= length[s] && length[s] <= max_blocks * block_size,
-                "paged_prefill_attention: sequence ", s, " has ", q_len, " query tokens and context length ", length[s],
-                "; allowed 0 <= query tokens <= context length <= ", max_blocks * block_size);
-    for (int64_t b = 0; b < (length[s] + block_size - 1) / block_size; ++b) {
-      const int64_t block = table[s * max_blocks + b];
-      TORCH_CHECK(block >= 0 && block < num_blocks, "paged_prefill_attention: sequence ", s, " block ", b, " is ", block,
-                  "; the cache has blocks 0..", num_blocks - 1);
-    }
+    TORCH_CHECK(q_len >= 0 && q_len <= length[s], "paged_prefill_attention: sequence ", s, " has ", q_len,
+                " query tokens and context length ", length[s], "; allowed 0 <= query tokens <= context length");
+    check_block_table("paged_prefill_attention", s, table + s * max_blocks, length[s], 0, max_blocks, block_size,
+                      num_blocks);
   }
   at::Tensor out = at::empty_like(query);
   sdpa_per_sequence(query, k_cache, v_cache, table, start, length, num_seqs, max_blocks, scale, widen, out);
   return out;
 }
 
-}  // namespace
+}  // namespace nanoengine_cpu
 
 TORCH_LIBRARY_FRAGMENT(nanoengine, m) {
   m.def("paged_prefill_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor cu_seqlens_q, Tensor context_lens, float scale, bool widen) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(nanoengine, CPU, m) {
-  m.impl("paged_prefill_attention", &paged_prefill_attention);
+        "Tensor cu_seqlens_q, Tensor context_lens, float scale, bool widen) -> Tensor",
+        torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(nanoengine_cpu::paged_prefill_attention)));
 }

@@ -1,7 +1,5 @@
-// RMSNorm, alone or fused with the residual add, in one pass per row (chapter 10: fusion).
-// Built with the other csrc/ sources by cpu_native.py; the operators are
-// torch.ops.nanoengine.rms_norm and torch.ops.nanoengine.add_rms_norm, and the definition
-// they must agree with is layers/layernorm.py.
+// RMSNorm, alone or fused with the residual add, in one pass per row (chapter 10: fusion). The
+// definition it must agree with is layers/layernorm.py.
 //
 // Eager PyTorch runs RMSNorm as several operators (the float32 copy, the norm, the cast, the
 // weight multiply, and the residual add before it), each a pass over the activations and a
@@ -22,18 +20,15 @@
 #include <torch/library.h>
 
 #include "cpu_vec.h"
+#include "ops.h"
 
 #include <cmath>
 #include <cstdint>
 #include <tuple>
 #include <vector>
 
+namespace nanoengine_cpu {
 namespace {
-
-using nanoengine_cpu::horizontal_sum;
-using nanoengine_cpu::load8;
-using nanoengine_cpu::round_to;
-using nanoengine_cpu::store8;
 
 // One row: out = weight * dtype(x / sqrt(mean(x^2) + eps)). x is float32 here (a sum already
 // rounded to the activation dtype, or the input converted).
@@ -64,6 +59,7 @@ inline void normalise_row(const float* x, const T* weight, T* out, int64_t H, fl
 template <typename T>
 void norm_rows(const T* x, const T* residual, const T* weight, T* out, T* new_residual, int64_t rows, int64_t H,
                float eps) {
+  // At least 16 rows to a thread (a round figure, not tuned): a few decoding rows stay on the caller.
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(H);
     for (int64_t r = begin; r < end; ++r) {
@@ -92,29 +88,31 @@ void norm_rows(const T* x, const T* residual, const T* weight, T* out, T* new_re
 }
 
 void check(const at::Tensor& x, const at::Tensor& weight, const char* op) {
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && x.is_contiguous() && weight.is_contiguous(), op,
-              ": contiguous CPU tensors only");
+  check_cpu_contiguous(op, {&x, &weight});
   TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && x.size(-1) == weight.size(0), op,
               ": x (..., H) and weight (H,) expected, got ", x.sizes(), " and ", weight.sizes());
   TORCH_CHECK(x.scalar_type() == weight.scalar_type(), op, ": x and weight must share a dtype, got ",
               x.scalar_type(), " and ", weight.scalar_type());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
-              ": float32 or bfloat16 only, got ", x.scalar_type());
 }
 
-template <typename T>
+// out = norm(x) or, with a residual, out = norm(x + residual) and new_residual = x + residual.
 void run(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, at::Tensor& out,
-         at::Tensor* new_residual, double eps) {
+         at::Tensor* new_residual, double eps, const char* op) {
   const int64_t H = x.size(-1), rows = H == 0 ? 0 : x.numel() / H;
-  norm_rows<T>(x.data_ptr<T>(), residual ? residual->data_ptr<T>() : nullptr, weight.data_ptr<T>(), out.data_ptr<T>(),
-               new_residual ? new_residual->data_ptr<T>() : nullptr, rows, H, static_cast<float>(eps));
+  dispatch_float_or_bfloat16(x.scalar_type(), op, [&](auto zero) {
+    using T = decltype(zero);
+    norm_rows<T>(x.data_ptr<T>(), residual ? residual->data_ptr<T>() : nullptr, weight.data_ptr<T>(),
+                 out.data_ptr<T>(), new_residual ? new_residual->data_ptr<T>() : nullptr, rows, H,
+                 static_cast<float>(eps));
+  });
 }
+
+}  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check(x, weight, "rms_norm");
   at::Tensor out = at::empty_like(x);
-  if (x.scalar_type() == at::kFloat) run<float>(x, nullptr, weight, out, nullptr, eps);
-  else run<c10::BFloat16>(x, nullptr, weight, out, nullptr, eps);
+  run(x, nullptr, weight, out, nullptr, eps, "rms_norm");
   return out;
 }
 
@@ -124,19 +122,15 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() && residual.is_contiguous(),
               "add_rms_norm: residual must be a contiguous tensor of x's shape and dtype, got ", residual.sizes());
   at::Tensor out = at::empty_like(x), new_residual = at::empty_like(x);
-  if (x.scalar_type() == at::kFloat) run<float>(x, &residual, weight, out, &new_residual, eps);
-  else run<c10::BFloat16>(x, &residual, weight, out, &new_residual, eps);
+  run(x, &residual, weight, out, &new_residual, eps, "add_rms_norm");
   return {out, new_residual};
 }
 
-}  // namespace
+}  // namespace nanoengine_cpu
 
 TORCH_LIBRARY_FRAGMENT(nanoengine, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(nanoengine, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor",
+        torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(nanoengine_cpu::rms_norm)));
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)",
+        torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(nanoengine_cpu::add_rms_norm)));
 }

@@ -1,9 +1,7 @@
-// The rotary embedding in one pass over a step's queries and keys (chapter 10).
-// Built with the other csrc/ sources by cpu_native.py; the operator is
-// torch.ops.nanoengine.rotate_half. The definition it must agree with, bit for bit, is
-// layers/rotary.py's rotate_half: eager PyTorch makes six passes (a cast, two products, the
-// halves swapped, a sum, a cast back); this loop computes the same products and sum in the
-// same order, in float32, once per element.
+// The rotary embedding in one pass over a step's queries and keys (chapter 10). The definition it
+// must agree with, bit for bit, is layers/rotary.py's rotate_half: eager PyTorch makes six passes
+// (a cast, two products, the halves swapped, a sum, a cast back); this loop computes the same
+// products and sum in the same order, in float32, once per element.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -11,13 +9,12 @@
 #include <torch/library.h>
 
 #include "cpu_vec.h"
+#include "ops.h"
 
 #include <cstdint>
 
+namespace nanoengine_cpu {
 namespace {
-
-using nanoengine_cpu::load8;
-using nanoengine_cpu::store8;
 
 template <typename T>
 inline void rotate_head(const T* x, const float* cos, const float* sin, T* out, int64_t d) {
@@ -46,7 +43,8 @@ void rotate_into(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  // A (token, head) pair is a task; one decoding sequence's 20 heads are too few to split.
+  // A (token, head) pair is a task, at least 64 to a thread (a round figure, not tuned): one
+  // decoding sequence's 20 heads are too few to split.
   at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
       const int64_t t = w / heads, h = w % heads;
@@ -55,38 +53,29 @@ void rotate_into(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& s
   });
 }
 
-at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  if (x.scalar_type() == at::kFloat) rotate_into<float>(x, cos, sin, out);
-  else rotate_into<c10::BFloat16>(x, cos, sin, out);
-  return out;
-}
+}  // namespace
 
-// The operator nanoengine::rotate_half: layers/rotary.py's rotate_half for any step (prefill
-// rows too), one pass over the heads instead of eager's upcast, two products, a concatenation,
-// a sum and a downcast, each a pass of its own over the step's queries and keys.
-at::Tensor rotate_half_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+// One head: out_i = x_i cos_i + x_(i +- d/2) sin_i (sin is signed, [-sin | sin]), each product
+// rounded and then the sum, in float32.
+at::Tensor rotate_half(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
               "rotate_half: x (tokens, heads, head_dim) on the CPU with each token's heads contiguous expected, got "
               "sizes ", x.sizes(), " strides ", x.strides());
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "rotate_half: float32 or bfloat16 x only, got ", x.scalar_type());
   TORCH_CHECK(x.size(2) % 2 == 0, "rotate_half: head_dim must be even, got ", x.size(2));
   for (const at::Tensor* t : {&cos, &sin}) {
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == x.size(0) &&
                     t->size(1) == 1 && t->size(2) == x.size(2),
                 "rotate_half: cos and sin (tokens, 1, head_dim) contiguous float32 expected, got ", t->sizes());
   }
-  return rotate(x, cos, sin);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  dispatch_float_or_bfloat16(x.scalar_type(), "rotate_half",
+                             [&](auto zero) { rotate_into<decltype(zero)>(x, cos, sin, out); });
+  return out;
 }
 
-// ---------------------------------------------------------------- the layer
-}  // namespace
+}  // namespace nanoengine_cpu
 
 TORCH_LIBRARY_FRAGMENT(nanoengine, m) {
-  m.def("rotate_half(Tensor x, Tensor cos, Tensor sin) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(nanoengine, CPU, m) {
-  m.impl("rotate_half", &rotate_half_op);
+  m.def("rotate_half(Tensor x, Tensor cos, Tensor sin) -> Tensor",
+        torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(nanoengine_cpu::rotate_half)));
 }
