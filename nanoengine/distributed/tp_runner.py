@@ -46,7 +46,6 @@ import torch
 from nanoengine.config import EngineConfig
 from nanoengine.distributed.worker import WorkerSpec, default_num_threads, run_worker
 from nanoengine.engine.model_runner import BatchPlan, SamplingRunner
-from nanoengine.layers.sampler import Sampler
 from nanoengine.models.config import ModelConfig
 
 
@@ -283,12 +282,8 @@ class TensorParallelRunner(SamplingRunner):
         tp_size = config.tensor_parallel_size
         device = config.torch_device
         check_tensor_parallel_size(model_config, tp_size, device)
-        self.model_config = model_config
-        self.block_size = config.block_size
-        self.num_blocks = num_blocks  # per rank, the same block ids everywhere
-        self.device = torch.device("cpu")  # the driver's: requests' generators and the sampler live here
-        self.sampler = Sampler()
-        self.generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        # The driver's device is the CPU: the requests' generators and the sampler live here.
+        super().__init__(model_config, num_blocks, config.block_size, torch.device("cpu"), config.seed)
         self._step_id = 0
         self._workers = WorkerGroup(tp_size)
         self._finalizer = weakref.finalize(self, self._workers.close)

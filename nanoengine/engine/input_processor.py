@@ -68,7 +68,7 @@ class InputProcessor:
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):  # a conversation
             params = self.check_params(sampling_params)
             text = self.apply_chat_template(prompt)  # refuses malformed messages by name
-            return ProcessedPrompt(text, self._check_length(self.encode(text, rendered_chat=True)), params)
+            return ProcessedPrompt(text, self.check_length(self.encode(text, rendered_chat=True)), params)
         if isinstance(prompt, (list, tuple)):
             return self.process_tokens(prompt, sampling_params)
         text, token_ids = self.tokenize(prompt)
@@ -86,7 +86,7 @@ class InputProcessor:
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got "
                              f"[{', '.join(shown(t, 20) for t in bad[:5])}]")
-        return ProcessedPrompt(prompt, self._check_length(token_ids), params)
+        return ProcessedPrompt(prompt, self.check_length(token_ids), params)
 
     # -------------------------------------------------------------- pieces
     def encode(self, text: str, rendered_chat: bool = False) -> list[int]:
@@ -105,7 +105,7 @@ class InputProcessor:
                 raise ValueError("this engine has no tokenizer: pass the prompt as a list of token ids")
             if not prompt:
                 raise ValueError("prompt is empty: give at least one character or token id")
-            return prompt, list(self._check_length(self.encode(prompt)))
+            return prompt, list(self.check_length(self.encode(prompt)))
         if isinstance(prompt, (list, tuple)):
             return None, list(self.process_tokens(prompt, SamplingParams()).prompt_token_ids)
         raise TypeError(f"prompt must be a string or a list of token ids (or a list of chat messages), "
@@ -144,7 +144,8 @@ class InputProcessor:
             self.check_constraint(params)
         return params
 
-    def _check_length(self, token_ids: Sequence[int]) -> tuple[int, ...]:
+    def check_length(self, token_ids: Sequence[int]) -> tuple[int, ...]:
+        """A ``ValueError`` for a prompt that is empty or longer than ``max_model_len``; else its ids as a tuple."""
         if not token_ids:
             raise ValueError("prompt is empty: it has no tokens")
         if len(token_ids) > self.max_model_len:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from nanoengine.backends import Backend, select_backend
-from nanoengine.layers.kernels import REFERENCE, building_with
+from nanoengine.layers.kernels import REFERENCE, LayerKernels, building_with
 from nanoengine.backends.compilation import CompileReport
 from nanoengine.engine.block_table import BlockTables
 from nanoengine.engine.profiler import NO_PROFILER, StepProfiler
@@ -227,9 +227,17 @@ class SamplingRunner:
     requests give the same tokens whatever the runner.
     """
 
-    sampler: Sampler
-    generator: torch.Generator
     compilation: CompileReport = CompileReport.not_requested()  # what compile=True did (backends.compilation)
+
+    def __init__(self, model_config: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
+                 seed: int, kernels: LayerKernels = REFERENCE) -> None:
+        self.model_config = model_config
+        self.num_blocks = num_blocks  # per rank under tensor parallelism: the same block ids on every rank
+        self.block_size = block_size
+        self.device = device  # where the sampler and the generators run
+        with building_with(kernels):  # the backend's sampling kernel, if it has one
+            self.sampler = Sampler()
+        self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def prepare_inputs(self, plan: BatchPlan) -> object:
         """This step's model input, built from the plan."""
@@ -239,6 +247,14 @@ class SamplingRunner:
         """Run the model on a prepared step. -> (num sampled, vocab) float32 logits."""
         raise NotImplementedError
 
+    def logits_chunks(self, prepared, row_counts: list[int]):
+        """Run the model on a prepared step; yield the logits of the rows to sample, in chunks of whole requests.
+
+        ``row_counts``: the logits rows of each sampling request, in order. Yields (rows slice,
+        requests slice, logits). Here, one chunk: ``run_model``'s logits.
+        """
+        yield slice(None), slice(None), self.run_model(prepared)
+
     def memory_usage(self) -> dict[str, int]:
         """Bytes of weights, packed weight copies and KV cache (all ranks together)."""
         raise NotImplementedError
@@ -247,26 +263,40 @@ class SamplingRunner:
         """Logits of every planned request that reaches its last token, without sampling."""
         return self.run_model(self.prepare_inputs(plan))
 
+    @torch.inference_mode()
     def execute_model(self, plan: BatchPlan, sampled: list[Request], profiler: StepProfiler = NO_PROFILER,
                       grammar_bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
-        """One planned step: inputs, forward pass and logits, sampling.
+        """One planned step: inputs, forward pass, then logits and sampling, chunk by chunk (``logits_chunks``).
 
         ``sampled`` are the requests that sample, in the order of ``plan.logits_indices``.
         ``grammar_bitmask``: one packed row per logits row (structured output, chapter 14), applied
-        to the logits before anything samples from them. Each part runs in its ``profiler``
-        phase; when the step is profiled, a GPU is waited for before sampling starts, so
-        ``model`` holds the GPU's time and not just the launches (sampling would wait for it anyway).
+        to the logits before anything samples from them. Each chunk (a CPU's are small,
+        ``backends/cpu.py``) is sampled and freed before the next is computed, so its memory is
+        reused. Each part runs in its ``profiler`` phase; when the step is profiled, a GPU is waited
+        for before sampling starts, so ``model`` holds the GPU's time and not just the launches.
         """
         with profiler.phase("prepare"):
             prepared = self.prepare_inputs(plan)
-        with profiler.phase("model"):
-            logits = self.run_model(prepared)
-            if profiler.enabled:
-                self.synchronize()
-        with profiler.phase("sample"):
-            if grammar_bitmask is not None:
-                apply_token_bitmask(logits, grammar_bitmask)
-            return ModelRunnerOutput.of(sampled, *self.sample_contained(logits, sampled, plan.sampled_drafts))
+        drafts = plan.sampled_drafts or [()] * len(sampled)
+        chunks = self.logits_chunks(prepared, [1 + len(d) for d in drafts])
+        token_ids, logprobs, failed = [], [], {}
+        while True:
+            with profiler.phase("model"):
+                chunk = next(chunks, None)
+                if profiler.enabled:
+                    self.synchronize()
+            if chunk is None:
+                return ModelRunnerOutput.of(sampled, token_ids, logprobs, failed)
+            rows, requests, logits = chunk
+            with profiler.phase("sample"):
+                if grammar_bitmask is not None:  # structured output: forbidden tokens' logits to -inf
+                    apply_token_bitmask(logits, grammar_bitmask[rows])
+                chunk_tokens, chunk_logprobs, chunk_failed = self.sample_contained(logits, sampled[requests],
+                                                                                   drafts[requests])
+            del chunk, logits  # freed before the next chunk is computed, so its memory is reused
+            token_ids += chunk_tokens
+            logprobs += chunk_logprobs
+            failed.update(chunk_failed)
 
     def synchronize(self) -> None:
         """Wait until the device has finished the work launched so far, for a profiled step's
@@ -359,21 +389,19 @@ class ModelRunner(SamplingRunner):
     """Holds the model and the paged KV cache; prepares inputs, runs, samples.
 
     Built in this order: the device backend (``nanoengine.backends``, unless one is given; the
-    model must have been built with its kernels, ``loader.build_model``), the KV cache (a share
-    bound to every attention layer), the weights prepared by each layer's linear method
-    (``process_weights_after_loading``), the sampler, then whatever the backend does to the
-    forward pass once (compiled ops warmed up now, CUDA graphs captured).
+    model must have been built with its kernels, ``loader.build_model``), the sampler with the
+    backend's kernels, the KV cache (a share bound to every attention layer), the weights prepared
+    by each layer's linear method (``process_weights_after_loading``), then whatever the backend
+    does to the forward pass once (compiled ops warmed up now, CUDA graphs captured).
     """
 
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, seed: int = 0, backend: Backend | None = None) -> None:
+        backend = backend if backend is not None else select_backend(device, dtype=dtype)
+        super().__init__(model_config, num_blocks, block_size, device, seed, backend.kernels)
         self.model = model
-        self.model_config = model_config
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.device = device
         self.dtype = dtype
-        self.backend = backend if backend is not None else select_backend(device, dtype=dtype)
+        self.backend = backend
         built_for = getattr(model, "kernels", REFERENCE)  # a model constructed outside build_model: the reference
         if built_for.name != self.backend.kernels.name:
             raise ValueError(f"this model was built with the {built_for.name!r} kernels and this engine's backend "
@@ -393,9 +421,6 @@ class ModelRunner(SamplingRunner):
             attn.bind(self.kv_cache[0, i], self.kv_cache[1, i])
         self.backend.bind_kv_cache(block_size, dtype)
         self.backend.process_weights_after_loading(model)
-        with building_with(self.backend.kernels):
-            self.sampler = Sampler()
-        self.generator = torch.Generator(device=device).manual_seed(seed)
         self.backend.prepare_forward(self)  # may compile (sets self.compilation) or capture graphs
 
     @property
@@ -441,36 +466,16 @@ class ModelRunner(SamplingRunner):
         return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
-    def execute_model(self, plan: BatchPlan, sampled: list[Request], profiler: StepProfiler = NO_PROFILER,
-                      grammar_bitmask: torch.Tensor | None = None) -> ModelRunnerOutput:
-        """Inputs, forward pass, then logits and sampling, in as many chunks of rows as the backend asks.
+    def logits_chunks(self, model_input: ModelInput, row_counts: list[int]):
+        """The forward pass, then the sampled rows' logits in the backend's chunks (one on a GPU).
 
-        One chunk on a GPU; on a CPU each chunk's logits are sampled and freed before the
-        next is computed, so their memory is reused (``backends/cpu.py``).
+        A chunk is not kept here once yielded, so the caller frees it before the next is computed.
         """
-        with profiler.phase("prepare"):
-            model_input = self.prepare_inputs(plan)
-        with profiler.phase("model"):
-            hidden = self.sampled_hidden(model_input)
-        token_ids, logprobs, failed = [], [], {}
+        hidden = self.sampled_hidden(model_input)
         config = self.model_config
-        drafts = plan.sampled_drafts or [()] * len(sampled)
         step = self.backend.logits_rows_per_chunk(hidden.shape[0], config.vocab_size, config.hidden_size)
-        for rows, requests in request_chunks([1 + len(d) for d in drafts], step):  # a request's rows stay together
-            with profiler.phase("model"):
-                logits = self.logits(hidden[rows])
-                if profiler.enabled:
-                    self.synchronize()
-            with profiler.phase("sample"):
-                if grammar_bitmask is not None:  # structured output: forbidden tokens' logits to -inf
-                    apply_token_bitmask(logits, grammar_bitmask[rows])
-                chunk_tokens, chunk_logprobs, chunk_failed = self.sample_contained(logits, sampled[requests],
-                                                                                   drafts[requests])
-            del logits  # freed before the next chunk is computed, so its memory is reused
-            token_ids += chunk_tokens
-            logprobs += chunk_logprobs
-            failed.update(chunk_failed)
-        return ModelRunnerOutput.of(sampled, token_ids, logprobs, failed)
+        for rows, requests in request_chunks(row_counts, step):
+            yield rows, requests, self.logits(hidden[rows])
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int, write_kv: bool = False) -> None:

@@ -212,12 +212,11 @@ class OpenAIServing:
         def prepare() -> list[tuple[list[int], object]]:
             prepared = []
             for token_ids in tokenize():
-                if not token_ids:
-                    raise ProtocolError("prompt is empty: it has no tokens", param="prompt", code="invalid_value")
-                if len(token_ids) > self.max_model_len:
-                    raise ProtocolError(f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len};"
-                                        f" shorten it or raise max_model_len", param="prompt",
-                                        code="context_length_exceeded")
+                try:
+                    self.input_processor.check_length(token_ids)
+                except ValueError as exc:
+                    code = "context_length_exceeded" if token_ids else "invalid_value"
+                    raise ProtocolError(str(exc), param="prompt", code=code) from None
                 try:
                     fitted = fit_to_context(params, requested_max_tokens, len(token_ids), self.max_model_len)
                 except ValueError as exc:
