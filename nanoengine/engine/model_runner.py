@@ -247,13 +247,22 @@ class SamplingRunner:
         """Run the model on a prepared step. -> (num sampled, vocab) float32 logits."""
         raise NotImplementedError
 
-    def logits_chunks(self, prepared, row_counts: list[int]):
+    def logits_chunks(self, prepared, row_counts: list[int], profiler: StepProfiler = NO_PROFILER):
         """Run the model on a prepared step; yield the logits of the rows to sample, in chunks of whole requests.
 
         ``row_counts``: the logits rows of each sampling request, in order. Yields (rows slice,
-        requests slice, logits). Here, one chunk: ``run_model``'s logits.
+        requests slice, logits), each computed in the ``model`` phase. Here, one chunk: ``run_model``'s logits.
         """
-        yield slice(None), slice(None), self.run_model(prepared)
+        with profiler.phase("model"):
+            logits = self.run_model(prepared)
+            self.wait_if_profiled(profiler)
+        yield slice(None), slice(None), logits
+
+    def wait_if_profiled(self, profiler: StepProfiler) -> None:
+        """In a profiled step, wait for the device, so that ``model`` holds a GPU's time and not just
+        its launches (sampling would wait for it anyway)."""
+        if profiler.enabled:
+            self.synchronize()
 
     def memory_usage(self) -> dict[str, int]:
         """Bytes of weights, packed weight copies and KV cache (all ranks together)."""
@@ -272,31 +281,23 @@ class SamplingRunner:
         ``grammar_bitmask``: one packed row per logits row (structured output, chapter 14), applied
         to the logits before anything samples from them. Each chunk (a CPU's are small,
         ``backends/cpu.py``) is sampled and freed before the next is computed, so its memory is
-        reused. Each part runs in its ``profiler`` phase; when the step is profiled, a GPU is waited
-        for before sampling starts, so ``model`` holds the GPU's time and not just the launches.
+        reused. Each part runs in its ``profiler`` phase.
         """
         with profiler.phase("prepare"):
             prepared = self.prepare_inputs(plan)
         drafts = plan.sampled_drafts or [()] * len(sampled)
-        chunks = self.logits_chunks(prepared, [1 + len(d) for d in drafts])
         token_ids, logprobs, failed = [], [], {}
-        while True:
-            with profiler.phase("model"):
-                chunk = next(chunks, None)
-                if profiler.enabled:
-                    self.synchronize()
-            if chunk is None:
-                return ModelRunnerOutput.of(sampled, token_ids, logprobs, failed)
-            rows, requests, logits = chunk
+        for rows, requests, logits in self.logits_chunks(prepared, [1 + len(d) for d in drafts], profiler):
             with profiler.phase("sample"):
                 if grammar_bitmask is not None:  # structured output: forbidden tokens' logits to -inf
                     apply_token_bitmask(logits, grammar_bitmask[rows])
                 chunk_tokens, chunk_logprobs, chunk_failed = self.sample_contained(logits, sampled[requests],
                                                                                    drafts[requests])
-            del chunk, logits  # freed before the next chunk is computed, so its memory is reused
+            del logits  # freed before the next chunk is computed, so its memory is reused
             token_ids += chunk_tokens
             logprobs += chunk_logprobs
             failed.update(chunk_failed)
+        return ModelRunnerOutput.of(sampled, token_ids, logprobs, failed)
 
     def synchronize(self) -> None:
         """Wait until the device has finished the work launched so far, for a profiled step's
@@ -466,16 +467,21 @@ class ModelRunner(SamplingRunner):
         return self.model.compute_logits(hidden).float()
 
     @torch.inference_mode()
-    def logits_chunks(self, model_input: ModelInput, row_counts: list[int]):
+    def logits_chunks(self, model_input: ModelInput, row_counts: list[int], profiler: StepProfiler = NO_PROFILER):
         """The forward pass, then the sampled rows' logits in the backend's chunks (one on a GPU).
 
-        A chunk is not kept here once yielded, so the caller frees it before the next is computed.
+        A chunk is dropped here once the caller asks for the next, so it is freed before the next is computed.
         """
-        hidden = self.sampled_hidden(model_input)
+        with profiler.phase("model"):
+            hidden = self.sampled_hidden(model_input)
         config = self.model_config
         step = self.backend.logits_rows_per_chunk(hidden.shape[0], config.vocab_size, config.hidden_size)
         for rows, requests in request_chunks(row_counts, step):
-            yield rows, requests, self.logits(hidden[rows])
+            with profiler.phase("model"):
+                logits = self.logits(hidden[rows])
+                self.wait_if_profiled(profiler)
+            yield rows, requests, logits
+            del logits
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int, write_kv: bool = False) -> None:
