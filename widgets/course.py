@@ -16,7 +16,12 @@ from nanobench import machine_description  # re-exported: it lives next to the t
 
 
 def source_of(obj) -> tuple[str, str, int]:
-    """(source text, path relative to the repository, first line number) of ``obj``."""
+    """(source text, path relative to the repository, first line number) of ``obj``.
+
+    A decorated function (``@torch.inference_mode()``, ``functools.wraps``) is shown as written,
+    from its own file: ``getsourcelines`` unwraps it, ``getsourcefile`` would not.
+    """
+    obj = inspect.unwrap(obj) if callable(obj) else obj
     lines, first = inspect.getsourcelines(obj)
     path = Path(inspect.getsourcefile(obj)).resolve()
     root = Path(__file__).resolve().parent.parent

@@ -152,3 +152,15 @@ def test_only_a_chapters_own_checks_and_quiz_are_exempt_from_its_freshness():
     assert not _belongs_to_another_chapter("widgets/exercises/__init__.py", ch5)
     assert not _belongs_to_another_chapter("widgets/live_questions.py", ch5)
     assert not _belongs_to_another_chapter("nanoengine/engine/scheduler.py", ch5)
+
+
+def test_a_listing_of_a_decorated_method_is_its_own_file():
+    """``show_source`` of a method under ``@torch.inference_mode()`` lists the engine's file, not torch's wrapper."""
+    from nanoengine.engine.model_runner import SamplingRunner
+    from widgets.course import source_of
+
+    text, shown, first = source_of(SamplingRunner.execute_model)
+    lines = (ROOT / shown).read_text().splitlines(keepends=True)
+    assert shown == "nanoengine/engine/model_runner.py"
+    assert text == "".join(lines[first - 1:first - 1 + text.count("\n")])
+    assert "def execute_model(" in text
