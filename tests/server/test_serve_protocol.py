@@ -44,6 +44,7 @@ def refused(model, body) -> ProtocolError:
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options", "only allowed with stream"),
     ({"prompt": "hi", "echo": True}, "echo", "not supported"),
     ({"prompt": "hi", "suffix": "!"}, "suffix", "not supported"),
+    ({"prompt": "hi", "suffix": ""}, "suffix", "not supported"),  # any suffix, even an empty one
     ({"prompt": "hi", "best_of": 3}, "best_of", "must equal n"),
     ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"prompt": "hi", "logit_bias": {"50256": -100}}, "logit_bias", "not supported"),

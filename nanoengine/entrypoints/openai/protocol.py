@@ -205,9 +205,10 @@ class StructuredOutputsRequest(_Strict):
 class _SamplingRequest(_Strict):
     """The fields both endpoints share: the model, sampling, stopping, streaming."""
 
-    # Fields OpenAI defines that this engine does not implement: accepted only at the value that
-    # changes nothing (any empty one, or left out), refused otherwise (``check_supported``).
-    UNSUPPORTED: ClassVar[dict[str, str]] = {"presence_penalty": "0", "frequency_penalty": "0", "logit_bias": "{}"}
+    # Fields OpenAI defines that this engine does not implement: accepted only left out or at the
+    # value that changes nothing (None: no such value), refused otherwise (``check_supported``).
+    UNSUPPORTED: ClassVar[dict[str, str | None]] = {"presence_penalty": "0", "frequency_penalty": "0",
+                                                    "logit_bias": "{}"}
 
     model: str | None = None  # None: the served model (vLLM allows leaving it out)
     n: Int = 1
@@ -236,9 +237,10 @@ class _SamplingRequest(_Strict):
     def check_supported(self) -> None:
         """Refuse values of fields the engine does not implement (never ignore them silently)."""
         for name, neutral in self.UNSUPPORTED.items():
-            if getattr(self, name):
-                raise ProtocolError(f"{name} is not supported by this server; leave it out or at {neutral}",
-                                    param=name, code="unsupported")
+            value = getattr(self, name)
+            if value is not None and (neutral is None or value):
+                raise ProtocolError(f"{name} is not supported by this server; leave it out"
+                                    + (f" or at {neutral}" if neutral else ""), param=name, code="unsupported")
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("stream_options is only allowed with stream: true", param="stream_options")
 
@@ -265,7 +267,7 @@ class _SamplingRequest(_Strict):
 class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``: continue one prompt, or each of a list of prompts."""
 
-    UNSUPPORTED = {**_SamplingRequest.UNSUPPORTED, "echo": "false", "suffix": '""'}
+    UNSUPPORTED = {**_SamplingRequest.UNSUPPORTED, "echo": "false", "suffix": None}
 
     prompt: str | list[Int] | list[str] | list[list[Int]]
     max_tokens: Int | None = 16
