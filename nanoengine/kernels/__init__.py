@@ -5,8 +5,9 @@ Each operation has a PyTorch reference (``reference.py``, the specification), a 
 (``cpu_native.py``; where they cannot be built, the CPU runs the reference). The engine never
 picks among them per call: its device backend (``nanoengine.backends``) chooses the kernels
 once, when the engine is built. The three functions below are for tools and notebooks that
-hold tensors and want "the path the engine would take for them". Only ``triton_kernels`` imports triton, and only when first needed, so importing
-the engine never requires a GPU toolchain.
+hold tensors and want "the path the engine would take for them". Only ``triton_kernels``
+imports triton, and only when first needed, so importing the engine never requires a GPU
+toolchain.
 """
 
 from __future__ import annotations
