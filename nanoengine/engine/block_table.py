@@ -1,25 +1,20 @@
 """The block tables of the requests in flight, kept as one tensor and updated in place (chapters 4 and 10).
 
 Attention reads a sequence's earlier K/V through its block table, so every step hands the
-kernels a (sequences, blocks) table. Rebuilding it from Python lists each step costs time
-proportional to *all* the blocks of *all* the running requests (256 requests of 2,048
-tokens: 32,768 entries copied, padded and converted every step), although from one step
-to the next almost nothing changes: a decoding request gains one block every
+kernels a (sequences, blocks) table. Rebuilding it from Python lists costs time in *all* the
+blocks of *all* the running requests, although a decoding request gains one block only every
 ``block_size`` steps.
 
-``BlockTables`` keeps one persistent int32 tensor with a row per request in flight. A step
-hands it its scheduled requests, each with the blocks it gained for this step
-(``ScheduledRequest.new_block_ids``, the last of its ``block_ids``): the row keeps the
-entries before them and receives exactly those, and the step gathers the rows it needs with
-one ``index_select``. vLLM v1 keeps its block tables the same way (a persistent CPU tensor per
-worker; its scheduler output names each request's new block ids, and a request admitted or
-resumed sends them all).
+``BlockTables`` keeps one persistent int32 tensor with a row per request in flight. Each
+scheduled request names the blocks it gained for the step (``ScheduledRequest.new_block_ids``):
+its row keeps the entries before them and receives exactly those, and the step gathers the rows
+it needs with one ``index_select``. vLLM v1 keeps its block tables the same way (a persistent
+CPU tensor per worker, fed the new block ids in its scheduler output).
 
-A row is told, never guesses: a new row is written whole, and when a request holds fewer
-blocks than its row (speculative decoding gave back the blocks only rejected drafts used),
-the surplus entries are cleared before the new ones land. Rows of requests that are no
-longer running are taken back only when a new request needs one and none is free, so
-nothing has to tell this class that a request ended.
+A row is told, never guesses: a new row is written whole, and entries past the blocks a request
+still holds (speculative decoding gave back what only rejected drafts used) are cleared before
+the new ones land. Rows of requests no longer running are taken back only when a new request
+needs one, so nothing has to tell this class that a request ended.
 """
 
 from __future__ import annotations

@@ -6,20 +6,16 @@
     execute   -> plan the batch, prepare tensors, run the model, sample (the worker / data plane)
     update    -> append tokens, detect stops, free finished requests, build outputs
 
-(Structured output, chapter 14, adds a bitmask to the execute move and a grammar to advance in
-the update: ``structured_output``.)
-
-Everything a reader or a simulator wants to watch is available without touching internal
-state: ``snapshot()`` and ``memory_report()`` return frozen records, and ``events``
+Structured output (chapter 14) adds a bitmask to the execute move and a grammar to advance in
+the update. Everything a reader or a simulator wants to watch is available without touching
+internal state: ``snapshot()`` and ``memory_report()`` return frozen records, and ``events``
 publishes what happened (``nanoengine.events``).
 
-Module map of the engine core: ``input_processor`` turns prompts into checked requests,
-``parallel_sampling`` fans a request out into its ``n`` completions (and queues the
-siblings once the prompt is computed: ``after_update``, the one call it needs), ``scheduler``
-decides, ``block_manager`` keeps the KV blocks, ``model_runner`` computes,
-``output_processor`` turns tokens into text and outputs; this module only wires them
-together. A reader that shares the engine with others (``LLM.stream`` next to
-``LLM.generate``, a server) gets its outputs through an ``OutputRouter``.
+This module only wires the engine core together: ``input_processor`` turns prompts into checked
+requests, ``parallel_sampling`` fans a request out into its ``n`` completions, ``scheduler``
+decides, ``block_manager`` keeps the KV blocks, ``model_runner`` computes, ``output_processor``
+turns tokens into text and outputs. A reader that shares the engine with others (``LLM.stream``
+next to ``LLM.generate``, a server) gets its outputs through an ``OutputRouter``.
 """
 
 from __future__ import annotations
@@ -140,11 +136,10 @@ class LLMEngine:
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Queue a request; returns its id. Checks everything before changing anything.
 
-        ``prompt`` is text, token ids, a chat conversation (a list of ``{'role', 'content'}``
-        messages), or a ``ProcessedPrompt`` that ``input_processor`` already checked (then
-        ``sampling_params`` may be omitted). ``arrival_time`` (a ``time.perf_counter()``
-        value, not in the future) lets a benchmark replaying an online trace date a
-        request from when it arrived rather than when it was added; TTFT is measured from it.
+        ``prompt`` is text, token ids, a chat conversation (a list of ``{'role', 'content'}`` messages), or
+        a ``ProcessedPrompt`` that ``input_processor`` already checked (then ``sampling_params`` may be
+        omitted). ``arrival_time`` (a ``time.perf_counter()`` value, not in the future) dates a replayed
+        trace's request from when it arrived rather than when it was added; TTFT is measured from it.
         """
         processed = self.input_processor.process(prompt, sampling_params)
         params = processed.sampling_params
@@ -211,11 +206,8 @@ class LLMEngine:
 
     @property
     def forward_mode(self) -> str:
-        """How a step runs the model, in the backend's words: "eager (one native call per decoder
-        layer)" (a CPU's default), "eager" (the layers' Python forward: ``enforce_eager=True``, or
-        tensor parallelism), "eager with compiled fused ops" (``compile=True``, CUDA), "..., CUDA graphs
-        for decode". A step with a forward hook runs the layers' Python forward whatever this says,
-        so that the hook sees every layer."""
+        """How a step runs the model, in the backend's words (``Backend.forward_mode``; "eager" under tensor
+        parallelism). A step with a forward hook runs the layers' Python forward whatever this says."""
         backend = getattr(self.runner, "backend", None)
         return backend.forward_mode() if backend is not None else "eager"
 
@@ -258,10 +250,9 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached block digest of a free block; returns how many were dropped.
+        """Forget every cached block digest of a free block (blocks in use keep theirs); how many were dropped.
 
-        Blocks held by unfinished requests keep theirs (they are in use). Benchmarks call
-        this between runs so a later run cannot be served by an earlier one's prompts.
+        Benchmarks call this between runs so a later run cannot be served by an earlier one's prompts.
         """
         return self.block_manager.reset_prefix_cache()
 
@@ -331,12 +322,11 @@ class LLMEngine:
         return self.output_processor.make_outputs(produced, faults) + self._fail(faults)
 
     def _fail(self, faults: dict[str, Exception]) -> list[RequestOutput]:
-        """Finish each user request one of whose completions raised in this step, with
-        finish_reason "error" and the exception as ``CompletionOutput.error``.
+        """Finish each user request one of whose completions raised in this step, with finish_reason
+        "error" and the exception as ``CompletionOutput.error``; the step's other requests carry on.
 
-        Every request's inputs were checked before it was queued, so this is an engine bug
-        that one request's data reached (the log has the traceback); its blocks are freed
-        and the step's other requests carry on.
+        Every request's inputs were checked before it was queued, so this is an engine bug that one
+        request's data reached (the log has the traceback).
         """
         outputs = []
         for completion_id, exc in faults.items():
@@ -428,8 +418,7 @@ class LLMEngine:
 
 
 def _backend(config: EngineConfig, max_model_len: int) -> Backend:
-    """The backend for the engine's device and dtype (chosen here, once; ``EngineConfig`` says what
-    enforce_eager and compile do)."""
+    """The backend for the engine's device and dtype, chosen once (``EngineConfig`` says what its options do)."""
     return select_backend(config.torch_device, dtype=config.torch_dtype, compile=config.compile,
                           enforce_eager=config.enforce_eager, max_model_len=max_model_len,
                           cuda_graph_max_batch=0 if config.enforce_eager else min(config.max_num_seqs, 512))

@@ -13,15 +13,13 @@ tensors on the model's device (``prepare_inputs``):
 * ``slot_mapping``: where each token's K/V goes (``block_table[pos // B] * B + pos % B``),
 * block tables and context lengths: where each sequence's earlier K/V already is,
 * ``logits_indices``: the rows whose logits are needed, one per sequence that reaches
-  its last token this step (a mid-prompt chunk samples nothing), and one more per draft
-  of a speculating sequence.
+  its last token this step (a mid-prompt chunk samples nothing), and one more per draft.
 
-``execute_model`` then reads as the step does: forward pass, logits for those rows only,
-the grammar bitmask over them (structured output), sample (or, for a request with drafts,
-keep those the model agrees with: ``sample_requests``). Everything that depends on the hardware (the attention kernels and the metadata
-they read, the GEMM weights' layout, a compiled or graphed forward, logits in chunks) is
-the runner's device backend, picked once when the runner is built
-(``nanoengine.backends``: ``CpuBackend`` holds every CPU trick).
+``execute_model`` then reads as the step does: forward pass, logits for those rows only, the
+grammar bitmask over them (structured output), sample (or keep the drafts the model agrees
+with: ``sample_requests``). Everything that depends on the hardware (the attention kernels and
+their metadata, the GEMM weights' layout, a compiled or graphed forward, logits in chunks) is
+the runner's device backend, picked once (``nanoengine.backends``; ``CpuBackend`` on a CPU).
 """
 
 from __future__ import annotations
@@ -52,9 +50,8 @@ from nanoengine.structured_output.backend import apply_token_bitmask
 class BatchPlan:
     """One step's batch: what ``prepare_inputs`` puts on the model's device.
 
-    Plain data (lists and CPU tensors) so it can also be sent to tensor-parallel worker
-    processes. The block tables and the slot mapping are tensors gathered from the
-    engine's persistent ``BlockTables``; everything else is a short list.
+    Plain data (short lists, and CPU tensors gathered from ``BlockTables``) so it can also be
+    sent to tensor-parallel worker processes.
     """
 
     input_ids: list[int]
@@ -76,12 +73,10 @@ class BatchPlan:
 
     @classmethod
     def dummy(cls, num_tokens: int, block_size: int | None = None) -> "BatchPlan":
-        """A prefill of ``num_tokens`` tokens that writes no KV (slot -1) and reads block 0 only.
+        """A warm-up prefill of ``num_tokens`` tokens that writes no KV (slot -1) and reads block 0 only.
 
-        For warming up compiled code: it runs every layer on that many rows without
-        touching any request's cache. With ``block_size``, the prompt's keys and values are
-        written to the cache's first blocks instead, as a real prompt's would be: a step a
-        backend runs the way it runs requests (only before any request holds a block).
+        With ``block_size``, its keys and values go to the cache's first blocks as a real prompt's
+        would, so the backend runs it the way it runs requests (only before any request holds a block).
         """
         n = num_tokens
         slots, table = [-1] * n, [0] * n
@@ -248,10 +243,9 @@ class SamplingRunner:
         raise NotImplementedError
 
     def logits_chunks(self, prepared, row_counts: list[int], profiler: StepProfiler = NO_PROFILER):
-        """Run the model on a prepared step; yield the logits of the rows to sample, in chunks of whole requests.
+        """Yield (rows slice, requests slice, logits) of the rows to sample, in chunks of whole requests.
 
-        ``row_counts``: the logits rows of each sampling request, in order. Yields (rows slice,
-        requests slice, logits), each computed in the ``model`` phase. Here, one chunk: ``run_model``'s logits.
+        ``row_counts``: the logits rows of each sampling request, in order. Here, one chunk: ``run_model``'s.
         """
         with profiler.phase("model"):
             logits = self.run_model(prepared)
@@ -312,15 +306,11 @@ class SamplingRunner:
     def sample_contained(self, logits: torch.Tensor, requests: list[Request], drafts: list[tuple[int, ...]]):
         """``sample_requests``, with a fault kept to the request that caused it. -> (tokens, logprobs, failed)
 
-        Sampling is the part of a step that reads each request's own settings (its filters,
-        its generator, its logprobs), so a request whose settings trip a bug there must not
-        take the batch with it. If sampling the whole batch raises, every request samples
-        again alone, on its own logits rows and with the generators as they were before
-        (a seeded request draws what it would have drawn): one that raises again gets its
-        error in ``failed`` and no tokens; the others get their tokens. A fault no single
-        request reproduces, or one that every request of a batch of several reproduces, is
-        the engine's own, and is raised. The happy path pays one ``get_state`` per seeded
-        request, and none when every request is greedy.
+        Sampling reads each request's own settings, so a request whose settings trip a bug must not
+        take the batch with it. If the batch raises, every request samples again alone, with the
+        generators restored (a seeded request draws what it would have drawn): one that raises again
+        gets its error in ``failed``, the others their tokens. A fault no single request reproduces,
+        or that every request of several reproduces, is the engine's own and is raised.
         """
         sampled = [r for r in requests if not r.sampling_params.greedy]  # greedy rows draw nothing
         candidates = (self.generator, *(r.generator for r in sampled)) if sampled else ()
@@ -331,7 +321,6 @@ class SamplingRunner:
         except Exception as batch_error:
             for generator, state in saved:
                 generator.set_state(state)
-            drafts = drafts or [()] * len(requests)
             starts = list(itertools.accumulate((1 + len(d) for d in drafts), initial=0))
             tokens: list = [None] * len(requests)
             logprobs: list = [None] * len(requests)
@@ -352,10 +341,7 @@ class SamplingRunner:
 
         Without drafts a request owns one row and samples one token. A request that checked
         k drafts owns k+1 rows and keeps the drafts the model agrees with, then one token of
-        the model's own (``spec_decode.rejection``): greedy keeps a draft while it is the
-        argmax; sampling accepts it with its probability under the request's filters and,
-        on a rejection, draws from that distribution without it, so the output has the
-        distribution plain sampling has.
+        the model's own (``spec_decode.rejection``), so the output has plain sampling's distribution.
         """
         if not any(drafts):
             result = self.sample(logits, requests)
@@ -389,11 +375,8 @@ class SamplingRunner:
 class ModelRunner(SamplingRunner):
     """Holds the model and the paged KV cache; prepares inputs, runs, samples.
 
-    Built in this order: the device backend (``nanoengine.backends``, unless one is given; the
-    model must have been built with its kernels, ``loader.build_model``), the sampler with the
-    backend's kernels, the KV cache (a share bound to every attention layer), the weights prepared
-    by each layer's linear method (``process_weights_after_loading``), then whatever the backend
-    does to the forward pass once (compiled ops warmed up now, CUDA graphs captured).
+    The model must have been built with the device backend's kernels (``loader.build_model``); the
+    backend then prepares its weights and its forward pass once (compiled ops warmed up, CUDA graphs).
     """
 
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
@@ -485,14 +468,12 @@ class ModelRunner(SamplingRunner):
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int, write_kv: bool = False) -> None:
-        """Run one dummy step of ``num_tokens`` tokens through the model and the sampler.
+        """Run one dummy step of ``num_tokens`` tokens through the model and the sampler, so that
+        compiling happens now (``compile_runner``) and not during the first real steps.
 
-        It writes no KV (``BatchPlan.dummy``) and samples with a generator of its own, so
-        neither the cache nor the engine's random stream is touched. ``compile_runner``
-        calls it so that compiling happens now and not during the first real steps.
-        ``write_kv``: the step writes its keys and values to the cache's first blocks, as a
-        prompt does (a step with unwritten slots may run another way); only while no
-        request holds a block, and at most as many tokens as the cache has slots.
+        It samples with a generator of its own and writes no KV (``BatchPlan.dummy``) unless ``write_kv``
+        (a step with unwritten slots may run another way): then, as a prompt does, to the cache's first
+        blocks, only while no request holds one.
         """
         if write_kv and num_tokens > self.num_blocks * self.block_size:
             raise ValueError(f"a warm-up step writing KV takes at most the cache's "

@@ -129,13 +129,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.step = 0
         self.num_preemptions = 0
-        # Prefix-cache statistics, counted here because admission decides what counts: a
-        # request's prompt tokens at its first admission (a preempted request's recompute is
-        # not a new query); hits are the prompt tokens its cached blocks cover.
+        # Prefix-cache statistics, counted at a request's first admission (a recompute is not a new
+        # query): its prompt tokens, and those its cached blocks cover.
         self.prefix_queries = 0
         self.prefix_hits = 0
-        # What each verify pass accepted (speculative decoding), counted in update_from_output as vLLM's
-        # scheduler counts it; the engine reads it (LLMEngine.spec_decode_stats is the same object).
+        # What each verify pass accepted (speculative decoding), as vLLM's scheduler counts it.
         self.spec_decode_stats = spec_decode_stats or SpecDecodeStats(0)
 
     # ------------------------------------------------------------ lifecycle
@@ -276,17 +274,14 @@ class Scheduler:
                            detokenizer: OutputProcessor) -> list[Request]:
         """The step's tokens into their requests, each stop decided; returns the requests that produced one.
 
-        Progress advances by the tokens each request computed. The new tokens are then taken
-        in rounds, token i of every request in round i, as plain decoding would have taken
-        them: a request that checked drafts may have up to k+1, and the draft before each
-        token after the first was right (``accept_token``). After each round the output
-        processor reads the round's tokens (``detokenizer.detokenize``: logprobs, text, the
-        stop string found), and ``finish_if_stopped`` decides whether each request has
-        finished and why (``check_stop`` states the precedence). A request that finished
-        takes no more of its run, so nothing after a stop is emitted. Last, the blocks only
-        rejected drafts used go back to the pool (``release_rejected_slots``).
-        A request whose sampling or text raised is in ``result.failed`` (the detokenizer adds
-        those whose text raised): it takes nothing more and the engine ends it with the error.
+        Progress advances by the tokens each request computed. The new tokens are then taken in
+        rounds, token i of every request in round i, as plain decoding would have taken them: after
+        checking drafts a request may have up to k+1, and the draft before each token after the
+        first was right (``accept_token``). After each round the output processor reads the round's
+        tokens (``detokenizer.detokenize``: logprobs, text, the stop string found) and
+        ``finish_if_stopped`` decides whether each request has finished (``check_stop``), so nothing
+        after a stop is emitted. Last, the blocks only rejected drafts used go back to the pool. A
+        request in ``result.failed`` (its sampling or text raised) takes nothing more; the engine ends it.
         """
         now = time.perf_counter()
         produced = []
@@ -345,11 +340,8 @@ class Scheduler:
                                                     tuple(emitted)))
 
     def accept_token(self, request: Request, token: int, now: float | None = None) -> None:
-        """One more token of an accepted run (after its first): the draft before it was right.
-
-        That draft's KV, written by the verify pass, now holds the token the request really
-        has at its position, so it counts as computed.
-        """
+        """One more token of an accepted run (after its first): the draft before it was right, so
+        its KV, written by the verify pass, counts as computed."""
         request.num_computed_tokens += 1
         self._cache_if_filled(request)
         request.append_output_token(token, now)
@@ -357,11 +349,9 @@ class Scheduler:
     def release_rejected_slots(self, out: SchedulerOutput) -> None:
         """Give back the blocks that only this step's rejected drafts used.
 
-        Their slots were written by the verify pass but hold guesses the model did not
-        make: they lie at or after the request's first uncomputed position, so no later
-        step reads them (attention stops at each row's context length) and no block
-        holding them is hashed into the prefix cache; the next step overwrites the ones
-        in the blocks a request keeps.
+        The rejected guesses' slots lie at or after the request's first uncomputed position, so no
+        later step reads them (attention stops at each row's context length) and no block holding
+        them is hashed into the prefix cache; the next step overwrites those in the blocks it keeps.
         """
         for s in out.scheduled:
             if s.num_draft_tokens and s.request.status == RequestStatus.RUNNING:
@@ -379,7 +369,8 @@ class Scheduler:
             self.finish_request(request, status)
 
 
-def check_stop(request: Request, stop_string: str | None, max_model_len: int) -> tuple[RequestStatus, str | int | None] | None:
+def check_stop(request: Request, stop_string: str | None,
+               max_model_len: int) -> tuple[RequestStatus, str | int | None] | None:
     """Whether ``request`` is done after its newest token: (status, stop_reason), or None.
 
     This is the one place that decides a request has finished by itself (an abort is the

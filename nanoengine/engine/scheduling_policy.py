@@ -4,16 +4,9 @@ The scheduler owns what every policy shares: the waiting and running queues, the
 budget, the KV blocks, admission (``Scheduler.admit_waiting``), serving the running
 requests (``Scheduler.schedule_running``) and preemption. A policy only decides the order in
 which a step uses them, and which waiting requests may be admitted at all. Each is chosen
-by name, ``EngineConfig.scheduling_policy``:
-
-* ``fcfs`` (first come, first served): continuous batching as vLLM v1 does it, the default.
-  Running requests first (a decode token each, or the next chunk of a prompt), then waiting
-  requests in arrival order while budget, slots and blocks last.
-* ``prefill_first``: the older policy (nano-vLLM, early vLLM), kept for comparison. A step
-  that can admit a waiting request runs prefill work only, and the decodes wait.
-* ``static``: the baseline that continuous batching replaced (chapters 5 and 11). Up to
-  ``max_num_seqs`` requests are admitted together as one batch, and nobody new until every
-  one of them has finished, so the slots short requests free stay idle.
+by name, ``EngineConfig.scheduling_policy``: ``fcfs``, continuous batching as vLLM v1 does it
+(the default); ``prefill_first``, nano-vLLM's and early vLLM's policy, kept for comparison;
+``static``, the baseline that continuous batching replaced (chapters 5 and 11).
 """
 
 from __future__ import annotations
@@ -29,7 +22,8 @@ if TYPE_CHECKING:
 
 
 class FirstComeFirstServed:
-    """``fcfs``: the running requests, then the waiting ones in arrival order."""
+    """``fcfs``: the running requests (a decode token each, or a prompt's next chunk), then the waiting
+    ones in arrival order while budget, slots and blocks last."""
 
     name = "fcfs"
 
@@ -48,7 +42,7 @@ class FirstComeFirstServed:
 
 
 class PrefillFirst(FirstComeFirstServed):
-    """``prefill_first``: prompts first; the decodes run only in a step with no prefill work."""
+    """``prefill_first``: a step that can admit a waiting request runs prefill work only; the decodes wait."""
 
     name = "prefill_first"
 
@@ -68,7 +62,8 @@ class PrefillFirst(FirstComeFirstServed):
 
 
 class StaticBatching(FirstComeFirstServed):
-    """``static``: one batch at a time, the next only when the whole of this one has finished."""
+    """``static``: up to ``max_num_seqs`` requests admitted as one batch, and nobody new until every one of
+    them has finished, so the slots short requests free stay idle."""
 
     name = "static"
 
