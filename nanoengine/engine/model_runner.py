@@ -273,9 +273,7 @@ class SamplingRunner:
 
         ``sampled`` are the requests that sample, in the order of ``plan.logits_indices``.
         ``grammar_bitmask``: one packed row per logits row (structured output, chapter 14), applied
-        to the logits before anything samples from them. Each chunk (a CPU's are small,
-        ``backends/cpu.py``) is sampled and freed before the next is computed, so its memory is
-        reused. Each part runs in its ``profiler`` phase.
+        to the logits before anything samples from them. Each part runs in its ``profiler`` phase.
         """
         with profiler.phase("prepare"):
             prepared = self.prepare_inputs(plan)
@@ -412,7 +410,6 @@ class ModelRunner(SamplingRunner):
         return self.kv_cache.nbytes
 
     def synchronize(self) -> None:
-        """Wait until the device has finished the work launched so far (the backend knows how)."""
         self.backend.synchronize()
 
     def memory_usage(self) -> dict[str, int | str]:
