@@ -150,18 +150,14 @@ class OutputProcessor:
             del self.states[state.request_id]
             for request in state.completions:
                 del self.completions_by_id[request.request_id]
-        first = state.completions[0]
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
-            outputs=completions, finished=finished, num_cached_tokens=first.num_cached_tokens,
+            outputs=completions, finished=finished, num_cached_tokens=state.completions[0].num_cached_tokens,
             metrics=gather_metrics(state.completions))
 
     def _detokenize(self, request: Request, detokenizer: IncrementalDetokenizer) -> str:
-        """Feed the detokenizer the tokens it has not seen yet; the text delta.
-
-        A new last token among ``stop_token_ids`` will end the request (``check_stop``, which runs
-        after this: stop strings are looked for first), so its text is left out.
-        """
+        """Feed the detokenizer the tokens it has not seen yet; the text delta. A new last token among
+        ``stop_token_ids`` will end the request (``check_stop``, run after this), so its text is left out."""
         new_token_ids = request.output_token_ids[detokenizer.num_tokens:]
         ends_on_stop_token = bool(new_token_ids) and new_token_ids[-1] in request.sampling_params.stop_token_ids
         with self.profiler.phase("detokenize"):

@@ -31,14 +31,12 @@ most ``block_size - 1``; a whole block when the prompt fills its last one, since
 needs that last token's logits): no copy kernel, and unchanged under tensor parallelism.
 
 Siblings enter the waiting queue like new requests, so ``max_num_seqs`` and the token budget
-hold without special rules; the price is that they start a step after child 0. If child 0
-loses its blocks first, nothing stale is shared: a hit is verified as every hit is, and a
-fork is taken only while child 0 holds the blocks computed (``Scheduler.computed_blocks``).
-
-vLLM v1's ``ParentRequest`` (vllm/v1/engine/parallel_sampling.py) queues all children at once:
-it registers a block's digest when the block is *scheduled*, so siblings in child 0's step
-already hit; this engine registers it once computed, hence the one-step hold. With the cache
-off vLLM computes the prompt once per child; here the siblings fork it.
+hold without special rules. They start a step after child 0: vLLM v1's ``ParentRequest``
+(vllm/v1/engine/parallel_sampling.py) queues all children at once, since it registers a
+block's digest when the block is *scheduled*, while this engine registers it once computed
+(and with the cache off, where vLLM computes the prompt once per child, forks it). If child 0
+loses its blocks first, nothing stale is shared: a hit is verified as every hit is, and a fork
+is taken only while child 0 holds the blocks computed (``Scheduler.computed_blocks``).
 """
 
 from __future__ import annotations
@@ -98,9 +96,8 @@ class ParentRequest:
 class ParentRequests:
     """The parents whose siblings are still held back, found by their first child's id.
 
-    The engine calls ``after_update`` once per step; it costs a dictionary lookup per
-    request that produced a token, and nothing at all when no request has ``n > 1``.
-    ``fork``: mark released siblings for an explicit fork (the prefix cache is off).
+    ``after_update`` costs a dict lookup per request that produced a token, nothing when no
+    request has ``n > 1``. ``fork``: mark released siblings for an explicit fork (cache off).
     """
 
     def __init__(self, block_size: int, fork: bool) -> None:
