@@ -1,9 +1,8 @@
 """Events for observers: what the engine did, as frozen records (chapters 2, 4, 5, 7).
 
-The simulators and the notebooks watch the live engine through these instead of poking at
-its internals. vLLM v1 has the same idea (request events QUEUED / SCHEDULED / PREEMPTED
-and KV events BlockStored / BlockRemoved). Every event is immutable and carries plain
-values (ids, counts, tuples), so an observer cannot change engine state through it.
+The simulators and the notebooks watch the live engine through these instead of its
+internals (vLLM v1: request events QUEUED / SCHEDULED / PREEMPTED, KV events BlockStored /
+BlockRemoved). Events carry plain values, so an observer cannot change the engine through one.
 """
 
 from __future__ import annotations
@@ -43,9 +42,8 @@ class RequestScheduled(Event):
 class DraftsVerified(Event):
     """Speculative decoding: a request's drafted tokens were checked by one forward pass (chapter 13).
 
-    ``emitted`` are the tokens the pass produced: the first ``num_accepted`` drafts (the
-    model agreed with them), then one token of the model's own. A stop among them may
-    still end the request before all of them reach its output.
+    ``emitted`` are the tokens the pass produced: the first ``num_accepted`` drafts, then one of
+    the model's own. A stop among them may end the request before all of them reach its output.
     """
 
     request_id: str
@@ -88,10 +86,8 @@ class BlocksFreed(Event):
 
 @dataclass(frozen=True)
 class BlocksForked(Event):
-    """A parallel-sampling sibling now shares these blocks of ``parent_id`` (ref count + 1).
-
-    Only with the prefix cache off; with it on, a sibling finds the blocks as a ``PrefixCacheHit``.
-    """
+    """A parallel-sampling sibling now shares these blocks of ``parent_id`` (ref count + 1); only
+    with the prefix cache off (with it on, a sibling finds them as a ``PrefixCacheHit``)."""
 
     request_id: str
     parent_id: str
@@ -143,8 +139,7 @@ class BatchRow:
 class BatchPrepared(Event):
     """The batch a step is about to run: decodes first, then prefill chunks (model order).
 
-    Built only when someone subscribes (it costs a copy of every index list), and sent
-    to observers without entering the history.
+    Built only when someone subscribes (it copies every index list); never kept in the history.
     """
 
     rows: tuple[BatchRow, ...]
@@ -154,10 +149,9 @@ class BatchPrepared(Event):
 class StepFinished(Event):
     """One engine step: its batch and where its time went (seconds).
 
-    A ``*_time`` per phase of ``engine/profiler.py`` (its docstring says what each holds);
-    the phases do not overlap, and what ``total_time`` holds beyond their sum is the
-    engine's own bookkeeping. Everything except ``model_time`` is *host* time: Python and
-    small tensor work that a GPU waits on.
+    A ``*_time`` per phase of ``engine/profiler.py`` (its docstring says what each holds); they
+    do not overlap, and ``total_time`` beyond their sum is the engine's own bookkeeping. All but
+    ``model_time`` is *host* time: Python and small tensor work that a GPU waits on.
     """
 
     num_prefill_tokens: int
@@ -187,15 +181,11 @@ class EventBus:
     """Fan events out to observers; keep a bounded history only for those who ask for one.
 
     An observer may ask for some event types only (``subscribe(fn, StepFinished)``). The
-    engine asks ``wants(EventType)`` before it builds an event, so an event nobody would
-    receive is never built: with no observer and no history, a step builds no events and
-    its profiler reads no clock.
-
-    The history (the last ``maxlen`` events, for looking back at what happened after the
-    fact) is off by default, since most engines are watched by nobody and a history would
-    build and keep every request's events. ``keep_history()`` turns it on; from then on
-    every event is wanted. An observer that raises does not break the engine: the
-    exception becomes a warning and the step goes on.
+    engine asks ``wants(EventType)`` before it builds an event, so with no observer and no
+    history a step builds no events and its profiler reads no clock. The history
+    (``keep_history()``) is off by default, since it would build and keep every request's
+    events; while it is on, every event is wanted. An observer that raises does not break
+    the engine: the exception becomes a warning and the step goes on.
     """
 
     def __init__(self) -> None:

@@ -3,13 +3,10 @@
 ``EngineStats.of(engine)`` reads them: queues, KV blocks, prefix cache, preemptions,
 speculative decoding. Both ways of looking at an engine are built on it:
 
-* ``LLM.get_metrics()`` (``engine_metrics``): records read in-process. vLLM's
-  ``LLM.get_metrics()`` returns its Prometheus metrics as plain objects
-  (``vllm/v1/metrics/reader.py``: ``Counter``, ``Gauge``, ``Vector``), so a script can read
-  them without scraping a server. These are the same three kinds, under the names the
-  server's ``/metrics`` page uses, with that page's prefix: a ``Counter`` only goes up, a
-  ``Gauge`` is a value now, a ``Vector`` is a counter per position (speculative decoding's
-  acceptances by draft position).
+* ``LLM.get_metrics()`` (``engine_metrics``): records read in-process without scraping a
+  server, the three kinds of vLLM's ``LLM.get_metrics()`` (``vllm/v1/metrics/reader.py``) under
+  the ``/metrics`` page's names: a ``Counter`` only goes up, a ``Gauge`` is a value now, a
+  ``Vector`` is a counter per position (speculative decoding's acceptances by draft position).
 * the server's ``/metrics`` page (``entrypoints/openai/metrics.py``): the engine thread
   publishes an ``EngineStats`` after every step, and each scrape renders the latest one.
 """
@@ -50,9 +47,8 @@ Metric = Counter | Gauge | Vector
 class EngineStats:
     """The engine's counters at one moment, for ``LLM.get_metrics()``, ``/metrics`` and tests.
 
-    Read between two steps by the thread that steps the engine (the server's engine thread
-    publishes one after every step), so the numbers agree with one another; readers on
-    other threads only ever see a complete, frozen record.
+    Read between two steps by the thread that steps the engine, so the numbers agree with one
+    another; readers on other threads only ever see a complete, frozen record.
     """
 
     num_running: int  # sequences (completions) in the running queue

@@ -1,14 +1,9 @@
 """What the engine hands back: frozen, typed results (chapters 2 and 11).
 
-``RequestOutput`` mirrors vLLM's: the prompt, one ``CompletionOutput`` per completion
-(``SamplingParams(n=...)``) with its text, token ids, why it finished and its logprobs,
-how many prompt tokens came from the prefix cache, and the request's timing metrics, so
-vLLM's quickstart (``output.outputs[0].text``) runs unchanged. ``text``, ``token_ids``,
-``finish_reason`` and friends on ``RequestOutput`` are shortcuts to ``outputs[0]``.
-
-TTFT (time to first token), TPOT (time per output token after the first) and the
-inter-token latencies are the latencies chapter 6 and chapter 11 measure; the engine
-stamps every output token, so they come from its own record.
+``RequestOutput`` mirrors vLLM's, so vLLM's quickstart (``output.outputs[0].text``) runs
+unchanged: one ``CompletionOutput`` per completion (``SamplingParams(n=...)``), and shortcuts
+(``text``, ``token_ids``, ``finish_reason`` ...) to ``outputs[0]``. The latencies chapters 6
+and 11 measure (TTFT, TPOT, inter-token) come from ``RequestMetrics``, the engine's own stamps.
 """
 
 from __future__ import annotations

@@ -136,9 +136,7 @@ class BlockManager:
         self.hash_fn: BlockHashFn = hash_fn or hash_block
         self._serials = itertools.count()
         self.num_evictions = 0
-        # Every public action below runs in the profiler's "block_manager" phase, so a
-        # step's report (``StepFinished.block_manager_time``) shows this class's share.
-        self.profiler = profiler
+        self.profiler = profiler  # every public action below is its "block_manager" phase
 
     # ----------------------------------------------------------------- queries
     @property
@@ -188,10 +186,9 @@ class BlockManager:
     def token_digests(self, request: "Request", num_blocks: int) -> list[bytes]:
         """The chained digests of ``request``'s first ``num_blocks`` full blocks of tokens.
 
-        Each is computed once per request and kept on it (``Request.token_block_digests``): a
-        waiting request asks ``get_computed_blocks`` again at every admission attempt, and a
-        preempted one again when it is readmitted, but its tokens, and so their digests, never
-        change. Returns the request's list itself (at least ``num_blocks`` long): read, do not edit.
+        Kept on the request (``Request.token_block_digests``): a waiting or preempted request asks
+        again at every admission attempt, and its tokens never change. Returns that list itself
+        (at least ``num_blocks`` long): read, do not edit.
         """
         digests, tokens, size = request.token_block_digests, request.all_token_ids, self.block_size
         for i in range(len(digests), num_blocks):
@@ -299,10 +296,9 @@ class BlockManager:
     def release_slots_after(self, request: "Request", num_tokens: int) -> None:
         """Free ``request``'s blocks past the first ``num_tokens`` tokens (speculative decoding).
 
-        A verify pass wrote the KV of drafted tokens into slots allocated for them; those
-        past the accepted run hold guesses. Blocks that hold nothing else go back to the
-        pool, last first as ``free`` does. They were allocated fresh for this request and
-        never filled with computed tokens, so none of them is shared or in the prefix cache.
+        Those blocks hold only the KV of rejected drafts. They were allocated fresh for this
+        request and never filled with computed tokens, so none is shared or cached; they go
+        back to the pool last first, as in ``free``.
         """
         with self.profiler.phase("block_manager"):
             keep = self.blocks_needed(num_tokens)
@@ -336,10 +332,7 @@ class BlockManager:
                      for b in self.blocks)
 
     def check_invariants(self, requests: Iterable["Request"]) -> None:
-        """Raise ``InvariantError`` if the bookkeeping is inconsistent.
-
-        ``requests`` are all requests currently holding blocks (the running ones).
-        """
+        """Raise ``InvariantError`` if the bookkeeping is inconsistent; ``requests``: all holding blocks."""
         owners = collections.Counter()
         for request in requests:
             if len(set(request.block_ids)) != len(request.block_ids):

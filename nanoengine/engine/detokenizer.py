@@ -1,26 +1,23 @@
 """Incremental detokenization: token ids -> text deltas for streaming (chapter 8).
 
 A byte-level BPE token may hold half of a multi-byte UTF-8 character (Korean, emoji), so
-decoding one token at a time would print broken characters. Decoding the request's whole
-output at every step and keeping what is new would be correct, but its cost grows with
-the output: step n decodes n tokens, a 1,000-token stream decodes half a million. So the
+decoding one token at a time would print broken characters, and decoding the whole output at
+every step costs ever more (a 1,000-token stream would decode half a million tokens). So the
 detokenizer decodes a *window*: the tokens since ``prefix_offset``, compared with the
-decoding of the same window without the unread tokens (``prefix_offset:read_offset``).
-What the unread tokens add is the new text; a result that ends in U+FFFD (an incomplete
+decoding of the same window without the unread tokens (``prefix_offset:read_offset``). What
+the unread tokens add is the new text; a result that ends in U+FFFD (an incomplete
 character) is held until the next token completes it. The few tokens of context before the
 unread ones keep spacing right for tokenizers whose decoding of a token depends on what
 precedes it. vLLM's detokenizer uses the same two offsets.
 
 It also finds stop strings, cuts the text before them, and holds back a tail that could
-still grow into a stop string, so a stream never shows text that the final result drops.
-The deltas always concatenate to the final text: ``text`` is built from them.
+still grow into one, so a stream never shows text that the final result drops. The deltas
+always concatenate to the final text: ``text`` is built from them.
 
 A token that ends the request by its id (one of ``stop_token_ids``) is counted but not
-decoded: like a stop string, it ends the text without being part of it. vLLM does the
-same (its detokenizer leaves out the token that stop-terminated a request unless
-``include_stop_str_in_output``, an option nanoengine does not have); the token id stays
-in the output's ``token_ids``. EOS needs no such care: it is a special token, and
-special tokens are skipped when decoding.
+decoded: like a stop string, it ends the text without being part of it (as in vLLM without
+``include_stop_str_in_output``, an option nanoengine does not have); its id stays in the
+output's ``token_ids``. EOS needs no such care: special tokens are skipped when decoding.
 """
 
 from __future__ import annotations
@@ -36,13 +33,11 @@ Decoder = Callable[[list[int], bool], str]
 def token_decoder(tokenizer) -> Decoder:
     """``tokenizer.decode`` without tokenization clean-up, made as cheap as it can be.
 
-    A Hugging Face fast tokenizer's ``decode`` is Python around a Rust call: it converts
-    the ids, checks for a batch, picks the clean-up option, and then asks the
-    ``tokenizers`` library's ``Tokenizer.decode``, which with clean-up off is the whole
-    answer. For the few tokens a stream decodes per step, the Python part costs more than
-    the Rust part (profiled: ``results/README.md``). So when the tokenizer decodes
-    the library's own way (neither ``decode`` nor ``_decode`` replaced), this returns the
-    Rust call itself; any other tokenizer gets its ``decode``.
+    A Hugging Face fast tokenizer's ``decode`` is Python around the ``tokenizers`` library's
+    Rust ``Tokenizer.decode``, which with clean-up off is the whole answer; for the few tokens
+    a stream decodes per step the Python part costs more (``results/README.md``). So when the
+    tokenizer decodes the library's own way (neither ``decode`` nor ``_decode`` replaced), this
+    returns the Rust call itself; any other tokenizer gets its ``decode``.
     """
     try:
         from transformers import PreTrainedTokenizerFast

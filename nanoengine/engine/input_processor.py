@@ -2,20 +2,18 @@
 
 Every way into the engine (``LLM.generate``, ``LLM.chat``, ``LLM.stream``,
 ``LLMEngine.add_request``, the server) goes through here, so a prompt is rendered once (chat
-messages through the model's chat template), tokenized once, the way the tokenizer says
-(``encode``), and checked once against what only the engine knows: the vocabulary,
-``max_model_len``, ``max_num_seqs``, having a tokenizer, whether a constraint compiles
-(``check_params``; ``SamplingParams`` checked everything a value can be judged by alone).
-``LLM.generate`` and the server refuse the same way (a ``ValueError`` naming the field; a 400).
-One difference is vLLM's as well: a ``max_tokens`` that the prompt leaves no room for ends
-the request at the window ("length") here and in vLLM's ``LLM``, while the server refuses it
-before it starts (``protocol.fit_to_context``), as vLLM's and OpenAI's servers do.
+messages through the model's chat template), tokenized once (``encode``), and checked once
+against what only the engine knows (``check_params``: the vocabulary, ``max_model_len``,
+``max_num_seqs``, having a tokenizer, a constraint that compiles; ``SamplingParams`` checked
+the rest). ``LLM.generate`` and the server refuse the same way (a ``ValueError`` naming the
+field; a 400), with one difference, vLLM's too: a ``max_tokens`` the prompt leaves no room for
+ends the request at the window ("length") here, while the server refuses it before it starts
+(``protocol.fit_to_context``).
 
-The result is a ``ProcessedPrompt``, which ``LLMEngine.add_request`` accepts as it is (vLLM
-v1 splits its engine the same way: vllm/v1/engine/processor.py). The processor reads only
-its tokenizer and fixed limits, none of the engine's state, so a server may call it on a
-thread other than the one stepping the engine, tokenizing a large prompt while the engine
-keeps serving others.
+The result, a ``ProcessedPrompt``, is what ``LLMEngine.add_request`` accepts (vLLM v1 splits
+its engine the same way: vllm/v1/engine/processor.py). The processor reads only its tokenizer
+and fixed limits, none of the engine's state, so a server may tokenize a large prompt on
+another thread while the engine keeps serving others.
 """
 
 from __future__ import annotations
@@ -31,13 +29,9 @@ PromptInput = str | Sequence[int] | Sequence[Message]  # text, token ids, or a c
 
 @dataclass(frozen=True)
 class ProcessedPrompt:
-    """A prompt that passed every check: ready to become requests.
+    """A prompt that passed every check: ready to become requests."""
 
-    ``prompt`` is the text (the rendered chat template for a conversation), or None for
-    a prompt given as token ids.
-    """
-
-    prompt: str | None
+    prompt: str | None  # the text (a conversation's rendered chat template); None for token ids
     prompt_token_ids: tuple[int, ...]
     sampling_params: SamplingParams
 
@@ -51,16 +45,13 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
-        # Structured output: refuses a constraint the grammar library cannot compile (chapter 14)
-        self.check_constraint = check_constraint
+        self.check_constraint = check_constraint  # refuses a constraint that does not compile (chapter 14)
 
     # ------------------------------------------------------------- entries
     def process(self, prompt: PromptInput | ProcessedPrompt,
                 sampling_params: SamplingParams | None = None) -> ProcessedPrompt:
-        """Any prompt (text, token ids, chat messages) and its parameters, checked.
-
-        A ``ProcessedPrompt`` is returned as it is when no other parameters are given.
-        """
+        """Any prompt (text, token ids, chat messages) and its parameters, checked; a
+        ``ProcessedPrompt`` is returned as it is when no other parameters are given."""
         if isinstance(prompt, ProcessedPrompt):
             if sampling_params is None or sampling_params is prompt.sampling_params:
                 return prompt
@@ -92,9 +83,8 @@ class InputProcessor:
     def encode(self, text: str, rendered_chat: bool = False) -> list[int]:
         """The token ids of a text, unchecked: the one tokenizing rule of every entry.
 
-        Plain text gets the special tokens its tokenizer adds (``add_special_tokens=True``:
-        the tokenizer's post-processor decides, a BOS for Llama-3, none for SmolLM2); a
-        rendered chat template already holds them, so nothing is added (``rendered_chat``).
+        Plain text gets the special tokens its tokenizer adds (a BOS for Llama-3, none for
+        SmolLM2); a rendered chat template already holds them (``rendered_chat``).
         """
         return self.tokenizer.encode(text, add_special_tokens=not rendered_chat)
 

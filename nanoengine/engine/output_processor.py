@@ -1,18 +1,15 @@
 """Output processing: sampled tokens in, ``RequestOutput`` objects out (chapters 2 and 8).
 
-After the scheduler has appended a step's tokens to its requests, this module records their
-logprobs, detokenizes incrementally (``IncrementalDetokenizer``), and only what somebody
-reads: a ``FINAL_ONLY`` request (``LLM.generate``) gets its text once, when it finishes. It
-reports the stop *strings* it finds but ends no request: ``check_stop`` in the scheduler
-decides that. So a step goes ``detokenize`` (text so far, stop strings found), then the
-stop decision, then ``make_outputs``: one ``RequestOutput`` per user request, gathering its
-``n`` completions, holding what its ``RequestOutputKind`` asks for.
+After the scheduler has appended a step's tokens, ``detokenize`` records their logprobs and
+makes text incrementally (``IncrementalDetokenizer``), only what somebody reads: a
+``FINAL_ONLY`` request (``LLM.generate``) gets its text once, when it finishes. It reports
+the stop *strings* it finds but ends no request (``check_stop`` in the scheduler decides).
+Then ``make_outputs`` builds one ``RequestOutput`` per user request, gathering its ``n``
+completions, holding what its ``RequestOutputKind`` asks for.
 
-A user request (the id ``add_request`` returned) is a ``RequestState`` here: its prompt,
-its completion requests in index order, and one detokenizer per completion. The state
-lives until every completion has finished; then the final output is built and the
-state forgotten, so nothing per request outlives it. Its completions are also indexed by
-their own ids, which is what ``LLMEngine.requests`` shows (``LiveRequests``).
+A user request (the id ``add_request`` returned) is a ``RequestState`` here, kept until every
+completion has finished: then its final output is built and the state forgotten. Its
+completions are also indexed by their own ids, which ``LLMEngine.requests`` shows.
 """
 
 from __future__ import annotations
@@ -51,12 +48,9 @@ class RequestState:
 class LiveRequests(Mapping[str, Request]):
     """The unfinished completion requests by id: a read-only view, live, not a copy.
 
-    ``request_id in view`` and ``view[request_id]`` cost the same however many requests
-    are in flight (one dict lookup and a status check), so a loop that asks about one
-    request per step stays cheap. ``len`` and iteration walk the in-flight completions
-    (skipping those that finished before their siblings), which is fine for the small
-    batches this engine runs; take ``dict(view)`` for a snapshot, or ``list(view)``
-    before aborting while iterating, because the view follows the engine as it changes.
+    ``in`` and ``[]`` cost one dict lookup however many requests are in flight; ``len`` and
+    iteration walk them all. Take ``dict(view)`` for a snapshot, or ``list(view)`` before
+    aborting while iterating, because the view follows the engine as it changes.
     """
 
     def __init__(self, completions_by_id: dict[str, Request]) -> None:
@@ -93,9 +87,8 @@ class OutputProcessor:
         self.completions_by_id.update((c.request_id, c) for c in state.completions)
 
     def id_in_use(self, request_id: str) -> bool:
-        """Whether an unfinished user request or one of its completions has this id (two dict
-        lookups, however many requests are in flight); it is free again once the request's
-        final output is made."""
+        """Whether an unfinished user request or one of its completions has this id (free again
+        once the request's final output is made)."""
         return request_id in self.states or request_id in self.completions_by_id
 
     def detokenize(self, produced: list[Request], logprobs: dict[str, tuple],
@@ -103,10 +96,8 @@ class OutputProcessor:
         """Take in this step's tokens; returns the stop string found, by request id.
 
         Records each token's logprobs, and makes text for the requests whose text is read
-        every step or searched for stop strings. A ``FINAL_ONLY`` request without stop
-        strings gets its text only when it has finished, from all its tokens at once.
-        A request whose text cannot be made (its tokenizer raised) is put in ``faults``
-        and the others go on (``LLMEngine`` finishes it with the error).
+        every step or searched for stop strings. A request whose text cannot be made (its
+        tokenizer raised) is put in ``faults`` and the others go on (``LLMEngine`` finishes it with the error).
         """
         stop_strings: dict[str, str] = {}
         for request in produced:
@@ -129,8 +120,7 @@ class OutputProcessor:
 
         Called once the stop decision is made, so finished completions carry their
         reason. A ``FINAL_ONLY`` request is reported only once all of it has finished.
-        A request whose output cannot be made goes to ``faults`` (its first completion's
-        id), as in ``detokenize``.
+        A request whose output cannot be made goes to ``faults`` (by its first completion's id).
         """
         touched: dict[str, RequestState] = {}
         for request in produced:
@@ -160,18 +150,14 @@ class OutputProcessor:
             del self.states[state.request_id]
             for request in state.completions:
                 del self.completions_by_id[request.request_id]
-        first = state.completions[0]
         return RequestOutput(
             request_id=state.request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
-            outputs=completions, finished=finished, num_cached_tokens=first.num_cached_tokens,
+            outputs=completions, finished=finished, num_cached_tokens=state.completions[0].num_cached_tokens,
             metrics=gather_metrics(state.completions))
 
     def _detokenize(self, request: Request, detokenizer: IncrementalDetokenizer) -> str:
-        """Feed the detokenizer the tokens it has not seen yet; the text delta.
-
-        A new last token among ``stop_token_ids`` will end the request (``check_stop``, which runs
-        after this: stop strings are looked for first), so its text is left out.
-        """
+        """Feed the detokenizer the tokens it has not seen yet; the text delta. A new last token among
+        ``stop_token_ids`` will end the request (``check_stop``, run after this), so its text is left out."""
         new_token_ids = request.output_token_ids[detokenizer.num_tokens:]
         ends_on_stop_token = bool(new_token_ids) and new_token_ids[-1] in request.sampling_params.stop_token_ids
         with self.profiler.phase("detokenize"):

@@ -1,25 +1,22 @@
 """The output router: one place steps the engine, every output reaches its reader (chapter 2).
 
-``LLMEngine.step()`` returns the outputs of *every* request that progressed. A reader that
+``LLMEngine.step()`` returns the outputs of *every* request that progressed, so a reader that
 steps the engine for its own request and drops the rest loses the others' outputs: a
-``generate`` run while a stream is open would eat the stream's deltas, two streams read
-in turn would eat each other's tokens, and a request added next to a stream would never
-see its final output. So readers do not step the engine themselves; they ask the router,
-which steps it and puts each output in the queue of the request it belongs to::
+``generate`` run while a stream is open would eat the stream's deltas, two streams read in
+turn each other's tokens. So readers ask the router, which steps the engine and puts each
+output in the queue of the request it belongs to::
 
     router = OutputRouter(engine)
     router.watch(request_id)              # a queue for this request
     out = router.next_output(request_id)  # steps until this request has an output
 
-A queue is made for any request that produced an output, watched or not (one added with
-``engine.add_request`` behind the router's back), and kept until its final output has
-been read, so nothing is lost; ``release`` drops a queue its reader no longer wants.
+A queue is made for any request that produced an output, watched or not, and kept until its
+final output has been read, so nothing is lost; ``release`` drops a queue nobody wants.
 
-A server steps its engine on a thread of its own and delivers to asyncio queues: its
-``AsyncLLMEngine`` (chapter 12) calls ``route(engine.step())`` and gives ``watch`` a
-``sink`` (a function called with each output) instead of using the router's queues, and
-calls ``close`` when it stops. vLLM's ``AsyncLLM`` routes the same way, one
-``RequestOutputCollector`` per request (vllm/v1/engine/output_processor.py).
+A server steps its engine on a thread of its own: its ``AsyncLLMEngine`` (chapter 12) calls
+``route(engine.step())``, gives ``watch`` a ``sink`` (a function called with each output)
+instead of using a queue, and calls ``close`` when it stops. vLLM's ``AsyncLLM`` routes the
+same way, one ``RequestOutputCollector`` per request (vllm/v1/engine/output_processor.py).
 
 The router is not thread-safe, like the engine: one thread steps and reads.
 """
@@ -55,10 +52,8 @@ class OutputRouter:
             self._queues.setdefault(request_id, collections.deque())
 
     def release(self, request_id: str) -> None:
-        """Stop collecting for ``request_id``: drop what was not read, and its later outputs.
-
-        The request itself keeps running (abort it with ``engine.abort`` if nobody wants it).
-        """
+        """Stop collecting for ``request_id``: drop what was not read, and its later outputs. The
+        request itself keeps running (abort it with ``engine.abort`` if nobody wants it)."""
         self._queues.pop(request_id, None)
         self._sinks.pop(request_id, None)
         if self.engine.has_request(request_id):
@@ -87,9 +82,7 @@ class OutputRouter:
 
     def pop(self, request_id: str) -> RequestOutput | None:
         """The oldest unread output of ``request_id``, without stepping; None if there is none.
-
-        The queue goes once its final output has been taken.
-        """
+        The queue goes once its final output has been taken."""
         queue = self._queues.get(request_id)
         if not queue:
             return None
@@ -99,12 +92,8 @@ class OutputRouter:
         return out
 
     def next_output(self, request_id: str) -> RequestOutput | None:
-        """The next output of ``request_id``, stepping the engine until there is one.
-
-        Returns None once the request has nothing more to give: it has finished and its
-        outputs were read, or it was aborted with ``engine.abort`` (whose caller got the
-        final output).
-        """
+        """The next output of ``request_id``, stepping the engine until there is one; None once it
+        has nothing more to give (finished and read, or aborted: ``engine.abort`` returned the last)."""
         while True:
             out = self.pop(request_id)
             if out is not None:
@@ -115,23 +104,18 @@ class OutputRouter:
             self.step()
 
     def wait(self, request_id: str) -> RequestOutput | None:
-        """Step until ``request_id`` has finished; its final output (earlier ones are dropped).
-
-        For a ``DELTA`` request the final output holds only the last piece: read such a
-        request with ``next_output`` instead. None as in ``next_output``.
-        """
+        """Step until ``request_id`` has finished; its final output (earlier ones are dropped), or None
+        as in ``next_output``. A ``DELTA`` request's final output holds only the last piece: read
+        such a request with ``next_output`` instead."""
         while (out := self.next_output(request_id)) is not None:
             if out.finished:
                 return out
         return None
 
     def close(self) -> dict[str, Sink]:
-        """Stop collecting for every request; returns the sinks still waiting, by request id.
-
-        For an owner that stops serving: the requests keep running (abort them), and the
-        returned sinks' readers must be told that nothing more will come. Unread queued
-        outputs are dropped.
-        """
+        """Stop collecting for every request, dropping unread outputs; returns the sinks still waiting,
+        by request id, whose readers must be told that nothing more will come. The requests keep
+        running (an owner that stops serving aborts them)."""
         sinks, self._sinks = self._sinks, {}
         self._queues.clear()
         self._released.clear()
@@ -139,10 +123,8 @@ class OutputRouter:
 
     @property
     def num_held(self) -> int:
-        """Requests the router still keeps something for (a queue, a sink, or a release mark).
-
-        Zero once every request it saw has finished and been read: what a leak check asks.
-        """
+        """Requests the router still keeps something for (a queue, a sink, or a release mark): zero
+        once every request it saw has finished and been read, what a leak check asks."""
         return len(self._queues) + len(self._sinks) + len(self._released)
 
     @property

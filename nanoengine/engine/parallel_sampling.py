@@ -1,52 +1,42 @@
 """Parallel sampling: one user request, ``n`` completions of the same prompt (chapter 8).
 
-``SamplingParams(n=4)`` asks for four completions. Computing the prompt four times would
+``SamplingParams(n=4)`` asks for four completions; computing the prompt four times would
 waste three prefills and three copies of its KV. A ``ParentRequest`` stands for the user
-request and does almost everything ``n > 1`` needs; the block manager, the batch planner
-and the invariant checks only ever see ordinary requests, and the scheduler reads one
-mark, only with the prefix cache off (``Request.fork_source``, below):
+request and does almost all that ``n > 1`` needs: the rest of the engine sees ordinary
+requests, and the scheduler reads one mark (``Request.fork_source``), only with the prefix
+cache off.
 
 1. **fan out**: the parent makes ``n`` ordinary ``Request`` objects, its *children*, named
    ``"{i}_{id}"`` (vLLM's names; with ``n == 1`` the one child keeps the user's id). A
    seeded request gives child ``i`` the seed ``seed + i``, so each is reproducible and
-   they differ from one another. Only child 0 is queued at first; the siblings wait in
-   the parent, outside the scheduler, and take no sequence slot and no block.
-2. **prefill once**: child 0 is scheduled like any request and computes the prompt.
-3. **release** (``after_update``, called by the engine once per step, after the
-   scheduler has appended the step's tokens): when child 0 has its first token, its
-   prompt's KV exists, so the parent queues the siblings. When the scheduler admits one,
-   it shares child 0's full prompt blocks (reference counts raised), computes only the
-   prompt's last, partly filled block and samples its own first token from its own
-   logits. From then on the children are independent: each is scheduled, preempted and
-   finished on its own.
-4. **gather**: the output processor reports the ``n`` children as one ``RequestOutput``
+   they differ from one another. Only child 0 is queued; the siblings wait in the parent,
+   outside the scheduler, and take no sequence slot and no block.
+2. **prefill once, then release** (``ParentRequests.after_update``, once per step): once
+   child 0 has computed the prompt and sampled its first token, the siblings are queued.
+   An admitted sibling shares child 0's full prompt blocks, computes only the prompt's
+   partly filled last block and samples its first token from its own logits; from then
+   on each child is scheduled, preempted and finished on its own.
+3. **gather**: the output processor reports the ``n`` children as one ``RequestOutput``
    (``gather_metrics`` covers the timings); the user request ends when its last child
    does. Aborting it finishes every child, released or not.
 
-How a sibling finds the prompt's blocks depends on the prefix cache. With caching on (the
-default) nothing special happens: child 0 cached its full prompt blocks as it computed them,
-and the sibling finds them as any request with that prompt would (a ``PrefixCacheHit``). With
-caching off the parent marks each sibling with ``Request.fork_source`` (child 0, its number of
-full prompt blocks), and the scheduler at admission hands those blocks to
-``BlockManager.allocate_slots``, which shares them as it shares hits (a ``BlocksForked``).
+With the prefix cache on (the default) a sibling finds the full prompt blocks as any request
+with that prompt would (a ``PrefixCacheHit``); with it off, ``fork_source`` names child 0 and
+its number of full prompt blocks, which the scheduler hands to ``BlockManager.allocate_slots``
+(a ``BlocksForked``).
 
-Only *full* blocks are shared: every sibling writes its own next token into the prompt's
-partly filled last block. vLLM v0 copied that block on write (a device-side KV copy in every
-worker); here each sibling recomputes its tokens instead (at most ``block_size - 1``; a whole
-block when the prompt fills its last one, since the sibling needs that last token's logits),
-which needs no copy kernel and works unchanged under tensor parallelism.
+Only *full* blocks are shared. vLLM v0 copied the partly filled last block on write (a
+device-side KV copy in every worker); here each sibling recomputes its tokens instead (at
+most ``block_size - 1``; a whole block when the prompt fills its last one, since the sibling
+needs that last token's logits): no copy kernel, and unchanged under tensor parallelism.
 
 Siblings enter the waiting queue like new requests, so ``max_num_seqs`` and the token budget
-hold without special rules; the price is that they start a step after child 0. If child 0
-loses its blocks first (preempted, or finished at its first token), nothing stale is shared:
-a hit is verified as every hit is, and a fork is taken only while child 0 holds the blocks
-computed (``Scheduler.computed_blocks``); otherwise the sibling computes what it lacks.
-
-vLLM v1 has the same ``ParentRequest`` (vllm/v1/engine/parallel_sampling.py) but queues all
-children at once and relies on the prefix cache alone: it registers a block's digest when the
-block is *scheduled*, so siblings admitted in child 0's step already hit. This engine
-registers a digest once the block is computed, so it holds the siblings back a step instead;
-and with caching off, where vLLM computes the prompt once per child, the siblings fork it.
+hold without special rules. They start a step after child 0: vLLM v1's ``ParentRequest``
+(vllm/v1/engine/parallel_sampling.py) queues all children at once, since it registers a
+block's digest when the block is *scheduled*, while this engine registers it once computed
+(and with the cache off, where vLLM computes the prompt once per child, forks it). If child 0
+loses its blocks first, nothing stale is shared: a hit is verified as every hit is, and a fork
+is taken only while child 0 holds the blocks computed (``Scheduler.computed_blocks``).
 """
 
 from __future__ import annotations
@@ -72,10 +62,8 @@ def completion_params(params: SamplingParams, index: int) -> SamplingParams:
 
 
 class ParentRequest:
-    """A user request's ``n`` children, and the siblings still held back until the prompt is computed.
-
-    ``make(child_id, params, index)`` builds one ``Request``.
-    """
+    """A user request's ``n`` children (``make(child_id, params, index)`` builds one), and the
+    siblings still held back until the prompt is computed."""
 
     def __init__(self, request_id: str, params: SamplingParams,
                  make: Callable[[str, SamplingParams, int], Request]) -> None:
@@ -108,9 +96,8 @@ class ParentRequest:
 class ParentRequests:
     """The parents whose siblings are still held back, found by their first child's id.
 
-    The engine calls ``after_update`` once per step; it costs a dictionary lookup per
-    request that produced a token, and nothing at all when no request has ``n > 1``.
-    ``fork``: mark released siblings for an explicit fork (the prefix cache is off).
+    ``after_update`` costs a dict lookup per request that produced a token, nothing when no
+    request has ``n > 1``. ``fork``: mark released siblings for an explicit fork (cache off).
     """
 
     def __init__(self, block_size: int, fork: bool) -> None:

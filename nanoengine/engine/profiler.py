@@ -1,7 +1,7 @@
 """Where one engine step's time went, phase by phase (chapters 2 and 10).
 
-A step is schedule, execute, update; to see which of them a faster engine must shrink,
-``StepFinished`` reports the step's time cut into disjoint phases:
+To show which part of a step a faster engine must shrink, ``StepFinished`` reports the
+step's time cut into disjoint phases:
 
 =================  ==============================================================
 ``schedule``       the scheduler's own decisions
@@ -14,20 +14,14 @@ A step is schedule, execute, update; to see which of them a faster engine must s
 ``detokenize``     turning token ids into text
 =================  ==============================================================
 
-The code that does the work opens its phase with a context manager::
+The code that does the work opens its phase: ``with profiler.phase("schedule"): ...``.
+Phases nest, and nested time belongs to the innermost phase only (the block manager's
+seconds are taken out of ``schedule``'s and ``update``'s), so the phases never overlap and
+their sum is at most the step's wall time (the rest is the engine's own bookkeeping).
 
-    with profiler.phase("schedule"):
-        out = scheduler.schedule()
-
-Phases nest, and nested time belongs to the innermost phase only: the block manager is
-called from inside ``schedule`` and ``update``, and its seconds are taken out of theirs.
-So the phases never overlap, and their sum is at most the step's wall time (the rest is
-the engine's own bookkeeping between phases: events, timestamps).
-
-Profiling costs a clock read at every phase boundary, so it runs only for steps that
-somebody watches: the engine calls ``start(enabled)`` at each step with
-``enabled = events.wants(StepFinished)``. A disabled profiler reads no clock: ``phase``
-returns one shared do-nothing context manager.
+Profiling reads the clock at every phase boundary, so it runs only for steps somebody
+watches: the engine calls ``start(events.wants(StepFinished))`` at each step, and a
+disabled profiler's ``phase`` returns one shared do-nothing context manager.
 """
 
 from __future__ import annotations
@@ -82,10 +76,7 @@ class StepProfiler:
 
     def finish(self) -> dict[str, float]:
         """End the step: its phases as ``StepFinished`` fields (``schedule_time`` ...) plus ``total_time``.
-
-        Profiling stays off until the next ``start``, so work between steps (an abort
-        freeing blocks) reads no clock.
-        """
+        Profiling stays off until the next ``start``: work between steps reads no clock."""
         if self._open:
             raise RuntimeError(f"phases still open at the end of the step: {self._open}")
         times = {f"{name}_time": seconds for name, seconds in self.seconds.items()}
@@ -105,6 +96,5 @@ class StepProfiler:
         self._since = now
 
 
-# Shared by objects built without an engine (a block manager or runner on its own in a
-# test or a chapter): never started, so always disabled.
+# For objects built without an engine (a block manager on its own): never started, so always off.
 NO_PROFILER = StepProfiler()

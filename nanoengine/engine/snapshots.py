@@ -1,10 +1,8 @@
 """Read-only pictures of a live engine, for readers, simulators and tests (chapters 2-7).
 
-``LLMEngine.snapshot()`` returns an ``EngineSnapshot``: the queues, every block (with its
-digest, parent digest and place in the LRU free queue), the prefix-cache and preemption
-counters. ``LLMEngine.memory_report()`` returns a ``MemoryReport``: what the weights, their
-packed copies and the KV cache take. Both are frozen records of plain values, so holding
-one never keeps the engine's objects alive and nothing can change the engine through it.
+``LLMEngine.snapshot()`` returns an ``EngineSnapshot`` (the queues, every block, the counters),
+``LLMEngine.memory_report()`` a ``MemoryReport`` (what the weights, their packed copies and the
+KV cache take): frozen plain values, which keep no engine object alive and change nothing.
 """
 
 from __future__ import annotations
