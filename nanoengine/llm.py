@@ -5,15 +5,10 @@
     for delta in llm.stream("Tell me a story", SamplingParams(max_tokens=50)):
         print(delta, end="")
 
-``generate`` checks every prompt before queueing any, so one bad prompt leaves the engine
-untouched; if it is interrupted, it aborts its own requests so no blocks stay held.
-
-Every prompt goes through the engine's input processor once (tokenized, chat template
-applied, checked). Every output comes through one ``OutputRouter`` (``llm.router``),
-which steps the engine and keeps each request's outputs for its reader, so a
-``generate`` run while a stream is open, or two streams read in turn, lose nothing. A
-request added directly with ``llm.engine.add_request`` while this ``LLM`` is streaming
-keeps its outputs there too: ``llm.router.wait(request_id)`` returns its final one.
+Every output comes through one ``OutputRouter`` (``llm.router``), which steps the engine
+and keeps each request's outputs for its reader, so a ``generate`` run while a stream is
+open, or two streams read in turn, lose nothing; a request added directly with
+``llm.engine.add_request`` keeps its outputs there too (``llm.router.wait(request_id)``).
 """
 
 from __future__ import annotations
@@ -39,11 +34,7 @@ class LLM:
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":
-        """An ``LLM`` over an engine built by hand, loading nothing.
-
-        For tests and tools that make their engine themselves (``LLMEngine.from_model`` over a
-        model in memory, or one engine shared by several checks): ``LLM(...)`` would load a checkpoint.
-        """
+        """An ``LLM`` over an engine built by hand (``LLMEngine.from_model``), loading nothing."""
         llm = cls.__new__(cls)
         llm.engine = engine
         return llm
@@ -71,8 +62,8 @@ class LLM:
         """
         prompts = _as_prompt_list(prompts)
         # Only final outputs are read here, so the engine makes text only once a request ends.
-        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) if isinstance(p, SamplingParams)
-                  else p for p in _as_params_list(sampling_params, len(prompts))]
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                  for p in _as_params_list(sampling_params, len(prompts))]
         processor = self.engine.input_processor  # tokenize and check everything before queueing anything
         processed = [processor.process(prompt, p) for prompt, p in zip(prompts, params)]
         ids = [self.engine.add_request(p) for p in processed]
@@ -197,10 +188,8 @@ def _as_prompt_list(prompts) -> list[Prompt]:
 
 
 def _as_params_list(params, n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
-    if isinstance(params, SamplingParams):
-        return [params] * n
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * n
     if not isinstance(params, (list, tuple)):
         raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {params!r}")
     params = list(params)
