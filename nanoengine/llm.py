@@ -183,7 +183,8 @@ def _as_prompt_list(prompts) -> list[Prompt]:
                                                               for t in prompts):
         return [list(prompts)]  # one prompt given as token ids
     if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError(f"prompts must be a string, a list of token ids, or a non-empty list of those; got {prompts!r}")
+        raise ValueError(f"prompts must be a string, a list of token ids, or a non-empty list of those; "
+                         f"got {prompts!r}")
     return list(prompts)
 
 

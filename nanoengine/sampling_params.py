@@ -106,7 +106,8 @@ class StructuredOutputsParams:
             _check_constraint_size("choice", "".join(choice))
             object.__setattr__(self, "choice", choice)
         if self.json_object is not None and not isinstance(self.json_object, bool):
-            raise ValueError(f"structured_outputs json_object must be True, False or None, got {shown(self.json_object)}")
+            raise ValueError(f"structured_outputs json_object must be True, False or None, "
+                             f"got {shown(self.json_object)}")
 
     @property
     def kind(self) -> str:
@@ -202,8 +203,8 @@ class SamplingParams:
                           lambda k: 0 <= k <= MAX_LOGPROBS)
         _check_number("n", self.n, int, "an integer >= 1 (the number of completions)", lambda n: n >= 1)
         if not isinstance(self.output_kind, RequestOutputKind):
-            raise ValueError(f"output_kind must be a RequestOutputKind ({', '.join(k.name for k in RequestOutputKind)}), "
-                             f"got {self.output_kind!r}")
+            raise ValueError(f"output_kind must be a RequestOutputKind "
+                             f"({', '.join(k.name for k in RequestOutputKind)}), got {self.output_kind!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
