@@ -148,8 +148,7 @@ class SamplingParams:
         completion i draws from its own generator seeded ``seed + i``, so each one is
         reproducible whatever else is in the batch.
     output_kind: when ``LLMEngine.step`` reports the request and what each output holds
-        (``RequestOutputKind``): every step with everything so far (the default), every
-        step with what is new, or only once finished.
+        (``RequestOutputKind``; the default: every step, with everything so far).
     structured_outputs: None, or the constraint the output must satisfy
         (``StructuredOutputsParams``, chapter 14): every token is drawn from those it allows
         next (logprobs are those of that masked distribution), and the request finishes
