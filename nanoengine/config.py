@@ -49,10 +49,9 @@ class EngineConfig:
     enforce_eager: run the model operator by operator from Python: no CUDA graphs on a GPU, and
         on a CPU the layers' Python forward rather than one native call per decoder layer (vLLM's
         flag: the model as its code reads, what hooks and the chapters see).
-    compile: on CUDA, torch.compile the small fused ops (RMSNorm + residual, rotary, SiLU-and-mul,
-        the sampler's filters); on failure the engine warns once and stays eager. An explicit
-        choice of its own: enforce_eager does not turn it off (``backends.compilation``). CUDA
-        only: on any other device a ValueError (``backends.check_compile``).
+    compile: CUDA only (elsewhere a ValueError): torch.compile the small fused ops (RMSNorm +
+        residual, rotary, SiLU-and-mul, the sampler's filters); on failure the engine warns once
+        and stays eager. enforce_eager does not turn it off (``backends.compilation``).
     seed: seeds the engine's generator for requests without a seed of their own.
     speculative_config: None (no speculation) or vLLM's dict, e.g. ``{"method": "ngram",
         "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``

@@ -216,7 +216,6 @@ def load_gguf_state_dict(path: PathLike | GGUFReader, progress: bool = True) -> 
 
     Names and shapes match ``LlamaForCausalLM.state_dict()``; ``lm_head.weight`` is
     present only when the file has its own output matrix (untied embeddings).
-    ``progress`` shows a tqdm bar over the tensors.
     """
     reader = _open(path)
     return dict(tqdm(iter_gguf_weights(reader), total=len(reader.tensors), desc="dequantize GGUF", unit="tensor",

@@ -121,30 +121,27 @@ def save_pretrained(model: nn.Module, path: str | Path) -> Path:
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config: ModelConfig = model.config
     unpacked = {packed: [] for packed, _ in model.packed_modules.values()}
     for fragment, (packed, _) in model.packed_modules.items():
         unpacked[packed].append(fragment)  # in shard order: q, k, v and gate, up
     tensors = {}
-    for module_name, module in model.named_modules():
-        for pname, param in module.named_parameters(recurse=False):
-            name = f"{module_name}.{pname}"
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                continue  # the embedding matrix is the head
-            if isinstance(module, QKVParallelLinear):
-                sizes = [module.num_heads * module.head_dim] + [module.num_kv_heads * module.head_dim] * 2
-            elif isinstance(module, MergedColumnParallelLinear):
-                sizes = [size // module.tp.size for size in module.output_sizes]
-            else:
-                tensors[name] = param.detach().cpu().contiguous()
-                continue
-            if module.tp.size != 1:
-                raise ValueError("save_pretrained needs a model built for one rank (tensor_parallel_size 1)")
-            packed = module_name.rsplit(".", 1)[-1]
-            for fragment, part in zip(unpacked[packed], param.detach().cpu().split(sizes, dim=0)):
-                tensors[f"{module_name.rsplit('.', 1)[0]}.{fragment}.{pname}"] = part.contiguous()
+    for name, param in model.named_parameters():  # a tied LM head is the embedding matrix: listed once
+        module_name, _, pname = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if isinstance(module, QKVParallelLinear):
+            sizes = [module.num_heads * module.head_dim] + [module.num_kv_heads * module.head_dim] * 2
+        elif isinstance(module, MergedColumnParallelLinear):
+            sizes = [size // module.tp.size for size in module.output_sizes]
+        else:
+            tensors[name] = param.detach().cpu().contiguous()
+            continue
+        if module.tp.size != 1:
+            raise ValueError("save_pretrained needs a model built for one rank (tensor_parallel_size 1)")
+        parent, _, packed = module_name.rpartition(".")
+        for fragment, part in zip(unpacked[packed], param.detach().cpu().split(sizes, dim=0)):
+            tensors[f"{parent}.{fragment}.{pname}"] = part.contiguous()
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    (path / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2))
     return path
 
 
