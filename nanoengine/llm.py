@@ -176,12 +176,11 @@ class LLM:
 def _as_prompt_list(prompts) -> list[Prompt]:
     if isinstance(prompts, str) or is_conversation(prompts):
         return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) and not isinstance(t, bool)
-                                                              for t in prompts):
-        return [list(prompts)]  # one prompt given as token ids
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError(f"prompts must be a string, a list of token ids, or a non-empty list of those; "
                          f"got {prompts!r}")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids
     return list(prompts)
 
 

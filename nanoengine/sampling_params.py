@@ -33,17 +33,16 @@ class RequestOutputKind(enum.Enum):
     """When ``LLMEngine.step`` hands out a request's output (vLLM's names).
 
     CUMULATIVE: every step that gave the request a token, with all its text and tokens so
-        far and the ``delta`` since the last output. Simple to read, but each output copies
-        the whole completion, so a long stream costs more per step the longer it gets.
+        far and the ``delta`` since the last output; each output copies the whole completion,
+        so a long stream costs more per step the longer it gets.
     DELTA: every step that gave the request a token, with only what is new since its last
         output: ``text`` (equal to ``delta``), ``token_ids`` and ``logprobs`` of the new
         tokens. A stream reader appends them (``LLM.stream`` and the server's streaming
         responses ask for this); ``cumulative_logprob`` and ``metrics`` still cover the
         whole request, and the final output carries its last delta and its finish reason.
-    FINAL_ONLY: once, when the request has finished. Nobody reads the text before then,
-        so it is never made before then: no per-step detokenization and no per-step
-        output objects (``LLM.generate`` asks for this). Stop strings still need the text,
-        so a request that has them is detokenized as it goes, but still reported once.
+    FINAL_ONLY: once, when the request has finished, so no text is made before then: no
+        per-step detokenization or output objects (``LLM.generate`` asks for this), except
+        that a request with stop strings is detokenized as it goes (still reported once).
     """
 
     CUMULATIVE = 0
