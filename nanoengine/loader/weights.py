@@ -10,6 +10,7 @@ fails loudly on a missing or unexpected tensor instead of running with garbage.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
@@ -21,6 +22,7 @@ from torch import nn
 from nanoengine.distributed.parallel_state import TPGroup
 from nanoengine.layers.kernels import building_with
 from nanoengine.models import MODEL_CLASSES, ModelConfig
+from nanoengine.models.presets import PRESETS, TINY_PRESETS
 
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -91,10 +93,6 @@ def random_model(preset: str | ModelConfig = "tiny-llama", seed: int = 0, std: f
     (e.g. ``vocab_size=512``). A larger ``std`` (0.08) gives peaked next-token
     distributions, so greedy tests are not decided by near-ties. ``backend``: as in ``build_model``.
     """
-    import dataclasses
-
-    from nanoengine.models.presets import PRESETS, TINY_PRESETS
-
     if isinstance(preset, str):
         known = {**PRESETS, **TINY_PRESETS}
         if preset not in known:
