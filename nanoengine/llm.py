@@ -5,15 +5,10 @@
     for delta in llm.stream("Tell me a story", SamplingParams(max_tokens=50)):
         print(delta, end="")
 
-``generate`` checks every prompt before queueing any, so one bad prompt leaves the engine
-untouched; if it is interrupted, it aborts its own requests so no blocks stay held.
-
-Every prompt goes through the engine's input processor once (tokenized, chat template
-applied, checked). Every output comes through one ``OutputRouter`` (``llm.router``),
-which steps the engine and keeps each request's outputs for its reader, so a
-``generate`` run while a stream is open, or two streams read in turn, lose nothing. A
-request added directly with ``llm.engine.add_request`` while this ``LLM`` is streaming
-keeps its outputs there too: ``llm.router.wait(request_id)`` returns its final one.
+Every output comes through one ``OutputRouter`` (``llm.router``), which steps the engine
+and keeps each request's outputs for its reader, so a ``generate`` run while a stream is
+open, or two streams read in turn, lose nothing; a request added directly with
+``llm.engine.add_request`` keeps its outputs there too (``llm.router.wait(request_id)``).
 """
 
 from __future__ import annotations
@@ -39,11 +34,7 @@ class LLM:
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":
-        """An ``LLM`` over an engine built by hand, loading nothing.
-
-        For tests and tools that make their engine themselves (``LLMEngine.from_model`` over a
-        model in memory, or one engine shared by several checks): ``LLM(...)`` would load a checkpoint.
-        """
+        """An ``LLM`` over an engine built by hand (``LLMEngine.from_model``), loading nothing."""
         llm = cls.__new__(cls)
         llm.engine = engine
         return llm
@@ -71,8 +62,8 @@ class LLM:
         """
         prompts = _as_prompt_list(prompts)
         # Only final outputs are read here, so the engine makes text only once a request ends.
-        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) if isinstance(p, SamplingParams)
-                  else p for p in _as_params_list(sampling_params, len(prompts))]
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                  for p in _as_params_list(sampling_params, len(prompts))]
         processor = self.engine.input_processor  # tokenize and check everything before queueing anything
         processed = [processor.process(prompt, p) for prompt, p in zip(prompts, params)]
         ids = [self.engine.add_request(p) for p in processed]
@@ -99,12 +90,9 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one request (text, token ids or a conversation) as they are produced.
 
-        Other queued requests keep making progress while this one streams, and their
-        outputs wait in ``llm.router`` for their readers. Closing the generator early
-        aborts the request and frees its blocks. A stream is one text, so ``n`` must be 1
-        (use ``generate`` for several completions). If the engine finishes the request with
-        an error (``finish_reason`` "error"), the stream raises ``RuntimeError`` saying so
-        after the text that came before it.
+        Closing the generator early aborts the request and frees its blocks. If the engine
+        finishes the request with an error (``finish_reason`` "error"), the stream raises
+        ``RuntimeError`` after the text that came before it.
         """
         if sampling_params is not None and getattr(sampling_params, "n", 1) != 1:
             raise ValueError(f"stream() yields one completion's text, got SamplingParams(n={sampling_params.n}); "
@@ -188,19 +176,17 @@ class LLM:
 def _as_prompt_list(prompts) -> list[Prompt]:
     if isinstance(prompts, str) or is_conversation(prompts):
         return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) and not isinstance(t, bool)
-                                                              for t in prompts):
-        return [list(prompts)]  # one prompt given as token ids
     if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError(f"prompts must be a string, a list of token ids, or a non-empty list of those; got {prompts!r}")
+        raise ValueError(f"prompts must be a string, a list of token ids, or a non-empty list of those; "
+                         f"got {prompts!r}")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids
     return list(prompts)
 
 
 def _as_params_list(params, n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
-    if isinstance(params, SamplingParams):
-        return [params] * n
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * n
     if not isinstance(params, (list, tuple)):
         raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {params!r}")
     params = list(params)

@@ -4,22 +4,20 @@
 engine: each error says which field was wrong, the value given, and what is allowed
 (in vLLM's words where vLLM has them). What only the engine knows (the vocabulary, the
 model length, ``max_num_seqs``) is checked when a request enters it
-(``InputProcessor.check_params``).
-
-The lists are bounded too: every step searches a request's new text for each of its stop
-strings and checks its new token against each stop token id, so a request with a million
-of them would slow every request sharing its steps (and a body of a few megabytes can
-carry that many). OpenAI's API takes at most 4 stop strings; vLLM sets no limit.
-``StructuredOutputsParams`` (chapter 14) is checked here for its shape only.
+(``InputProcessor.check_params``). ``StructuredOutputsParams`` (chapter 14) is checked
+here for its shape only.
 """
 
 from __future__ import annotations
 
 import enum
 import json as json_lib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-# The largest lists a request may carry (the module's docstring says why there is a limit).
+# The largest lists a request may carry: every step searches a request's new text for each stop string and
+# checks its new token against each stop token id, so a million of them (a body of a few megabytes) would slow
+# every request sharing its steps. OpenAI's API takes at most 4 stop strings; vLLM sets no limit.
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
@@ -35,17 +33,16 @@ class RequestOutputKind(enum.Enum):
     """When ``LLMEngine.step`` hands out a request's output (vLLM's names).
 
     CUMULATIVE: every step that gave the request a token, with all its text and tokens so
-        far and the ``delta`` since the last output. Simple to read, but each output copies
-        the whole completion, so a long stream costs more per step the longer it gets.
+        far and the ``delta`` since the last output; each output copies the whole completion,
+        so a long stream costs more per step the longer it gets.
     DELTA: every step that gave the request a token, with only what is new since its last
         output: ``text`` (equal to ``delta``), ``token_ids`` and ``logprobs`` of the new
         tokens. A stream reader appends them (``LLM.stream`` and the server's streaming
         responses ask for this); ``cumulative_logprob`` and ``metrics`` still cover the
         whole request, and the final output carries its last delta and its finish reason.
-    FINAL_ONLY: once, when the request has finished. Nobody reads the text before then,
-        so it is never made before then: no per-step detokenization and no per-step
-        output objects (``LLM.generate`` asks for this). Stop strings still need the text,
-        so a request that has them is detokenized as it goes, but still reported once.
+    FINAL_ONLY: once, when the request has finished, so no text is made before then: no
+        per-step detokenization or output objects (``LLM.generate`` asks for this), except
+        that a request with stop strings is detokenized as it goes (still reported once).
     """
 
     CUMULATIVE = 0
@@ -80,13 +77,11 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs needs exactly one of {', '.join(KINDS[:-1])} or json_object=True; "
                              f"got {'none' if not given else ', '.join(given)}")
         if self.json is not None:
-            text = self.json
-            if isinstance(self.json, dict):
-                text = json_lib.dumps(self.json)
-            elif not isinstance(self.json, str):
+            text = json_lib.dumps(self.json) if isinstance(self.json, dict) else self.json
+            if not isinstance(text, str):
                 raise ValueError(f"structured_outputs json must be a JSON schema (a dict or its text), "
                                  f"got {shown(self.json)} ({type(self.json).__name__})")
-            else:
+            if not isinstance(self.json, dict):
                 try:
                     schema = json_lib.loads(text)
                 except ValueError as exc:
@@ -110,7 +105,8 @@ class StructuredOutputsParams:
             _check_constraint_size("choice", "".join(choice))
             object.__setattr__(self, "choice", choice)
         if self.json_object is not None and not isinstance(self.json_object, bool):
-            raise ValueError(f"structured_outputs json_object must be True, False or None, got {shown(self.json_object)}")
+            raise ValueError(f"structured_outputs json_object must be True, False or None, "
+                             f"got {shown(self.json_object)}")
 
     @property
     def kind(self) -> str:
@@ -151,8 +147,7 @@ class SamplingParams:
         completion i draws from its own generator seeded ``seed + i``, so each one is
         reproducible whatever else is in the batch.
     output_kind: when ``LLMEngine.step`` reports the request and what each output holds
-        (``RequestOutputKind``): every step with everything so far (the default), every
-        step with what is new, or only once finished.
+        (``RequestOutputKind``; the default: every step, with everything so far).
     structured_outputs: None, or the constraint the output must satisfy
         (``StructuredOutputsParams``, chapter 14): every token is drawn from those it allows
         next (logprobs are those of that masked distribution), and the request finishes
@@ -178,26 +173,15 @@ class SamplingParams:
         object.__setattr__(self, "stop", _as_tuple("stop", stop, "a string or a list of strings"))
         object.__setattr__(self, "stop_token_ids", _as_tuple("stop_token_ids", self.stop_token_ids,
                                                              "a list of token ids"))
-        _check_number("temperature", self.temperature, float)
-        if not 0.0 <= self.temperature < float("inf"):  # inf would divide every logit to 0: uniform noise
-            raise ValueError(f"temperature must be non-negative and finite (0 means greedy), "
-                             f"got {shown(self.temperature)}")
-        _check_number("top_k", self.top_k, int)
-        if self.top_k < -1:  # its upper bound, the vocabulary, is the engine's to check
-            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k} (-1 disables it too)")
-        _check_number("top_p", self.top_p, float)
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {shown(self.top_p)}")
-        _check_number("min_p", self.min_p, float)
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {shown(self.min_p)}")
-        _check_number("max_tokens", self.max_tokens, int)
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check_number("temperature", self.temperature, float, "non-negative and finite (0 means greedy)",
+                      lambda t: 0.0 <= t < float("inf"))  # inf would divide every logit to 0: uniform noise
+        # top_k's upper bound, the vocabulary, is the engine's to check
+        _check_number("top_k", self.top_k, int, "-1 or 0 (disable), or at least 1", lambda k: k >= -1)
+        _check_number("top_p", self.top_p, float, "in (0, 1]", lambda p: 0.0 < p <= 1.0)
+        _check_number("min_p", self.min_p, float, "in [0, 1]", lambda p: 0.0 <= p <= 1.0)
+        _check_number("max_tokens", self.max_tokens, int, "at least 1", lambda m: m >= 1)
         if self.seed is not None:
-            _check_number("seed", self.seed, int)
-            if not 0 <= self.seed < 2**63:
-                raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed}")
+            _check_number("seed", self.seed, int, "None or an integer in [0, 2**63)", lambda s: 0 <= s < 2**63)
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
         for s in self.stop:
@@ -213,15 +197,12 @@ class SamplingParams:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"stop_token_ids must hold non-negative integers, got {shown(t)}")
         if self.logprobs is not None:
-            _check_number("logprobs", self.logprobs, int)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        _check_number("n", self.n, int)
-        if self.n < 1:
-            raise ValueError(f"n must be an integer >= 1 (the number of completions), got {self.n}")
+            _check_number("logprobs", self.logprobs, int, f"None or an integer in [0, {MAX_LOGPROBS}]",
+                          lambda k: 0 <= k <= MAX_LOGPROBS)
+        _check_number("n", self.n, int, "an integer >= 1 (the number of completions)", lambda n: n >= 1)
         if not isinstance(self.output_kind, RequestOutputKind):
-            raise ValueError(f"output_kind must be a RequestOutputKind ({', '.join(k.name for k in RequestOutputKind)}), "
-                             f"got {self.output_kind!r}")
+            raise ValueError(f"output_kind must be a RequestOutputKind "
+                             f"({', '.join(k.name for k in RequestOutputKind)}), got {self.output_kind!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
@@ -253,12 +234,12 @@ def _as_tuple(name: str, value: object, expected: str) -> tuple:
     return tuple(value)
 
 
-def _check_number(name: str, value: object, kind: type) -> None:
-    """Reject non-numbers (and bools), NaN, and numbers the engine's tensors cannot hold
-    (an integer beyond 64 bits, or one too large for a float where a float belongs),
-    with a message naming the field."""
-    allowed = (int,) if kind is int else (int, float)
-    if isinstance(value, bool) or not isinstance(value, allowed):
+def _check_number(name: str, value: object, kind: type, allowed: str, ok: Callable[[int | float], bool]) -> None:
+    """Refuse non-numbers (and bools), NaN, numbers the engine's tensors cannot hold (an integer beyond
+    64 bits, or one too large for a float where a float belongs), and values ``ok`` refuses, with a
+    message naming the field, the value and what is ``allowed``."""
+    allowed_types = (int,) if kind is int else (int, float)
+    if isinstance(value, bool) or not isinstance(value, allowed_types):
         expected = "an integer" if kind is int else "a number"
         raise ValueError(f"{name} must be {expected}, got {shown(value)} ({type(value).__name__})")
     if kind is float and value != value:  # NaN
@@ -267,14 +248,13 @@ def _check_number(name: str, value: object, kind: type) -> None:
         raise ValueError(f"{name} must be an integer in [-2**63, 2**63) (64 bits), got {shown(value)}")
     if kind is float and isinstance(value, int) and abs(value) > 2**1023:  # float(value) would overflow
         raise ValueError(f"{name} must be a finite number, got {shown(value)}")
+    if not ok(value):
+        raise ValueError(f"{name} must be {allowed}, got {shown(value)}")
 
 
 def shown(value: object, limit: int = 80) -> str:
-    """``repr(value)`` for an error message, cut to ``limit`` characters; a huge integer by its size.
-
-    (Python refuses to turn an integer of more than 4,300 digits into text, and a message
-    should not repeat a megabyte that a client sent.)
-    """
+    """``repr(value)`` for an error message, cut to ``limit`` characters; a huge integer by its size (Python
+    refuses to turn one of more than 4,300 digits into text, and a message should not repeat a megabyte)."""
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**24:
         return f"{'-' if value < 0 else ''}an integer of {value.bit_length()} bits"
     text = repr(value)

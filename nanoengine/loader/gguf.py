@@ -3,23 +3,18 @@
 GGUF is the single-file format of llama.cpp: a header of typed key/value metadata
 (architecture, sizes, the whole tokenizer, the chat template) followed by tensors that are
 usually *quantized* (Q4_1 stores each block of 32 weights as 4-bit integers plus a float16
-scale and minimum; Q8_0 as 8-bit integers plus a scale). The course's default model,
-SmolLM2-135M-Instruct, reaches us as such a file (see ``nanoengine.default_model``).
+scale and minimum; Q8_0 as 8-bit integers plus a scale). The course's default model
+reaches us as such a file (``nanoengine.default_model``).
 
-This module turns it into the standard Hugging Face layout that the rest of the engine and
-the parity tests use: a ``config.json`` dict (:func:`read_gguf_config`), float32 tensors under
-Hugging Face names (:func:`iter_gguf_weights`: ``blk.3.attn_q.weight`` ->
-``model.layers.3.self_attn.q_proj.weight``; dequantizing reproduces exactly the weights
-llama.cpp computes with, not the original ones) and the tokenizer files
-(:func:`gguf_tokenizer_files`).
+This module turns it into the Hugging Face layout the rest of the engine and the parity
+tests use: a ``config.json`` dict (:func:`read_gguf_config`), float32 tensors under Hugging
+Face names (:func:`iter_gguf_weights`; dequantizing reproduces exactly the weights llama.cpp
+computes with, not the original ones) and the tokenizer files (:func:`gguf_tokenizer_files`).
 
-The one real quirk: llama.cpp's converter *permutes the rows* of ``attn_q`` and ``attn_k``.
-Hugging Face Llama applies rotary embeddings in "rotate half" form: within a head of
-``head_dim`` rows, row ``j`` is paired with row ``j + head_dim/2``. llama.cpp pairs
-*adjacent* rows ``2j, 2j+1`` instead, so its converter interleaves the two halves of every
-head. We undo that here (:func:`unpermute_rotary`), at load time, so model code stays clean
-(the gpt-fast habit). Get it wrong and the model still runs but writes gibberish, which is
-why ``tests/engine/test_default_model.py`` generates text with Hugging Face transformers.
+The one real quirk: llama.cpp's converter *permutes the rows* of ``attn_q`` and ``attn_k``
+(:func:`unpermute_rotary` undoes it at load time, so model code stays clean: the gpt-fast
+habit). Get it wrong and the model still runs but writes gibberish, which is why
+``tests/engine/test_default_model.py`` generates text with Hugging Face transformers.
 
 Only the Llama architecture (``general.architecture == "llama"``: Llama 1/2/3, Mistral,
 SmolLM2) is supported; anything else raises a ``ValueError`` that names it.
@@ -48,31 +43,19 @@ PathLike = str | os.PathLike
 #: GGUF ``general.architecture`` values this loader understands.
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama",)
 
-# GGUF tensor-name stems -> Hugging Face Llama names. ``{i}`` is the layer index; the
-# suffix (".weight" / ".bias") is carried over unchanged.
-_GLOBAL_TENSORS: dict[str, str] = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
+# GGUF tensor-name stems -> Hugging Face Llama names, global and per layer (``blk.3.attn_q.weight`` ->
+# ``model.layers.3.self_attn.q_proj.weight``); the suffix (".weight" / ".bias") is carried over unchanged.
+_GLOBAL_TENSORS: dict[str, str] = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_TENSORS: dict[str, str] = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
-
-
-# ------------------------------------------------------------------------------ Metadata and config
 
 
 def _open(path: PathLike | GGUFReader) -> GGUFReader:
@@ -99,7 +82,17 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _config_from_metadata(meta: dict[str, Any], tensor_names: set[str], path: Any) -> dict[str, Any]:
+def read_gguf_config(path: PathLike | GGUFReader) -> dict[str, Any]:
+    """Return a Hugging Face ``LlamaForCausalLM`` config dict built from GGUF metadata.
+
+    Reads only the header, but GGUFReader indexes every metadata item when it opens a file
+    (seconds for SmolLM2's 100k tokenizer strings), so a caller that needs config, weights and
+    tokenizer should open one ``GGUFReader`` and pass it to each function. Raises ``ValueError``
+    for a non-Llama architecture or missing keys, ``FileNotFoundError`` if ``path`` does not exist.
+    """
+    reader = _open(path)
+    meta = read_gguf_metadata(reader)
+    tensor_names = {t.name for t in reader.tensors}
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else "the GGUF file"
@@ -139,47 +132,19 @@ def _config_from_metadata(meta: dict[str, Any], tensor_names: set[str], path: An
     eos = meta.get("tokenizer.ggml.eos_token_id")
     pad = meta.get("tokenizer.ggml.padding_token_id")
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": n_kv_heads,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": _f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        "rope_scaling": rope_scaling,
-        "max_position_embeddings": int(need("context_length")),
-        "vocab_size": vocab_size,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")), "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": n_heads, "num_key_value_heads": n_kv_heads, "head_dim": head_dim,
+        "hidden_act": "silu", "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(meta.get(f"{arch}.rope.freq_base", 10000.0)), "rope_scaling": rope_scaling,
+        "max_position_embeddings": int(need("context_length")), "vocab_size": vocab_size,
         # No separate output matrix in the file means the LM head reuses the embedding.
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
-        "mlp_bias": "blk.0.ffn_up.bias" in tensor_names,
-        "attention_dropout": 0.0,
-        "bos_token_id": None if bos is None else int(bos),
-        "eos_token_id": None if eos is None else int(eos),
-        "pad_token_id": None if pad is None else int(pad),
-        "torch_dtype": "float32",
-        "use_cache": True,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names, "mlp_bias": "blk.0.ffn_up.bias" in tensor_names,
+        "attention_dropout": 0.0, "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": None if eos is None else int(eos), "pad_token_id": None if pad is None else int(pad),
+        "torch_dtype": "float32", "use_cache": True,
     }
-
-
-def read_gguf_config(path: PathLike | GGUFReader) -> dict[str, Any]:
-    """Return a Hugging Face ``LlamaForCausalLM`` config dict built from GGUF metadata.
-
-    Reads only the header, but GGUFReader indexes every metadata item when it opens a file
-    (seconds for SmolLM2's 100k tokenizer strings), so a caller that needs config, weights and
-    tokenizer should open one ``GGUFReader`` and pass it to each function. Raises ``ValueError``
-    for a non-Llama architecture or missing keys, ``FileNotFoundError`` if ``path`` does not exist.
-    """
-    reader = _open(path)
-    meta = read_gguf_metadata(reader)
-    return _config_from_metadata(meta, {t.name for t in reader.tensors}, path)
-
-
-# ------------------------------------------------------------------------------------------ Weights
 
 
 def unpermute_rotary(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -251,14 +216,10 @@ def load_gguf_state_dict(path: PathLike | GGUFReader, progress: bool = True) -> 
 
     Names and shapes match ``LlamaForCausalLM.state_dict()``; ``lm_head.weight`` is
     present only when the file has its own output matrix (untied embeddings).
-    ``progress`` shows a tqdm bar over the tensors.
     """
     reader = _open(path)
     return dict(tqdm(iter_gguf_weights(reader), total=len(reader.tensors), desc="dequantize GGUF", unit="tensor",
                      disable=not progress))
-
-
-# ---------------------------------------------------------------------------------------- Tokenizer
 
 
 def _bpe_tokenizer(meta: dict[str, Any]) -> Tokenizer:
@@ -310,14 +271,9 @@ def gguf_tokenizer_files(path: PathLike | GGUFReader) -> dict[str, Any]:
     tok = _bpe_tokenizer(meta)
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
-
-    def token_text(key: str) -> str | None:
-        idx = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return None if idx is None else tokens[int(idx)]
-
-    named = {"bos_token": token_text("bos"), "eos_token": token_text("eos"), "unk_token": token_text("unknown"),
-             "pad_token": token_text("padding")}
-    special = {name: text for name, text in named.items() if text is not None}
+    gguf_keys = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
+    special = {name: tokens[int(meta[f"tokenizer.ggml.{key}_token_id"])] for name, key in gguf_keys.items()
+               if f"tokenizer.ggml.{key}_token_id" in meta}
     extra = [tokens[i] for i, t in enumerate(types) if t == _TOKEN_TYPE_CONTROL and tokens[i] not in special.values()]
     arch = meta.get("general.architecture")
     config: dict[str, Any] = {
@@ -331,8 +287,5 @@ def gguf_tokenizer_files(path: PathLike | GGUFReader) -> dict[str, Any]:
     }
     if "tokenizer.chat_template" in meta:
         config["chat_template"] = meta["tokenizer.chat_template"]
-    return {
-        "tokenizer.json": tok.to_str(pretty=False),
-        "tokenizer_config.json": config,
-        "special_tokens_map.json": {**special, "additional_special_tokens": extra},
-    }
+    return {"tokenizer.json": tok.to_str(pretty=False), "tokenizer_config.json": config,
+            "special_tokens_map.json": {**special, "additional_special_tokens": extra}}

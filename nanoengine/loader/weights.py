@@ -10,6 +10,7 @@ fails loudly on a missing or unexpected tensor instead of running with garbage.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
@@ -21,6 +22,7 @@ from torch import nn
 from nanoengine.distributed.parallel_state import TPGroup
 from nanoengine.layers.kernels import building_with
 from nanoengine.models import MODEL_CLASSES, ModelConfig
+from nanoengine.models.presets import PRESETS, TINY_PRESETS
 
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -91,10 +93,6 @@ def random_model(preset: str | ModelConfig = "tiny-llama", seed: int = 0, std: f
     (e.g. ``vocab_size=512``). A larger ``std`` (0.08) gives peaked next-token
     distributions, so greedy tests are not decided by near-ties. ``backend``: as in ``build_model``.
     """
-    import dataclasses
-
-    from nanoengine.models.presets import PRESETS, TINY_PRESETS
-
     if isinstance(preset, str):
         known = {**PRESETS, **TINY_PRESETS}
         if preset not in known:
@@ -121,30 +119,27 @@ def save_pretrained(model: nn.Module, path: str | Path) -> Path:
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config: ModelConfig = model.config
     unpacked = {packed: [] for packed, _ in model.packed_modules.values()}
     for fragment, (packed, _) in model.packed_modules.items():
         unpacked[packed].append(fragment)  # in shard order: q, k, v and gate, up
     tensors = {}
-    for module_name, module in model.named_modules():
-        for pname, param in module.named_parameters(recurse=False):
-            name = f"{module_name}.{pname}"
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                continue  # the embedding matrix is the head
-            if isinstance(module, QKVParallelLinear):
-                sizes = [module.num_heads * module.head_dim] + [module.num_kv_heads * module.head_dim] * 2
-            elif isinstance(module, MergedColumnParallelLinear):
-                sizes = [size // module.tp.size for size in module.output_sizes]
-            else:
-                tensors[name] = param.detach().cpu().contiguous()
-                continue
-            if module.tp.size != 1:
-                raise ValueError("save_pretrained needs a model built for one rank (tensor_parallel_size 1)")
-            packed = module_name.rsplit(".", 1)[-1]
-            for fragment, part in zip(unpacked[packed], param.detach().cpu().split(sizes, dim=0)):
-                tensors[f"{module_name.rsplit('.', 1)[0]}.{fragment}.{pname}"] = part.contiguous()
+    for name, param in model.named_parameters():  # a tied LM head is the embedding matrix: listed once
+        module_name, _, pname = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if isinstance(module, QKVParallelLinear):
+            sizes = [module.num_heads * module.head_dim] + [module.num_kv_heads * module.head_dim] * 2
+        elif isinstance(module, MergedColumnParallelLinear):
+            sizes = [size // module.tp.size for size in module.output_sizes]
+        else:
+            tensors[name] = param.detach().cpu().contiguous()
+            continue
+        if module.tp.size != 1:
+            raise ValueError("save_pretrained needs a model built for one rank (tensor_parallel_size 1)")
+        parent, _, packed = module_name.rpartition(".")
+        for fragment, part in zip(unpacked[packed], param.detach().cpu().split(sizes, dim=0)):
+            tensors[f"{parent}.{fragment}.{pname}"] = part.contiguous()
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    (path / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2))
     return path
 
 

@@ -62,9 +62,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        archs = d.get("architectures") or []
-        if not archs:
-            archs = [arch for arch, kind in MODEL_TYPES.items() if kind == d.get("model_type")] or ["(none)"]
+        archs = (d.get("architectures") or [arch for arch, kind in MODEL_TYPES.items() if kind == d.get("model_type")]
+                 or ["(none)"])
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         heads = d["num_attention_heads"]

@@ -13,6 +13,11 @@ from __future__ import annotations
 
 from nanoengine.models.config import ModelConfig
 
+# What Llama-3 8B and 70B share (their sizes differ).
+_LLAMA_3 = dict(architecture="LlamaForCausalLM", num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
+                bos_token_id=128000, eos_token_ids=(128001,))
+
 PRESETS: dict[str, ModelConfig] = {
     "SmolLM2-135M": ModelConfig(
         architecture="LlamaForCausalLM", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -24,16 +29,10 @@ PRESETS: dict[str, ModelConfig] = {
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936, rms_norm_eps=1e-6,
         rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=True,
         bos_token_id=151643, eos_token_ids=(151645,)),
-    "Llama-3-8B": ModelConfig(
-        architecture="LlamaForCausalLM", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256, rms_norm_eps=1e-5,
-        rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
-        bos_token_id=128000, eos_token_ids=(128001,)),
-    "Llama-3-70B": ModelConfig(
-        architecture="LlamaForCausalLM", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-        num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=128256, rms_norm_eps=1e-5,
-        rope_theta=500000.0, max_position_embeddings=8192, tie_word_embeddings=False,
-        bos_token_id=128000, eos_token_ids=(128001,)),
+    "Llama-3-8B": ModelConfig(**_LLAMA_3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                              num_attention_heads=32),
+    "Llama-3-70B": ModelConfig(**_LLAMA_3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                               num_attention_heads=64),
 }
 
 
