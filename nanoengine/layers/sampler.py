@@ -218,11 +218,9 @@ class Sampler:
     def distribution(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """The whole distribution each row's token is drawn from. (R, V) -> (R, V), rows sum to 1.
 
-        What ``__call__`` draws from, written out over the vocabulary: the softmax of the
-        scaled logits for a row with only a temperature, ``probs_fn`` (``sampling_probs``,
-        the filters' definition) for a filtered one. Speculative decoding needs it whole: it
-        reads the probability of a drafted token and, on a rejection, draws from the rest.
-        Greedy rows are not allowed here (their "distribution" is the argmax).
+        The softmax of the scaled logits for a row with only a temperature, ``probs_fn`` (the
+        filters' definition) for a filtered one. Speculative decoding needs it whole: it reads a
+        drafted token's probability and, on a rejection, draws from the rest. Greedy rows are refused.
         """
         if any(p.greedy for p in params):
             raise ValueError("distribution() is for sampling rows; a greedy row's token is its argmax")
@@ -244,7 +242,6 @@ class Sampler:
             if n is None:
                 result.append(None)
                 continue
-            top = logprobs[row].topk(n) if n else None
-            pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if n else ()
-            result.append((float(logprobs[row, token_ids[row]]), pairs))
+            top = logprobs[row].topk(n)
+            result.append((float(logprobs[row, token_ids[row]]), tuple(zip(top.indices.tolist(), top.values.tolist()))))
         return result
