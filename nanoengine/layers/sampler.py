@@ -13,15 +13,14 @@ Cut tokens get a logit of -inf, then one token is drawn from the softmax. A requ
 seed draws from its own ``torch.Generator``, so what else shares the batch never changes
 its samples.
 
-``kept_mask`` is the definition (public, so the sampling playground shows exactly it): it
-sorts each row's whole vocabulary, which on a CPU costs many times the rest of the step
-(``results/README.md``). The engine sorts only what the filters can keep: a row with only a
-temperature draws from its scaled softmax; a filtered row applies the filters to its best
-candidates (its top-k, or ``TOP_P_CANDIDATES``), with probabilities normalised as ``kept_mask``
-normalises them. Without top-k that is exact only if the first token past the candidates would
-be cut (by top-p or min-p); a flatter row falls back to ``sampling_probs``, the definition on
-(B, V) tensors with (B, 1) parameter columns, which ``compile=True`` compiles on CUDA. Tests
-check that both paths give the same distribution.
+``kept_mask`` is the definition (public, so the sampling playground shows exactly it): it sorts
+each row's whole vocabulary, which on a CPU is costly (``results/README.md``). The engine sorts only
+what the filters can keep: a row with only a temperature draws from its scaled softmax; a filtered
+row applies the filters to its best candidates (its top-k, or ``TOP_P_CANDIDATES``), normalised as
+``kept_mask`` normalises them. Without top-k that is exact only if the first token past the
+candidates would be cut; a flatter row falls back to ``sampling_probs``, the definition on (B, V)
+tensors with (B, 1) parameter columns, which ``compile=True`` compiles on CUDA. Tests check that
+both paths give the same distribution.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ inline void dot_rows(const float* x, int64_t x_stride, const T* w, int64_t K, fl
 template <typename T>
 void few_rows_kernel(const T* x_in, const T* w, const T* bias, T* y, int64_t M, int64_t K, int64_t N) {
   // x as float32: bfloat16 rows are widened once per call (exactly: every bfloat16 is a float32),
-  // not once per weight row, which made a bfloat16 product compute-bound.
+  // not once per weight row, which made a bfloat16 product compute-bound (results/README.md).
   std::vector<float> wide;
   const float* x = nullptr;
   if constexpr (std::is_same_v<T, float>) {

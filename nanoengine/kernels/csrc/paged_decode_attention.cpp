@@ -62,7 +62,7 @@ inline void prefetch_row(const T* row, int64_t head_dim) {
 }
 
 // The largest of x[0..n), eight lanes at a time (a scalar loop waits on its previous compare at
-// every element). A maximum is exact whatever the order: std::max_element's value.
+// every element: results/README.md). A maximum is exact whatever the order: std::max_element's value.
 inline float max_of(const float* x, int64_t n) {
   __m256 lanes = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
