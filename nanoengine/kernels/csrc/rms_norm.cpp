@@ -3,8 +3,8 @@
 //
 // Eager PyTorch runs RMSNorm as several operators (the float32 copy, the norm, the cast, the
 // weight multiply, the residual add before it), each a pass over the activations and a call from
-// Python, which is most of a decoding token's norm time (results/README.md). Here a step's norm is
-// one call, reading each row once for its sum of squares and once to write the output.
+// Python: for a decoding token, the calls are almost all of the norms' time (results/README.md).
+// Here a step's norm is one call, reading each row once for its sum of squares and once to write.
 //
 // Numerics: sums of squares in float32, in an order fixed by this source; the normalised value is
 // rounded to x's dtype before the weight multiplies it, as Hugging Face's Llama does. Eight values
