@@ -2,12 +2,10 @@
 
 Each operation has a PyTorch reference (``reference.py``, the specification), a Triton kernel
 (``triton_kernels.py``, the CUDA path) and, for attention, the CPU's native kernels
-(``cpu_native.py``; where they cannot be built, the CPU runs the reference). The engine never
-picks among them per call: its device backend (``nanoengine.backends``) chooses the kernels
-once, when the engine is built. The three functions below are for tools and notebooks that
-hold tensors and want "the path the engine would take for them". Only ``triton_kernels``
-imports triton, and only when first needed, so importing the engine never requires a GPU
-toolchain.
+(``cpu_native.py``). The engine's device backend (``nanoengine.backends``) chooses among them once,
+when the engine is built; the three functions below are for tools and notebooks that hold tensors
+and want "the path the engine would take for them". Triton is imported only when first needed, so
+importing the engine never requires a GPU toolchain.
 """
 
 from __future__ import annotations

@@ -1,27 +1,19 @@
 """Prepacked weights for the CPU's matrix multiplies (chapter 10: layout is performance).
 
-A GEMM library does not multiply matrices in the layout it is handed. It first copies
-("packs") panels of each operand into small blocked tiles that fit the CPU's registers
-and caches, then runs its micro-kernel over the tiles. ``F.linear`` hands every call to
-MKL's ``sgemm`` with the weight in PyTorch's plain row-major layout, so the weight is
-re-packed on every call. In a decode step that is most of the work: the activations are
-a few rows, the weights are the whole model (540 MB for SmolLM2-135M in fp32).
+A GEMM library does not multiply matrices in the layout it is handed: it first copies
+("packs") panels of each operand into blocked tiles that fit the CPU's registers and caches.
+``F.linear`` hands every call to MKL's ``sgemm`` with the weight in PyTorch's row-major layout,
+so the weight is re-packed on every call; in a decode step, whose activations are a few rows,
+that is most of the work. An inference engine's weights never change, so oneDNN (bundled with
+PyTorch) reorders each weight into its blocked layout once (``pack_weight``) and multiplies by it
+directly (``packed_linear``): faster at every batch size measured (``results/README.md``).
 
-An inference engine's weights never change, so the packing can be done once. oneDNN
-(the CPU kernel library bundled with PyTorch) can reorder a weight into its own blocked
-layout ahead of time (``pack_weight``) and multiply by it directly (``packed_linear``).
-On the model's own shapes, packed weights make a step's GEMMs faster at every batch
-size measured, most for a few dozen to a few hundred tokens, and the large LM head most
-of all (the figures: ``results/README.md``).
-
-This is the CPU path only (float32 or bfloat16 weights on a CPU, PyTorch built with oneDNN;
-bfloat16 where oneDNN has bfloat16 kernels for this CPU, natively with avx512_bf16 or AMX).
-Everything
-else keeps ``F.linear``; ``pack_weight`` returns None when packing is not possible, and
-callers fall back. The packed copy is a snapshot: a model's weights must not change
-after its engine has packed them. It is also a copy: the dense weights stay (loading,
-tensor-parallel slicing and the notebooks read them), so the weights take twice their
-memory (measured: +523 MiB resident for SmolLM2-135M's 513 MiB of fp32 weights).
+This is the CPU path only (float32 or bfloat16 weights, PyTorch built with oneDNN; bfloat16 where
+oneDNN has bfloat16 kernels for this CPU, natively with avx512_bf16 or AMX). Everything else keeps
+``F.linear``: ``pack_weight`` returns None when packing is not possible, and callers fall back.
+The packed copy is a snapshot (a model's weights must not change after its engine packed them)
+and a copy: the dense weights stay (loading, tensor-parallel slicing and the notebooks read them),
+so the weights take twice their memory.
 """
 
 from __future__ import annotations
@@ -38,9 +30,8 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 def packing_available(dtype: torch.dtype = torch.float32) -> bool:
     """True when this PyTorch build has oneDNN and its prepacked linear operators for ``dtype``.
 
-    Probed by packing and multiplying a tiny matrix: a build or CPU without the kernels
-    raises (or, for bfloat16 on a CPU oneDNN has no bfloat16 path for, answers wrongly),
-    and the caller keeps plain ``F.linear``.
+    Probed by packing and multiplying a tiny matrix: a build or CPU without the kernels raises (or,
+    for bfloat16 without a bfloat16 path, answers wrongly), and the caller keeps plain ``F.linear``.
     """
     if dtype not in PACKABLE_DTYPES or not torch.backends.mkldnn.is_available():
         return False

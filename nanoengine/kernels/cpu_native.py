@@ -1,17 +1,10 @@
 """The CPU backend's own kernels, in C++ (chapter 10: when the libraries are not enough).
 
-Each ``csrc/`` file opens with why it exists and what definition it must agree with (the figures,
-and the scripts that measured them: ``results/README.md``):
-
-* ``few_rows_linear`` (``csrc/few_rows_linear.cpp``): a few rows times a weight, streaming the
-  weight once; MKL and oneDNN read one row's weights well below copy speed. Up to ``MAX_ROWS`` rows.
-* ``paged_decode_attention`` (``csrc/paged_decode_attention.cpp``): reads each K/V row where it
-  lies in the paged cache, once for all the query heads that share it.
-* ``paged_prefill_attention`` (``csrc/paged_prefill_attention.cpp``): SDPA once per sequence, as
-  the reference, with the step's sequences shared out over the threads.
-* ``rms_norm``, ``add_rms_norm`` (``csrc/rms_norm.cpp``): one call and one pass per row.
-* ``rotate_half``, ``silu_and_mul``, ``paged_attention`` and ``llama_layer`` make eager PyTorch's
-  calls from C++: one call from Python instead of several, with eager's bits.
+Each ``csrc/`` file opens with why its operators exist and what definition they must agree with:
+``few_rows_linear`` (up to ``MAX_ROWS`` rows times a weight, streaming the weight once),
+``paged_decode_attention``, ``paged_prefill_attention``, ``rms_norm``, ``add_rms_norm`` and
+``rotate_half``; ``silu_and_mul``, ``paged_attention`` and ``llama_layer`` make eager PyTorch's calls
+from C++: one call from Python instead of several, with eager's bits.
 
 They are registered as PyTorch operators (``torch.ops.nanoengine.*``; their C++ signatures in
 ``csrc/ops.h``), run on PyTorch's own thread pool, and are compiled the first time an engine needs
@@ -19,16 +12,13 @@ them (said once on stderr) into ``~/.cache/nanoengine/kernels/`` under a name th
 and Python versions and the instruction set; ``./course setup`` builds them ahead. There are two
 builds, each for exactly its instruction set (not ``-march=native``): AVX-512 where PyTorch runs its
 own kernels with it (``ATEN_CPU_CAPABILITY=avx2`` lowers that), else AVX2 + FMA. Decode attention,
-where the width paid (results/README.md), is written once over ``csrc/cpu_vec.h``'s ``Vec``, eight
-or sixteen lanes; the other kernels are AVX2 in both builds (the GEMM is bound by memory, the norm
-and the rotary embedding by calls; an AVX-512 version of them was not measured).
+where the width paid (results/README.md), is written once over ``csrc/cpu_vec.h``'s ``Vec``; the
+others, bound by memory or by calls, are AVX2 in both builds.
 
-Which bits are kept, and what needs them (``tests/engine/test_cpu_native.py`` unless said): every
-sum a kernel computes has its order fixed by the source, not by the CPU, the threads or the batch,
-so a row gets the same bits alone or in a batch, and decode attention the same in both builds (a
-slow test: the notebooks are checked on the pinned AVX2 path, and read the same on AVX-512). The
-operators that make PyTorch's calls from C++ have those calls' bits (prefill attention the
-reference's), so a fused layer is the Python forward bit for bit (``test_cpu_fused.py``).
+Every sum a kernel computes has its order fixed by the source, not by the CPU, the threads or the
+batch: a row gets the same bits alone or in a batch, and decode attention the same in both builds
+(``tests/engine/test_cpu_native.py``). The operators that make PyTorch's calls have those calls'
+bits, so a fused layer is the Python forward bit for bit (``test_cpu_fused.py``).
 
 Without a C++ compiler, ninja, or AVX2 + FMA, ``load`` says why in one warning and returns
 False; the CPU backend then uses the libraries and the reference attention (``kernels.reference``).
@@ -52,9 +42,8 @@ import torch
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
 HEADERS = tuple(sorted(CSRC.glob("*.h")))
-# The two builds, each for exactly its instruction set (no -march=native). -ffp-contract=off: the
-# intrinsics' FMAs are written out; no scalar ``a * b + c`` is fused behind our back, where another
-# compiler version might decide otherwise.
+# -ffp-contract=off: the intrinsics' FMAs are written out; no scalar ``a * b + c`` is fused behind
+# our back, where another compiler version might decide otherwise.
 ISA_FLAGS = {"avx2_fma": ["-mavx2", "-mfma"],
              "avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]}
 COMPILE_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
@@ -97,10 +86,9 @@ def unavailable_reason() -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def load(verbose: bool = False) -> bool:
-    """Build (the first time) and load the operators; True when they are usable.
+    """Build (the first time) and load the operators, once per process; True when they are usable.
 
-    Called once per process; the answer is kept. A build that fails is reported in one
-    ``KernelBuildWarning`` naming why, and the caller falls back to the libraries.
+    A build that fails is reported in one ``KernelBuildWarning`` naming why; the caller falls back.
     """
     reason = unavailable_reason()
     if reason is None:
@@ -139,9 +127,9 @@ def _build_and_load(verbose: bool) -> None:
 def pinned_ninja():
     """Build with the ninja installed beside this Python (requirements.txt pins it), whatever PATH says.
 
-    PyTorch's builder runs the first ``ninja`` on PATH. A shell with .venv activated finds the pinned
-    one, a Jupyter kernel or ``.venv/bin/python`` run directly may find the system's, and two ninja
-    versions do not read each other's build log: each rebuilt every kernel (~40 s) for the other.
+    PyTorch's builder runs the first ``ninja`` on PATH, which from a Jupyter kernel or a bare
+    ``.venv/bin/python`` may be the system's; two ninja versions do not read each other's build log,
+    so each rebuilt every kernel for the other.
     """
     here = str(Path(sys.executable).parent)
     path = os.environ.get("PATH", "")
@@ -191,11 +179,7 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """``reference.paged_decode_attention``, by the kernel. ``load()`` must have returned True.
-
-    query (seqs, heads, head_dim); caches (blocks, block_size, kv_heads, head_dim);
-    block_tables (seqs, max_blocks) and context_lens (seqs,) of one integer dtype.
-    """
+    """``reference.paged_decode_attention``, by the kernel. ``load()`` must have returned True."""
     if context_lens.dtype != block_tables.dtype:
         context_lens = context_lens.to(block_tables.dtype)
     return torch.ops.nanoengine.paged_decode_attention(query.contiguous(), k_cache, v_cache,

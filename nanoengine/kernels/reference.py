@@ -20,11 +20,10 @@ Shapes used throughout::
                        last block are padding and never read
     context_lens     : (num_seqs,) int32, tokens in the cache for each sequence
 
-These run on any device and are written to be read, not to be fast: the CPU's native
-kernels (``cpu_native``) and the CUDA ones (``triton_kernels``) are tested against them,
-and the CPU backend attends with them where its native kernels cannot be built.
-Grouped-query attention (GQA) is handled by letting each group of
-``num_heads // num_kv_heads`` query heads share one KV head.
+These run on any device and are written to be read, not to be fast: the CPU's native kernels
+(``cpu_native``) and the CUDA ones (``triton_kernels``) are tested against them, and the CPU backend
+attends with them where its native kernels cannot be built. Grouped-query attention (GQA): each
+group of ``num_heads // num_kv_heads`` query heads shares one KV head.
 """
 
 from __future__ import annotations
@@ -67,8 +66,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
     query (num_seqs, num_heads, head_dim) -> output of the same shape. For each sequence:
     read its keys and values through its block table (``gather_kv``), let each group of
-    query heads share its KV head (GQA), and take ``softmax(q k^T * scale) v``. The CPU's
-    native kernel and the GPU's Triton kernel are tested against this function.
+    query heads share its KV head (GQA), and take ``softmax(q k^T * scale) v``.
     """
     num_seqs, num_heads, head_dim = query.shape
     group = num_heads // k_cache.shape[2]  # grouped-query attention: query heads per KV head

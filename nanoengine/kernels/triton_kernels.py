@@ -1,33 +1,22 @@
 """Triton kernels for the paged-KV data plane: the CUDA path of ``nanoengine.kernels``.
 
-Each function here has exactly the signature of its PyTorch reference in ``reference.py``
-(the specification; read its docstrings first) and computes the same thing, but as one
-GPU kernel launch instead of a handful of gathers and einsums (chapters 3 and 4):
-
-* ``store_kv``: one program per token copies its K and V into slot ``slot_mapping[token]``.
-* ``paged_decode_attention``: one program per (sequence, KV head) walks the context tile by
-  tile through the block table with an *online softmax* in fp32, never materialising it.
-* ``paged_prefill_attention``: the same per (tile of query tokens, query head, sequence), for
-  a causal chunk whose earlier tokens may already be cached.
-
-How a program finds token ``t`` of its sequence in the paged cache (the "virtual memory"
-of chapter 4)::
+Each function has the signature and contract of its PyTorch reference in ``reference.py`` (the
+specification; read its docstrings first) and computes it as one GPU kernel launch instead of a
+handful of gathers and einsums (chapters 3, 4 and 10). A program finds token ``t`` of its sequence
+in the paged cache through the block table (the "virtual memory" of chapter 4)::
 
     physical_block = block_tables[seq, t // block_size]
     k_cache[physical_block, t % block_size, kv_head, :]
 
-The kernels gather per token rather than per cache block, so a tile of keys (``BLOCK_N``
-tokens) may span several cache blocks of any size (4, 8, 16, even 6) and block tables may
-list blocks in any order; padding entries past a sequence's last block are never read.
+The kernels gather per token rather than per cache block, so a tile of ``BLOCK_N`` keys may span
+cache blocks of any size (even 6) listed in any order; padding entries past a sequence's last block
+are never read.
 
-This is the only module that imports triton. ``nanoengine.kernels`` imports it lazily, the
-first time a CUDA tensor reaches a kernel. Tests run these kernels on CPU under
-``TRITON_INTERPRET=1``, which must be set before this module is imported because
-``@triton.jit`` reads it when it decorates the kernels.
-
-Every wrapper validates its inputs in plain Python *before* launching (the ``check_*``
-helpers below, callable on CPU without running a kernel): a bad shape or dtype inside a
-kernel is an illegal memory access or silently wrong numbers, never a readable error.
+This is the only module that imports triton (``nanoengine.kernels`` imports it lazily, for the first
+CUDA tensor). Tests run the kernels on CPU under ``TRITON_INTERPRET=1``, which must be set before
+this module is imported: ``@triton.jit`` reads it. Every wrapper validates its inputs in plain
+Python before launching (the ``check_*`` helpers): inside a kernel a bad shape or dtype is an
+illegal memory access or silently wrong numbers, never a readable error.
 """
 
 from __future__ import annotations
@@ -45,8 +34,7 @@ MAX_HEAD_DIM = 256  # q, k, v and acc tiles of BLOCK_D columns must fit in regis
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * log2(e)); exp2 is the cheaper instruction
 
 # Tile sizes. tl.dot on tensor cores needs every dimension >= 16, so smaller extents (a GQA
-# group of 1, a head_dim of 8) are padded up to 16 and masked. The 64s are not tuned: no sweep
-# of them on a GPU is recorded (results/README.md).
+# group of 1, a head_dim of 8) are padded up to 16 and masked. The 64s are not tuned.
 DECODE_BLOCK_N = 64  # context tokens per step of the decode loop
 PREFILL_BLOCK_M = 64  # query tokens per prefill program
 PREFILL_BLOCK_N = 64  # context tokens per step of the prefill loop
@@ -194,11 +182,9 @@ def _paged_prefill_kernel(
     """Grid ``(cdiv(max_q_len, BLOCK_M), num_heads, num_seqs)``: program (i, h, s) computes
     query tokens ``i*BLOCK_M .. (i+1)*BLOCK_M - 1`` of sequence ``s``'s chunk, head ``h``.
 
-    With ``prefix = context_len - q_len`` tokens cached before the chunk, chunk query ``j``
-    sits at position ``prefix + j`` and sees keys ``0 .. prefix + j`` (the causal mask,
-    shifted by the prefix). The program therefore walks keys ``0`` up to the last position
-    of its tile, tile by tile, with the same online softmax as the decode kernel; tiles
-    past a short sequence's chunk (the grid is sized for the longest one) do nothing.
+    Chunk query ``j`` sits at position ``prefix + j`` (``prefix = context_len - q_len``) and sees
+    keys ``0 .. prefix + j``, so the program walks keys up to its tile's last position with the
+    decode kernel's online softmax; tiles past a short sequence's chunk do nothing.
     """
     tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -255,8 +241,8 @@ def _paged_prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
-# True when ``@triton.jit`` built interpreter functions (TRITON_INTERPRET=1 at import time):
-# then the kernels run on CPU tensors with NumPy, and CUDA tensors are not required.
+# True when ``@triton.jit`` built interpreter functions (TRITON_INTERPRET=1 at import time): the
+# kernels then run on CPU tensors with NumPy.
 INTERPRETED: bool = type(_store_kv_kernel).__name__ == "InterpretedFunction"
 
 
@@ -407,9 +393,8 @@ def check_prefill_lengths(q_lens: list[int], context_lens: list[int], total_q_to
 def check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale) -> list[int]:
     """Validate ``paged_prefill_attention``'s arguments; returns each sequence's q_len.
 
-    Besides shapes, dtypes, strides and devices this reads ``cu_seqlens_q`` and
-    ``context_lens`` to the host (one sync; prefill is never captured in a CUDA graph) to
-    check the lengths with ``check_prefill_lengths`` and to size the grid.
+    Besides shapes, dtypes, strides and devices this reads the lengths to the host (one sync;
+    prefill is never captured in a CUDA graph) to check them and to size the grid.
     """
     _check_cache_pair(k_cache, v_cache)
     _check_query(query, k_cache, "(total_q_tokens, num_heads, head_dim)")
@@ -460,10 +445,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1),
-        value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *key.stride()[:2], *value.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
@@ -488,10 +470,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     _paged_decode_kernel[(num_seqs, num_kv_heads)](
         out, query, k_cache, v_cache, block_tables, context_lens,
         float(scale) * LOG2E,
-        query.stride(0), query.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *query.stride()[:2], *out.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=_dot_dim(group), BLOCK_D=_dot_dim(head_dim), BLOCK_N=DECODE_BLOCK_N,
@@ -520,10 +499,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     _paged_prefill_kernel[grid](
         out, query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
         float(scale) * LOG2E,
-        query.stride(0), query.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *query.stride()[:2], *out.stride()[:2], *k_cache.stride()[:3], *v_cache.stride()[:3],
         block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=PREFILL_BLOCK_M, BLOCK_D=_dot_dim(head_dim), BLOCK_N=PREFILL_BLOCK_N,

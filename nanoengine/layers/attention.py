@@ -7,12 +7,11 @@ sequence, then the query chunks of the *prefilling* sequences. The layer
 2. runs paged decode attention for the decode tokens and paged prefill attention for the
    prefill chunks, both reading K/V through the block tables.
 
-``AttentionMetadata`` carries that layout. The device backend (``nanoengine.backends``)
-builds it once per step and passes it down the model explicitly (no global context); a
-backend may subclass it with fields of its own that every layer reuses (the CPU's
-``all_slots_stored``). The kernels themselves are the backend's ``AttentionImpl``, which each layer takes
-when it is built (``layers.kernels``; the reference kernels by default); the runner then
-binds each layer to its share of the KV cache. The layer never asks which device it runs on.
+``AttentionMetadata`` carries that layout: the device backend builds it once per step (a subclass
+may add fields, such as the CPU's ``all_slots_stored``) and passes it down the model explicitly (no
+global context). The kernels are the backend's ``AttentionImpl``, which each layer takes when it is
+built (``layers.kernels``; the reference kernels by default); the runner then binds each layer to
+its share of the KV cache. The layer never asks which device it runs on.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """The kernels a model's layers call, chosen by the device backend before the model is built (chapter 10).
 
 vLLM decides how each layer computes when the layer is constructed (a linear layer's
-``quant_method``, ``Attention``'s backend, a ``CustomOp``'s forward for the platform); this
-engine does the same with one object, the backend's ``LayerKernels``. ``loader.build_model``
-builds a model inside ``building_with(kernels)``; each layer reads ``current_kernels()`` in its
-``__init__`` and keeps what it will call, as an attribute of its own whose class attribute is the
-readable eager function (``RMSNorm.norm_fn``, ``RotaryEmbedding.rotate_fn``,
-``SiluAndMul.silu_and_mul_fn``, ``Sampler.probs_fn``). Nothing changes it afterwards
-(tests/engine/test_layer_kernels.py walks a built model). A field left None means that eager
-function (``F.linear`` for the GEMMs, the reference attention): a model built outside any backend
+``quant_method``, ``Attention``'s backend, a ``CustomOp``'s forward for the platform); this engine
+does the same with one object, the backend's ``LayerKernels``. ``loader.build_model`` builds a model
+inside ``building_with(kernels)``; each layer reads ``current_kernels()`` in its ``__init__`` and
+keeps what it will call as an attribute whose class attribute is the readable eager function
+(``RMSNorm.norm_fn``, ``Sampler.probs_fn`` ...), never changed afterwards. A field left None means
+that eager function (``F.linear``, the reference attention): a model built outside any backend
 reads and runs like nano-vLLM's.
 """
 

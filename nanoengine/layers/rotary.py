@@ -1,20 +1,13 @@
-"""Rotary position embedding (RoPE).
+"""Rotary position embedding (RoPE), in the "rotate half" (GPT-NeoX) layout of Hugging Face Llama and Qwen.
 
 Each pair of channels (i, i + head_dim/2) of a query or key is rotated by an angle
-``position * theta^(-2i/head_dim)``, so the dot product of a query and a key depends on
-their distance only. cos/sin are precomputed for every position once; applying them is
-an elementwise multiply, cheap next to the matmuls. This is the "rotate half" (GPT-NeoX)
-layout that Hugging Face Llama and Qwen checkpoints use.
-
-The tables hold every position's rows at full width: ``cos = [cos | cos]`` and a signed
-``sin = [-sin | sin]``, so rotating is ``x * cos + swap_halves(x) * sin`` (the textbook
-products and sums in the same order, so the same bits). The rows of a step's positions
-are the same in every layer: the model keeps one ``RotaryEmbedding`` for all its layers,
-gathers the rows once per step (``rows``) and hands them down, and each layer rotates its
-queries and keys in one call, as one (tokens, heads + kv_heads, head_dim) view.
-
-The math is the plain function ``rotate_half``; the module calls the version its backend's
-kernels gave it (``layers.kernels``).
+``position * theta^(-2i/head_dim)``, so the dot product of a query and a key depends on their
+distance only. The tables hold every position's rows at full width, ``cos = [cos | cos]`` and a
+signed ``sin = [-sin | sin]``, so rotating is ``x * cos + swap_halves(x) * sin`` (the textbook
+products and sums in the same order: the same bits). The model keeps one ``RotaryEmbedding`` for
+all its layers and gathers a step's rows once (``rows``); each layer rotates its queries and keys
+in one call, as one (tokens, heads + kv_heads, head_dim) view, by the plain function
+``rotate_half`` or the version its backend's kernels gave it (``layers.kernels``).
 """
 
 from __future__ import annotations

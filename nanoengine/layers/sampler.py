@@ -13,15 +13,14 @@ Cut tokens get a logit of -inf, then one token is drawn from the softmax. A requ
 seed draws from its own ``torch.Generator``, so what else shares the batch never changes
 its samples.
 
-``kept_mask`` is the definition (public, so the sampling playground shows exactly it): it
-sorts each row's whole vocabulary, which on a CPU costs many times the rest of the step
-(``results/README.md``). The engine sorts only what the filters can keep: a row with only a
-temperature draws from its scaled softmax; a filtered row applies the filters to its best
-candidates (its top-k, or ``TOP_P_CANDIDATES``), with probabilities normalised as ``kept_mask``
-normalises them. Without top-k that is exact only if the first token past the candidates would
-be cut (by top-p or min-p); a flatter row falls back to ``sampling_probs``, the definition on
-(B, V) tensors with (B, 1) parameter columns, which ``compile=True`` compiles on CUDA. Tests
-check that both paths give the same distribution.
+``kept_mask`` is the definition (public, so the sampling playground shows exactly it): it sorts
+each row's whole vocabulary, which on a CPU is costly (``results/README.md``). The engine sorts only
+what the filters can keep: a row with only a temperature draws from its scaled softmax; a filtered
+row applies the filters to its best candidates (its top-k, or ``TOP_P_CANDIDATES``), normalised as
+``kept_mask`` normalises them. Without top-k that is exact only if the first token past the
+candidates would be cut; a flatter row falls back to ``sampling_probs``, the definition on (B, V)
+tensors with (B, 1) parameter columns, which ``compile=True`` compiles on CUDA. Tests check that
+both paths give the same distribution.
 """
 
 from __future__ import annotations
@@ -218,11 +217,9 @@ class Sampler:
     def distribution(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """The whole distribution each row's token is drawn from. (R, V) -> (R, V), rows sum to 1.
 
-        What ``__call__`` draws from, written out over the vocabulary: the softmax of the
-        scaled logits for a row with only a temperature, ``probs_fn`` (``sampling_probs``,
-        the filters' definition) for a filtered one. Speculative decoding needs it whole: it
-        reads the probability of a drafted token and, on a rejection, draws from the rest.
-        Greedy rows are not allowed here (their "distribution" is the argmax).
+        The softmax of the scaled logits for a row with only a temperature, ``probs_fn`` (the
+        filters' definition) for a filtered one. Speculative decoding needs it whole: it reads a
+        drafted token's probability and, on a rejection, draws from the rest. Greedy rows are refused.
         """
         if any(p.greedy for p in params):
             raise ValueError("distribution() is for sampling rows; a greedy row's token is its argmax")
@@ -244,7 +241,6 @@ class Sampler:
             if n is None:
                 result.append(None)
                 continue
-            top = logprobs[row].topk(n) if n else None
-            pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if n else ()
-            result.append((float(logprobs[row, token_ids[row]]), pairs))
+            top = logprobs[row].topk(n)
+            result.append((float(logprobs[row, token_ids[row]]), tuple(zip(top.indices.tolist(), top.values.tolist()))))
         return result

@@ -69,12 +69,11 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
 }
 
-// Vec: the widest float32 vector of the instruction set this library is built for (cpu_native.py
-// builds it for AVX-512 where PyTorch's own kernels use AVX-512, else for AVX2), in the spirit of
-// vLLM's cpu_types.hpp. A kernel written over Vec is one source for both; this file alone knows
-// the intrinsics. Besides whole vectors, a Vec holds "eights": kEights groups of eight lanes, one
-// group per row, so that chains of eight-lane sums can run several rows to a register and still
-// add in exactly the order an eight-lane build adds (the same bits on either build).
+// Vec: the widest float32 vector of the instruction set this library is built for (AVX-512 or
+// AVX2: cpu_native.py), in the spirit of vLLM's cpu_types.hpp. A kernel written over Vec is one
+// source for both; this file alone knows the intrinsics. A Vec also holds "eights": kEights groups
+// of eight lanes, one per row, so that chains of eight-lane sums can run several rows to a register
+// and still add in exactly an eight-lane build's order (the same bits on either build).
 #if defined(__AVX512F__)
 
 struct Vec {

@@ -3,33 +3,24 @@
 //
 // y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n])   x (M, K), w (N, K) row-major, M small.
 //
-// Why it exists: with one sequence decoding, a step multiplies one row of activations by
-// every weight of the model. That reads each weight once and does two flops per weight, so
-// its speed is the memory bandwidth. MKL's sgemv and oneDNN's packed GEMM both read the
-// weights far slower than the CPU can stream them with two threads; this loop splits
-// the weight's rows between PyTorch's threads (at::parallel_for, the same OpenMP pool as
-// every other op) and each thread streams its rows once, whatever the number of rows x has.
+// Why: with one sequence decoding, a step reads each weight once for two flops, so its speed is
+// the memory bandwidth, and MKL's sgemv and oneDNN's packed GEMM read the weights far slower than
+// the CPU can stream them. Here PyTorch's threads (at::parallel_for) split the weight's rows, and
+// each streams its rows once, whatever the number of rows x has.
 //
-// Why it is written by hand, with fixed AVX2 + FMA intrinsics and not -march=native: the
-// order of the additions decides the last bits of a float sum. Here it is fixed by this
-// source alone: for each (m, n), two 8-lane accumulators over k in steps of 16, summed in a
-// fixed order, then a scalar tail. So the result is the same on every x86-64 CPU with AVX2
-// (AVX-512 ones included), for any number of threads, and for a row whether it is computed
-// alone or beside other rows: the bits do not depend on the batch.
+// The order of the additions, which decides a float sum's last bits, is fixed by this source
+// alone (fixed AVX2 + FMA intrinsics, not -march=native): for each (m, n), two 8-lane accumulators
+// over k in steps of 16, summed in a fixed order, then a scalar tail. So a row gets the same bits
+// on every x86-64 CPU with AVX2, for any number of threads, alone or beside other rows.
 
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include "cpu_vec.h"
 #include "ops.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
-#include <cstdint>
 #include <type_traits>
 #include <vector>
 
@@ -62,9 +53,7 @@ inline void dot_rows(const float* x, int64_t x_stride, const T* w, int64_t K, fl
 template <typename T>
 void few_rows_kernel(const T* x_in, const T* w, const T* bias, T* y, int64_t M, int64_t K, int64_t N) {
   // x as float32: bfloat16 rows are widened once per call (exactly: every bfloat16 is a float32),
-  // not once per weight row, which left a bfloat16 product converting twice the values it
-  // needs to and measured compute-bound, well below the copy bandwidth (results/README.md). The
-  // sums see the same values in the same order, so the bits are unchanged.
+  // not once per weight row, which made a bfloat16 product compute-bound (results/README.md).
   std::vector<float> wide;
   const float* x = nullptr;
   if constexpr (std::is_same_v<T, float>) {

@@ -1,9 +1,8 @@
 // A Llama decoder layer's step in one call from Python (chapter 10), used by backends/cpu_fused.py
-// (why: its docstring). The definition it must agree with, bit for bit, is models/llama.py's
-// LlamaDecoderLayer.forward as the CPU backend runs it eagerly. It adds no operator of its own: it
-// makes the Python forward's operator calls -- the native norms, the rotary embedding, the GEMM
-// rule of CpuLinearMethod, one paged_attention call, silu_and_mul -- in the same order, from C++,
-// through the dispatcher (so the profiler still names each). A reader can set the two side by side.
+// (why: its docstring). It must agree, bit for bit, with models/llama.py's LlamaDecoderLayer.forward
+// as the CPU backend runs it eagerly: it makes that forward's operator calls -- the native norms,
+// the rotary embedding, the GEMM rule of CpuLinearMethod, one paged_attention call, silu_and_mul --
+// in the same order, from C++, through the dispatcher (so the profiler still names each).
 //
 // What it does not take: steps with a token that has no cache slot, tensor parallelism, Qwen3's
 // per-head norms, a bias on o_proj. backends/cpu_fused.py checks those before it routes a step here.
@@ -12,10 +11,6 @@
 #include <torch/library.h>
 
 #include "ops.h"
-
-#include <cstdint>
-#include <optional>
-#include <tuple>
 
 namespace nanoengine_cpu {
 namespace {

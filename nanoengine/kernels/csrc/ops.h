@@ -1,6 +1,7 @@
-// What the operator files share (cpu_vec.h holds the vector code): each operator's C++ signature,
-// said once here and registered in the file of its name, so that a file calling another operator
-// takes its type from here; the input checks several operators make; the one dtype dispatch.
+// What the operator files share besides cpu_vec.h's vector code: the common includes; each
+// operator's C++ signature, said once here and registered in the file of its name, so that a file
+// calling another operator takes its type from here; the input checks several operators make; the
+// one dtype dispatch.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -1,13 +1,9 @@
-// One attention layer's step over the paged cache in one call from Python (chapter 10), called by
-// backends/cpu.py's CpuAttention.forward. The definition it must agree with, bit for bit, is
-// layers/attention.py's AttentionImpl.forward as CpuAttention runs it: store this step's keys and
-// values at their slots, then the paged decode kernel for the step's decode rows and the native
-// prefill attention for its prefill chunks.
-//
-// Why one call: from Python that is about a dozen operator calls a layer (views, two row copies,
-// the decode and prefill kernels, a concatenation), each a few microseconds of interpreter and
-// argument parsing. Here the same operators run from C++, through the dispatcher, in the same
-// order: the same bits.
+// One attention layer's step over the paged cache in one call from Python (chapter 10), for
+// backends/cpu.py's CpuAttention.forward. It must agree, bit for bit, with layers/attention.py's
+// AttentionImpl.forward as CpuAttention runs it: store this step's keys and values at their slots,
+// then the decode kernel for the decode rows and the prefill attention for the prefill chunks.
+// From Python that is about a dozen operator calls a layer, each paying the interpreter; here the
+// same operators run from C++, through the dispatcher, in the same order: the same bits.
 //
 // The schema says which arguments it writes: k_cache and v_cache (Tensor(a!), Tensor(b!)).
 // Every token must have a slot (no -1 in slot_mapping): CpuAttention sends a step with a warm-up
@@ -17,8 +13,6 @@
 #include <torch/library.h>
 
 #include "ops.h"
-
-#include <cstdint>
 
 namespace nanoengine_cpu {
 

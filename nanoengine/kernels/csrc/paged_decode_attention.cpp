@@ -1,35 +1,26 @@
 // Decode attention that reads each K/V row where it lies in the paged cache (chapter 10).
 // The definition it must agree with is reference.paged_decode_attention.
 //
-// One query token per sequence. For each (sequence, KV head) -- one task for PyTorch's
-// threads -- the query heads that share that KV head (grouped-query attention) walk the
-// sequence's block table once: each key row is read once and dotted with every query of the
-// group, each value row is read once and added, weighted, into every query's output. Nothing
-// is gathered or padded, and a layer's decode attention is one call, where the reference copies
-// each sequence's keys and values and makes several tensor ops per sequence.
+// One query token per sequence. Each (sequence, KV head) is a task for PyTorch's threads: the
+// query heads sharing that KV head (grouped-query attention) walk the sequence's block table once,
+// each key row read once and dotted with every query of the group, each value row read once and
+// added, weighted, into every output. Nothing is gathered or padded (the reference copies each
+// sequence's keys and values), and a layer's decode attention is one call.
 //
-// Numerics: scores, softmax and the weighted sum are float32 whatever the cache dtype; the
-// order of every sum is fixed by this source (not by the CPU, the threads or the batch).
-//
-// One source for AVX2 and AVX-512: the task is written over cpu_vec.h's Vec, eight or sixteen
-// lanes as the library was built. A key's score is a chain of eight-lane products summed in a
-// fixed order, whichever the width (sixteen lanes hold two keys' chains), so both builds compute
-// the same bits: tests/engine/test_cpu_native.py compares them.
+// Numerics: scores, softmax and the weighted sum are float32 whatever the cache dtype, every sum in
+// an order fixed by this source. Written once over cpu_vec.h's Vec, eight or sixteen lanes as the
+// library was built: a key's score is a chain of eight-lane products summed in a fixed order
+// (sixteen lanes hold two keys' chains), so both builds compute the same bits.
 
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include "cpu_vec.h"
 #include "ops.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -56,11 +47,10 @@ inline void axpy(float p, const T* v, float* out, int64_t D) {
   for (; d < D; ++d) out[d] += p * static_cast<float>(v[d]);
 }
 
-// A head's K or V row lies in cache lines of its own, one block of the cache after another
-// in whatever order the block table gives: the hardware prefetcher, which follows strides
-// within a page, starts again at every block. So the kernel asks for rows itself, some
-// ahead of the ones it reads (24 rows measured a little faster than 8 or 64 with batch-32
-// contexts of 100-320 tokens). A prefetch changes no value.
+// A head's K or V rows lie block after block in whatever order the block table gives: the
+// hardware prefetcher, which follows strides within a page, starts again at every block. So the
+// kernel asks for rows itself, some ahead of the ones it reads (24 measured a little faster than
+// 8 or 64). A prefetch changes no value.
 constexpr int64_t PREFETCH_AHEAD = 24;
 
 template <typename T>
@@ -71,9 +61,8 @@ inline void prefetch_row(const T* row, int64_t head_dim) {
   }
 }
 
-// The largest of x[0..n): eight lanes at a time. A maximum is exact whatever the order, so
-// this is std::max_element's value; a scalar loop waited on its previous compare at every
-// element (a measurable share of a decode's attention time, with perf: results/README.md).
+// The largest of x[0..n), eight lanes at a time (a scalar loop waits on its previous compare at
+// every element: results/README.md). A maximum is exact whatever the order: std::max_element's value.
 inline float max_of(const float* x, int64_t n) {
   __m256 lanes = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t i = 0;

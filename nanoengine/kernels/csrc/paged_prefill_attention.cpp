@@ -1,14 +1,11 @@
-// Prefill attention over the paged cache for a whole step in one call (chapter 10). It computes
-// what reference.paged_prefill_attention computes, with its bits: causal attention of each chunk
-// over its sequence's cached tokens and its own, by PyTorch's SDPA once per sequence, in float32
-// (a float32 cache, or a bfloat16 one widened) or in bfloat16 (CpuAttention.prefill_dtype).
-// SDPA's CPU kernel is itself FlashAttention's tiling; what this file adds is how a step's
-// sequences share the threads. SDPA splits one short sequence's work badly over the threads (on
-// two threads it took longer than half its one-thread time: results/README.md), so each thread
-// takes the next sequence not yet done (costliest first, so that the last ones are short),
-// gathers its K/V rows with memcpy and runs SDPA on it alone (PyTorch runs an operator called
-// inside a parallel region on the calling thread). When one sequence outweighs a thread's share
-// of the step by more than SDPA loses in splitting it (a lone prompt), the sequences run one after
+// Prefill attention over the paged cache for a whole step in one call (chapter 10), with the bits
+// of reference.paged_prefill_attention: PyTorch's SDPA once per sequence, in float32 (a float32
+// cache, or a bfloat16 one widened) or in bfloat16 (CpuAttention.prefill_dtype). What this file
+// adds is how a step's sequences share the threads. SDPA splits one short sequence badly over the
+// threads (results/README.md), so each thread takes the next sequence not yet done (costliest
+// first), gathers its K/V rows with memcpy and runs SDPA on it alone (an operator called inside a
+// parallel region runs on the calling thread). When one sequence outweighs a thread's share of the
+// step by more than SDPA loses in splitting it (a lone prompt), the sequences run one after
 // another and SDPA splits each over all the threads itself.
 
 #include <ATen/ATen.h>
@@ -20,10 +17,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdint>
 #include <cstring>
 #include <numeric>
-#include <optional>
 #include <vector>
 
 namespace nanoengine_cpu {

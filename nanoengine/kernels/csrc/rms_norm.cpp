@@ -2,29 +2,22 @@
 // definition it must agree with is layers/layernorm.py.
 //
 // Eager PyTorch runs RMSNorm as several operators (the float32 copy, the norm, the cast, the
-// weight multiply, and the residual add before it), each a pass over the activations and a
-// call from Python: for one decoding sequence, 61 norms a token cost a noticeable share of
-// the token's time, almost all of it call overhead (results/README.md). Here each row is read
-// once for its sum of squares and once to write the output (and the new residual), and a
-// step's norm is one call.
+// weight multiply, the residual add before it), each a pass over the activations and a call from
+// Python: for a decoding token, the calls are almost all of the norms' time (results/README.md).
+// Here a step's norm is one call, reading each row once for its sum of squares and once to write.
 //
-// Numerics: sums of squares in float32, in an order fixed by this source; the normalised
-// value is rounded to x's dtype before the weight multiplies it, as Hugging Face's Llama does.
-// Eight values at a time, rounded to bfloat16 as PyTorch rounds one (cpu_vec.h): the bits of
-// the scalar loop that handles the tail.
+// Numerics: sums of squares in float32, in an order fixed by this source; the normalised value is
+// rounded to x's dtype before the weight multiplies it, as Hugging Face's Llama does. Eight values
+// at a time, rounded as PyTorch rounds one (cpu_vec.h): the bits of the scalar tail loop.
 
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include "cpu_vec.h"
 #include "ops.h"
 
 #include <cmath>
-#include <cstdint>
-#include <tuple>
 #include <vector>
 
 namespace nanoengine_cpu {

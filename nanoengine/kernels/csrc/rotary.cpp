@@ -5,13 +5,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include "cpu_vec.h"
 #include "ops.h"
-
-#include <cstdint>
 
 namespace nanoengine_cpu {
 namespace {

@@ -8,8 +8,6 @@
 
 #include "ops.h"
 
-#include <cstdint>
-
 at::Tensor nanoengine_cpu::silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "silu_and_mul: x (..., 2 * intermediate) expected, got ",
               x.sizes());
