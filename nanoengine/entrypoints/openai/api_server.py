@@ -77,7 +77,6 @@ def build_app(engine: LLMEngine | EngineCoreClient, served_model_name: str, api_
     An ``LLMEngine`` is stepped by an ``AsyncLLMEngine`` thread; an ``EngineCoreClient`` (``serve``:
     the engine in a process of its own) is driven as it is. Either starts and stops with the app
     (uvicorn's lifespan) and is ``app.state.engine`` (``.call(fn)`` runs ``fn(engine)`` safely).
-    ``header_timeout`` is kept in ``app.state`` for the uvicorn server that runs the app.
     """
     if not isinstance(served_model_name, str) or not served_model_name:
         raise ValueError(f"served_model_name must be a non-empty string, got {served_model_name!r}")
@@ -93,7 +92,6 @@ def build_app(engine: LLMEngine | EngineCoreClient, served_model_name: str, api_
             stop_serving()
 
     max_waiting = checked_max_waiting(max_queue)
-    # serve's engine core already runs in a process of its own; any other engine gets a thread here
     async_engine = engine if isinstance(engine, EngineCoreClient) else AsyncLLMEngine(engine)
     async_engine.max_waiting, async_engine.on_finished = max_waiting, metrics.observe_finished
     async_engine.on_dead = engine_died

@@ -202,11 +202,9 @@ class EngineClient:
     """What the server drives: an engine stepped on a thread of this process (``AsyncLLMEngine``)
     or in a process of its own (``engine_core.EngineCoreClient``), one interface for both.
 
-    ``max_waiting``: refuse an add (``QueueFullError``) that would leave more than this many
-    sequences waiting for admission; None for no limit. ``on_finished`` is called with every
-    final output (finished, stopped or aborted), e.g. for metrics. ``on_dead`` is called once
-    on the event loop if the engine stops on a fault of its own (the command-line server then
-    exits, ``api_server``); not when it is shut down.
+    ``max_waiting``: as in ``add_all_or_none``. ``on_finished`` is called with every final output
+    (finished, stopped or aborted), e.g. for metrics; ``on_dead`` once, on the event loop, if the
+    engine stops on a fault of its own (the command-line server then exits), not when it is shut down.
     """
 
     def __init__(self, facts: EngineFacts, max_waiting: int | None, on_finished: Callable[[RequestOutput], None] | None,
@@ -279,12 +277,9 @@ class AsyncLLMEngine(EngineClient):
     # ----------------------------------------------------- the asyncio side
     async def add_requests(self, requests: Sequence[tuple[str, Prompt, SamplingParams]],
                            arrival_time: float | None = None) -> RequestStream:
-        """Queue one engine request per (id, prompt, params); all are added or none is.
-
-        Raises ``ValueError`` (a bad prompt or params: the engine's own checks),
-        ``QueueFullError`` or ``EngineDeadError``. ``arrival_time`` (``time.perf_counter()``)
-        is when the HTTP request came in; TTFT counts from it.
-        """
+        """Queue one engine request per (id, prompt, params), all or none: else ``ValueError`` (the
+        engine's own checks), ``QueueFullError`` or ``EngineDeadError``. TTFT counts from
+        ``arrival_time`` (``time.perf_counter()`` when the HTTP request came in)."""
         queue: asyncio.Queue = asyncio.Queue()
         done: concurrent.futures.Future = concurrent.futures.Future()
         requests = list(requests)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 
 DEFAULT_HOST = "127.0.0.1"
@@ -71,8 +72,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _json_object(text: str) -> dict:
     """``--speculative-config``'s value: a JSON object (checked by ``SpeculativeConfig``)."""
-    import json
-
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
