@@ -18,16 +18,15 @@ Routes (OpenAI's, as ``vllm serve`` has them):
 ``GET /openapi.json``      the schema of all of the above: request bodies, errors
 =========================  =============================================================
 
-Every error, including 404s and a missing API key, has OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``, with a status ``_ERROR_MEANINGS`` explains
-(400 for a bad request: never a 422, and never a crash, as it is refused before it reaches the
-engine). The engine stops only on a fault of its own (a bug a request's data reached fails just
-that request, a 500: ``LLMEngine._fail``); the command-line server (``run_server``) then exits
-with status 1, as vLLM's does, so that a supervisor starts a fresh one; a server in a thread
-(``serve_in_background``: the notebooks and tests) keeps answering 503 until it is stopped.
+Every error, 404s and a missing API key included, has OpenAI's shape (``protocol.error_body``)
+and a status ``_ERROR_MEANINGS`` explains: a bad request is a 400, never FastAPI's 422. The
+engine stops only on a fault of its own (a bug a request's data reached fails that request
+alone, a 500: ``LLMEngine._fail``); the command-line server (``run_server``) then exits with
+status 1, as vLLM's does, for a supervisor to start a fresh one; a server in a thread
+(``serve_in_background``: the notebooks and tests) answers 503 until it is stopped.
 
-The server listens on 127.0.0.1 unless told otherwise: a course machine should not offer its
-model to the network by accident. An API key (``ApiKeyMiddleware``) and deadlines for slow
+The server listens on 127.0.0.1 unless told otherwise, so that a course machine does not offer
+its model to the network by accident. An API key (``ApiKeyMiddleware``) and deadlines for slow
 clients' headers (``_HeadTimeoutH11``) and bodies (``OpenAIServing.read_body``) guard the rest.
 """
 
@@ -78,7 +77,6 @@ def build_app(engine: LLMEngine | EngineCoreClient, served_model_name: str, api_
     An ``LLMEngine`` is stepped by an ``AsyncLLMEngine`` thread; an ``EngineCoreClient`` (``serve``:
     the engine in a process of its own) is driven as it is. Either starts and stops with the app
     (uvicorn's lifespan) and is ``app.state.engine`` (``.call(fn)`` runs ``fn(engine)`` safely).
-    ``header_timeout`` is kept in ``app.state`` for the uvicorn server that runs the app.
     """
     if not isinstance(served_model_name, str) or not served_model_name:
         raise ValueError(f"served_model_name must be a non-empty string, got {served_model_name!r}")
@@ -94,7 +92,6 @@ def build_app(engine: LLMEngine | EngineCoreClient, served_model_name: str, api_
             stop_serving()
 
     max_waiting = checked_max_waiting(max_queue)
-    # serve's engine core already runs in a process of its own; any other engine gets a thread here
     async_engine = engine if isinstance(engine, EngineCoreClient) else AsyncLLMEngine(engine)
     async_engine.max_waiting, async_engine.on_finished = max_waiting, metrics.observe_finished
     async_engine.on_dead = engine_died
@@ -232,13 +229,11 @@ _STARTED = int(time.time())
 
 class ApiKeyMiddleware:
     """Refuse (401) every request to ``/v1/...`` whose ``Authorization`` header is not
-    ``Bearer <key>`` (``openai.OpenAI(api_key=...)`` sends it); other paths (health, metrics,
-    schema: open to probes and scrapers) and CORS preflights pass, as in vLLM's
-    ``AuthenticationMiddleware``.
+    ``Bearer <key>``; other paths (health, metrics, schema: open to probes and scrapers) and
+    CORS preflights pass, as in vLLM's ``AuthenticationMiddleware``.
 
-    A plain ASGI middleware (not Starlette's ``BaseHTTPMiddleware``, which wraps streamed
-    responses and gets in the way of disconnect detection). ``secrets.compare_digest``
-    compares in constant time, so response timing does not leak the key.
+    Plain ASGI: Starlette's ``BaseHTTPMiddleware`` wraps streamed responses and gets in the way
+    of disconnect detection. ``compare_digest`` takes constant time: timing does not leak the key.
     """
 
     def __init__(self, app, api_key: str) -> None:
@@ -279,12 +274,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
 class _HeadTimeoutH11(H11Protocol):
     """uvicorn's HTTP/1.1 protocol, plus a deadline for each request's headers.
 
-    uvicorn closes a keep-alive connection that stays silent, but one that sends a byte of
-    its headers now and then (the "slowloris" attack) holds a connection open for ever, and
-    enough of them exhaust the server. Here a timer starts when the connection opens and again when
-    a response completes; if no complete request head has arrived when it fires, the
-    client gets a 408 and the connection is closed. ``head_timeout`` is set per server
-    (``_uvicorn`` makes a subclass)."""
+    uvicorn closes a silent keep-alive connection, but one that sends a byte of its headers now
+    and then (the "slowloris" attack) holds it open for ever. Here a timer starts when the
+    connection opens and when a response completes; if no whole request head has arrived when
+    it fires, the client gets a 408 and the connection closes. ``_uvicorn`` sets ``head_timeout``."""
 
     head_timeout: float = DEFAULT_HEADER_TIMEOUT
     _head_timer: asyncio.TimerHandle | None = None
@@ -394,12 +387,9 @@ def serve_in_background(engine: LLMEngine, served_model_name: str, host: str = D
     return BackgroundServer(app, bind_socket(host, port), log_level).start()
 
 
-# How often CPython asks the thread holding the GIL to hand it over (its default is 5 ms). The
-# server has two busy threads: the engine thread, which runs Python between its operators, and
-# the event loop, which takes each request in and each token out. At 5 ms a token that is ready
-# can wait most of a switch interval for the loop to get the GIL; 1 ms measured better on the
-# bench workload (results/README.md). Only ``serve --engine-thread`` sets it: the process is the
-# server's, and without that flag the engine steps in a process of its own (engine_core).
+# How often CPython asks the GIL's holder to hand it over (default 5 ms), set by ``serve
+# --engine-thread`` only: there the engine thread and the event loop both run Python, and a ready
+# token can wait most of an interval for the loop; 1 ms measured better (results/README.md).
 GIL_SWITCH_INTERVAL_S = 0.001
 
 

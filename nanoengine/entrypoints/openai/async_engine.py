@@ -1,47 +1,24 @@
-"""The async engine: asyncio on one side, the engine's step loop on the other (chapter 12).
+"""The async engine: the engine stepped on a thread, driven from asyncio (chapter 12).
 
-A server must do two things at once: accept HTTP requests as they arrive, and keep the
-engine stepping so that the requests already admitted make progress. ``LLMEngine`` is
-plain synchronous code (``add_request``, ``step``, ``abort``) and not thread-safe, and one
-step takes milliseconds to seconds, far too long to run inside an asyncio event loop that
-must keep answering other clients. So the work is split between two threads:
+``LLMEngine`` is synchronous and not thread-safe, and one step takes milliseconds to seconds:
+far too long to run on an event loop that must keep answering other clients. So one **engine
+thread** owns the engine and is the only thread that calls it: it applies the commands that
+arrived (add, abort, call) between two steps, runs ``step()``, and hands the outputs to
+chapter 2's ``OutputRouter``, whose sink per request puts each on its HTTP request's
+``asyncio.Queue`` through ``loop.call_soon_threadsafe`` (the one sanctioned way into a loop
+from another thread). With nothing to do it sleeps on a condition variable that a new command
+notifies, after giving freed memory back (``cpu_platform.IdleTrim``). The event loop never
+touches the engine.
 
-* **the engine thread** (one, started by ``start``) owns the ``LLMEngine``: it is the only
-  thread that ever calls its methods. It loops: take the commands that
-  arrived (add, abort, call), apply them between two steps, run one ``step()``, and give
-  its outputs to an ``OutputRouter`` (chapter 2's, the one routing concept in the
-  codebase), which hands each to the sink its request was watched with. When there is
-  nothing to do it sleeps on a condition variable instead of spinning, and a new
-  command wakes it; after work, once it has had nothing to do for ``TRIM_AFTER_IDLE_S``,
-  it first gives freed memory back (``cpu_platform.IdleTrim``; its module says why).
-* **the asyncio side** (the HTTP server's event loop) never touches the engine. It submits
-  commands through a list guarded by that condition, and receives each request's outputs
-  on its HTTP request's ``asyncio.Queue``. The router's sink for the request puts them
-  there through ``loop.call_soon_threadsafe`` (asyncio objects may only be touched from
-  their loop's thread; that call is the one sanctioned way in).
+A final output (finished or aborted) ends its stream, and the router forgets the request; an
+abort frees the request's KV blocks between two steps. A request with ``n`` completions is one
+request id. Prompts arrive tokenized (``serving``'s tokenizer thread); the tokenizer is shared
+read-only (that thread encodes, this one decodes, as Hugging Face's fast tokenizers allow).
+A request arriving mid-step waits for that step to end, and its TTFT (from its arrival)
+includes the wait.
 
-A request's life: ``add_requests`` -> (engine thread) tokenize, check, ``engine.add_request``
-and ``router.watch(request_id, sink)`` -> each ``step()``'s outputs go through
-``router.route``, and the sink puts each ``RequestOutput`` on the queue -> ``RequestStream``
-yields them -> the final output (``finished``) ends the stream, and the router forgets
-the request. ``abort`` (a client disconnected) queues an abort command; the engine
-thread calls ``engine.abort`` between two steps, which frees the request's KV blocks at
-once, and routes the aborted final output like any other, so nothing stays behind. A
-request with ``n`` completions is one user request id: its outputs gather all ``n``, so it
-is routed, aborted and finished by that id alone.
-
-The HTTP server hands prompts over already tokenized on its own tokenizer thread
-(``serving``), so the engine thread only checks and queues them. The tokenizer is shared
-read-only: that thread encodes, this one decodes (Hugging Face's fast tokenizers allow it).
-
-``serve --engine-thread`` loads the model on a thread that ends, so that the engine thread's
-OpenMP team is the only one in the process (``cpu_platform.build_on_a_passing_thread`` says
-why); plain ``serve`` runs the engine in a process of its own instead (``engine_core``).
-This module is what the notebooks and tests serve with (``serve_in_background``).
-
-Because commands are applied only between steps, a request arriving mid-step waits for
-that step to end: its TTFT (measured from its arrival) includes that wait, as it would in
-vLLM, whose engine core runs in its own process for the same reason.
+The notebooks and ``serve --engine-thread`` serve with this class; plain ``serve`` runs the
+same loop in a process of its own (``engine_core``).
 """
 
 from __future__ import annotations
@@ -113,11 +90,8 @@ def add_all_or_none(engine: LLMEngine, requests: Sequence[tuple[str, Prompt, Sam
 
 
 def abort_all(engine: LLMEngine, request_ids) -> list[RequestOutput]:
-    """On the way out: abort each of ``request_ids`` the engine still has; their final outputs.
-
-    After a failed step the bookkeeping may be broken, so a request that cannot be aborted
-    is logged and the rest are still aborted.
-    """
+    """On the way out: abort each of ``request_ids`` the engine still has; their final outputs. One
+    that cannot be aborted (a failed step may have broken the bookkeeping) is logged, and skipped."""
     finals = []
     for request_id in request_ids:
         try:
@@ -148,10 +122,8 @@ def call_on_loop(loop: asyncio.AbstractEventLoop | None, fn: Callable, *args) ->
     if loop is not None and running is loop:
         fn(*args)
         return
-    try:
+    with contextlib.suppress(RuntimeError, AttributeError):  # closed, or None: never started
         loop.call_soon_threadsafe(fn, *args)
-    except (RuntimeError, AttributeError):  # closed, or None: never started
-        pass
 
 
 # Commands from the asyncio side to the engine thread. Each result travels back on a
@@ -230,11 +202,9 @@ class EngineClient:
     """What the server drives: an engine stepped on a thread of this process (``AsyncLLMEngine``)
     or in a process of its own (``engine_core.EngineCoreClient``), one interface for both.
 
-    ``max_waiting``: refuse an add (``QueueFullError``) that would leave more than this many
-    sequences waiting for admission; None for no limit. ``on_finished`` is called with every
-    final output (finished, stopped or aborted), e.g. for metrics. ``on_dead`` is called once
-    on the event loop if the engine stops on a fault of its own (the command-line server then
-    exits, ``api_server``); not when it is shut down.
+    ``max_waiting``: as in ``add_all_or_none``. ``on_finished`` is called with every final output
+    (finished, stopped or aborted), e.g. for metrics; ``on_dead`` once, on the event loop, if the
+    engine stops on a fault of its own (the command-line server then exits), not when it is shut down.
     """
 
     def __init__(self, facts: EngineFacts, max_waiting: int | None, on_finished: Callable[[RequestOutput], None] | None,
@@ -307,12 +277,9 @@ class AsyncLLMEngine(EngineClient):
     # ----------------------------------------------------- the asyncio side
     async def add_requests(self, requests: Sequence[tuple[str, Prompt, SamplingParams]],
                            arrival_time: float | None = None) -> RequestStream:
-        """Queue one engine request per (id, prompt, params); all are added or none is.
-
-        Raises ``ValueError`` (a bad prompt or params: the engine's own checks),
-        ``QueueFullError`` or ``EngineDeadError``. ``arrival_time`` (``time.perf_counter()``)
-        is when the HTTP request came in; TTFT counts from it.
-        """
+        """Queue one engine request per (id, prompt, params), all or none: else ``ValueError`` (the
+        engine's own checks), ``QueueFullError`` or ``EngineDeadError``. TTFT counts from
+        ``arrival_time`` (``time.perf_counter()`` when the HTTP request came in)."""
         queue: asyncio.Queue = asyncio.Queue()
         done: concurrent.futures.Future = concurrent.futures.Future()
         requests = list(requests)
@@ -417,11 +384,8 @@ class AsyncLLMEngine(EngineClient):
 
 
 class _StreamSink:
-    """The router's sink for one engine request: its outputs go onto its stream's queue.
-
-    Called on the engine thread; the put itself runs on the event loop (the only thread
-    allowed to touch an ``asyncio.Queue``). The prompts of one HTTP request share a queue.
-    """
+    """The router's sink for one engine request: called on the engine thread, it puts each
+    output on its stream's queue on the event loop. The prompts of one HTTP request share a queue."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
         self.loop, self.queue = loop, queue

@@ -1,10 +1,5 @@
 """The ``serve`` command's flags, and their checks before anything is loaded (chapter 12).
 
-    python -m nanoengine serve [--model M] [--host 127.0.0.1] [--port 8000] [--api-key K]
-        [--max-queue N] [--max-body-bytes B] [--header-timeout S] [--body-timeout S]
-        [--served-model-name NAME] [engine options: --max-num-seqs,
-        --max-model-len, --device, ...]
-
 Only argparse here, so ``python -m nanoengine --help`` does not import the web stack.
 ``check_arguments`` refuses a bad value with a ``ValueError`` that names it, before the
 model loads; the engine options go through ``EngineConfig``'s own validation.
@@ -14,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 
 DEFAULT_HOST = "127.0.0.1"
@@ -76,8 +72,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _json_object(text: str) -> dict:
     """``--speculative-config``'s value: a JSON object (checked by ``SpeculativeConfig``)."""
-    import json
-
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:

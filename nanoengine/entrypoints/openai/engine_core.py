@@ -1,39 +1,24 @@
 """The engine core in a process of its own: what ``python -m nanoengine serve`` runs (chapter 12).
 
-``AsyncLLMEngine`` steps the engine on a thread of the server's process. That thread and
-the HTTP server's event loop then share one interpreter lock: while the event loop parses
-a request or writes a streamed chunk, the engine's Python work between two steps
-(scheduling, preparing inputs, sampling, detokenizing) waits for it, and the step gets
-longer for every request in flight. On a 2-core CPU the engine's OpenMP team computes on
-both cores during a step's kernels, and the core that the step's Python work leaves idle
-is exactly where the server's own work could run without slowing anything, if it did not
-need the same lock.
+With ``AsyncLLMEngine`` the engine thread and the HTTP server's event loop share one
+interpreter lock, so the engine's Python between two steps (scheduling, preparing inputs,
+sampling, detokenizing) waits whenever the loop parses a request or writes a chunk. So, as
+vLLM v1 does (``EngineCoreProc`` behind an ``AsyncLLM`` client), ``serve`` splits them:
 
-So, as vLLM v1 does (its ``EngineCoreProc`` behind an ``AsyncLLM`` client), ``serve``
-splits them:
+* **the engine-core process** (``run_engine_core``) builds the engine on its main thread, the
+  only thread that steps it and the only one with an OpenMP team, and runs the async engine's
+  loop over a pipe: commands in (add, abort, call, stop), and after each step one message
+  out with the step's outputs, the replies and the engine's counters. Its process starts with
+  GNU OpenMP's spin count bounded, so that its threads do not spin through a step's Python
+  while the server needs a core (``cpu_platform.engine_core_environment``).
+* **the client** (``EngineCoreClient``) is an ``EngineClient`` like ``AsyncLLMEngine``: its
+  event loop reads the pipe when it is readable (``loop.add_reader``: no thread, no polling),
+  and ``add_requests`` waits for the core's reply, so a refused request is an error before
+  its response starts, as with the thread.
 
-* **the engine-core process** (``run_engine_core``) builds the engine on its main thread,
-  which is then the only thread that steps it and the only one with an OpenMP team. It
-  loops: read the commands that arrived on its pipe (add, abort, call, stop), apply them
-  between two steps, run one ``step()``, and send the step's outputs back in one message
-  with the replies to the commands and the engine's counters. With nothing to do it sleeps
-  on the pipe, first giving the memory its steps freed back to the kernel
-  (``cpu_platform.IdleTrim``, as the async engine's thread does).
-* **the client** (``EngineCoreClient``, in the server's process) is an ``EngineClient``
-  like ``AsyncLLMEngine``, so the server cannot tell them apart. Its event loop reads the pipe when the
-  operating system says it is readable (``loop.add_reader``: no thread, no polling) and
-  puts each output on its HTTP request's queue; ``add_requests`` waits for the core's
-  reply, so a refused request (a bad prompt, a full queue) is an error before its
-  response starts, exactly as with the thread.
-
-One setting differs from an engine in your own process: the core's process starts with GNU
-OpenMP's spin count bounded (``backends/cpu_platform.py``'s ``engine_core_environment`` says
-why), so that its threads do not spin through a step's Python while the server needs a core.
-
-The price is a copy: every step's ``RequestOutput`` objects are pickled and read back, a
-small cost beside the step itself (figures: results/README.md). Arrival times need no
-translation: ``time.perf_counter`` reads the same monotonic clock in every process of the
-machine. A function given to ``call`` runs in the core's process, so it must be importable
+The price is a copy: every step's outputs are pickled (figures: results/README.md). Arrival
+times need no translation: ``time.perf_counter`` reads the same monotonic clock in every
+process. A function given to ``call`` runs in the core's process, so it must be importable
 there (a module-level function, not a lambda); its result comes back pickled.
 """
 
@@ -41,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -122,10 +108,8 @@ def run_engine_core(conn: Connection, build: Callable[[], LLMEngine]) -> None:
         logger.exception("the engine failed; every request in flight gets an error")
         error = exc
     finals = abort_all(engine, list(engine.output_processor.states))  # the user request ids still unfinished
-    try:
+    with contextlib.suppress(OSError, pickle.PicklingError):
         conn.send(("stopped", None if error is None else _portable(error), finals))
-    except (OSError, pickle.PicklingError):
-        pass
     engine.shutdown()
 
 
@@ -204,10 +188,8 @@ class EngineCoreClient(EngineClient):
         """Stop the core: unfinished requests are aborted and their streams end with
         ``EngineDeadError``; the process exits. Safe to call twice."""
         if not self._stopped:
-            try:
+            with contextlib.suppress(OSError):
                 self._send(("stop",))
-            except OSError:
-                pass
             deadline = time.monotonic() + timeout
             while not self._stopped and self._conn_poll(max(0.0, deadline - time.monotonic())):
                 self._read()  # the last outputs and "stopped"
@@ -255,10 +237,8 @@ class EngineCoreClient(EngineClient):
     def abort(self, request_ids: Sequence[str]) -> None:
         """Abort these requests between two steps (unknown or finished ids are ignored)."""
         if not self._stopped:
-            try:
+            with contextlib.suppress(OSError):
                 self._send(("abort", list(request_ids)))
-            except OSError:
-                pass
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
         """Run ``fn(engine)`` in the core's process between two steps; its (pickled) result
@@ -337,10 +317,8 @@ class EngineCoreClient(EngineClient):
         first = not self._stopped
         self._stopped = True
         if first and self._loop is not None:
-            try:
+            with contextlib.suppress(ValueError, OSError, RuntimeError):  # closed pipe or closed loop
                 self._loop.remove_reader(self._conn.fileno())
-            except (ValueError, OSError, RuntimeError):  # closed pipe or closed loop
-                pass
         with self._pending_lock:
             pending, self._pending = self._pending, {}
         for done in pending.values():

@@ -1,46 +1,36 @@
 """The OpenAI wire format: what a client sends, what the server answers (chapter 12).
 
-A request body is JSON. It is parsed *strictly* into a pydantic model (``CompletionRequest``
-or ``ChatCompletionRequest``): a field the server does not know, a string where a number
-belongs or a body that is not JSON at all is refused with status 400 and a message naming
-the field, before anything reaches the engine. Values are then checked by the engine's
-own ``SamplingParams``, the single place that knows what a valid temperature or
-``max_tokens`` is; its ``ValueError`` becomes a 400 too.
+A request body is parsed *strictly* into a pydantic model (``CompletionRequest`` or
+``ChatCompletionRequest``): an unknown field, a string where a number belongs or a body that
+is not JSON is refused with 400 and a message naming the field, before anything reaches the
+engine. Values are then checked by the engine's own ``SamplingParams``, the one place that
+knows what a valid temperature is; its ``ValueError`` becomes a 400 too.
 
 The field names are OpenAI's, plus vLLM's extras (``top_k``, ``min_p``, ``ignore_eos``,
 ``stop_token_ids``, ``structured_outputs``), which the ``openai`` client sends through
 ``extra_body``. Fields OpenAI defines but this engine cannot honour (``echo``, penalties,
-``logit_bias``, ``suffix``, ``best_of`` above ``n``; for chat ``tools``, ``tool_choice``,
-``store``...) are accepted only at their neutral value, the one that changes nothing (no
-tools, ``"none"``, ``false``), and refused otherwise rather than silently ignored:
-langchain and litellm send the neutral values by default, and a request they describe can
-be served exactly.
+``logit_bias``, ``suffix``, ``best_of`` above ``n``; for chat ``tools``, ``store``...) are
+accepted only at their neutral value, the one that changes nothing (no tools, ``false``), and
+refused otherwise rather than silently ignored: langchain and litellm send the neutral values
+by default, and a request they describe can be served exactly.
 
-Structured output (chapter 14) comes two ways, on both endpoints: OpenAI's
-``response_format`` (``{"type": "json_schema", "json_schema": {"name", "schema"}}`` or
-``{"type": "json_object"}``; ``{"type": "text"}`` is no constraint) and vLLM's
-``structured_outputs`` (``{"json" | "regex" | "choice" | "grammar" | "json_object": ...}``).
-Both become the engine's ``StructuredOutputsParams``; a constraint that does not compile is
-a 400 with the grammar library's reason.
+Structured output (chapter 14), on both endpoints: OpenAI's ``response_format`` or vLLM's
+``structured_outputs`` becomes the engine's ``StructuredOutputsParams``; a constraint that
+does not compile is a 400 with the grammar library's reason.
 
-Two OpenAI conventions differ between the endpoints and are mapped here:
-
-* logprobs: ``/v1/completions`` takes ``logprobs: N`` (the top N per token) and answers
-  with parallel lists (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``);
-  ``/v1/chat/completions`` takes ``logprobs: true`` with ``top_logprobs: N`` and answers
-  with one record per token (``{"token", "logprob", "bytes", "top_logprobs"}``).
-* ``max_tokens``: a completion defaults to 16 (OpenAI's default); a chat reply defaults
-  to the rest of the context window, ``max_model_len`` minus the prompt (vLLM's). Either
-  way prompt + ``max_tokens`` must fit in ``max_model_len``, or the request is refused
-  (``fit_to_context``), as vLLM and OpenAI refuse it.
-
-Every error is ``{"error": {"message", "type", "param", "code"}}`` (``error_body``), the
-shape the ``openai`` client turns into ``openai.BadRequestError`` and friends.
+Two OpenAI conventions differ between the endpoints: logprobs (a completion asks
+``logprobs: N`` and gets parallel lists, ``completion_logprobs``; a chat asks ``logprobs:
+true, top_logprobs: N`` and gets one record per token, ``chat_logprobs``), and the default
+``max_tokens`` (16 for a completion, OpenAI's; the rest of the context window for a chat
+reply, vLLM's). Either way prompt + ``max_tokens`` must fit ``max_model_len``
+(``fit_to_context``). Every error is ``{"error": {"message", "type", "param", "code"}}``
+(``error_body``), which the ``openai`` client raises as ``openai.BadRequestError`` and friends.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from typing import Annotated, ClassVar, Literal
@@ -170,7 +160,7 @@ class JsonSchemaFormat(_Strict):
     """OpenAI's ``response_format.json_schema``: a named schema (``strict`` is accepted; the
     output always follows the schema here)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)  # pydantic merges it with _Strict's
     name: str
     description: str | None = None
     json_schema: dict = Field(alias="schema")
@@ -318,8 +308,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Int | None = None  # OpenAI's newer name for max_tokens
     logprobs: bool = False
     top_logprobs: Int | None = None
-    # OpenAI fields for features this server does not have: the schema admits only their
-    # neutral value (the module's docstring says why), any other is refused (``_NEUTRAL_ONLY``).
+    # Features this server does not have: the schema admits only the neutral value (``_NEUTRAL_ONLY``).
     tools: Annotated[list[dict], Field(max_length=0)] | None = None
     tool_choice: Literal["none", "auto"] | None = None
     parallel_tool_calls: bool | None = None  # with no tools there is nothing to call in parallel
@@ -360,9 +349,8 @@ def fit_to_context(params: SamplingParams, requested: int | None, num_prompt_tok
                    max_model_len: int) -> SamplingParams:
     """``params`` with ``max_tokens`` fitted to the context window, or a ValueError.
 
-    Called once the prompt is tokenized (``serving``): ``requested`` None means
-    "the rest of the window"; an explicit value that does not fit is refused, because the
-    engine would silently cut the reply at ``max_model_len`` (finish_reason "length").
+    ``requested`` None means "the rest of the window"; an explicit value that does not fit is
+    refused, as the engine would silently cut the reply at ``max_model_len`` ("length").
     """
     room = max_model_len - num_prompt_tokens
     if requested is None:
@@ -390,10 +378,8 @@ def completion_logprobs(entries: tuple[tuple[TokenLogprob, ...], ...] | None, te
     the top N others, as ``CompletionOutput.logprobs`` holds them); None without logprobs."""
     if entries is None:
         return None
-    tokens, offsets = [e[0].text for e in entries], []
-    for token in tokens:
-        offsets.append(text_offset)
-        text_offset += len(token)
+    tokens = [e[0].text for e in entries]
+    offsets = list(itertools.accumulate(map(len, tokens), initial=text_offset))[:-1]  # where each token starts
     return {"tokens": tokens, "token_logprobs": [wire_logprob(e[0].logprob) for e in entries],
             "top_logprobs": [{c.text: wire_logprob(c.logprob) for c in e} for e in entries], "text_offset": offsets}
 
@@ -418,19 +404,17 @@ def chat_logprobs(entries: tuple[tuple[TokenLogprob, ...], ...] | None, top_n: i
 
 def choice(index: int, content: dict, logprobs: dict | None = None, finish_reason: str | None = None,
            stop_reason: str | int | None = None) -> dict:
-    """One choice of a response or of a streamed chunk. ``content`` is what the endpoint
-    sends: ``{"text": ...}`` for a completion, ``{"message": {"role", "content"}}`` for a
-    chat reply, ``{"delta": ...}`` for a chat chunk (the role in the first, then new text);
-    the last piece of a choice carries its ``finish_reason`` and ``stop_reason``."""
+    """One choice of a response or of a streamed chunk. ``content``: ``{"text": ...}`` for a
+    completion, ``{"message": {"role", "content"}}`` for a chat reply, ``{"delta": ...}`` for a
+    chat chunk; the last piece of a choice carries its ``finish_reason`` and ``stop_reason``."""
     return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason,
             "stop_reason": stop_reason}
 
 
 def response(kind: str, response_id: str, created: int, model: str, choices: list[dict],
              usage_: dict | None = None, system_fingerprint: str | None = None) -> dict:
-    """A whole response or one chunk. ``kind``: "text_completion", "chat.completion" or
-    "chat.completion.chunk" (a completion's chunks are "text_completion" too). A whole
-    response carries ``usage``; in a stream only the last chunk does, when asked for."""
+    """A whole response or one chunk. ``kind``: "text_completion" (a completion's chunks too),
+    "chat.completion" or "chat.completion.chunk"."""
     body = {"id": response_id, "object": kind, "created": created, "model": model, "choices": choices,
             "system_fingerprint": system_fingerprint}
     if usage_ is not None:

@@ -2,35 +2,25 @@
 
 ``OpenAIServing.completions`` and ``.chat`` do the same five things:
 
-1. **read and validate** the body (``protocol``): at most ``max_body_bytes`` (else 413),
-   within ``body_timeout`` seconds (else 408); JSON, fields, types, the model's name,
-   ``n`` against ``max_num_seqs``, sampling values through ``SamplingParams``. A bad
-   request is refused here with 400 and never reaches the engine;
-2. **prepare** the prompts on the tokenizer thread, never on the engine thread nor the
-   event loop: render the chat template, tokenize, refuse a prompt longer than
-   ``max_model_len`` and fit ``max_tokens`` to the context window. A prompt whose UTF-8
-   length alone proves it too long is refused before it is tokenized (``_too_long``);
-3. **submit** one engine request per prompt, as token ids (``EngineClient.add_requests``):
-   the engine thread only checks and queues them; a full waiting queue is a 429;
-4. **stream** server-sent events, one chunk per completion per step that produced text,
-   then ``data: [DONE]`` (``stream: true``), **or collect** the final outputs into one JSON
-   response. The engine is asked for what each reads (``RequestOutputKind``): a stream
-   only the new text and tokens of every step (``DELTA``), a plain response only the
-   final outputs (``FINAL_ONLY``: no output objects and no text until a request ends);
-   **abort** the engine requests if the client goes away first (``_events``,
-   ``_collect_unless_disconnected``);
-5. count ``usage``: prompt, completion and total tokens, and the prompt tokens the prefix
-   cache served (``prompt_tokens_details.cached_tokens``).
+1. **read and validate** the body (``read_body``, then ``protocol``): a bad request is
+   refused (400, or 408 and 413 for a slow or large body) and never reaches the engine;
+2. **prepare** the prompts on the tokenizer thread (``_prepare``): render the chat template,
+   tokenize, check the length, fit ``max_tokens`` to the context window;
+3. **submit** one engine request per prompt, as token ids (``EngineClient.add_requests``);
+   a full waiting queue is a 429;
+4. **stream** server-sent events, one chunk per completion per step that produced text, then
+   ``data: [DONE]``, **or collect** the final outputs into one JSON response. The engine is
+   asked only for what each reads (``RequestOutputKind.DELTA`` or ``FINAL_ONLY``), and the
+   engine requests are aborted if the client goes away first;
+5. count ``usage``, with the prompt tokens the prefix cache served (``cached_tokens``).
 
-Why a tokenizer thread: tokenizing is linear in the text (about a second per megabyte on
-one core), so a huge prompt tokenized on the engine thread would stall every request in
-flight for as long, and on the event loop it would stall every connection. Hugging Face's
-fast tokenizer releases the GIL while it encodes, so the thread runs alongside both. One
-thread, as vLLM's serving layer has one tokenizer worker (``OpenAIServing`` in
-``vllm/entrypoints/openai/serving_engine.py``: ``ThreadPoolExecutor(max_workers=1)``):
-the tokenizer is never used by two encodes at once. A request waits behind a long text
-ahead of it at most as long as the longest text that can still fit takes to tokenize
-(``_too_long`` refuses longer ones untokenized).
+Why a tokenizer thread: tokenizing is linear in the text, so a huge prompt tokenized on the
+engine thread would stall every request in flight, and on the event loop every connection.
+Hugging Face's fast tokenizer releases the GIL while it encodes, so the thread runs alongside
+both. One thread, as vLLM's ``OpenAIServing`` has one tokenizer worker
+(``vllm/entrypoints/openai/serving_engine.py``): the tokenizer never runs two encodes at once,
+and a request waits behind a long text at most as long as the longest text that can still fit
+takes (``_too_long`` refuses longer ones untokenized).
 
 Choices are numbered as OpenAI numbers them: with several prompts and ``n`` completions
 each, choice ``prompt_index * n + completion_index``.
@@ -68,9 +58,8 @@ class ClientGone(Exception):
 class OpenAIServing:
     """The endpoints' logic over one engine serving one model under one name.
 
-    ``max_body_bytes`` and ``body_timeout`` bound a request body (``read_body``).
-    ``system_fingerprint`` is sent with every response, as OpenAI does, naming the
-    configuration that produced it. Call ``shutdown`` to stop the tokenizer thread.
+    ``system_fingerprint`` is sent with every response, as OpenAI does. Call ``shutdown`` to
+    stop the tokenizer thread.
     """
 
     def __init__(self, engine: EngineClient, model_name: str, metrics: ServerMetrics, max_body_bytes: int,
@@ -101,9 +90,8 @@ class OpenAIServing:
         texts = any(isinstance(p, str) for p in prompts)
         if texts and self.tokenizer is None:
             raise ProtocolError("this model has no tokenizer: send the prompt as token ids", param="prompt")
-        # A completion's text is tokenized as the tokenizer says (add_special_tokens: a BOS
-        # where the model expects one), as vLLM's CompletionRequest.add_special_tokens
-        # defaults to True (vllm/entrypoints/openai/protocol.py).
+        # Text gets the tokenizer's special tokens (a BOS where the model expects one), as
+        # vLLM's CompletionRequest.add_special_tokens defaults to True.
         prepared = await self._prepare(lambda: [self._tokenize(p) for p in prompts], params, request.max_tokens,
                                        request, on_thread=texts)
         return await self._respond(raw, request, "cmpl", prepared, arrival, "text_completion", _completion_choices)
@@ -114,15 +102,12 @@ class OpenAIServing:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ProtocolError("this model has no chat template; use /v1/completions", param="messages",
                                 code="no_chat_template")
-        # The rendered conversation already holds the template's special tokens (its BOS
-        # too): tokenized without adding more, as vLLM's ChatCompletionRequest does
-        # (add_special_tokens defaults to False there).
+        # The rendered conversation already holds the template's special tokens (its BOS too):
+        # none are added, as vLLM's ChatCompletionRequest.add_special_tokens defaults to False.
         prepared = await self._prepare(lambda: [self._tokenize(self._render_chat(request), rendered_chat=True)],
                                        params, request.requested_max_tokens, request)
-        # A streamed reply opens every choice with the role. It goes out with the first output,
-        # once the prompt is prefilled and the first token sampled, as vLLM sends it
-        # (serving_chat.py, chat_completion_stream_generator's first iteration): a client that
-        # times the first event then measures the real time to first token.
+        # A streamed reply opens every choice with the role, sent with the first output as vLLM
+        # sends it (serving_chat.py), so a client that times the first event measures the real TTFT.
         opening = [protocol.choice(i, {"delta": {"role": "assistant", "content": ""}}) for i in range(request.n)]
         return await self._respond(raw, request, "chatcmpl", prepared, arrival, "chat.completion", _chat_choices,
                                    opening)
@@ -152,14 +137,12 @@ class OpenAIServing:
 
     # ------------------------------------------------------------ the body
     async def read_body(self, raw: Request) -> bytes:
-        """The request body: at most ``max_body_bytes`` (413), all of it within
-        ``body_timeout`` seconds (408: a client that trickles its body, a "slow POST",
-        would otherwise hold a connection and its buffer forever); ``ClientGone`` if the
-        client disconnects first.
+        """The request body: at most ``max_body_bytes`` (413), all of it within ``body_timeout``
+        seconds (408: else a client that trickles its body, a "slow POST", holds a connection
+        for ever); ``ClientGone`` if the client disconnects first.
 
-        A body declared (``Content-Length``) or found too large is still read and dropped
-        up to four times the limit, so that the client, which is busy sending it, can read
-        the 413; past that the server answers at once and the connection closes."""
+        A body too large is still read and dropped up to four times the limit, so that the
+        client, busy sending it, can read the 413; past that the connection closes at once."""
         limit = self.max_body_bytes
         declared = raw.headers.get("content-length", "")
         too_large = ProtocolError(f"the request body is larger than this server's limit of {limit} bytes "
@@ -204,11 +187,9 @@ class OpenAIServing:
     # ---------------------------------------------------- the tokenizer thread
     async def _prepare(self, tokenize: Callable[[], list[list[int]]], params, requested_max_tokens: int | None,
                        request, on_thread: bool = True) -> list[tuple[list[int], object]]:
-        """Each prompt's token ids and its SamplingParams with ``max_tokens`` fitted to the
-        context window, computed on the tokenizer thread (``on_thread``; token-id prompts
-        need no tokenizer and are prepared at once, without queueing behind a long text);
-        a ``ProtocolError`` (400) for a prompt that is empty, too long or leaves no room to
-        generate."""
+        """Each prompt's token ids and its SamplingParams with ``max_tokens`` fitted to the context
+        window, on the tokenizer thread unless not ``on_thread`` (token ids need no tokenizer and
+        should not queue behind a long text); a 400 for a prompt empty, too long or with no room."""
         def prepare() -> list[tuple[list[int], object]]:
             prepared = []
             for token_ids in tokenize():
