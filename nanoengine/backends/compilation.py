@@ -1,24 +1,17 @@
 """torch.compile for the engine's small fused ops on CUDA (chapter 10), opt-in with ``compile=True``.
 
-Eager PyTorch runs RMSNorm with its residual add as seven operators: seven passes over the
-activations and, on a GPU, seven kernel launches. ``torch.compile`` (Dynamo, then Inductor) turns
-such a function into one generated kernel that reads its inputs once. nano-vLLM compiles exactly
-these: RMSNorm (+ residual), the rotary embedding, SiLU-and-mul and the sampler's filters
-(``COMPILED_OPS``); the GEMMs stay cuBLAS calls. On a CPU there is no launch to save and each
-compiled call pays Dynamo's guards (``results/README.md``), and the CPU backend already runs each
-decoder layer as one native call, so ``compile=True`` is refused there before anything loads
-(``backends.check_compile``).
+Eager PyTorch runs RMSNorm with its residual add as seven operators: seven passes over the activations and, on
+a GPU, seven kernel launches; ``torch.compile`` (Dynamo, then Inductor) turns such a function into one generated
+kernel that reads its inputs once. nano-vLLM compiles exactly these (``COMPILED_OPS``); the GEMMs stay cuBLAS
+calls. On a CPU there is no launch to save and each compiled call pays Dynamo's guards (``results/README.md``),
+and the CPU backend already runs each decoder layer as one native call, so ``compile=True`` is refused there
+before anything loads (``backends.check_compile``).
 
-Wiring: with ``compile=True`` the CUDA backend's kernels are ``compiled_kernels`` (the layers'
-eager functions, compiled), so the layers of that engine's model take the compiled ones when they
-are built (``layers.kernels``). ``compile_runner`` warms them up when the runner is built, timed,
-before CUDA graphs are captured:
-
-* One compiled version per function for the whole process (Dynamo caches per function anyway).
-* ``dynamic=True``: the token count changes every step; one symbolic graph serves all counts but 1,
-  which Dynamo specialises, so the warm-up runs both (``WARM_UP_SIZES``).
-* If Triton is missing or compiling fails, the process warns once, naming the cause, and every
-  compiled function runs its eager function from then on.
+With ``compile=True`` the CUDA backend's kernels are ``compiled_kernels``, so its model's layers take the
+compiled functions when they are built (``layers.kernels``); ``compile_runner`` warms them up, timed, before
+CUDA graphs are captured. One compiled version per function serves the whole process; ``dynamic=True`` serves
+every token count but 1, which Dynamo specialises (``WARM_UP_SIZES``). If Triton is missing or compiling fails,
+the process warns once, naming the cause, and every compiled function runs eagerly from then on.
 """
 
 from __future__ import annotations
@@ -82,8 +75,8 @@ class CompiledFunction:
         except Exception as exc:  # noqa: BLE001 (any compiler error: Dynamo, Inductor, Triton)
             error = exc
         result = self.eager(*args)  # outside the handler: an eager error is not chained to it
-        self.compiler.fail(f"compiling {self.eager.__qualname__} failed with {type(error).__name__}: "
-                           f"{_first_line(error)}")
+        first_line = (str(error).strip() or "(no message)").splitlines()[0][:300]
+        self.compiler.fail(f"compiling {self.eager.__qualname__} failed with {type(error).__name__}: {first_line}")
         return result
 
 
@@ -172,8 +165,3 @@ def compile_runner(runner, compiler: Compiler | None = None) -> CompileReport:
     if compiler.failure is not None:
         return CompileReport(requested=True, compiled=False, seconds=seconds, ops=(), fallback_reason=compiler.failure)
     return CompileReport(requested=True, compiled=True, seconds=seconds, ops=tuple(sorted(COMPILED_OPS.values())))
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else "(no message)"
