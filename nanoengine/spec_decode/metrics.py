@@ -1,17 +1,15 @@
 """How speculation fared: the counters vLLM reports, kept by the engine (chapter 13).
 
-vLLM's names (``vllm/v1/spec_decode/metrics.py``, and its Prometheus counters
-``vllm:spec_decode_num_drafts`` and friends):
+vLLM's names (``vllm/v1/spec_decode/metrics.py``; its Prometheus counters ``vllm:spec_decode_num_drafts`` ...):
 
 - ``num_drafts``: verify passes of a request that had drafts (one per request per step),
 - ``num_draft_tokens``: drafted tokens checked,
 - ``num_accepted_tokens``: drafted tokens the model agreed with,
 - ``num_accepted_tokens_per_pos``: of those, how many were at draft position 0, 1, ... k-1.
 
-Two figures follow from them. The *acceptance rate* is accepted / drafted. The *mean
-acceptance length* is the tokens one verify pass emits on average: 1 + accepted / drafts
-(the token after the accepted run is always emitted too), which is the speedup over plain
-decoding when a verify pass costs what a decode step does.
+The *acceptance rate* is accepted / drafted. The *mean acceptance length* is the tokens one verify pass emits
+on average: 1 + accepted / drafts (the token after the accepted run is always emitted too), the speedup over
+plain decoding when a verify pass costs what a decode step does.
 """
 
 from __future__ import annotations
