@@ -1,11 +1,10 @@
 """torch.compile for the engine's small fused ops on CUDA (chapter 10), opt-in with ``compile=True``.
 
-Eager PyTorch runs RMSNorm with its residual add as seven operators: seven passes over the activations and, on
-a GPU, seven kernel launches; ``torch.compile`` (Dynamo, then Inductor) turns such a function into one generated
-kernel that reads its inputs once. nano-vLLM compiles exactly these (``COMPILED_OPS``); the GEMMs stay cuBLAS
-calls. On a CPU there is no launch to save and each compiled call pays Dynamo's guards (``results/README.md``),
-and the CPU backend already runs each decoder layer as one native call, so ``compile=True`` is refused there
-before anything loads (``backends.check_compile``).
+``torch.compile`` (Dynamo, then Inductor) turns a small function of several operators, such as RMSNorm with its
+residual add, into one generated kernel that reads its inputs once: one launch instead of several. nano-vLLM
+compiles exactly these (``COMPILED_OPS``); the GEMMs stay cuBLAS calls. On a CPU there is no launch to save, each
+compiled call pays Dynamo's guards, and each decoder layer already runs as one native call, so ``compile=True`` is
+refused there before anything loads (``backends.check_compile``).
 
 With ``compile=True`` the CUDA backend's kernels are ``compiled_kernels``, so its model's layers take the
 compiled functions when they are built (``layers.kernels``); ``compile_runner`` warms them up, timed, before
@@ -33,20 +32,13 @@ class CompileFallbackWarning(RuntimeWarning):
 
 @dataclass(frozen=True)
 class CompileReport:
-    """What ``compile=True`` did for one runner.
+    """What ``compile=True`` did for one runner."""
 
-    requested: the engine was built with compile=True.
-    compiled: compiled code is in use (False after a fallback).
-    seconds: wall time of compiling and warming up, spent when the runner was built.
-    ops: the compiled functions, e.g. ``RMSNorm.add_norm_fn``.
-    fallback_reason: why the engine runs eagerly although compile=True, else None.
-    """
-
-    requested: bool
-    compiled: bool
-    seconds: float
-    ops: tuple[str, ...]
-    fallback_reason: str | None = None
+    requested: bool  # the engine was built with compile=True
+    compiled: bool  # compiled code is in use (False after a fallback)
+    seconds: float  # wall time of compiling and warming up, spent when the runner was built
+    ops: tuple[str, ...]  # the compiled functions, e.g. ``RMSNorm.add_norm_fn``
+    fallback_reason: str | None = None  # why the engine runs eagerly although compile=True, else None
 
     @classmethod
     def not_requested(cls) -> "CompileReport":

@@ -148,8 +148,7 @@ class CpuBackend(Backend):
         self.fused_layers = 0  # decoder layers that can run as one native call each (``backends.cpu_fused``)
         self.unfused_reason: str | None = None  # why they cannot, when they cannot
         self.fused_modules: tuple = ()  # the modules inside the fused layers (``cpu_fused.hooked``)
-        # False (enforce_eager=True): every step runs the layers' Python forward (chapter 10 compares both)
-        self.fuse_layers = fuse_layers
+        self.fuse_layers = fuse_layers  # False (enforce_eager=True): every step runs the layers' Python forward
         self.huge_page_weight_bytes = 0  # weights in memory advised to use huge pages (``place_weights``)
         self.weight_bytes = 0  # all of the model's weights
         self.move_budget_s = move_budget()  # read (and checked) before any weight loads
@@ -188,8 +187,7 @@ class CpuBackend(Backend):
         fused = [layer for layer in layers if getattr(layer, "one_call", None) is not None]
         self.fused_layers = len(fused)
         if layers and not fused:
-            self.unfused_reason = (cpu_fused.unfit_reason(layers[0])
-                                   or "the model was built without the native kernels")
+            self.unfused_reason = cpu_fused.unfit_reason(layers[0]) or "the model was built without the native kernels"
         # every module a fused layer stands in for: a step with a hook on one of them is not fused
         self.fused_modules = tuple(m for layer in fused for m in layer.modules())
 

@@ -1,9 +1,8 @@
 """A step's decoder layers, one call each (the CPU backend; chapter 10).
 
-Run from Python, a decode step spends most of its time in the GEMMs and the rest almost all in calls, about 25
-operators per layer (results/README.md). GPU engines hide this behind CUDA graphs, vLLM's CPU backend behind
-``torch.compile`` (why this engine does not compile its model whole: results/README.md, engine v4's choice of
-one CPU fast path).
+Run from Python, a decode step spends what the GEMMs leave almost all in operator calls, about 25 per layer.
+GPU engines hide this behind CUDA graphs, vLLM's CPU backend behind ``torch.compile`` (why this engine does not
+compile its model whole: results/README.md, engine v4's choice of one CPU fast path).
 
 So each ``LlamaDecoderLayer`` runs as one C++ operator, ``nanoengine::llama_layer`` (``kernels/csrc/llama_layer.cpp``),
 which makes the operator calls the layer's Python ``forward`` makes on a CPU, in the same order, so the hidden

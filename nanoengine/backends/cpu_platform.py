@@ -151,9 +151,8 @@ def move_budget() -> float | None:
 
 
 def wait_for_all_huge_pages() -> None:
-    """Let this process's engines (and the processes it starts) move all their weights, however
-    long it takes, unless the user set ``MOVE_BUDGET_VARIABLE``: for a server or a benchmark,
-    which run long enough to repay the wait."""
+    """Let this process's engines (and the processes it starts) move all their weights, however long it takes,
+    unless the user set ``MOVE_BUDGET_VARIABLE``: a server or a benchmark runs long enough to repay the wait."""
     os.environ.setdefault(MOVE_BUDGET_VARIABLE, "inf")
 
 
@@ -243,12 +242,9 @@ def tune_engine_process() -> None:
 
 
 # ----------------------------------------------------------------- the server's processes
-# GNU OpenMP's spin count for the engine core's threads (the module's docstring says why), chosen
-# by alternating two servers against GNU's default 300,000 and against 1,000 (results/README.md).
-ENGINE_CORE_SPINCOUNT = 10_000
-
-# How much lower the server's own process runs than its engine core (``os.nice``; a higher
-# niceness is a smaller share of a contended CPU), chosen against 0 and 10 (results/README.md).
+ENGINE_CORE_SPINCOUNT = 10_000  # GNU OpenMP's spin count for the engine core's threads (chosen: results/README.md)
+# How much lower the server's own process runs than its engine core (``os.nice``: a higher niceness is a
+# smaller share of a contended CPU; chosen: results/README.md).
 FRONT_END_NICENESS = 5
 
 
@@ -281,9 +277,8 @@ def build_on_a_passing_thread(build: Callable[[], T]) -> T:
 
 @contextlib.contextmanager
 def serving(engine_in_own_process: bool):
-    """``serve``'s host settings, around building its engine: every weight moved to huge pages
-    however long it takes (the engine core's process inherits the setting), and once the engine
-    core runs in a process of its own, this process's priority lowered by ``FRONT_END_NICENESS``."""
+    """``serve``'s host settings, around building its engine: every weight moved to huge pages however long it
+    takes (inherited by the engine core's process), and, once that runs apart, this process's priority lowered."""
     wait_for_all_huge_pages()
     yield
     if engine_in_own_process:

@@ -1,12 +1,11 @@
 """The CUDA backend: Triton kernels and CUDA graphs (chapters 3, 4 and 10).
 
-On a GPU the PyTorch reference kernels would run as hundreds of small launches per layer;
-this backend runs the Triton kernels of ``kernels.triton_kernels`` instead (store-KV, paged
-decode attention, paged prefill attention), and replays decode-only steps from CUDA graphs
-(``backends.cuda_graphs``) unless ``enforce_eager`` is set. With ``compile=True`` the layers'
-small fused ops are compiled (``backends.compilation``; CUDA only). Weights stay as loaded:
-cuBLAS packs its tiles on the fly, so ``F.linear`` is the GEMM. Without Triton the
-reference kernels run (correct, slow) and no graphs are captured.
+On a GPU the PyTorch reference kernels would run as hundreds of small launches per layer; this backend runs
+the Triton kernels of ``kernels.triton_kernels`` instead (store-KV, paged decode and prefill attention), and
+replays decode-only steps from CUDA graphs (``backends.cuda_graphs``) unless ``enforce_eager`` is set. With
+``compile=True`` the layers' small fused ops are compiled (``backends.compilation``). Weights stay as loaded
+(cuBLAS packs its tiles on the fly, so ``F.linear`` is the GEMM). Without Triton the reference kernels run
+(correct, slow), with no graphs.
 """
 
 from __future__ import annotations

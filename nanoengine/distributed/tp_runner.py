@@ -2,12 +2,9 @@
 
 With ``tensor_parallel_size=N`` the engine's process becomes the *driver*: it keeps the scheduler, the block
 manager and the sampler, and the model is split over N worker processes (``worker.py``), ranks 0..N-1. The
-driver never joins a process group itself, so two engines can live side by side in one program. Each step::
-
-    driver: plan_batch(SchedulerOutput) -> BatchPlan (plain lists), as for one process
-        ──("execute", step, plan)──▶ every rank: forward over its shard, collectives
-        ◀──("logits", step, (S, vocab) float32)── rank 0
-    driver: Sampler(logits, each request's params and generator) -> tokens
+driver never joins a process group itself, so two engines can live side by side in one program. Each step the
+driver plans the batch as for one process (a ``BatchPlan`` of plain lists), every rank runs the forward over its
+shard, rank 0 sends back the logits (the messages: ``worker.py``), and the driver samples them.
 
 Sampling in the driver, as in ``ModelRunner`` (both are a ``SamplingRunner``), makes a seeded request give the
 same tokens at any tensor-parallel size; greedy tokens match too, up to floating-point summation order
@@ -21,6 +18,7 @@ start with "spawn" (a fresh interpreter: safe with threads and CUDA), so a scrip
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import multiprocessing
@@ -173,13 +171,11 @@ class WorkerGroup:
         deadline = time.monotonic() + grace_s
         while True:
             for rank, conn in enumerate(self.conns):
-                try:
+                with contextlib.suppress(EOFError, OSError):  # closed without a word: it shows up below as a death
                     while rank not in errors and conn.poll():
                         message = conn.recv()
                         if message[0] == "error":
                             errors[rank] = message[2]
-                except (EOFError, OSError):
-                    pass  # closed without a word: it shows up below as a death
             accounted = all(rank in errors or not p.is_alive() for rank, p in enumerate(self.processes))
             if accounted or time.monotonic() >= deadline:
                 break

@@ -19,6 +19,7 @@ when the driver's end of the pipe closes, ``recv`` raises ``EOFError`` and the w
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
@@ -67,13 +68,13 @@ def run_worker(rank: int, conn: Connection, spec: WorkerSpec) -> None:
     except (EOFError, ConnectionError):
         pass  # the driver closed its end or died: nobody is left to answer
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             conn.send(("error", rank, traceback.format_exc()))
-        except OSError:
-            pass
         # Leave at once: tearing down a group whose peers may be stuck in a collective can itself hang.
         os._exit(1)
-    _leave_group()
+    with contextlib.suppress(Exception):  # leaving is best effort: the process is about to exit anyway
+        if dist.is_initialized():
+            dist.destroy_process_group()
     conn.close()
     # Skip the interpreter's teardown (seconds of freeing a loaded torch): nothing here needs it.
     sys.stdout.flush()
@@ -113,14 +114,6 @@ def _serve(rank: int, conn: Connection, runner: ModelRunner) -> None:
         logits = runner.run_model(runner.prepare_inputs(plan))  # (S, vocab) float32
         if rank == 0:  # every rank holds the gathered logits; one answer is enough
             conn.send(("logits", step_id, logits.cpu().numpy()))
-
-
-def _leave_group() -> None:
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # leaving is best effort: the process is about to exit anyway
-        pass
 
 
 def default_num_threads(world_size: int) -> int:

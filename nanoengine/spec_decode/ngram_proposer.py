@@ -1,8 +1,7 @@
 """Prompt lookup: propose the tokens that followed the request's last n tokens earlier on.
 
-Text that copies, edits, quotes or continues a pattern repeats itself: a summary quotes its document, an edit
-repeats the code around the change. So the last few tokens of a request have often appeared before in its own
-prompt or output, and what followed them then is a good guess for what follows now, at no model's cost.
+Text that copies, edits, quotes or continues a pattern repeats itself, so the last few tokens of a request have
+often appeared before in its own prompt or output, and what followed them then is a good guess, at no model's cost.
 
 ``propose_ngram`` follows vLLM's rule (``vllm/v1/spec_decode/ngram_proposer.py``): the *longest* suffix of
 length ``min_n..max_n`` that occurs earlier, at its *earliest* occurrence, and up to ``k`` tokens after it.
