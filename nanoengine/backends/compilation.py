@@ -97,10 +97,9 @@ class Compiler:
 
 COMPILER = Compiler()
 
-# The warm-up's step sizes: 1 (Dynamo specialises a size of 1: one decode token) and one
-# symbolic size for all others, a prime so that it equals no model dimension. Dynamo's "duck
-# sizing" gives equal sizes one symbol and ties them together (64 tokens in a model of hidden
-# size 64 compiled a graph for 64 tokens only).
+# The warm-up's step sizes: 1 (Dynamo specialises a size of 1: one decode token) and one symbolic size for all
+# others, a prime so that it equals no model dimension: Dynamo's "duck sizing" gives equal sizes one symbol and
+# ties them together (64 tokens in a model of hidden size 64 compiled a graph for 64 tokens only).
 WARM_UP_SIZES = (1, 67)
 
 

@@ -20,8 +20,7 @@ from nanoengine.layers.kernels import LayerKernels
 
 
 class TritonAttention(ReferenceAttention):
-    """The Triton kernels, called as the reference's (the same signatures); each checks its arguments
-    before it launches."""
+    """The Triton kernels, called as the reference's (the same signatures); each checks its arguments first."""
 
     name = "triton"
 
@@ -53,8 +52,7 @@ class CudaBackend(Backend):
         return compiled_kernels(kernels) if self.compile else kernels
 
     def prepare_forward(self, runner) -> None:
-        """Compile first (when asked, timed: ``runner.compilation``), then capture: the graphs
-        record the compiled kernels."""
+        """Compile first (when asked, timed: ``runner.compilation``), then capture: graphs record compiled kernels."""
         if self.compile:
             runner.compilation = compile_runner(runner)
         if self.cuda_graph_max_batch:

@@ -40,7 +40,6 @@ from nanoengine.engine.model_runner import BatchPlan, SamplingRunner
 from nanoengine.models.config import ModelConfig
 
 
-# ------------------------------------------------------------------ validation
 def _split_sizes(model_config: ModelConfig) -> dict[str, int]:
     """Every size a rank must hold a whole share of, by name."""
     return {"attention heads": model_config.num_attention_heads,
@@ -73,7 +72,6 @@ def check_tensor_parallel_size(model_config: ModelConfig, tp_size: int, device: 
                          f"but {torch.cuda.device_count()} are visible")
 
 
-# -------------------------------------------------------------- the processes
 class WorkerGroup:
     """The N worker processes, their pipes and their rendezvous folder; holds no reference to the runner, so
     ``weakref.finalize`` can close it when the runner is collected."""
@@ -249,7 +247,6 @@ def _exit_reason(exitcode: int | None) -> str:
     return f"with exit code {exitcode}" + (f" (killed by {killer})" if killer else "")
 
 
-# ------------------------------------------------------------------ the runner
 class TensorParallelRunner(SamplingRunner):
     """``ModelRunner``'s interface over N worker processes; sampling stays here."""
 
@@ -287,7 +284,6 @@ class TensorParallelRunner(SamplingRunner):
     def worker_pids(self) -> list[int]:
         return self._workers.pids
 
-    # ----------------------------------------------------------- execution
     def run_plan(self, plan: BatchPlan) -> torch.Tensor:
         """Send one step's plan to every rank; rank 0's logits of the sampled rows. -> (S, vocab)."""
         self._step_id += 1

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("ngram",)
-# vLLM's defaults when neither lookup length is given (its source calls them untuned).
-DEFAULT_PROMPT_LOOKUP = 5
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default when neither lookup length is given (its source calls it untuned)
 
 
 @dataclass(frozen=True)
