@@ -48,10 +48,9 @@ class CompileReport:
 class CompiledFunction:
     """One eager function and its ``torch.compile``'d twin; called like the function.
 
-    Compilation happens on the first call with inputs of a new kind. If it raises, the same
-    call is rerun eagerly: when that succeeds the compiler was at fault, the process records
-    it (one warning) and every compiled function runs eagerly from then on; when the eager
-    call fails too, the inputs were bad and that error propagates.
+    Compilation happens on the first call with inputs of a new kind. If it raises, the same call is rerun
+    eagerly: when that succeeds the compiler was at fault, the process records it (one warning) and every
+    compiled function runs eagerly from then on; when the eager call fails too, the inputs were bad: it propagates.
     """
 
     def __init__(self, eager: Callable, compiler: "Compiler") -> None:
@@ -73,11 +72,9 @@ class CompiledFunction:
 
 
 class Compiler:
-    """The process's compiled functions (one per eager function) and whether compiling failed.
-
-    Process-wide on purpose: Dynamo caches compiled code per function for the whole process,
-    and a missing Triton is missing for every engine.
-    """
+    """The process's compiled functions (one per eager function) and whether compiling failed: process-wide on
+    purpose, as Dynamo caches compiled code per function for the whole process and a missing Triton is missing
+    for every engine."""
 
     def __init__(self) -> None:
         self.functions: dict[Callable, CompiledFunction] = {}

@@ -22,9 +22,8 @@ from nanoengine.layers.attention import AttentionMetadata
 class FusedLayer:
     """A ``LlamaDecoderLayer``'s step as one native call: the layer's ``one_call``, run on the steps the backend fuses.
 
-    Made in the layer's constructor, before its weights are loaded: the weights, their packed
-    copies and the layer's KV cache are read at the first call and kept (the weights are final
-    once the runner has processed them, and so is the cache it bound).
+    Made in the layer's constructor, before its weights are loaded: the weights, their packed copies and the
+    layer's KV cache are read at the first call and kept (final once the runner has processed and bound them).
     """
 
     def __init__(self, layer: torch.nn.Module) -> None:

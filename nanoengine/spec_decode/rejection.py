@@ -2,9 +2,8 @@
 
 The target model scored k drafted tokens in one pass, so for each position i it gave the distribution ``p_i``
 the engine would have sampled from (after temperature, top-k, top-p and min-p), and row k gives the one after
-the last draft. The proposer drafted token ``x_i`` with probability ``q_i`` (Leviathan, Kalman and Matias, "Fast
-Inference from Transformers via Speculative Decoding", 2023; Chen et al., "Accelerating Large Language Model
-Decoding with Speculative Sampling", 2023):
+the last draft. The proposer drafted token ``x_i`` with probability ``q_i`` (Leviathan, Kalman and Matias 2023;
+Chen et al. 2023; chapter 13's references):
 
 - accept ``x_i`` with probability ``min(1, p_i(x_i) / q_i(x_i))``;
 - on the first rejection, sample from ``max(0, p_i - q_i)``, renormalised, and stop;
