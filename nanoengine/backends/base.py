@@ -1,21 +1,19 @@
 """A device backend: how a step runs on one kind of hardware, chosen once (chapter 10).
 
-The scheduler, block manager, model runner and layers are the same on every device; how a
-step's work is done is not. vLLM v1 keeps those decisions in an attention backend with its
-metadata builder (``vllm/v1/attention/backends/``) and a platform (``vllm/platforms/``); this
-engine keeps them in one ``Backend`` per engine, picked by ``backends.select_backend``. A backend
-owns:
+The scheduler, block manager, model runner and layers are the same on every device; how a step's work is done
+is not. vLLM v1 keeps those decisions in an attention backend with its metadata builder
+(``vllm/v1/attention/backends/``) and a platform (``vllm/platforms/``); this engine keeps them in one
+``Backend`` per engine, picked by ``backends.select_backend``. A backend owns:
 
 1. the step's attention metadata (``build_metadata``), built once per step from the batch plan;
-2. the attention kernels (``attention``) and the layers' other kernels (``kernels``), which a model
-   takes when it is built (``layers.kernels``), and where its weights live and how each GEMM layer
-   prepares them (``place_weights``, ``process_weights_after_loading``);
+2. the attention kernels (``attention``) and the layers' other kernels (``kernels``), which a model takes when
+   it is built (``layers.kernels``), and where its weights live and how each GEMM layer prepares them
+   (``place_weights``, ``process_weights_after_loading``);
 3. how the forward runs: ``prepare_forward`` compiles or captures once, ``forward`` runs a step;
 4. how many rows of logits the LM head computes at once (``logits_rows_per_chunk``).
 
-This base class is the readable default (the layers' own functions, the reference attention,
-``F.linear``, an eager forward, logits in one piece): it runs on any device and is what the
-tests compare the tuned backends with.
+This base class is the readable default (the layers' own functions, the reference attention, ``F.linear``, an
+eager forward, logits in one piece): it runs on any device and is what the tests compare the tuned backends with.
 """
 
 from __future__ import annotations

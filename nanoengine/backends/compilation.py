@@ -1,24 +1,16 @@
 """torch.compile for the engine's small fused ops on CUDA (chapter 10), opt-in with ``compile=True``.
 
-Eager PyTorch runs RMSNorm with its residual add as seven operators: seven passes over the
-activations and, on a GPU, seven kernel launches. ``torch.compile`` (Dynamo, then Inductor) turns
-such a function into one generated kernel that reads its inputs once. nano-vLLM compiles exactly
-these: RMSNorm (+ residual), the rotary embedding, SiLU-and-mul and the sampler's filters
-(``COMPILED_OPS``); the GEMMs stay cuBLAS calls. On a CPU there is no launch to save and each
-compiled call pays Dynamo's guards (``results/README.md``), and the CPU backend already runs each
-decoder layer as one native call, so ``compile=True`` is refused there before anything loads
-(``backends.check_compile``).
+``torch.compile`` (Dynamo, then Inductor) turns a small function of several operators, such as RMSNorm with its
+residual add, into one generated kernel that reads its inputs once: one launch instead of several. nano-vLLM
+compiles exactly these (``COMPILED_OPS``); the GEMMs stay cuBLAS calls. On a CPU there is no launch to save, each
+compiled call pays Dynamo's guards, and each decoder layer already runs as one native call, so ``compile=True`` is
+refused there before anything loads (``backends.check_compile``).
 
-Wiring: with ``compile=True`` the CUDA backend's kernels are ``compiled_kernels`` (the layers'
-eager functions, compiled), so the layers of that engine's model take the compiled ones when they
-are built (``layers.kernels``). ``compile_runner`` warms them up when the runner is built, timed,
-before CUDA graphs are captured:
-
-* One compiled version per function for the whole process (Dynamo caches per function anyway).
-* ``dynamic=True``: the token count changes every step; one symbolic graph serves all counts but 1,
-  which Dynamo specialises, so the warm-up runs both (``WARM_UP_SIZES``).
-* If Triton is missing or compiling fails, the process warns once, naming the cause, and every
-  compiled function runs its eager function from then on.
+With ``compile=True`` the CUDA backend's kernels are ``compiled_kernels``, so its model's layers take the
+compiled functions when they are built (``layers.kernels``); ``compile_runner`` warms them up, timed, before
+CUDA graphs are captured. One compiled version per function serves the whole process; ``dynamic=True`` serves
+every token count but 1, which Dynamo specialises (``WARM_UP_SIZES``). If Triton is missing or compiling fails,
+the process warns once, naming the cause, and every compiled function runs eagerly from then on.
 """
 
 from __future__ import annotations
@@ -40,20 +32,13 @@ class CompileFallbackWarning(RuntimeWarning):
 
 @dataclass(frozen=True)
 class CompileReport:
-    """What ``compile=True`` did for one runner.
+    """What ``compile=True`` did for one runner."""
 
-    requested: the engine was built with compile=True.
-    compiled: compiled code is in use (False after a fallback).
-    seconds: wall time of compiling and warming up, spent when the runner was built.
-    ops: the compiled functions, e.g. ``RMSNorm.add_norm_fn``.
-    fallback_reason: why the engine runs eagerly although compile=True, else None.
-    """
-
-    requested: bool
-    compiled: bool
-    seconds: float
-    ops: tuple[str, ...]
-    fallback_reason: str | None = None
+    requested: bool  # the engine was built with compile=True
+    compiled: bool  # compiled code is in use (False after a fallback)
+    seconds: float  # wall time of compiling and warming up, spent when the runner was built
+    ops: tuple[str, ...]  # the compiled functions, e.g. ``RMSNorm.add_norm_fn``
+    fallback_reason: str | None = None  # why the engine runs eagerly although compile=True, else None
 
     @classmethod
     def not_requested(cls) -> "CompileReport":
@@ -63,10 +48,9 @@ class CompileReport:
 class CompiledFunction:
     """One eager function and its ``torch.compile``'d twin; called like the function.
 
-    Compilation happens on the first call with inputs of a new kind. If it raises, the same
-    call is rerun eagerly: when that succeeds the compiler was at fault, the process records
-    it (one warning) and every compiled function runs eagerly from then on; when the eager
-    call fails too, the inputs were bad and that error propagates.
+    Compilation happens on the first call with inputs of a new kind. If it raises, the same call is rerun
+    eagerly: when that succeeds the compiler was at fault, the process records it (one warning) and every
+    compiled function runs eagerly from then on; when the eager call fails too, the inputs were bad: it propagates.
     """
 
     def __init__(self, eager: Callable, compiler: "Compiler") -> None:
@@ -82,17 +66,15 @@ class CompiledFunction:
         except Exception as exc:  # noqa: BLE001 (any compiler error: Dynamo, Inductor, Triton)
             error = exc
         result = self.eager(*args)  # outside the handler: an eager error is not chained to it
-        self.compiler.fail(f"compiling {self.eager.__qualname__} failed with {type(error).__name__}: "
-                           f"{_first_line(error)}")
+        first_line = (str(error).strip() or "(no message)").splitlines()[0][:300]
+        self.compiler.fail(f"compiling {self.eager.__qualname__} failed with {type(error).__name__}: {first_line}")
         return result
 
 
 class Compiler:
-    """The process's compiled functions (one per eager function) and whether compiling failed.
-
-    Process-wide on purpose: Dynamo caches compiled code per function for the whole process,
-    and a missing Triton is missing for every engine.
-    """
+    """The process's compiled functions (one per eager function) and whether compiling failed: process-wide on
+    purpose, as Dynamo caches compiled code per function for the whole process and a missing Triton is missing
+    for every engine."""
 
     def __init__(self) -> None:
         self.functions: dict[Callable, CompiledFunction] = {}
@@ -112,10 +94,9 @@ class Compiler:
 
 COMPILER = Compiler()
 
-# The warm-up's step sizes: 1 (Dynamo specialises a size of 1: one decode token) and one
-# symbolic size for all others, a prime so that it equals no model dimension. Dynamo's "duck
-# sizing" gives equal sizes one symbol and ties them together (64 tokens in a model of hidden
-# size 64 compiled a graph for 64 tokens only).
+# The warm-up's step sizes: 1 (Dynamo specialises a size of 1: one decode token) and one symbolic size for all
+# others, a prime so that it equals no model dimension: Dynamo's "duck sizing" gives equal sizes one symbol and
+# ties them together (64 tokens in a model of hidden size 64 compiled a graph for 64 tokens only).
 WARM_UP_SIZES = (1, 67)
 
 
@@ -172,8 +153,3 @@ def compile_runner(runner, compiler: Compiler | None = None) -> CompileReport:
     if compiler.failure is not None:
         return CompileReport(requested=True, compiled=False, seconds=seconds, ops=(), fallback_reason=compiler.failure)
     return CompileReport(requested=True, compiled=True, seconds=seconds, ops=tuple(sorted(COMPILED_OPS.values())))
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0][:300] if text else "(no message)"

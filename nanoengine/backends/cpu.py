@@ -1,29 +1,21 @@
 """The CPU backend: every trick a CPU needs, in one room (chapter 10).
 
-A GPU engine gets several things for free that a CPU engine must arrange itself. vLLM keeps
-its CPU tricks in its CPU attention backend and platform (``vllm/v1/attention/backends/
-cpu_attn.py``, ``vllm/platforms/cpu.py``); this engine keeps them here, each explained in the
-module it names (what each bought: ``results/README.md``):
+A GPU engine gets several things for free that a CPU engine must arrange itself. vLLM keeps its CPU tricks
+in ``vllm/v1/attention/backends/cpu_attn.py`` and ``vllm/platforms/cpu.py``; this engine keeps them here,
+each explained in the module it names (what each bought: ``results/README.md``):
 
-* **Prepacked GEMM weights** (``kernels.cpu_gemm``). Every linear layer's ``CpuLinearMethod``
-  (given to it when it is built) reorders its weight into oneDNN's blocked layout once, when the
-  weights are loaded (``process_weights_after_loading``; a copy: ``memory_report().weight_copy_bytes``).
-* **Kernels of its own** (``kernels.cpu_native``: what each does and why). Up to
-  ``cpu_native.MAX_ROWS`` rows of a product take the few-rows kernel: a fixed rule, not timed, so
-  two engines built alike compute alike. A bfloat16 cache on a CPU with bfloat16 instructions
-  prefills in bfloat16 (``prefill_dtype``).
-* **A decoder layer in one call** (``backends.cpu_fused``). Each Llama layer runs as one C++
-  operator that makes the layer's own calls, in the same order: eager's bits, most of a step's
-  Python gone. ``enforce_eager=True`` runs the layers' Python ``forward`` instead (``fuse_layers``).
-* **Store-KV without a check per layer.** Whether any token of the step has no slot (-1,
-  a warm-up row) is decided once per step on the host (``all_slots_stored``, a field of the
-  step's ``CpuAttentionMetadata``); the layers then copy their keys and values with no host
-  synchronisation.
-* **The host's settings** (``backends.cpu_platform``): freed memory kept for the next step when the
-  backend is built (``tune_engine_process``), the weights moved into huge pages (``place_weights``).
-* **Logits in chunks** (``logits_rows_per_chunk``). 256 rows of a 49,152-token vocabulary's float32
-  logits are 50 MB, more than glibc's largest heap block, so they would be mapped fresh every step;
-  the LM head runs on chunks of rows, each sampled before the next is computed.
+* **Prepacked GEMM weights** (``kernels.cpu_gemm``): each linear layer's ``CpuLinearMethod`` reorders its
+  weight into oneDNN's blocked layout once, after loading (a copy: ``memory_report().weight_copy_bytes``).
+* **Kernels of its own** (``kernels.cpu_native``): up to ``cpu_native.MAX_ROWS`` rows of a product take the
+  few-rows kernel, a fixed rule, not timed, so two engines built alike compute alike. A bfloat16 cache on a
+  CPU with bfloat16 instructions prefills in bfloat16 (``prefill_dtype``).
+* **A decoder layer in one call** (``backends.cpu_fused``): each Llama layer runs as one C++ operator that
+  makes the layer's own calls; ``enforce_eager=True`` runs the layers' Python ``forward`` (``fuse_layers``).
+* **Store-KV without a check per layer**: whether any token has no slot (-1, a warm-up row) is decided once
+  per step (``CpuAttentionMetadata.all_slots_stored``); the layers then copy K/V with no host synchronisation.
+* **The host's settings** (``backends.cpu_platform``): freed memory kept, the weights moved into huge pages.
+* **Logits in chunks** (``logits_rows_per_chunk``): a chunk's float32 logits stay under glibc's mmap threshold,
+  so they come from the reused heap; each chunk is sampled before the next is computed.
 """
 
 from __future__ import annotations
@@ -41,9 +33,7 @@ from nanoengine.kernels import cpu_gemm, cpu_native, reference
 from nanoengine.layers.attention import AttentionImpl, AttentionMetadata
 from nanoengine.layers.kernels import LayerKernels
 
-# A chunk's logits stay under glibc's 32 MiB mmap threshold (``backends.cpu_platform``), so
-# they come from the reused heap.
-LOGITS_CHUNK_BYTES = 30 * 1024 * 1024
+LOGITS_CHUNK_BYTES = 30 * 1024 * 1024  # a chunk's logits: under glibc's 32 MiB mmap threshold (cpu_platform)
 
 
 @dataclass
@@ -55,19 +45,16 @@ class CpuAttentionMetadata(AttentionMetadata):
 
 
 class CpuAttention(AttentionImpl):
-    """Store-KV by row copy; decode and prefill by the native kernels, or, where they are not
-    loaded or do not take the cache's dtype, by the reference kernels (``kernels.reference``).
+    """Store-KV by row copy; decode and prefill by the native kernels, or, where they are not loaded or do
+    not take the cache's dtype, by the reference kernels (``kernels.reference``).
 
-    ``native``: a layer's step is one ``nanoengine::paged_attention`` call, which stores K/V and
-    runs ``paged_decode_attention`` and ``paged_prefill_attention`` as ``AttentionImpl.forward``
-    would (set by the backend when the native kernels are loaded and the cache's dtype is one
-    they take).
+    ``native``: a layer's step is one ``nanoengine::paged_attention`` call, which makes ``AttentionImpl.forward``'s
+    calls from C++ (set by the backend when the native kernels are loaded and take the cache's dtype).
     """
 
     def __init__(self, native: bool = False, prefill_dtype: torch.dtype | None = None) -> None:
         self.native = native
-        # The dtype prefill attention computes in (None: the reference's float32 for 16-bit caches).
-        self.prefill_dtype = prefill_dtype
+        self.prefill_dtype = prefill_dtype  # prefill attention's dtype (None: float32 for a 16-bit cache)
 
     @property
     def name(self) -> str:
@@ -107,10 +94,9 @@ class CpuAttention(AttentionImpl):
 class CpuLinearMethod:
     """A linear layer's product on a CPU: few rows by the few-rows kernel, more by oneDNN.
 
-    ``few_rows``: whether inputs of up to ``cpu_native.MAX_ROWS`` rows take the hand-written
-    kernel (``kernels.cpu_native``), decided by the backend for the model's dtype. ``packed``: the
-    weight prepacked for oneDNN (``kernels.cpu_gemm``) once it is loaded, or None where this build
-    or dtype cannot pack (then ``F.linear``).
+    ``few_rows``: whether inputs of up to ``cpu_native.MAX_ROWS`` rows take the hand-written kernel
+    (``kernels.cpu_native``), decided by the backend for the model's dtype. ``packed``: the weight prepacked
+    for oneDNN (``kernels.cpu_gemm``) once loaded, or None where this build or dtype cannot pack (``F.linear``).
     """
 
     def __init__(self, few_rows: bool) -> None:
@@ -155,17 +141,14 @@ class CpuBackend(Backend):
         tune_engine_process()  # the host's settings (backends.cpu_platform), before this process's first oneDNN product
         self.native_kernels = cpu_native.load()  # built once per machine, loaded once per process
         native = self.native_kernels and dtype in cpu_native.DTYPES
-        # A bfloat16 cache on a CPU with bfloat16 instructions: prefill attention multiplies in
-        # bfloat16, as vLLM's CPU attention does, faster than widening K/V to float32 first
-        # (results/README.md). oneDNN answers (it honours ONEDNN_MAX_CPU_ISA, so the pinned
-        # numeric path says no).
+        # A bfloat16 cache on a CPU with bfloat16 instructions: prefill attention multiplies in bfloat16, as vLLM's
+        # does, faster than widening K/V to float32. oneDNN answers (it honours ONEDNN_MAX_CPU_ISA).
         prefill_dtype = torch.bfloat16 if dtype == torch.bfloat16 and cpu_gemm.packing_available(dtype) else None
         self.attention = CpuAttention(native, prefill_dtype)
         self.fused_layers = 0  # decoder layers that can run as one native call each (``backends.cpu_fused``)
         self.unfused_reason: str | None = None  # why they cannot, when they cannot
         self.fused_modules: tuple = ()  # the modules inside the fused layers (``cpu_fused.hooked``)
-        # False (enforce_eager=True): every step runs the layers' Python forward (chapter 10 compares both)
-        self.fuse_layers = fuse_layers
+        self.fuse_layers = fuse_layers  # False (enforce_eager=True): every step runs the layers' Python forward
         self.huge_page_weight_bytes = 0  # weights in memory advised to use huge pages (``place_weights``)
         self.weight_bytes = 0  # all of the model's weights
         self.move_budget_s = move_budget()  # read (and checked) before any weight loads
@@ -178,8 +161,7 @@ class CpuBackend(Backend):
         return f"{super().describe()}, {gemm} GEMMs{pages}"
 
     def layer_kernels(self) -> LayerKernels:
-        """The native kernels where they are loaded and take the model's dtype; else the layers' own
-        functions, oneDNN's GEMMs and the reference attention."""
+        """The native kernels where they are loaded and take the model's dtype; else the layers' own functions."""
         native = self.attention.native  # decided with the attention's: the kernels are loaded and take the dtype
         ops = dict(rms_norm=cpu_native.rms_norm, add_rms_norm=cpu_native.add_rms_norm,
                    rotate_half=cpu_native.rotate_half, silu_and_mul=cpu_native.silu_and_mul,
@@ -205,8 +187,7 @@ class CpuBackend(Backend):
         fused = [layer for layer in layers if getattr(layer, "one_call", None) is not None]
         self.fused_layers = len(fused)
         if layers and not fused:
-            self.unfused_reason = (cpu_fused.unfit_reason(layers[0])
-                                   or "the model was built without the native kernels")
+            self.unfused_reason = cpu_fused.unfit_reason(layers[0]) or "the model was built without the native kernels"
         # every module a fused layer stands in for: a step with a hook on one of them is not fused
         self.fused_modules = tuple(m for layer in fused for m in layer.modules())
 
@@ -226,12 +207,8 @@ class CpuBackend(Backend):
                                     widen_prefill=widen)
 
     def logits_rows_per_chunk(self, num_rows: int, vocab_size: int, hidden_size: int) -> int:
-        """How many rows of logits one LM-head call computes.
-
-        At most ``LOGITS_CHUNK_BYTES`` of float32 logits, and at most the hidden size: then
-        a chunk's logits are no more values than the head's weight, so each call writes no
-        more than it reads. Small heads get small chunks that stay in cache for the sampler;
-        a big head is not streamed from memory again for every few rows.
-        """
+        """How many rows of logits one LM-head call computes: at most ``LOGITS_CHUNK_BYTES`` of float32 logits,
+        and at most the hidden size, so a call writes no more values than the head's weight holds. Small heads
+        get small chunks that stay in cache for the sampler; a big head is not streamed again every few rows."""
         by_bytes = LOGITS_CHUNK_BYTES // (4 * vocab_size)
         return max(1, min(num_rows, hidden_size, by_bytes))

@@ -1,19 +1,14 @@
 """A step's decoder layers, one call each (the CPU backend; chapter 10).
 
-Run from Python, a decode step spends most of its time in the GEMMs and the rest almost all in
-calls: 30 layers of about 25 operators each (figures: results/README.md). GPU engines hide this
-behind CUDA graphs, vLLM's CPU backend behind ``torch.compile`` (why this engine does not compile
-its model whole: results/README.md, engine v4's choice of one CPU fast path).
+Run from Python, a decode step spends what the GEMMs leave almost all in operator calls, about 25 per layer.
+GPU engines hide this behind CUDA graphs, vLLM's CPU backend behind ``torch.compile`` (why this engine does not
+compile its model whole: results/README.md, engine v4's choice of one CPU fast path).
 
-So each ``LlamaDecoderLayer`` runs as one C++ operator, ``nanoengine::llama_layer``
-(``kernels/csrc/llama_layer.cpp``), which makes the operator calls the layer's Python ``forward``
-makes on a CPU, in the same order (the native norms, the GEMMs by ``CpuLinearMethod``'s rule, the
-rotary embedding, one ``paged_attention`` call, ``silu_and_mul``), so the hidden states are the
-Python forward's, bit for bit (tests/engine/test_cpu_fused.py). Python still walks the layers;
-each makes this one call (its ``one_call``, given to it by the CPU backend's kernels when it was
-built) on the steps the backend says. It runs its Python ``forward`` instead on a step where a
-forward hook would see it (``hooked``), or that has a token without a cache slot (a warm-up row);
-``unfit_reason`` names the models this does not cover.
+So each ``LlamaDecoderLayer`` runs as one C++ operator, ``nanoengine::llama_layer`` (``kernels/csrc/llama_layer.cpp``),
+which makes the operator calls the layer's Python ``forward`` makes on a CPU, in the same order, so the hidden
+states are the Python forward's, bit for bit (tests/engine/test_cpu_fused.py). Each layer makes this one call
+(its ``one_call``, from the CPU backend's kernels) except on a step where a forward hook would see it
+(``hooked``) or that has a token without a cache slot; ``unfit_reason`` names the models this does not cover.
 """
 
 from __future__ import annotations
@@ -27,9 +22,8 @@ from nanoengine.layers.attention import AttentionMetadata
 class FusedLayer:
     """A ``LlamaDecoderLayer``'s step as one native call: the layer's ``one_call``, run on the steps the backend fuses.
 
-    Made in the layer's constructor, before its weights are loaded: the weights, their packed
-    copies and the layer's KV cache are read at the first call and kept (the weights are final
-    once the runner has processed them, and so is the cache it bound).
+    Made in the layer's constructor, before its weights are loaded: the weights, their packed copies and the
+    layer's KV cache are read at the first call and kept (final once the runner has processed and bound them).
     """
 
     def __init__(self, layer: torch.nn.Module) -> None:

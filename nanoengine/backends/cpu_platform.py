@@ -1,40 +1,26 @@
 """The CPU platform: every host setting a CPU engine and its server make, in one module (chapter 10).
 
-vLLM keeps what it does to a CPU host in ``vllm/platforms/cpu.py``; this engine keeps it here. The
-CPU backend calls ``tune_engine_process`` when it is built and ``move_to_huge_pages`` in
-``place_weights``; ``serve`` builds its engine inside ``serving``; the engine core trims when idle
-(``IdleTrim``) and starts inside ``engine_core_environment``. Each setting, and why (what each
-bought: ``results/README.md``, whose rows name this module):
+vLLM keeps these in ``vllm/platforms/cpu.py``. Each setting, and why (what each bought: ``results/README.md``):
 
-* Freed memory kept (``keep_freed_memory``): every step allocates the same large temporaries, which
-  glibc serves with ``mmap`` and unmaps on ``free``, so the next step faults every page in again.
-  ``M_MMAP_THRESHOLD`` at glibc's maximum (32 MiB) and ``M_TRIM_THRESHOLD`` at 1 GiB keep them in the
-  heap, at the cost of keeping the peak working set. Linux with glibc only, never over the user's
-  ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``.
-* Weights in huge pages (``move_to_huge_pages``): decoding reads every weight once per token, and
-  each 4 KiB page of them costs a TLB translation (130,000 a token for SmolLM2, most of them misses);
-  in 2 MiB pages they are 270. PyTorch's allocator never asks for transparent huge pages, so the
-  weights are copied once into one 2 MiB-aligned region advised ``MADV_HUGEPAGE``. Finding
-  contiguous memory may take the kernel seconds, so the move has a budget (``move_budget``) and
-  goes smallest tensor first; ``huge_page_bytes`` says how much the kernel really backs.
-* Freed memory given back when idle (``IdleTrim``): ``M_TRIM_THRESHOLD`` trims only the top of the
-  heap, so the holes steps of ever-different shapes leave make a server's memory creep up for hours.
-  ``malloc_trim(0)`` once per idle period gives every free page back, never in a step's way
-  (``NANOENGINE_TRIM_WHEN_IDLE=0``: off; ``nanobench/soak.py`` measures it).
-* oneDNN's shape caches bounded (``bound_shape_caches``): oneDNN keeps a primitive per row count in
-  two caches, and a server meets a new row count with nearly every prefill.
+* Freed memory kept (``keep_freed_memory``): every step allocates the same large temporaries, which glibc
+  would otherwise ``mmap`` and unmap, so each step faulted every page in again; the price is that the peak
+  working set stays (glibc only; never over the user's ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``).
+* Weights in huge pages (``move_to_huge_pages``): decoding reads every weight once per token, and each 4 KiB
+  page costs a TLB translation, a 2 MiB page 512 times fewer; PyTorch's allocator never asks for them.
+* Freed memory given back when idle (``IdleTrim``): the holes that steps of ever-different shapes leave in the
+  heap make a server's memory creep up for hours (``NANOENGINE_TRIM_WHEN_IDLE=0``: off).
+* oneDNN's shape caches bounded (``bound_shape_caches``): a server meets a new row count with nearly every prefill.
 * The engine core's OpenMP spin bounded (``engine_core_environment``): GNU OpenMP's threads spin for
-  milliseconds after each operator, long enough to take a core from the server while the engine
-  core runs a step's Python; the server then takes one from the team mid-operator.
-* One OpenMP team (``build_on_a_passing_thread``): GNU OpenMP gives every thread that starts
-  parallel work a team of its own; a model loaded on one thread and stepped on another leaves two,
-  more threads than cores, and the teams then sleep at every barrier instead of spinning.
-* The server's priority lowered (``serving``): the front end wakes for every step and client, and
-  each wake-up at equal priority may take a core from the engine's team mid-operator.
+  milliseconds after each operator, taking a core from the server while the engine core runs Python.
+* One OpenMP team (``build_on_a_passing_thread``): a model loaded on one thread and stepped on another leaves
+  two teams, more threads than cores, which then sleep at every barrier instead of spinning.
+* The server's priority lowered (``serving``): each wake-up of the front end at equal priority may take a core
+  from the engine's team mid-operator.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import ctypes.util
@@ -43,10 +29,9 @@ import mmap
 import os
 import platform
 import re
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 
@@ -55,10 +40,8 @@ T = TypeVar("T")
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # glibc's maximum on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
-# A round figure far above what a step frees, so no step trims.
-TRIM_THRESHOLD_BYTES = 1024 * 1024 * 1024
+TRIM_THRESHOLD_BYTES = 1024 * 1024 * 1024  # a round figure far above what a step frees, so no step trims
 USER_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
-
 
 # Entries each shape cache keeps: every row count of a decode batch (one product per linear
 # layer shape, five shapes) stays cached beside the prefills of the last few steps.
@@ -91,10 +74,8 @@ def glibc() -> ctypes.CDLL | None:
 @functools.lru_cache(maxsize=None)
 def keep_freed_memory() -> bool:
     """Apply the two settings once per process. Returns whether they are in force."""
-    if not on_glibc():
-        return False
-    if any(name in os.environ for name in USER_VARIABLES):
-        return False  # the user tuned malloc themselves
+    if not on_glibc() or any(name in os.environ for name in USER_VARIABLES):
+        return False  # not glibc, or the user tuned malloc themselves
     libc = glibc()
     try:
         return libc is not None and bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and \
@@ -110,8 +91,7 @@ TRIM_AFTER_IDLE_S = 1.0
 
 
 def trim_when_idle() -> bool:
-    """Whether the engine core gives freed memory back when it goes idle: ``TRIM_VARIABLE``
-    set to 1 (the default) or 0. The module's docstring says why."""
+    """Whether the engine core gives freed memory back when it goes idle: ``TRIM_VARIABLE`` 1 (default) or 0."""
     text = os.environ.get(TRIM_VARIABLE, "1")
     if text not in ("0", "1"):
         raise ValueError(f"{TRIM_VARIABLE} must be 1 (give freed memory back when the engine goes idle, the "
@@ -127,10 +107,8 @@ def release_free_heap() -> bool:
 
 
 class IdleTrim:
-    """When an engine's loop gives freed memory back: once per idle period, after it has stepped
-    and then had nothing to do for ``TRIM_AFTER_IDLE_S``. The engine core and the async engine's
-    thread both sleep through ``idle``; built where the loop starts, so a bad ``TRIM_VARIABLE`` fails there.
-    """
+    """When an engine's loop gives freed memory back: once per idle period, after it has stepped and then had
+    nothing to do for ``TRIM_AFTER_IDLE_S``. Built where the loop starts, so a bad ``TRIM_VARIABLE`` fails there."""
 
     def __init__(self) -> None:
         self.enabled = trim_when_idle()
@@ -151,8 +129,8 @@ class IdleTrim:
 HUGE_PAGE_BYTES = 2 * 1024 * 1024  # the size of a transparent huge page on x86-64
 THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 ALIGNMENT = 64  # each tensor's start in the region: a cache line (the kernels' vector loads)
-# How long the CPU backend lets the move take at load unless the environment variable says otherwise:
-# seconds, or "inf" for no limit (``wait_for_all_huge_pages``). Chosen by measurement: results/README.md.
+# How long the CPU backend lets the move take at load (finding contiguous memory may take the kernel seconds)
+# unless the environment variable says otherwise: seconds, or "inf" for no limit. Chosen: results/README.md.
 MOVE_BUDGET_S = 1.0
 MOVE_BUDGET_VARIABLE = "NANOENGINE_HUGE_PAGE_SECONDS"
 
@@ -173,9 +151,8 @@ def move_budget() -> float | None:
 
 
 def wait_for_all_huge_pages() -> None:
-    """Let this process's engines (and the processes it starts) move all their weights, however
-    long it takes, unless the user set ``MOVE_BUDGET_VARIABLE``: for a server or a benchmark,
-    which run long enough to repay the wait."""
+    """Let this process's engines (and the processes it starts) move all their weights, however long it takes,
+    unless the user set ``MOVE_BUDGET_VARIABLE``: a server or a benchmark runs long enough to repay the wait."""
     os.environ.setdefault(MOVE_BUDGET_VARIABLE, "inf")
 
 
@@ -193,12 +170,8 @@ def huge_pages_unavailable() -> str | None:
 
 
 def huge_page_region(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of zeroed memory (uint8) starting on a 2 MiB boundary, advised to use huge pages.
-
-    An anonymous ``mmap`` a huge page longer than asked, so that an aligned start fits; the
-    tensor keeps the mapping alive. Pages are given out when first written, as huge ones
-    where the kernel has them free.
-    """
+    """``nbytes`` of zeroed memory (uint8) starting on a 2 MiB boundary, advised to use huge pages: an
+    anonymous ``mmap`` a huge page longer, kept alive by the tensor. Pages are given out when first written."""
     mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     mapping.madvise(mmap.MADV_HUGEPAGE)
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
@@ -219,11 +192,9 @@ def bytes_in_huge_page_regions(tensors) -> int:
 def move_to_huge_pages(tensors: list[torch.Tensor], budget_s: float | None = None) -> int:
     """Copy CPU ``tensors`` (parameters) into one huge-page region; returns the bytes moved.
 
-    Each tensor's ``.data`` is replaced by a view of the region holding the same values, so
-    modules and anything else that holds the tensor itself see the move. Tensors not on the
-    CPU, not contiguous, or given twice are left alone; so is everything when
-    ``huge_pages_unavailable()`` names a reason. Tensors are moved smallest first; with
-    ``budget_s``, no tensor starts moving after ``budget_s`` seconds: the rest stay where they are.
+    Each tensor's ``.data`` becomes a view of the region holding the same values, so whatever holds the
+    tensor sees the move. Tensors not on the CPU, not contiguous, or given twice stay; so does everything
+    when ``huge_pages_unavailable()`` names a reason. Smallest first; none starts moving after ``budget_s``.
     """
     if huge_pages_unavailable() is not None:
         return 0
@@ -253,9 +224,8 @@ def move_to_huge_pages(tensors: list[torch.Tensor], budget_s: float | None = Non
 
 
 def huge_page_bytes() -> int:
-    """How many bytes of this process's memory the kernel backs with huge pages now
-    (``AnonHugePages`` of ``/proc/self/smaps_rollup``; 0 where that cannot be read). The kernel
-    may grant fewer than were asked for, when free memory is fragmented."""
+    """How many bytes of this process's memory the kernel backs with huge pages now (fewer than asked for
+    where free memory is fragmented): ``AnonHugePages`` of ``/proc/self/smaps_rollup``, 0 if unreadable."""
     try:
         rollup = Path("/proc/self/smaps_rollup").read_text()
     except OSError:
@@ -265,20 +235,16 @@ def huge_page_bytes() -> int:
 
 
 def tune_engine_process() -> None:
-    """The settings a CPU engine's process needs, applied by the CPU backend when it is built:
-    freed memory kept, and oneDNN's shape caches bounded before the process's first oneDNN
-    product (which reads them)."""
+    """Freed memory kept, and oneDNN's shape caches bounded before the process's first oneDNN product
+    (which reads them): applied by the CPU backend when it is built."""
     keep_freed_memory()
     bound_shape_caches()
 
 
 # ----------------------------------------------------------------- the server's processes
-# GNU OpenMP's spin count for the engine core's threads (the module's docstring says why), chosen
-# by alternating two servers against GNU's default 300,000 and against 1,000 (results/README.md).
-ENGINE_CORE_SPINCOUNT = 10_000
-
-# How much lower the server's own process runs than its engine core (``os.nice``; a higher
-# niceness is a smaller share of a contended CPU), chosen against 0 and 10 (results/README.md).
+ENGINE_CORE_SPINCOUNT = 10_000  # GNU OpenMP's spin count for the engine core's threads (chosen: results/README.md)
+# How much lower the server's own process runs than its engine core (``os.nice``: a higher niceness is a
+# smaller share of a contended CPU; chosen: results/README.md).
 FRONT_END_NICENESS = 5
 
 
@@ -305,27 +271,14 @@ def build_on_a_passing_thread(build: Callable[[], T]) -> T:
     Load a model this way when another thread will step it: the OpenMP team that loading starts
     ends with the loading thread, so the stepping thread's team is the process's only one.
     """
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["result"] = build()
-        except BaseException as exc:  # handed to the caller, who sees it as if build() ran here
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, name="nanoengine-load")
-    thread.start()
-    thread.join()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoengine-load") as loader:
+        return loader.submit(build).result()  # leaving the block joins the thread
 
 
 @contextlib.contextmanager
 def serving(engine_in_own_process: bool):
-    """``serve``'s host settings, around building its engine: every weight moved to huge pages
-    however long it takes (the engine core's process inherits the setting), and once the engine
-    core runs in a process of its own, this process's priority lowered by ``FRONT_END_NICENESS``."""
+    """``serve``'s host settings, around building its engine: every weight moved to huge pages however long it
+    takes (inherited by the engine core's process), and, once that runs apart, this process's priority lowered."""
     wait_for_all_huge_pages()
     yield
     if engine_in_own_process:

@@ -1,12 +1,11 @@
 """The CUDA backend: Triton kernels and CUDA graphs (chapters 3, 4 and 10).
 
-On a GPU the PyTorch reference kernels would run as hundreds of small launches per layer;
-this backend runs the Triton kernels of ``kernels.triton_kernels`` instead (store-KV, paged
-decode attention, paged prefill attention), and replays decode-only steps from CUDA graphs
-(``backends.cuda_graphs``) unless ``enforce_eager`` is set. With ``compile=True`` the layers'
-small fused ops are compiled (``backends.compilation``; CUDA only). Weights stay as loaded:
-cuBLAS packs its tiles on the fly, so ``F.linear`` is the GEMM. Without Triton the
-reference kernels run (correct, slow) and no graphs are captured.
+On a GPU the PyTorch reference kernels would run as hundreds of small launches per layer; this backend runs
+the Triton kernels of ``kernels.triton_kernels`` instead (store-KV, paged decode and prefill attention), and
+replays decode-only steps from CUDA graphs (``backends.cuda_graphs``) unless ``enforce_eager`` is set. With
+``compile=True`` the layers' small fused ops are compiled (``backends.compilation``). Weights stay as loaded
+(cuBLAS packs its tiles on the fly, so ``F.linear`` is the GEMM). Without Triton the reference kernels run
+(correct, slow), with no graphs.
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ from nanoengine.layers.kernels import LayerKernels
 
 
 class TritonAttention(ReferenceAttention):
-    """The Triton kernels, called as the reference's (the same signatures); each checks its arguments
-    before it launches."""
+    """The Triton kernels, called as the reference's (the same signatures); each checks its arguments first."""
 
     name = "triton"
 
@@ -54,8 +52,7 @@ class CudaBackend(Backend):
         return compiled_kernels(kernels) if self.compile else kernels
 
     def prepare_forward(self, runner) -> None:
-        """Compile first (when asked, timed: ``runner.compilation``), then capture: the graphs
-        record the compiled kernels."""
+        """Compile first (when asked, timed: ``runner.compilation``), then capture: graphs record compiled kernels."""
         if self.compile:
             runner.compilation = compile_runner(runner)
         if self.cuda_graph_max_batch:

@@ -1,14 +1,11 @@
 """CUDA graphs for decode steps (chapter 10).
 
-A decode step of a small model is hundreds of tiny kernels; on a GPU, launching them from
-Python can take longer than running them. A CUDA graph records the whole forward pass once
-and replays it with a single launch. Graphs need fixed shapes and fixed memory addresses,
-so this module keeps static input buffers, captures one graph per *batch-size bucket*
-(1, 2, 4, 8, then multiples of 16), and pads a batch up to the next bucket: padded rows
-write nothing (slot -1) and attend to nothing (context length 0).
-
-Only decode-only steps use graphs; prefills vary in length and run eagerly. Graphs are never
-used on the CPU, nor with ``enforce_eager=True``.
+A decode step of a small model is hundreds of tiny kernels, which Python may launch more slowly than the GPU
+runs them. A CUDA graph records the whole forward pass once and replays it with a single launch. Graphs need
+fixed shapes and addresses, so this module keeps static input buffers, captures one graph per *batch-size
+bucket* (1, 2, 4, 8, then multiples of 16), and pads a batch up to the next bucket: padded rows write nothing
+(slot -1) and attend to nothing (context length 0). Only decode-only steps use graphs (prefills vary in
+length); never on the CPU, nor with ``enforce_eager=True``.
 """
 
 from __future__ import annotations

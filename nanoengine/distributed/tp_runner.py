@@ -1,33 +1,24 @@
 """Tensor parallelism, seen from the engine: a model runner whose model lives elsewhere (chapter 9).
 
-With ``tensor_parallel_size=N`` the engine's process becomes the *driver*: it keeps the
-scheduler, the block manager and the sampler, and the model is split over N worker
-processes (``worker.py``), ranks 0..N-1. None of them is the driver, so the driver never
-joins a process group itself and two engines can live side by side in one program. Each
-step::
+With ``tensor_parallel_size=N`` the engine's process becomes the *driver*: it keeps the scheduler, the block
+manager and the sampler, and the model is split over N worker processes (``worker.py``), ranks 0..N-1. The
+driver never joins a process group itself, so two engines can live side by side in one program. Each step the
+driver plans the batch as for one process (a ``BatchPlan`` of plain lists), every rank runs the forward over its
+shard, rank 0 sends back the logits (the messages: ``worker.py``), and the driver samples them.
 
-    driver: plan_batch(SchedulerOutput) -> BatchPlan (plain lists), as for one process
-        ──("execute", step, plan)──▶ every rank: forward over its shard, collectives
-        ◀──("logits", step, (S, vocab) float32)── rank 0
-    driver: Sampler(logits, each request's params and generator) -> tokens
-
-Sampling in the driver, with the same ``Sampler`` and per-request generators as
-``ModelRunner`` (both are a ``SamplingRunner``), makes a seeded request give the same tokens
-at any tensor-parallel size. Greedy tokens match too, up to floating-point summation order
+Sampling in the driver, as in ``ModelRunner`` (both are a ``SamplingRunner``), makes a seeded request give the
+same tokens at any tensor-parallel size; greedy tokens match too, up to floating-point summation order
 (row-parallel layers add partial sums across ranks).
 
-Failure is loud and bounded (``WorkerGroup``): a worker that raises, dies or stops answering
-becomes a ``RuntimeError`` naming the rank and the cause, after every worker of the engine has
-been stopped. ``shutdown`` (also run by ``weakref.finalize``) stops the workers and removes the
-rendezvous folder.
-
-Workers start with the "spawn" method (a fresh interpreter: safe with threads and CUDA),
-so a script that builds an ``LLM(tensor_parallel_size=N)`` must guard its top level with
-``if __name__ == "__main__":``, as with any ``multiprocessing`` program.
+Failure is loud and bounded (``WorkerGroup``): a worker that raises, dies or stops answering becomes a
+``RuntimeError`` naming the rank and the cause, after every worker of the engine has been stopped. Workers
+start with "spawn" (a fresh interpreter: safe with threads and CUDA), so a script that builds an
+``LLM(tensor_parallel_size=N)`` must guard its top level with ``if __name__ == "__main__":``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import multiprocessing
@@ -49,7 +40,6 @@ from nanoengine.engine.model_runner import BatchPlan, SamplingRunner
 from nanoengine.models.config import ModelConfig
 
 
-# ------------------------------------------------------------------ validation
 def _split_sizes(model_config: ModelConfig) -> dict[str, int]:
     """Every size a rank must hold a whole share of, by name."""
     return {"attention heads": model_config.num_attention_heads,
@@ -65,11 +55,8 @@ def allowed_tensor_parallel_sizes(model_config: ModelConfig) -> list[int]:
 
 
 def check_tensor_parallel_size(model_config: ModelConfig, tp_size: int, device: torch.device) -> None:
-    """Refuse a split the model cannot take, before any process starts.
-
-    A head never spans two ranks (attention then needs no communication), and the vocab
-    and MLP are cut into equal slices, so ``tp_size`` must divide each of them.
-    """
+    """Refuse a split the model cannot take, before any process starts: a head never spans two ranks
+    (attention then needs no communication), and the vocab and MLP are cut into equal slices."""
     sizes = _split_sizes(model_config)
     bad = [name for name, value in sizes.items() if value % tp_size]
     if bad:
@@ -85,13 +72,9 @@ def check_tensor_parallel_size(model_config: ModelConfig, tp_size: int, device: 
                          f"but {torch.cuda.device_count()} are visible")
 
 
-# -------------------------------------------------------------- the processes
 class WorkerGroup:
-    """The N worker processes, their pipes and their rendezvous folder.
-
-    Holds no reference to the runner, so ``weakref.finalize`` can close it when the
-    runner is collected.
-    """
+    """The N worker processes, their pipes and their rendezvous folder; holds no reference to the runner, so
+    ``weakref.finalize`` can close it when the runner is collected."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
@@ -179,21 +162,18 @@ class WorkerGroup:
     def _collect_failures(self, grace_s: float, first: tuple[int, str] | None = None) -> list[str]:
         """What went wrong on each rank: traceback texts sent, and deaths.
 
-        Waits ``grace_s`` so a failure's consequences on other ranks (a peer's collective
-        erroring out) arrive too; a rank that died without a word is listed first, as the
-        likeliest cause, then errors in order of arrival.
+        Waits ``grace_s`` so a failure's consequences on other ranks (a peer's collective erroring out) arrive
+        too; a rank that died without a word is listed first, as the likeliest cause, then errors as they came.
         """
         errors: dict[int, str] = {} if first is None else {first[0]: first[1]}
         deadline = time.monotonic() + grace_s
         while True:
             for rank, conn in enumerate(self.conns):
-                try:
+                with contextlib.suppress(EOFError, OSError):  # closed without a word: it shows up below as a death
                     while rank not in errors and conn.poll():
                         message = conn.recv()
                         if message[0] == "error":
                             errors[rank] = message[2]
-                except (EOFError, OSError):
-                    pass  # closed without a word: it shows up below as a death
             accounted = all(rank in errors or not p.is_alive() for rank, p in enumerate(self.processes))
             if accounted or time.monotonic() >= deadline:
                 break
@@ -237,12 +217,9 @@ class WorkerGroup:
 
 
 class _Send(threading.Thread):
-    """One message to one worker, sent from a thread of its own (started at once).
-
-    A pipe holds only so much: a big plan to a worker that stopped reading would block
-    ``send`` for good. In a daemon thread it can only cost the caller's time limit, and
-    it ends (with an error) when the worker is killed and the pipe breaks.
-    """
+    """One message to one worker, sent from a daemon thread of its own (started at once): a big plan to a
+    worker that stopped reading would block ``send`` for good, and here it only costs the caller's time limit
+    (the thread ends, with an error, when the worker is killed and the pipe breaks)."""
 
     def __init__(self, conn: Connection, message: tuple) -> None:
         super().__init__(name="nanoengine-tp-send", daemon=True)
@@ -270,7 +247,6 @@ def _exit_reason(exitcode: int | None) -> str:
     return f"with exit code {exitcode}" + (f" (killed by {killer})" if killer else "")
 
 
-# ------------------------------------------------------------------ the runner
 class TensorParallelRunner(SamplingRunner):
     """``ModelRunner``'s interface over N worker processes; sampling stays here."""
 
@@ -308,7 +284,6 @@ class TensorParallelRunner(SamplingRunner):
     def worker_pids(self) -> list[int]:
         return self._workers.pids
 
-    # ----------------------------------------------------------- execution
     def run_plan(self, plan: BatchPlan) -> torch.Tensor:
         """Send one step's plan to every rank; rank 0's logits of the sampled rows. -> (S, vocab)."""
         self._step_id += 1

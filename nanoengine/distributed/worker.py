@@ -1,10 +1,9 @@
 """One tensor-parallel worker process: a rank's share of the model and KV cache (chapter 9).
 
-``TensorParallelRunner`` (the driver, in the engine's process) spawns one per rank. Each worker
-joins a torch.distributed group (gloo on CPU, NCCL on CUDA) through a ``FileStore`` in a folder
-the driver made for this engine alone; loads the model with its ``TPGroup``, so each parallel
-layer keeps only this rank's slice (``layers/linear.py``, ``layers/embed_head.py``); builds a
-``ModelRunner``, whose KV cache holds this rank's ``KV heads / tp``; and serves the driver::
+``TensorParallelRunner`` (the driver, in the engine's process) spawns one per rank. Each worker joins a
+torch.distributed group (gloo on CPU, NCCL on CUDA) through a ``FileStore`` in a folder the driver made for
+this engine alone; loads the model with its ``TPGroup``, so each parallel layer keeps only this rank's slice;
+builds a ``ModelRunner``, whose KV cache holds this rank's ``KV heads / tp``; and serves the driver::
 
     driver -> every rank   ("execute", step id, {BatchPlan fields as plain lists})
     rank 0 -> driver       ("logits", step id, numpy float32 array (S, vocab))
@@ -12,15 +11,15 @@ layer keeps only this rank's slice (``layers/linear.py``, ``layers/embed_head.py
     any rank -> driver     ("error", rank, traceback text)    then it exits
     driver -> every rank   ("shutdown",)
 
-The step id lets the driver drop a late answer to a step it stopped waiting for (an
-interrupted ``generate``). All ranks run the same forward on the same plan, kept in lock step
-by the layers' collectives; the LM head's all-gather leaves the full logits on every rank, so
-rank 0 alone answers. A worker never outlives its driver: when the driver's end of the pipe
-closes, ``recv`` raises ``EOFError`` and the worker leaves its loop.
+The step id lets the driver drop a late answer to a step it stopped waiting for (an interrupted ``generate``).
+All ranks run the same forward on the same plan, in lock step through the layers' collectives; the LM head's
+all-gather leaves the full logits on every rank, so rank 0 alone answers. A worker never outlives its driver:
+when the driver's end of the pipe closes, ``recv`` raises ``EOFError`` and the worker leaves its loop.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
@@ -60,8 +59,7 @@ class WorkerSpec:
 
 def run_worker(rank: int, conn: Connection, spec: WorkerSpec) -> None:
     """Process entry point. Reports any failure to the driver as text, then exits with 1."""
-    # Ctrl-C in a terminal reaches every process of the foreground group; the driver
-    # decides what an interrupt means (it owns the workers), so the workers ignore it.
+    # Ctrl-C in a terminal reaches every process of the foreground group; the driver owns the workers and decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         runner = _setup(rank, spec)
@@ -70,17 +68,15 @@ def run_worker(rank: int, conn: Connection, spec: WorkerSpec) -> None:
     except (EOFError, ConnectionError):
         pass  # the driver closed its end or died: nobody is left to answer
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             conn.send(("error", rank, traceback.format_exc()))
-        except OSError:
-            pass
-        # Leave at once: tearing down a group whose peers may be stuck in a collective
-        # can itself hang, and the driver terminates the other ranks anyway.
+        # Leave at once: tearing down a group whose peers may be stuck in a collective can itself hang.
         os._exit(1)
-    _leave_group()
+    with contextlib.suppress(Exception):  # leaving is best effort: the process is about to exit anyway
+        if dist.is_initialized():
+            dist.destroy_process_group()
     conn.close()
-    # Skip the interpreter's teardown (seconds of freeing a loaded torch on a busy CPU):
-    # this process holds nothing that needs it, and a prompt exit keeps shutdown fast.
+    # Skip the interpreter's teardown (seconds of freeing a loaded torch): nothing here needs it.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -94,8 +90,7 @@ def _setup(rank: int, spec: WorkerSpec) -> ModelRunner:
         torch.set_num_threads(spec.num_threads)
         device, backend = torch.device("cpu"), "gloo"
     store = dist.FileStore(spec.store_path, spec.world_size)
-    # The default group of this process: every worker is a process of its own, so the
-    # "global" group here is exactly this engine's ranks.
+    # The default group: every worker is a process of its own, so "global" here is exactly this engine's ranks.
     dist.init_process_group(backend, store=store, rank=rank, world_size=spec.world_size,
                             timeout=datetime.timedelta(seconds=spec.collective_timeout_s))
     tp = TPGroup(rank, spec.world_size, dist.group.WORLD)
@@ -119,14 +114,6 @@ def _serve(rank: int, conn: Connection, runner: ModelRunner) -> None:
         logits = runner.run_model(runner.prepare_inputs(plan))  # (S, vocab) float32
         if rank == 0:  # every rank holds the gathered logits; one answer is enough
             conn.send(("logits", step_id, logits.cpu().numpy()))
-
-
-def _leave_group() -> None:
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # leaving is best effort: the process is about to exit anyway
-        pass
 
 
 def default_num_threads(world_size: int) -> int:

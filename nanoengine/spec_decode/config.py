@@ -5,23 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 METHODS = ("ngram",)
-# vLLM's defaults when neither lookup length is given (its source calls them untuned).
-DEFAULT_PROMPT_LOOKUP = 5
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default when neither lookup length is given (its source calls it untuned)
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """method: "ngram" (prompt lookup; the only one: it needs no draft model).
     num_speculative_tokens: k, the most tokens proposed per step (>= 1).
-    prompt_lookup_max / prompt_lookup_min: the longest and shortest suffix n-gram looked up
-    (1 <= min <= max). Give one and the other takes its value; give neither and both are 5.
+    prompt_lookup_max / prompt_lookup_min: the longest and shortest suffix n-gram looked up (1 <= min <= max).
+    Give one and the other takes its value; give neither and both are 5.
     num_speculative_tokens_per_batch_size: optional, vLLM 0.32's dynamic speculative decoding:
-    ``[(first, last, k), ...]``, inclusive ranges of batch sizes (requests scheduled in a step)
-    and the k to draft for the next step at those sizes (0: none; never more than
-    ``num_speculative_tokens``). The first range starts at 1; ranges are sorted and do not
-    overlap; a size between two ranges or past the last takes the k of the range before it.
-    Why: at batch 1 a verify pass of k+1 rows costs little more than one decode step, but
-    at larger batches every extra row is real work, and a rejected draft is work thrown away
+    ``[(first, last, k), ...]``, inclusive ranges of batch sizes (requests scheduled in a step) and the k to
+    draft for the next step at those sizes (0: none; never more than ``num_speculative_tokens``). The first
+    range starts at 1; ranges are sorted and do not overlap; a size between two ranges or past the last takes
+    the k of the range before it. Why: at batch 1 a verify pass of k+1 rows costs little more than one decode
+    step, but at larger batches every extra row is real work, and a rejected draft is work thrown away
     (chapter 13 measures both), so a schedule can speculate only where it pays.
     """
 

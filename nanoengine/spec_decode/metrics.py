@@ -1,21 +1,14 @@
-"""How speculation fared: the counters vLLM reports, kept by the engine (chapter 13).
+"""How speculation fared: the counters vLLM reports, kept by the engine (chapter 13), with vLLM's names
+(``vllm/v1/spec_decode/metrics.py``; its Prometheus counters ``vllm:spec_decode_num_drafts`` and friends).
 
-vLLM's names (``vllm/v1/spec_decode/metrics.py``, and its Prometheus counters
-``vllm:spec_decode_num_drafts`` and friends):
-
-- ``num_drafts``: verify passes of a request that had drafts (one per request per step),
-- ``num_draft_tokens``: drafted tokens checked,
-- ``num_accepted_tokens``: drafted tokens the model agreed with,
-- ``num_accepted_tokens_per_pos``: of those, how many were at draft position 0, 1, ... k-1.
-
-Two figures follow from them. The *acceptance rate* is accepted / drafted. The *mean
-acceptance length* is the tokens one verify pass emits on average: 1 + accepted / drafts
-(the token after the accepted run is always emitted too), which is the speedup over plain
-decoding when a verify pass costs what a decode step does.
+The *acceptance rate* is accepted / drafted. The *mean acceptance length* is the tokens one verify pass emits
+on average: 1 + accepted / drafts (the token after the accepted run is always emitted too), the speedup over
+plain decoding when a verify pass costs what a decode step does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -25,10 +18,10 @@ class SpecDecodeStats:
     """Running totals since the engine started; ``observe`` adds one verify pass of one request."""
 
     num_spec_tokens: int = 0  # k, the most drafts per step (0: the engine does not speculate)
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_drafts: int = 0  # verify passes of a request that had drafts (one per request per step)
+    num_draft_tokens: int = 0  # drafted tokens checked
+    num_accepted_tokens: int = 0  # drafted tokens the model agreed with
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # of those, at draft position 0 .. k-1
 
     def __post_init__(self) -> None:
         self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
@@ -56,7 +49,5 @@ class SpecDecodeStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
     def as_dict(self) -> dict:
-        return {"num_spec_tokens": self.num_spec_tokens, "num_drafts": self.num_drafts,
-                "num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
-                "num_accepted_tokens_per_pos": list(self.num_accepted_tokens_per_pos),
-                "acceptance_rate": self.acceptance_rate, "mean_acceptance_length": self.mean_acceptance_length}
+        return {**dataclasses.asdict(self), "acceptance_rate": self.acceptance_rate,
+                "mean_acceptance_length": self.mean_acceptance_length}

@@ -1,15 +1,12 @@
 """Prompt lookup: propose the tokens that followed the request's last n tokens earlier on.
 
-Text that copies, edits, quotes or continues a pattern repeats itself: a summary quotes its
-document, an edit repeats the code around the change. So the last few tokens of a request
-have often appeared before in its own prompt or output, and what followed them then is a
-good guess for what follows now. The guess costs no model at all.
+Text that copies, edits, quotes or continues a pattern repeats itself, so the last few tokens of a request have
+often appeared before in its own prompt or output, and what followed them then is a good guess, at no model's cost.
 
-``propose_ngram`` follows vLLM's rule (``vllm/v1/spec_decode/ngram_proposer.py``): the
-*longest* suffix of length ``min_n..max_n`` that occurs earlier, at its *earliest*
-occurrence, and up to ``k`` tokens after it (fewer if the context ends sooner). vLLM finds it
-with a KMP-style scan compiled by numba; this version slides a window over the context with
-numpy, which is as easy to read and fast enough for the contexts of this course.
+``propose_ngram`` follows vLLM's rule (``vllm/v1/spec_decode/ngram_proposer.py``): the *longest* suffix of
+length ``min_n..max_n`` that occurs earlier, at its *earliest* occurrence, and up to ``k`` tokens after it.
+vLLM finds it with a KMP-style scan compiled by numba; this version slides a window with numpy, easier to
+read and fast enough for the contexts of this course.
 """
 
 from __future__ import annotations
@@ -57,10 +54,9 @@ class NgramProposer:
     def propose(self, token_ids: Sequence[int], max_tokens_left: int, k: int | None = None) -> list[int]:
         """Drafts for one request: at most k, never past the model's length or the request's own end.
 
-        ``max_tokens_left``: tokens the request may still generate. A verify pass that accepts
-        every draft also yields one more token of its own, so at most ``max_tokens_left - 1``
-        drafts are useful. ``k``: this step's k (``SpeculativeConfig.tokens_for_batch``);
-        None: ``num_speculative_tokens``.
+        ``max_tokens_left``: tokens the request may still generate; a verify pass that accepts every draft
+        yields one more, so at most ``max_tokens_left - 1`` drafts are useful. ``k``: this step's k
+        (``SpeculativeConfig.tokens_for_batch``); None: ``num_speculative_tokens``.
         """
         k = self.config.num_speculative_tokens if k is None else k
         room = min(k, self.max_model_len - len(token_ids) - 1, max_tokens_left - 1)
@@ -69,11 +65,9 @@ class NgramProposer:
         return propose_ngram(token_ids, room, self.config.prompt_lookup_max, self.config.prompt_lookup_min)
 
     def propose_drafts(self, requests: Sequence[Request], batch_size: int) -> None:
-        """After a step's update, draft for each request that produced a token and still decodes
-        (vLLM's ``propose_draft_token_ids``): its ``spec_token_ids``, [] for the others.
-
-        ``batch_size``: the step's scheduled requests, which choose this step's k
-        (``SpeculativeConfig.tokens_for_batch``: vLLM's dynamic speculative decoding; 0 drafts nothing).
+        """After a step's update, draft for each request that produced a token and still decodes (vLLM's
+        ``propose_draft_token_ids``): its ``spec_token_ids``, [] for the others. ``batch_size``: the step's
+        scheduled requests, which choose this step's k (``SpeculativeConfig.tokens_for_batch``; 0 drafts nothing).
         """
         k = self.config.tokens_for_batch(batch_size)
         for request in requests:

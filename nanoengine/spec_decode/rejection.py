@@ -1,22 +1,19 @@
 """Which drafted tokens to keep: the rejection rule that leaves the output distribution unchanged.
 
-The target model scored k drafted tokens in one pass, so for each position i it gave the
-distribution ``p_i`` the engine would have sampled from (after temperature, top-k, top-p and
-min-p), and row k gives the distribution after the last draft. The proposer drafted token
-``x_i`` with probability ``q_i`` (Leviathan, Kalman and Matias, "Fast Inference from
-Transformers via Speculative Decoding", 2023; Chen et al., "Accelerating Large Language Model
-Decoding with Speculative Sampling", 2023):
+The target model scored k drafted tokens in one pass, so for each position i it gave the distribution ``p_i``
+the engine would have sampled from (after temperature, top-k, top-p and min-p), and row k gives the one after
+the last draft. The proposer drafted token ``x_i`` with probability ``q_i`` (Leviathan, Kalman and Matias 2023;
+Chen et al. 2023; chapter 13's references):
 
 - accept ``x_i`` with probability ``min(1, p_i(x_i) / q_i(x_i))``;
 - on the first rejection, sample from ``max(0, p_i - q_i)``, renormalised, and stop;
 - if every draft is accepted, sample one more token from ``p_k``, a free bonus.
 
-Each emitted token then has exactly ``p_i``'s distribution. A proposer without probabilities
-(prompt lookup) is a one-hot ``q_i`` at ``x_i``: accept with probability ``p_i(x_i)``; on
-rejection sample from ``p_i`` with ``x_i`` removed and renormalised. Proof for one position:
-P(emit y) = p(y) for y = x (accepted) and, for y != x, (1 - p(x)) * p(y) / (1 - p(x)) = p(y).
-Greedy is the same rule on a one-hot ``p_i`` at its argmax: a draft is kept iff it is the
-argmax, and a rejection emits the argmax, so greedy output is token for token the engine's.
+Each emitted token then has exactly ``p_i``'s distribution. A proposer without probabilities (prompt lookup) is
+a one-hot ``q_i`` at ``x_i``: accept with probability ``p_i(x_i)``; on rejection sample from ``p_i`` with
+``x_i`` removed and renormalised. Proof for one position: P(emit y) = p(y) for y = x (accepted) and, for
+y != x, (1 - p(x)) * p(y) / (1 - p(x)) = p(y). Greedy is the same rule on a one-hot ``p_i`` at its argmax: a
+draft is kept iff it is the argmax, and a rejection emits the argmax, so greedy output is the engine's.
 """
 
 from __future__ import annotations
@@ -58,12 +55,8 @@ def accept_drafts(probs: torch.Tensor, draft_token_ids: Sequence[int],
 
 
 def accept_greedy(target_token_ids: Sequence[int], draft_token_ids: Sequence[int]) -> list[int]:
-    """``accept_drafts`` for a greedy request, with no random draws.
-
-    target_token_ids (k+1): the target's argmax at each drafted position and after the last
-    draft. Drafts are kept while they equal the argmax; the first mismatch emits the argmax
-    instead and stops; if all match, the last argmax is the bonus token.
-    """
+    """``accept_drafts`` for a greedy request, with no random draws. target_token_ids (k+1): the target's
+    argmax at each drafted position and after the last draft; drafts are kept while they equal it."""
     k = len(draft_token_ids)
     if len(target_token_ids) != k + 1:
         raise ValueError(f"need k+1={k + 1} target tokens for {k} drafts, got {len(target_token_ids)}")

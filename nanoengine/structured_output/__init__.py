@@ -1,11 +1,10 @@
 """Structured output (chapter 14): every token drawn from what a grammar allows next.
 
 A request that asks for JSON matching a schema, a regex, one of a few choices or a grammar
-(``SamplingParams(structured_outputs=StructuredOutputsParams(...))``) gets a matcher compiled
-from it. Each step the matcher says which tokens may come next, as one bit per token; the
-logits of the others are set to -inf before temperature and the filters, so the sampler
-renormalises over allowed tokens only and can draw nothing else. The matcher then advances
-with the token the request got, and the request finishes when the constraint is complete.
+(``SamplingParams(structured_outputs=StructuredOutputsParams(...))``) gets a matcher compiled from it. Each
+step the matcher says which tokens may come next, as one bit per token; the logits of the others are set to
+-inf before temperature and the filters, so the sampler can draw nothing else. The matcher then advances with
+the token the request got, and the request finishes when the constraint is complete.
 
 - ``backend``: the interface a grammar library sits behind (vLLM's shape), and the bitmask.
 - ``guidance``: llguidance behind it, the library the engine uses.

@@ -1,13 +1,10 @@
 """The grammar library's side of structured output, in the shape of vLLM's interface (chapter 14).
 
-vLLM keeps every grammar library behind two small classes
-(``vllm/v1/structured_output/backend_types.py``): a *backend* validates and compiles a
-constraint for the engine's tokenizer, and each request holds a *grammar*: a matcher that
-knows which tokens may come next, writes them into its row of the step's packed int32
-bitmask, and advances by the tokens the request really got. Draft positions (chapter 13)
-get their masks by accepting the drafts, filling, and rolling back (``manager.fill_rows``).
-The engine calls nothing else. ``apply_token_bitmask`` turns the packed rows into ``-inf``
-for every token a row forbids.
+vLLM keeps every grammar library behind two small classes (``vllm/v1/structured_output/backend_types.py``): a
+*backend* validates and compiles a constraint for the engine's tokenizer, and each request holds a *grammar*:
+a matcher that knows which tokens may come next, writes them into its row of the step's packed int32 bitmask,
+and advances by the tokens the request really got (drafts: ``manager.fill_rows``). ``apply_token_bitmask``
+turns the packed rows into ``-inf`` for every token a row forbids.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """llguidance behind the backend interface: the engine's grammar library (vLLM's "guidance" backend).
 
-llguidance (Microsoft's guidance project, written in Rust, no Python dependencies) compiles a
-JSON schema, a regular expression, a list of choices or a Lark grammar into a matcher over the
-tokenizer's vocabulary. Its lexer runs over the tokens' bytes with a token trie, so a step's
-mask costs tens of microseconds for most constraints (``results/README.md`` has the figures,
-measured against xgrammar, and why this one is the default).
+llguidance (Microsoft's guidance project, in Rust) compiles a JSON schema, a regular expression, a list of
+choices or a Lark grammar into a matcher over the tokenizer's vocabulary; its lexer walks a trie of the tokens'
+bytes, so a step's mask is cheap (``results/README.md``: measured against xgrammar, and why this is the default).
 """
 
 from __future__ import annotations
@@ -38,8 +36,7 @@ class GuidanceGrammar(StructuredOutputGrammar):
         self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.nbytes)
 
     def is_terminated(self) -> bool:
-        # Stopped: nothing but EOS may follow (also true in an error state, which
-        # accept_tokens has already reported).
+        # Stopped: nothing but EOS may follow (also in an error state, which accept_tokens has reported).
         return self.matcher.is_stopped()
 
 

@@ -2,18 +2,17 @@
 
 As vLLM's ``StructuredOutputManager`` (``vllm/v1/structured_output/__init__.py``):
 
-1. ``validate`` refuses a constraint the library cannot compile before the request is queued
-   (the server answers 400 with the library's reason), and ``request_for`` starts compiling it
-   on a worker thread. The scheduler passes over the waiting request until its grammar is
-   ready (``Request.waits_for_grammar``), so one slow grammar holds up nobody else.
-2. ``collect`` (at the start of each step) hands each compiled grammar to its request, and
-   returns those that failed to compile: the engine finishes them with the reason.
-3. ``grammar_bitmask`` fills one packed int32 row per logits row that samples (a request
-   checking k drafts owns k+1: ``fill_rows``); the runner applies it to the logits before the
-   sampler. A step without constrained requests makes no bitmask at all.
-4. After the step, the scheduler advances each grammar with the tokens its request really got
-   (``Scheduler.update_from_output``), and ``trim_drafts`` cuts the next step's drafts to the
-   prefix the grammar accepts.
+1. ``validate`` refuses a constraint the library cannot compile before the request is queued (the server
+   answers 400 with the library's reason), and ``request_for`` starts compiling it on a worker thread. The
+   scheduler passes over the request until its grammar is ready (``Request.waits_for_grammar``), so one slow
+   grammar holds up nobody else.
+2. ``collect`` (at the start of each step) hands each compiled grammar to its request, and returns those that
+   failed to compile: the engine finishes them with the reason.
+3. ``grammar_bitmask`` fills one packed int32 row per logits row that samples (a request checking k drafts
+   owns k+1: ``fill_rows``); the runner applies it to the logits before the sampler. A step without
+   constrained requests makes no bitmask at all.
+4. After the step, the scheduler advances each grammar with the tokens its request really got, and
+   ``trim_drafts`` cuts the next step's drafts to the prefix the grammar accepts.
 """
 
 from __future__ import annotations
@@ -60,10 +59,8 @@ class StructuredOutputManager:
         self.valid: set[tuple] = set()  # (kind, spec) of constraints that compiled
 
     def __getstate__(self) -> dict:
-        """What a copy in another process needs: the settings, not the threads, the grammars or the
-        library's state. (A server whose engine core runs in a process of its own receives the
-        engine's input processor, and with it this manager's ``validate``, to refuse a constraint
-        that does not compile before sending the request.)"""
+        """What a copy in another process needs (a server's front end, to ``validate`` before sending a request
+        to an engine core of its own): the settings, not the threads, the grammars or the library's state."""
         return {"config": self.config, "tokenizer": self.tokenizer, "vocab_size": self.vocab_size,
                 "eos_token_ids": self.eos_token_ids}
 
@@ -109,9 +106,9 @@ class StructuredOutputManager:
     def collect(self, wait: bool = False) -> list[tuple[Request, Exception]]:
         """Give each request whose grammar has compiled its grammar; return those that failed.
 
-        ``wait``: when nothing else can run, wait until one compile has finished, for at most
-        ``WAIT_S`` (rather than spin through empty steps, or stop the caller from seeing an abort
-        while a large grammar compiles). Requests that finished meanwhile (aborted) are dropped.
+        ``wait``: when nothing else can run, wait until one compile has finished, for at most ``WAIT_S``
+        (rather than spin through empty steps, or keep the caller from seeing an abort while a large grammar
+        compiles). Requests that finished meanwhile (aborted) are dropped.
         """
         if wait and self.pending:
             concurrent.futures.wait([r.structured_output.compiling for r in self.pending], timeout=WAIT_S,
