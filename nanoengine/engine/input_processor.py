@@ -76,11 +76,9 @@ class InputProcessor:
         return ProcessedPrompt(prompt, self.check_length(token_ids), params)
 
     def encode(self, text: str, rendered_chat: bool = False) -> list[int]:
-        """The token ids of a text, unchecked: the one tokenizing rule of every entry.
-
-        Plain text gets the special tokens its tokenizer adds (a BOS for Llama-3, none for
-        SmolLM2); a rendered chat template already holds them (``rendered_chat``).
-        """
+        """The token ids of a text, unchecked: the one tokenizing rule of every entry. Plain text gets the
+        special tokens its tokenizer adds (a BOS for Llama-3, none for SmolLM2); a rendered chat template
+        already holds them (``rendered_chat``)."""
         return self.tokenizer.encode(text, add_special_tokens=not rendered_chat)
 
     def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:

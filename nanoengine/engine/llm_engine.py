@@ -241,10 +241,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, execute, update. Returns outputs of requests that progressed.
 
-        Aborts requested by observers during the step are applied once it is over; their
-        final outputs come last. A request whose own part of the step raises (its sampling,
-        its text, its output) ends with finish_reason "error" and the others go on
-        (``_fail``); a fault of the forward pass or of the bookkeeping is raised from here.
+        Aborts requested by observers during the step are applied after it (their outputs come last). A
+        request whose own part of the step raises (its sampling, text or output) ends with finish_reason
+        "error", the others go on (``_fail``); a fault of the forward pass or of the bookkeeping is raised.
         """
         self._stepping = True
         try:

@@ -289,13 +289,12 @@ class SamplingRunner:
                             self.generator)
 
     def sample_contained(self, logits: torch.Tensor, requests: list[Request], drafts: list[tuple[int, ...]]):
-        """``sample_requests``, with a fault kept to the request that caused it. -> (tokens, logprobs, failed)
+        """``sample_requests``, with a fault kept to the request whose settings caused it. -> (tokens, logprobs, failed)
 
-        Sampling reads each request's own settings, so a request whose settings trip a bug must not
-        take the batch with it. If the batch raises, every request samples again alone, with the
-        generators restored (a seeded request draws what it would have drawn): one that raises again
-        gets its error in ``failed``, the others their tokens. A fault no single request reproduces,
-        or that every request of several reproduces, is the engine's own and is raised.
+        If the batch raises, every request samples again alone, with the generators restored (a seeded
+        request draws what it would have drawn): one that raises again gets its error in ``failed``, the
+        others their tokens. A fault no single request reproduces, or that every request of several
+        reproduces, is the engine's own and is raised.
         """
         sampled = [r for r in requests if not r.sampling_params.greedy]  # greedy rows draw nothing
         candidates = (self.generator, *(r.generator for r in sampled)) if sampled else ()

@@ -48,12 +48,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ScheduledRequest:
-    """One request's part of a step, decided by the scheduler and fixed for the step.
-
-    ``num_computed_tokens`` is the request's progress *before* the step, so everything
-    derived from the record (positions, which kernel, token counts) stays true after
-    ``update_from_output`` has moved the request on.
-    """
+    """One request's part of a step, decided by the scheduler and fixed for the step: ``num_computed_tokens``
+    is the progress *before* the step, so what derives from the record (positions, which kernel, token
+    counts) stays true after ``update_from_output`` has moved the request on."""
 
     request: Request
     num_tokens: int  # tokens computed this step
