@@ -138,7 +138,6 @@ class BlockManager:
         self.num_evictions = 0
         self.profiler = profiler  # every public action below is its "block_manager" phase
 
-    # ----------------------------------------------------------------- queries
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
@@ -184,12 +183,8 @@ class BlockManager:
             return hits, len(hits) * self.block_size
 
     def token_digests(self, request: "Request", num_blocks: int) -> list[bytes]:
-        """The chained digests of ``request``'s first ``num_blocks`` full blocks of tokens.
-
-        Kept on the request (``Request.token_block_digests``): a waiting or preempted request asks
-        again at every admission attempt, and its tokens never change. Returns that list itself
-        (at least ``num_blocks`` long): read, do not edit.
-        """
+        """The chained digests of ``request``'s first ``num_blocks`` full blocks of tokens: the list kept on
+        the request (read, do not edit), since a waiting request asks at every admission attempt."""
         digests, tokens, size = request.token_block_digests, request.all_token_ids, self.block_size
         for i in range(len(digests), num_blocks):
             digests.append(self.hash_fn(digests[i - 1] if i else None, tuple(tokens[i * size:(i + 1) * size])))
@@ -200,18 +195,16 @@ class BlockManager:
         return self._num_new_blocks(request, num_new_tokens, computed_blocks) <= \
             self.num_free_blocks - sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
 
-    # ----------------------------------------------------------------- actions
     def allocate_slots(self, request: "Request", num_new_tokens: int,
                        computed_blocks: list[int] = (), forked_from: str | None = None) -> bool:
-        """Make room for ``num_new_tokens`` more tokens of ``request``.
+        """Make room for ``num_new_tokens`` more tokens of ``request``; False, changing nothing, when the
+        pool cannot provide the blocks.
 
-        ``computed_blocks`` (at admission) are blocks that already hold the request's leading
-        tokens, shared rather than computed: each one's reference count goes up by one.
-        Usually they are the prefix-cache hits ``get_computed_blocks`` found (announced as a
-        ``PrefixCacheHit``); with ``forked_from``, the id of the request they come from, they
-        are a parallel-sampling sibling's prompt, handed over by the scheduler with the cache
-        off (a ``BlocksForked``). Either way the caller vouches that they hold those tokens.
-        Returns False, changing nothing, when the pool cannot provide the blocks.
+        ``computed_blocks`` (at admission) already hold the request's leading tokens and are shared, not
+        computed: each one's reference count goes up by one. They are the prefix-cache hits
+        ``get_computed_blocks`` found (a ``PrefixCacheHit``) or, with ``forked_from`` (the request they
+        come from), a parallel-sampling sibling's prompt with the cache off (a ``BlocksForked``). Either
+        way the caller vouches that they hold those tokens.
         """
         with self.profiler.phase("block_manager"):
             if not self.can_allocate(request, num_new_tokens, computed_blocks):
@@ -294,12 +287,8 @@ class BlockManager:
                 self.events.emit(BlocksFreed(self.step, request.request_id, tuple(freed)))
 
     def release_slots_after(self, request: "Request", num_tokens: int) -> None:
-        """Free ``request``'s blocks past the first ``num_tokens`` tokens (speculative decoding).
-
-        Those blocks hold only the KV of rejected drafts. They were allocated fresh for this
-        request and never filled with computed tokens, so none is shared or cached; they go
-        back to the pool last first, as in ``free``.
-        """
+        """Free ``request``'s blocks past the first ``num_tokens`` tokens, last first as in ``free``: they
+        hold only rejected drafts' KV (speculative decoding), so none is shared or cached."""
         with self.profiler.phase("block_manager"):
             keep = self.blocks_needed(num_tokens)
             surplus = request.block_ids[keep:]
@@ -324,7 +313,6 @@ class BlockManager:
                 self._evict(block)
             return len(cached)
 
-    # --------------------------------------------------------------- checking
     def snapshot(self) -> tuple[BlockSnapshot, ...]:
         lru = {block_id: place for place, block_id in enumerate(self.free_queue)}
         return tuple(BlockSnapshot(b.block_id, b.ref_count, b.ref_count == 0, b.block_hash is not None,
@@ -357,7 +345,6 @@ class BlockManager:
         if self.num_free_blocks + sum(1 for b in self.blocks if b.ref_count > 0) != self.num_blocks:
             raise InvariantError("free + used blocks != total blocks")
 
-    # ---------------------------------------------------------------- helpers
     def _num_new_blocks(self, request: "Request", num_new_tokens: int, computed_blocks) -> int:
         held = len(request.block_ids) + len(computed_blocks)
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size

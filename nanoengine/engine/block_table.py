@@ -1,20 +1,17 @@
 """The block tables of the requests in flight, kept as one tensor and updated in place (chapters 4 and 10).
 
-Attention reads a sequence's earlier K/V through its block table, so every step hands the
-kernels a (sequences, blocks) table. Rebuilding it from Python lists costs time in *all* the
-blocks of *all* the running requests, although a decoding request gains one block only every
-``block_size`` steps.
-
-``BlockTables`` keeps one persistent int32 tensor with a row per request in flight. Each
-scheduled request names the blocks it gained for the step (``ScheduledRequest.new_block_ids``):
-its row keeps the entries before them and receives exactly those, and the step gathers the rows
-it needs with one ``index_select``. vLLM v1 keeps its block tables the same way (a persistent
-CPU tensor per worker, fed the new block ids in its scheduler output).
+Attention reads a sequence's earlier K/V through its block table. Rebuilding the step's
+(sequences, blocks) table from Python lists costs time in *all* the blocks of *all* the running
+requests, although a decoding request gains one block only every ``block_size`` steps. So
+``BlockTables`` keeps one persistent int32 tensor with a row per request in flight: each scheduled
+request names the blocks it gained (``ScheduledRequest.new_block_ids``), its row receives exactly
+those, and the step gathers its rows with one ``index_select``. vLLM v1 keeps its block tables the
+same way (a persistent CPU tensor per worker, fed the new block ids in its scheduler output).
 
 A row is told, never guesses: a new row is written whole, and entries past the blocks a request
-still holds (speculative decoding gave back what only rejected drafts used) are cleared before
-the new ones land. Rows of requests no longer running are taken back only when a new request
-needs one, so nothing has to tell this class that a request ended.
+still holds (speculative decoding gave back what only rejected drafts used) are cleared first.
+Rows of requests no longer running are taken back only when a new request needs one, so nothing
+has to tell this class that a request ended.
 """
 
 from __future__ import annotations

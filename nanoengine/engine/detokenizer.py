@@ -1,23 +1,19 @@
-"""Incremental detokenization: token ids -> text deltas for streaming (chapter 8).
+"""Incremental detokenization: token ids -> text deltas for streaming (chapter 12).
 
-A byte-level BPE token may hold half of a multi-byte UTF-8 character (Korean, emoji), so
-decoding one token at a time would print broken characters, and decoding the whole output at
-every step costs ever more (a 1,000-token stream would decode half a million tokens). So the
-detokenizer decodes a *window*: the tokens since ``prefix_offset``, compared with the
-decoding of the same window without the unread tokens (``prefix_offset:read_offset``). What
-the unread tokens add is the new text; a result that ends in U+FFFD (an incomplete
-character) is held until the next token completes it. The few tokens of context before the
-unread ones keep spacing right for tokenizers whose decoding of a token depends on what
-precedes it. vLLM's detokenizer uses the same two offsets.
+A byte-level BPE token may hold half of a multi-byte UTF-8 character, so decoding one token at a
+time would print broken characters, and decoding the whole output every step costs ever more. So
+the detokenizer decodes a *window*: the tokens since ``prefix_offset``, compared with the same
+window without the unread tokens (``prefix_offset:read_offset``); what the unread tokens add is the
+new text, held while it ends in U+FFFD (an incomplete character). The few tokens of context keep
+spacing right for tokenizers whose decoding of a token depends on what precedes it. vLLM's
+detokenizer uses the same two offsets.
 
-It also finds stop strings, cuts the text before them, and holds back a tail that could
-still grow into one, so a stream never shows text that the final result drops. The deltas
-always concatenate to the final text: ``text`` is built from them.
-
-A token that ends the request by its id (one of ``stop_token_ids``) is counted but not
-decoded: like a stop string, it ends the text without being part of it (as in vLLM without
-``include_stop_str_in_output``, an option nanoengine does not have); its id stays in the
-output's ``token_ids``. EOS needs no such care: special tokens are skipped when decoding.
+It also finds stop strings, cuts the text before them, and holds back a tail that could still grow
+into one, so a stream never shows text that the final result drops: the deltas always concatenate
+to the final text. A token that ends the request by its id (``stop_token_ids``) is counted but not
+decoded, like a stop string (vLLM without ``include_stop_str_in_output``, an option nanoengine does
+not have); its id stays in the output's ``token_ids``. EOS needs no such care: special tokens are
+skipped when decoding.
 """
 
 from __future__ import annotations
@@ -31,14 +27,10 @@ Decoder = Callable[[list[int], bool], str]
 
 
 def token_decoder(tokenizer) -> Decoder:
-    """``tokenizer.decode`` without tokenization clean-up, made as cheap as it can be.
-
-    A Hugging Face fast tokenizer's ``decode`` is Python around the ``tokenizers`` library's
-    Rust ``Tokenizer.decode``, which with clean-up off is the whole answer; for the few tokens
-    a stream decodes per step the Python part costs more (``results/README.md``). So when the
-    tokenizer decodes the library's own way (neither ``decode`` nor ``_decode`` replaced), this
-    returns the Rust call itself; any other tokenizer gets its ``decode``.
-    """
+    """``tokenizer.decode`` without tokenization clean-up, made as cheap as it can be: for a Hugging Face
+    fast tokenizer that decodes the library's own way (neither ``decode`` nor ``_decode`` replaced), the
+    ``tokenizers`` library's Rust ``decode`` itself, since the Python around it costs more than it for a
+    stream's few tokens per step (``results/README.md``)."""
     try:
         from transformers import PreTrainedTokenizerFast
     except ImportError:  # no transformers: whatever this tokenizer is, ask it
@@ -72,12 +64,9 @@ class IncrementalDetokenizer:
         return len(self.token_ids) + (0 if self.stop_token_id is None else 1)
 
     def update(self, new_token_ids: list[int], finished: bool, ends_on_stop_token: bool = False) -> str:
-        """Add tokens; return the text delta that became safe to show.
-
-        ``ends_on_stop_token``: the last new token is a stop token id, which ends the
-        request: it is seen but left out of the text. Sets ``stop_hit`` when a stop string
-        appeared (the caller then ends the request).
-        """
+        """Add tokens; return the text delta that became safe to show. Sets ``stop_hit`` when a stop string
+        appeared (the caller then ends the request). ``ends_on_stop_token``: the last new token is a stop
+        token id, which ends the request: it is seen but left out of the text."""
         if ends_on_stop_token:
             if not new_token_ids or self.stop_token_id is not None:
                 raise ValueError("ends_on_stop_token needs a new last token, and a request ends only once")

@@ -1,19 +1,16 @@
 """The input processor: a prompt and its sampling parameters in, a checked request out (chapter 2).
 
-Every way into the engine (``LLM.generate``, ``LLM.chat``, ``LLM.stream``,
-``LLMEngine.add_request``, the server) goes through here, so a prompt is rendered once (chat
-messages through the model's chat template), tokenized once (``encode``), and checked once
-against what only the engine knows (``check_params``: the vocabulary, ``max_model_len``,
-``max_num_seqs``, having a tokenizer, a constraint that compiles; ``SamplingParams`` checked
-the rest). ``LLM.generate`` and the server refuse the same way (a ``ValueError`` naming the
-field; a 400), with one difference, vLLM's too: a ``max_tokens`` the prompt leaves no room for
-ends the request at the window ("length") here, while the server refuses it before it starts
-(``protocol.fit_to_context``).
+Every way into the engine (``LLM.generate``, ``LLM.chat``, ``LLM.stream``, ``LLMEngine.add_request``,
+the server) goes through here, so a prompt is rendered once (chat messages through the model's chat
+template), tokenized once (``encode``) and checked once against what only the engine knows
+(``check_params``; ``SamplingParams`` checked the rest). ``LLM.generate`` and the server refuse
+alike (a ``ValueError`` naming the field; a 400) but for one case, vLLM's too: a ``max_tokens`` the
+prompt leaves no room for ends the request at the window ("length") here, while the server refuses
+it before it starts (``protocol.fit_to_context``).
 
-The result, a ``ProcessedPrompt``, is what ``LLMEngine.add_request`` accepts (vLLM v1 splits
-its engine the same way: vllm/v1/engine/processor.py). The processor reads only its tokenizer
-and fixed limits, none of the engine's state, so a server may tokenize a large prompt on
-another thread while the engine keeps serving others.
+The result, a ``ProcessedPrompt``, is what ``LLMEngine.add_request`` accepts (vLLM v1:
+vllm/v1/engine/processor.py). The processor reads only its tokenizer and fixed limits, so a server
+may tokenize a large prompt on another thread while the engine keeps serving others.
 """
 
 from __future__ import annotations
@@ -47,7 +44,6 @@ class InputProcessor:
         self.max_num_seqs = max_num_seqs
         self.check_constraint = check_constraint  # refuses a constraint that does not compile (chapter 14)
 
-    # ------------------------------------------------------------- entries
     def process(self, prompt: PromptInput | ProcessedPrompt,
                 sampling_params: SamplingParams | None = None) -> ProcessedPrompt:
         """Any prompt (text, token ids, chat messages) and its parameters, checked; a
@@ -79,13 +75,10 @@ class InputProcessor:
                              f"[{', '.join(shown(t, 20) for t in bad[:5])}]")
         return ProcessedPrompt(prompt, self.check_length(token_ids), params)
 
-    # -------------------------------------------------------------- pieces
     def encode(self, text: str, rendered_chat: bool = False) -> list[int]:
-        """The token ids of a text, unchecked: the one tokenizing rule of every entry.
-
-        Plain text gets the special tokens its tokenizer adds (a BOS for Llama-3, none for
-        SmolLM2); a rendered chat template already holds them (``rendered_chat``).
-        """
+        """The token ids of a text, unchecked: the one tokenizing rule of every entry. Plain text gets the
+        special tokens its tokenizer adds (a BOS for Llama-3, none for SmolLM2); a rendered chat template
+        already holds them (``rendered_chat``)."""
         return self.tokenizer.encode(text, add_special_tokens=not rendered_chat)
 
     def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:

@@ -6,16 +6,11 @@
     execute   -> plan the batch, prepare tensors, run the model, sample (the worker / data plane)
     update    -> append tokens, detect stops, free finished requests, build outputs
 
-Structured output (chapter 14) adds a bitmask to the execute move and a grammar to advance in
-the update. Everything a reader or a simulator wants to watch is available without touching
-internal state: ``snapshot()`` and ``memory_report()`` return frozen records, and ``events``
-publishes what happened (``nanoengine.events``).
-
-This module only wires the engine core together: ``input_processor`` turns prompts into checked
-requests, ``parallel_sampling`` fans a request out into its ``n`` completions, ``scheduler``
-decides, ``block_manager`` keeps the KV blocks, ``model_runner`` computes, ``output_processor``
-turns tokens into text and outputs. A reader that shares the engine with others (``LLM.stream``
-next to ``LLM.generate``, a server) gets its outputs through an ``OutputRouter``.
+This module only wires the engine core together: ``input_processor`` checks prompts,
+``parallel_sampling`` fans a request out into its ``n`` completions, ``scheduler`` decides,
+``block_manager`` keeps the KV blocks, ``model_runner`` computes, ``output_processor`` makes
+outputs (an ``OutputRouter`` hands them out when several readers share the engine: a server).
+``snapshot()``, ``memory_report()`` (frozen records) and ``events`` let a reader watch it.
 """
 
 from __future__ import annotations
@@ -82,7 +77,6 @@ class LLMEngine:
         self.output_processor = OutputProcessor(tokenizer, profiler=self.profiler)
         # n > 1: siblings held back until the prompt is computed; they fork it when there is no prefix cache
         self.parents = parallel_sampling.ParentRequests(config.block_size, fork=not config.enable_prefix_caching)
-        # Block tables of the requests in flight, as one tensor updated in place (engine.block_table).
         self.block_tables = BlockTables(-(-self.max_model_len // config.block_size),
                                         capacity=config.max_num_seqs + 1)
         self._next_id = 0  # automatic request ids are "0", "1", ...
@@ -91,7 +85,6 @@ class LLMEngine:
         self._stepping = False  # inside step(): an abort must wait until the batch is done
         self._deferred_aborts: list[str] = []
 
-    # ------------------------------------------------------------ creation
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, **kwargs) -> "LLMEngine":
         """Load ``model`` (None = default SmolLM2-135M-Instruct, a HF dir or a .gguf)."""
@@ -131,7 +124,6 @@ class LLMEngine:
         num_blocks = resolve_num_kv_blocks(config, model_config, max_model_len)
         return cls(config, model_config, make_runner(max_model_len, num_blocks), tokenizer)
 
-    # ------------------------------------------------------------- requests
     def add_request(self, prompt: PromptInput | ProcessedPrompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None, arrival_time: float | None = None) -> str:
         """Queue a request; returns its id. Checks everything before changing anything.
@@ -170,7 +162,6 @@ class LLMEngine:
         return request_id
 
     def _queue(self, request: Request) -> None:
-        """Hand ``request`` to the scheduler's waiting queue, and say so."""
         self.scheduler.add_request(request)
         self.events.emit(RequestQueued(self.step_count, request.request_id, request.num_prompt_tokens))
 
@@ -191,10 +182,7 @@ class LLMEngine:
         return float(arrival_time)
 
     def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """(prompt text or None, token ids), checked against the vocabulary and max_model_len.
-
-        A text prompt gets the special tokens its tokenizer adds (``InputProcessor.tokenize``).
-        """
+        """(prompt text or None, token ids), checked against the vocabulary and max_model_len."""
         return self.input_processor.tokenize(prompt)
 
     @property
@@ -222,12 +210,8 @@ class LLMEngine:
         return request_id in self.output_processor.states
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Stop a request (all its completions) now and free its blocks; returns its final output.
-
-        Called by an event observer during ``step()``, the request is in the batch being
-        run, so it ends when that step does (the step returns its final output) and this
-        returns None.
-        """
+        """Stop a request (all its completions) now and free its blocks; returns its final output. Called
+        by an event observer during ``step()``, it returns None: the request ends with the step, which returns that."""
         state = self.output_processor.states.get(request_id) if isinstance(request_id, str) else None
         if state is None:
             raise ValueError(f"unknown request id {request_id!r}: no unfinished request has it "
@@ -251,19 +235,15 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block digest of a free block (blocks in use keep theirs); how many were dropped.
-
-        Benchmarks call this between runs so a later run cannot be served by an earlier one's prompts.
-        """
+        Between benchmark runs: a later run cannot be served by an earlier one's prompts."""
         return self.block_manager.reset_prefix_cache()
 
-    # ----------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, execute, update. Returns outputs of requests that progressed.
 
-        Aborts requested by observers during the step are applied once it is over; their
-        final outputs come last. A request whose own part of the step raises (its sampling,
-        its text, its output) ends with finish_reason "error" and the others go on
-        (``_fail``); a fault of the forward pass or of the bookkeeping is raised from here.
+        Aborts requested by observers during the step are applied after it (their outputs come last). A
+        request whose own part of the step raises (its sampling, text or output) ends with finish_reason
+        "error", the others go on (``_fail``); a fault of the forward pass or of the bookkeeping is raised.
         """
         self._stepping = True
         try:
@@ -306,10 +286,8 @@ class LLMEngine:
 
     def _collect_grammars(self) -> dict[str, Exception]:
         """Give requests their compiled grammars (structured output); those that failed to compile, by id.
-
-        When nothing runs and every waiting request waits for its grammar, this waits for one
-        compile to finish rather than let the caller spin through empty steps.
-        """
+        When nothing runs and every waiting request waits for its grammar, wait for one compile rather than
+        let the caller spin through empty steps."""
         if not self.structured_output.pending:
             return {}
         idle = not self.scheduler.running and all(r.waits_for_grammar for r in self.scheduler.waiting)
@@ -324,10 +302,7 @@ class LLMEngine:
     def _fail(self, faults: dict[str, Exception]) -> list[RequestOutput]:
         """Finish each user request one of whose completions raised in this step, with finish_reason
         "error" and the exception as ``CompletionOutput.error``; the step's other requests carry on.
-
-        Every request's inputs were checked before it was queued, so this is an engine bug that one
-        request's data reached (the log has the traceback).
-        """
+        Inputs were checked before queueing: this is an engine bug one request's data reached (see the log)."""
         outputs = []
         for completion_id, exc in faults.items():
             request = self.output_processor.completions_by_id.get(completion_id)
@@ -372,7 +347,6 @@ class LLMEngine:
             self.block_manager.free(probe)
         return logits
 
-    # ------------------------------------------------------------ observing
     def snapshot(self) -> EngineSnapshot:
         bm, spec = self.block_manager, self.spec_decode_stats
         return EngineSnapshot(

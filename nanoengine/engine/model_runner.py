@@ -48,11 +48,8 @@ from nanoengine.structured_output.backend import apply_token_bitmask
 
 @dataclass
 class BatchPlan:
-    """One step's batch: what ``prepare_inputs`` puts on the model's device.
-
-    Plain data (short lists, and CPU tensors gathered from ``BlockTables``) so it can also be
-    sent to tensor-parallel worker processes.
-    """
+    """One step's batch: what ``prepare_inputs`` puts on the model's device. Plain data (short lists,
+    and CPU tensors gathered from ``BlockTables``) so it can also be sent to tensor-parallel workers."""
 
     input_ids: list[int]
     positions: list[int]
@@ -74,10 +71,8 @@ class BatchPlan:
     @classmethod
     def dummy(cls, num_tokens: int, block_size: int | None = None) -> "BatchPlan":
         """A warm-up prefill of ``num_tokens`` tokens that writes no KV (slot -1) and reads block 0 only.
-
-        With ``block_size``, its keys and values go to the cache's first blocks as a real prompt's
-        would, so the backend runs it the way it runs requests (only before any request holds a block).
-        """
+        With ``block_size``, its K/V go to the cache's first blocks as a prompt's would (before any request
+        holds a block), so the backend runs it the way it runs requests."""
         n = num_tokens
         slots, table = [-1] * n, [0] * n
         if block_size is not None:
@@ -184,11 +179,8 @@ def plan_batch(out: SchedulerOutput, block_size: int,
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    """Each sampling request's new tokens: one, or, after checking k drafts, 1 to k+1.
-
-    A request whose sampling raised (``SamplingRunner.sample_contained``) has no tokens;
-    ``failed`` holds its error instead, and the engine finishes it with that error.
-    """
+    """Each sampling request's new tokens: one, or, after checking k drafts, 1 to k+1. A request whose
+    sampling raised (``SamplingRunner.sample_contained``) has none, its error in ``failed`` instead."""
 
     sampled: dict[str, list[int]]  # request id -> new tokens
     logprobs: dict[str, list[tuple]]  # request id -> per new token (its logprob, top-N pairs)
@@ -215,12 +207,9 @@ def request_chunks(row_counts: list[int], rows_per_chunk: int):
 
 
 class SamplingRunner:
-    """What every runner shares: prepare the step, run the model, sample.
-
-    ``ModelRunner`` runs the model in this process; ``TensorParallelRunner`` sends the step
-    to worker processes. Both sample here, with each request's own generator, so seeded
-    requests give the same tokens whatever the runner.
-    """
+    """What every runner shares: prepare the step, run the model, sample. ``ModelRunner`` runs the model
+    in this process, ``TensorParallelRunner`` in worker processes; both sample here, with each request's
+    own generator, so seeded requests give the same tokens whatever the runner."""
 
     compilation: CompileReport = CompileReport.not_requested()  # what compile=True did (backends.compilation)
 
@@ -243,10 +232,8 @@ class SamplingRunner:
         raise NotImplementedError
 
     def logits_chunks(self, prepared, row_counts: list[int], profiler: StepProfiler = NO_PROFILER):
-        """Yield (rows slice, requests slice, logits) of the rows to sample, in chunks of whole requests.
-
-        ``row_counts``: the logits rows of each sampling request, in order. Here, one chunk: ``run_model``'s.
-        """
+        """Yield (rows slice, requests slice, logits) of the rows to sample, in chunks of whole requests
+        (``row_counts``: each sampling request's logits rows). Here, one chunk: ``run_model``'s."""
         with profiler.phase("model"):
             logits = self.run_model(prepared)
             self.wait_if_profiled(profiler)
@@ -302,13 +289,12 @@ class SamplingRunner:
                             self.generator)
 
     def sample_contained(self, logits: torch.Tensor, requests: list[Request], drafts: list[tuple[int, ...]]):
-        """``sample_requests``, with a fault kept to the request that caused it. -> (tokens, logprobs, failed)
+        """``sample_requests``, with a fault kept to the request whose settings caused it. -> (tokens, logprobs, failed)
 
-        Sampling reads each request's own settings, so a request whose settings trip a bug must not
-        take the batch with it. If the batch raises, every request samples again alone, with the
-        generators restored (a seeded request draws what it would have drawn): one that raises again
-        gets its error in ``failed``, the others their tokens. A fault no single request reproduces,
-        or that every request of several reproduces, is the engine's own and is raised.
+        If the batch raises, every request samples again alone, with the generators restored (a seeded
+        request draws what it would have drawn): one that raises again gets its error in ``failed``, the
+        others their tokens. A fault no single request reproduces, or that every request of several
+        reproduces, is the engine's own and is raised.
         """
         sampled = [r for r in requests if not r.sampling_params.greedy]  # greedy rows draw nothing
         candidates = (self.generator, *(r.generator for r in sampled)) if sampled else ()
@@ -337,9 +323,8 @@ class SamplingRunner:
     def sample_requests(self, logits: torch.Tensor, requests: list[Request], drafts: list[tuple[int, ...]]):
         """Each request's new tokens from its logits rows. -> (tokens, logprobs) per request.
 
-        Without drafts a request owns one row and samples one token. A request that checked
-        k drafts owns k+1 rows and keeps the drafts the model agrees with, then one token of
-        the model's own (``spec_decode.rejection``), so the output has plain sampling's distribution.
+        A request that checked k drafts owns k+1 rows and keeps the drafts the model agrees with, then
+        one token of the model's own (``spec_decode.rejection``): plain sampling's distribution.
         """
         if not any(drafts):
             result = self.sample(logits, requests)
@@ -371,11 +356,8 @@ class SamplingRunner:
 
 
 class ModelRunner(SamplingRunner):
-    """Holds the model and the paged KV cache; prepares inputs, runs, samples.
-
-    The model must have been built with the device backend's kernels (``loader.build_model``); the
-    backend then prepares its weights and its forward pass once (compiled ops warmed up, CUDA graphs).
-    """
+    """Holds the model and the paged KV cache; prepares inputs, runs, samples. The model must have been
+    built with the device backend's kernels (``loader.build_model``); the backend prepares it once."""
 
     def __init__(self, model: nn.Module, model_config: ModelConfig, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, seed: int = 0, backend: Backend | None = None) -> None:
@@ -419,7 +401,6 @@ class ModelRunner(SamplingRunner):
                 "weight_copies": self.backend.weight_copies if self.backend.weight_copy_bytes else "",
                 "kv_cache_bytes": self.kv_cache_bytes}
 
-    # -------------------------------------------------------------- inputs
     def prepare_inputs(self, plan: BatchPlan) -> ModelInput:
         """The step's tensors on this runner's device, the attention metadata built by the backend."""
         device = self.device
@@ -428,7 +409,6 @@ class ModelRunner(SamplingRunner):
                           self.backend.build_metadata(plan),
                           torch.tensor(plan.logits_indices, dtype=torch.long, device=device))
 
-    # ----------------------------------------------------------- execution
     @torch.inference_mode()
     def run_model(self, model_input: ModelInput) -> torch.Tensor:
         """Forward pass and logits of the rows to sample. -> (S, vocab) float32."""
@@ -448,10 +428,8 @@ class ModelRunner(SamplingRunner):
 
     @torch.inference_mode()
     def logits_chunks(self, model_input: ModelInput, row_counts: list[int], profiler: StepProfiler = NO_PROFILER):
-        """The forward pass, then the sampled rows' logits in the backend's chunks (one on a GPU).
-
-        A chunk is dropped here once the caller asks for the next, so it is freed before the next is computed.
-        """
+        """The forward pass, then the sampled rows' logits in the backend's chunks (one on a GPU), each
+        dropped here once the caller asks for the next, so it is freed before the next is computed."""
         with profiler.phase("model"):
             hidden = self.sampled_hidden(model_input)
         config = self.model_config
@@ -465,13 +443,9 @@ class ModelRunner(SamplingRunner):
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int, write_kv: bool = False) -> None:
-        """Run one dummy step of ``num_tokens`` tokens through the model and the sampler, so that
-        compiling happens now (``compile_runner``) and not during the first real steps.
-
-        It samples with a generator of its own and writes no KV (``BatchPlan.dummy``) unless ``write_kv``
-        (a step with unwritten slots may run another way): then, as a prompt does, to the cache's first
-        blocks, only while no request holds one.
-        """
+        """Run one dummy step of ``num_tokens`` tokens through the model and the sampler (with a generator
+        of its own), so that compiling happens now and not during the first real steps. It writes no KV
+        (``BatchPlan.dummy``) unless ``write_kv`` (a step with unwritten slots may run another way)."""
         if write_kv and num_tokens > self.num_blocks * self.block_size:
             raise ValueError(f"a warm-up step writing KV takes at most the cache's "
                              f"{self.num_blocks * self.block_size} slots, got {num_tokens} tokens")

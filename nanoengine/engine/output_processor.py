@@ -46,12 +46,9 @@ class RequestState:
 
 
 class LiveRequests(Mapping[str, Request]):
-    """The unfinished completion requests by id: a read-only view, live, not a copy.
-
-    ``in`` and ``[]`` cost one dict lookup however many requests are in flight; ``len`` and
-    iteration walk them all. Take ``dict(view)`` for a snapshot, or ``list(view)`` before
-    aborting while iterating, because the view follows the engine as it changes.
-    """
+    """The unfinished completion requests by id: a read-only view, live, not a copy (``in`` and ``[]``
+    cost one dict lookup). Take ``dict(view)`` for a snapshot, or ``list(view)`` before aborting while
+    iterating, because the view follows the engine as it changes."""
 
     def __init__(self, completions_by_id: dict[str, Request]) -> None:
         self._completions_by_id = completions_by_id
@@ -93,12 +90,9 @@ class OutputProcessor:
 
     def detokenize(self, produced: list[Request], logprobs: dict[str, tuple],
                    faults: dict[str, Exception]) -> dict[str, str]:
-        """Take in this step's tokens; returns the stop string found, by request id.
-
-        Records each token's logprobs, and makes text for the requests whose text is read
-        every step or searched for stop strings. A request whose text cannot be made (its
-        tokenizer raised) is put in ``faults`` and the others go on (``LLMEngine`` finishes it with the error).
-        """
+        """Take in this step's tokens (their logprobs; text where it is read every step or searched for
+        stop strings); returns the stop string found, by request id. A request whose text cannot be made
+        goes to ``faults`` and the others go on (``LLMEngine`` finishes it with the error)."""
         stop_strings: dict[str, str] = {}
         for request in produced:
             state = self.states[request.parent_id]
@@ -116,12 +110,9 @@ class OutputProcessor:
         return stop_strings
 
     def make_outputs(self, produced: list[Request], faults: dict[str, Exception]) -> list[RequestOutput]:
-        """Outputs of the user requests whose completions produced a token this step.
-
-        Called once the stop decision is made, so finished completions carry their
-        reason. A ``FINAL_ONLY`` request is reported only once all of it has finished.
-        A request whose output cannot be made goes to ``faults`` (by its first completion's id).
-        """
+        """Outputs of the user requests whose completions produced a token this step, once the stop
+        decision is made (a ``FINAL_ONLY`` request's only once all of it has finished). A request whose
+        output cannot be made goes to ``faults`` (by its first completion's id)."""
         touched: dict[str, RequestState] = {}
         for request in produced:
             state = self.states[request.parent_id]

@@ -1,24 +1,16 @@
 """The output router: one place steps the engine, every output reaches its reader (chapter 2).
 
-``LLMEngine.step()`` returns the outputs of *every* request that progressed, so a reader that
-steps the engine for its own request and drops the rest loses the others' outputs: a
-``generate`` run while a stream is open would eat the stream's deltas, two streams read in
-turn each other's tokens. So readers ask the router, which steps the engine and puts each
-output in the queue of the request it belongs to::
+``LLMEngine.step()`` returns the outputs of *every* request that progressed, so a reader that steps
+the engine for its own request and drops the rest loses the others' (a ``generate`` run while a
+stream is open would eat the stream's deltas). So readers ask the router, which steps the engine and
+puts each output in its request's queue (``watch``, then ``next_output``). A queue is made for any
+request that produced an output and kept until its final output is read, so nothing is lost;
+``release`` drops one nobody wants.
 
-    router = OutputRouter(engine)
-    router.watch(request_id)              # a queue for this request
-    out = router.next_output(request_id)  # steps until this request has an output
-
-A queue is made for any request that produced an output, watched or not, and kept until its
-final output has been read, so nothing is lost; ``release`` drops a queue nobody wants.
-
-A server steps its engine on a thread of its own: its ``AsyncLLMEngine`` (chapter 12) calls
-``route(engine.step())``, gives ``watch`` a ``sink`` (a function called with each output)
-instead of using a queue, and calls ``close`` when it stops. vLLM's ``AsyncLLM`` routes the
-same way, one ``RequestOutputCollector`` per request (vllm/v1/engine/output_processor.py).
-
-The router is not thread-safe, like the engine: one thread steps and reads.
+A server's ``AsyncLLMEngine`` (chapter 12) steps on a thread of its own, calls ``route(engine.step())``
+and gives ``watch`` a ``sink`` (a function called with each output) instead of a queue. vLLM's
+``AsyncLLM`` routes the same way, one ``RequestOutputCollector`` per request
+(vllm/v1/engine/output_processor.py). Not thread-safe, like the engine: one thread steps and reads.
 """
 
 from __future__ import annotations

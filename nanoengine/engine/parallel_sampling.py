@@ -1,42 +1,28 @@
 """Parallel sampling: one user request, ``n`` completions of the same prompt (chapter 8).
 
-``SamplingParams(n=4)`` asks for four completions; computing the prompt four times would
-waste three prefills and three copies of its KV. A ``ParentRequest`` stands for the user
-request and does almost all that ``n > 1`` needs: the rest of the engine sees ordinary
-requests, and the scheduler reads one mark (``Request.fork_source``), only with the prefix
-cache off.
+``SamplingParams(n=4)`` asks for four completions; computing the prompt four times would waste
+three prefills and three copies of its KV. A ``ParentRequest`` stands for the user request and
+does almost all that ``n > 1`` needs: the rest of the engine sees ordinary requests, and the
+scheduler reads one mark (``Request.fork_source``), only with the prefix cache off.
 
 1. **fan out**: the parent makes ``n`` ordinary ``Request`` objects, its *children*, named
-   ``"{i}_{id}"`` (vLLM's names; with ``n == 1`` the one child keeps the user's id). A
-   seeded request gives child ``i`` the seed ``seed + i``, so each is reproducible and
-   they differ from one another. Only child 0 is queued; the siblings wait in the parent,
-   outside the scheduler, and take no sequence slot and no block.
-2. **prefill once, then release** (``ParentRequests.after_update``, once per step): once
-   child 0 has computed the prompt and sampled its first token, the siblings are queued.
-   An admitted sibling shares child 0's full prompt blocks, computes only the prompt's
-   partly filled last block and samples its first token from its own logits; from then
-   on each child is scheduled, preempted and finished on its own.
+   ``"{i}_{id}"`` (vLLM's names; with ``n == 1`` the one child keeps the user's id). Only child 0
+   is queued; the siblings wait in the parent, taking no sequence slot and no block.
+2. **prefill once, then release** (``ParentRequests.after_update``): once child 0 has computed the
+   prompt and sampled its first token, the siblings are queued like new requests (so
+   ``max_num_seqs`` and the token budget hold). An admitted sibling shares child 0's full prompt
+   blocks (a ``PrefixCacheHit``; with the cache off, a ``BlocksForked``), computes only the partly
+   filled last one and samples its own first token; from then on each child runs on its own.
 3. **gather**: the output processor reports the ``n`` children as one ``RequestOutput``
-   (``gather_metrics`` covers the timings); the user request ends when its last child
-   does. Aborting it finishes every child, released or not.
+   (``gather_metrics``); the user request ends when its last child does, or, aborted, with all.
 
-With the prefix cache on (the default) a sibling finds the full prompt blocks as any request
-with that prompt would (a ``PrefixCacheHit``); with it off, ``fork_source`` names child 0 and
-its number of full prompt blocks, which the scheduler hands to ``BlockManager.allocate_slots``
-(a ``BlocksForked``).
-
-Only *full* blocks are shared. vLLM v0 copied the partly filled last block on write (a
-device-side KV copy in every worker); here each sibling recomputes its tokens instead (at
-most ``block_size - 1``; a whole block when the prompt fills its last one, since the sibling
-needs that last token's logits): no copy kernel, and unchanged under tensor parallelism.
-
-Siblings enter the waiting queue like new requests, so ``max_num_seqs`` and the token budget
-hold without special rules. They start a step after child 0: vLLM v1's ``ParentRequest``
-(vllm/v1/engine/parallel_sampling.py) queues all children at once, since it registers a
-block's digest when the block is *scheduled*, while this engine registers it once computed
-(and with the cache off, where vLLM computes the prompt once per child, forks it). If child 0
-loses its blocks first, nothing stale is shared: a hit is verified as every hit is, and a fork
-is taken only while child 0 holds the blocks computed (``Scheduler.computed_blocks``).
+Only *full* blocks are shared. vLLM v0 copied the partly filled last block on write (a device-side
+KV copy in every worker); here each sibling recomputes its tokens instead (at most a block): no copy
+kernel, and unchanged under tensor parallelism. vLLM v1's ``ParentRequest``
+(vllm/v1/engine/parallel_sampling.py) queues all children at once, since it registers a block's
+digest when the block is *scheduled*; this engine registers it once computed, hence the one-step
+hold. If child 0 loses its blocks first, nothing stale is shared: a hit is verified as every hit
+is, and a fork is taken only while child 0 holds the blocks computed (``Scheduler.computed_blocks``).
 """
 
 from __future__ import annotations

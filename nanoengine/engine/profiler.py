@@ -14,14 +14,11 @@ step's time cut into disjoint phases:
 ``detokenize``     turning token ids into text
 =================  ==============================================================
 
-The code that does the work opens its phase: ``with profiler.phase("schedule"): ...``.
-Phases nest, and nested time belongs to the innermost phase only (the block manager's
-seconds are taken out of ``schedule``'s and ``update``'s), so the phases never overlap and
-their sum is at most the step's wall time (the rest is the engine's own bookkeeping).
-
-Profiling reads the clock at every phase boundary, so it runs only for steps somebody
-watches: the engine calls ``start(events.wants(StepFinished))`` at each step, and a
-disabled profiler's ``phase`` returns one shared do-nothing context manager.
+The code that does the work opens its phase: ``with profiler.phase("schedule"): ...``. Nested
+time belongs to the innermost phase only (the block manager's is taken out of ``schedule``'s and
+``update``'s), so the phases never overlap; the rest of the step's wall time is the engine's own
+bookkeeping. Profiling reads the clock at every phase boundary, so it runs only for steps somebody
+watches (``start(events.wants(StepFinished))``); a disabled profiler's ``phase`` measures nothing.
 """
 
 from __future__ import annotations

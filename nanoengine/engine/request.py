@@ -51,8 +51,7 @@ class Request:
                  prompt: str | None = None, eos_token_ids: tuple[int, ...] = (), arrival_time: float | None = None,
                  device: torch.device | str = "cpu", parent_id: str | None = None, index: int = 0) -> None:
         self.request_id = request_id
-        # Parallel sampling: the n completions of one user request are n requests here,
-        # named "{index}_{parent_id}" (vLLM's naming); with n=1 the ids are equal.
+        # The user request: its n completions are n requests, "{index}_{parent_id}" (equal ids when n=1).
         self.parent_id = request_id if parent_id is None else parent_id
         self.index = index
         self.prompt = prompt

@@ -48,12 +48,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ScheduledRequest:
-    """One request's part of a step, decided by the scheduler and fixed for the step.
-
-    ``num_computed_tokens`` is the request's progress *before* the step, so everything
-    derived from the record (positions, which kernel, token counts) stays true after
-    ``update_from_output`` has moved the request on.
-    """
+    """One request's part of a step, decided by the scheduler and fixed for the step: ``num_computed_tokens``
+    is the progress *before* the step, so what derives from the record (positions, which kernel, token
+    counts) stays true after ``update_from_output`` has moved the request on."""
 
     request: Request
     num_tokens: int  # tokens computed this step
@@ -129,14 +126,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.step = 0
         self.num_preemptions = 0
-        # Prefix-cache statistics, counted at a request's first admission (a recompute is not a new
-        # query): its prompt tokens, and those its cached blocks cover.
-        self.prefix_queries = 0
-        self.prefix_hits = 0
-        # What each verify pass accepted (speculative decoding), as vLLM's scheduler counts it.
-        self.spec_decode_stats = spec_decode_stats or SpecDecodeStats(0)
+        self.prefix_queries = 0  # prompt tokens at first admission (a recompute is no new query)
+        self.prefix_hits = 0  # those of them the prefix cache held
+        self.spec_decode_stats = spec_decode_stats or SpecDecodeStats(0)  # what each verify pass accepted
 
-    # ------------------------------------------------------------ lifecycle
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
 
@@ -157,7 +150,6 @@ class Scheduler:
         self.events.emit(RequestFinished(self.step, request.request_id, status.finish_reason,
                                          request.num_output_tokens))
 
-    # ----------------------------------------------------------- scheduling
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch within the token budget and the KV pool, in the policy's order
         (``fcfs``: ``schedule_running``, then ``admit_waiting`` unless someone was preempted)."""
@@ -244,10 +236,9 @@ class Scheduler:
     def computed_blocks(self, request: Request) -> tuple[list[int], int, str | None]:
         """The leading full blocks ``request`` need not compute: (block ids, their tokens, forked from).
 
-        Usually the prefix cache's hits. A parallel-sampling sibling with the cache off carries
-        ``fork_source`` instead (``parallel_sampling``): it takes that completion's full prompt
-        blocks, with its id for the ``BlocksForked`` event, only if they are computed right now
-        (a preempted or finished source holds none); else it computes its prompt like any request.
+        Usually the prefix cache's hits. A sibling with ``fork_source`` (``parallel_sampling``, cache off)
+        takes that completion's full prompt blocks only while they are computed (a preempted or finished
+        source holds none); else it computes its prompt like any request.
         """
         if request.fork_source is not None:
             source, num_blocks = request.fork_source
@@ -269,19 +260,15 @@ class Scheduler:
         out.preempted.append(request)
         self.events.emit(RequestPreempted(self.step, request.request_id, num_blocks))
 
-    # ------------------------------------------------------------- updating
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput,
                            detokenizer: OutputProcessor) -> list[Request]:
         """The step's tokens into their requests, each stop decided; returns the requests that produced one.
 
-        Progress advances by the tokens each request computed. The new tokens are then taken in
-        rounds, token i of every request in round i, as plain decoding would have taken them: after
-        checking drafts a request may have up to k+1, and the draft before each token after the
-        first was right (``accept_token``). After each round the output processor reads the round's
-        tokens (``detokenizer.detokenize``: logprobs, text, the stop string found) and
-        ``finish_if_stopped`` decides whether each request has finished (``check_stop``), so nothing
-        after a stop is emitted. Last, the blocks only rejected drafts used go back to the pool. A
-        request in ``result.failed`` (its sampling or text raised) takes nothing more; the engine ends it.
+        Progress advances by the tokens each request computed. The new tokens (up to k+1 after k drafts:
+        ``accept_token``) are taken in rounds, token i of every request in round i, as plain decoding would
+        have taken them; after each round the output processor reads them (logprobs, text, stop strings)
+        and ``check_stop`` decides, so nothing after a stop is emitted. Last, the blocks only rejected
+        drafts used go back. A request in ``result.failed`` takes nothing more; the engine ends it.
         """
         now = time.perf_counter()
         produced = []
@@ -347,12 +334,9 @@ class Scheduler:
         request.append_output_token(token, now)
 
     def release_rejected_slots(self, out: SchedulerOutput) -> None:
-        """Give back the blocks that only this step's rejected drafts used.
-
-        The rejected guesses' slots lie at or after the request's first uncomputed position, so no
-        later step reads them (attention stops at each row's context length) and no block holding
-        them is hashed into the prefix cache; the next step overwrites those in the blocks it keeps.
-        """
+        """Give back the blocks that only this step's rejected drafts used. Rejected slots lie at or after
+        the first uncomputed position, so no later step reads them and no block holding them is hashed;
+        the next step overwrites those in the blocks it keeps."""
         for s in out.scheduled:
             if s.num_draft_tokens and s.request.status == RequestStatus.RUNNING:
                 self.block_manager.release_slots_after(s.request, s.request.num_tokens)
@@ -373,21 +357,11 @@ def check_stop(request: Request, stop_string: str | None,
                max_model_len: int) -> tuple[RequestStatus, str | int | None] | None:
     """Whether ``request`` is done after its newest token: (status, stop_reason), or None.
 
-    This is the one place that decides a request has finished by itself (an abort is the
-    user's decision, ``LLMEngine.abort``). The first rule that holds wins:
-
-    1. the token is EOS (unless ``ignore_eos``): "stop", stop_reason None;
-    2. the token is one of ``stop_token_ids``: "stop", stop_reason that id;
-    3. a stop string appeared in the text (``stop_string``, found by the detokenizer):
-       "stop", stop_reason the string;
-    4. its grammar (structured output) is complete and allows no more text: "stop",
-       stop_reason None (vLLM lets the grammar force EOS and stops on that; stopping here
-       saves that step and gives the same text);
-    5. ``max_tokens`` or ``max_model_len`` is reached: "length", stop_reason None.
-
-    So a stop matched on the last allowed token still reports "stop", as vLLM and the
-    OpenAI API do (vLLM: ``check_stop`` in vllm/v1/core/sched/utils.py, and its output
-    processor for stop strings).
+    The one place that decides a request has finished by itself (an abort is ``LLMEngine.abort``'s).
+    The first rule below that holds wins, so a stop matched on the last allowed token still reports
+    "stop", as vLLM (``check_stop`` in vllm/v1/core/sched/utils.py) and the OpenAI API do. The stop
+    reason is the stop token id or stop string that matched, else None. A complete grammar stops
+    here, where vLLM forces EOS and stops on that: one step saved, the same text.
     """
     token = request.output_token_ids[-1]
     params = request.sampling_params
