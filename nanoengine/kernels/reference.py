@@ -95,8 +95,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     out = torch.empty_like(query)
     starts = cu_seqlens_q.tolist()
-    lengths = context_lens.tolist()
-    for seq, context_len in enumerate(lengths):
+    for seq, context_len in enumerate(context_lens.tolist()):
         q_start, q_end = starts[seq], starts[seq + 1]
         q_len = q_end - q_start
         if q_len == 0:

@@ -41,11 +41,10 @@ MIN_DOT_DIM = 16
 def _dot(a, b, UPCAST: tl.constexpr):
     """``a @ b`` with fp32 accumulation.
 
-    ``input_precision="ieee"`` keeps fp32 inputs exact (the tensor-core default, tf32,
-    keeps only 10 mantissa bits); it is ignored for fp16/bf16 inputs. ``UPCAST`` is set
-    only under the interpreter with bf16 data: Triton 3.9's interpreter multiplies the
-    raw bf16 bit patterns in ``tl.dot`` (triton-lang/triton#11584), and a bf16 x bf16
-    product is exact in fp32, so upcasting first gives the same numbers a GPU would.
+    ``input_precision="ieee"`` keeps fp32 inputs exact (the tensor-core default, tf32, keeps only 10
+    mantissa bits; fp16/bf16 inputs ignore it). ``UPCAST`` is set only under the interpreter with bf16
+    data: Triton 3.9's interpreter multiplies the raw bf16 bit patterns in ``tl.dot``
+    (triton-lang/triton#11584); a bf16 x bf16 product is exact in fp32, so upcasting gives a GPU's numbers.
     """
     if UPCAST:
         a = a.to(tl.float32)
@@ -252,10 +251,6 @@ def _check_tensor(name: str, tensor, ndim: int, layout: str, dtypes: tuple[torch
                          f"call .contiguous() first")
 
 
-def _check_index(name: str, tensor, ndim: int, layout: str) -> None:
-    _check_tensor(name, tensor, ndim, layout, INDEX_DTYPES)
-
-
 def _check_same_device(**tensors: torch.Tensor) -> None:
     devices = {name: t.device for name, t in tensors.items()}
     if len(set(devices.values())) > 1:
@@ -325,7 +320,7 @@ def check_store_kv_args(key, value, k_cache, v_cache, slot_mapping) -> None:
             raise TypeError(f"{name} has dtype {tensor.dtype} but the cache has {k_cache.dtype}; they must match")
     if key.shape != value.shape:
         raise ValueError(f"key and value must have the same shape, got {tuple(key.shape)} and {tuple(value.shape)}")
-    _check_index("slot_mapping", slot_mapping, 1, "(num_tokens,)")
+    _check_tensor("slot_mapping", slot_mapping, 1, "(num_tokens,)", INDEX_DTYPES)
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries but key has "
                          f"{key.shape[0]} tokens; need one slot per token")
@@ -333,8 +328,8 @@ def check_store_kv_args(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def _check_tables(block_tables, context_lens, num_seqs: int) -> None:
-    _check_index("block_tables", block_tables, 2, "(num_seqs, max_blocks_per_seq)")
-    _check_index("context_lens", context_lens, 1, "(num_seqs,)")
+    _check_tensor("block_tables", block_tables, 2, "(num_seqs, max_blocks_per_seq)", INDEX_DTYPES)
+    _check_tensor("context_lens", context_lens, 1, "(num_seqs,)", INDEX_DTYPES)
     if block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows but there are {num_seqs} "
                          "sequences; need one row per sequence")
@@ -379,11 +374,11 @@ def check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, cont
     to the host (one sync: prefill is never captured in a CUDA graph) to check them and to size the grid."""
     _check_cache_pair(k_cache, v_cache)
     _check_query(query, k_cache, "(total_q_tokens, num_heads, head_dim)")
-    _check_index("cu_seqlens_q", cu_seqlens_q, 1, "(num_seqs + 1,)")
+    _check_tensor("cu_seqlens_q", cu_seqlens_q, 1, "(num_seqs + 1,)", INDEX_DTYPES)
     if cu_seqlens_q.shape[0] < 1:
         raise ValueError("cu_seqlens_q must have num_seqs + 1 >= 1 entries, got 0")
     num_seqs = cu_seqlens_q.shape[0] - 1
-    _check_index("context_lens", context_lens, 1, "(num_seqs,)")
+    _check_tensor("context_lens", context_lens, 1, "(num_seqs,)", INDEX_DTYPES)
     if context_lens.shape[0] != num_seqs:
         raise ValueError(f"cu_seqlens_q has {num_seqs + 1} entries (so {num_seqs} sequences) but context_lens has "
                          f"{context_lens.shape[0]}; need len(cu_seqlens_q) == len(context_lens) + 1")
@@ -402,11 +397,6 @@ def check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, cont
 def _dot_dim(extent: int) -> int:
     """A tile extent: the next power of two, at least 16 (tl.dot's minimum)."""
     return max(MIN_DOT_DIM, triton.next_power_of_2(extent))
-
-
-def _upcast(dtype: torch.dtype) -> bool:
-    """Whether ``_dot`` must upcast (the interpreter's bf16 tl.dot bug; see ``_dot``)."""
-    return INTERPRETED and dtype == torch.bfloat16
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -429,10 +419,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per sequence against its paged context (``reference.paged_decode_attention``).
-
-    No host sync, so a decode step using it can be captured in a CUDA graph.
-    """
+    """One query token per sequence against its paged context (``reference.paged_decode_attention``),
+    with no host sync, so a decode step using it can be captured in a CUDA graph."""
     check_decode_args(query, k_cache, v_cache, block_tables, context_lens, scale)
     check_device_supported(query.device)
     num_seqs, num_heads, head_dim = query.shape
@@ -448,7 +436,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=_dot_dim(group), BLOCK_D=_dot_dim(head_dim), BLOCK_N=DECODE_BLOCK_N,
-        UPCAST=_upcast(query.dtype),
+        UPCAST=INTERPRETED and query.dtype == torch.bfloat16,
     )
     return out
 
@@ -473,7 +461,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=PREFILL_BLOCK_M, BLOCK_D=_dot_dim(head_dim), BLOCK_N=PREFILL_BLOCK_N,
-        UPCAST=_upcast(query.dtype),
+        UPCAST=INTERPRETED and query.dtype == torch.bfloat16,
     )
     return out
 
