@@ -1,8 +1,8 @@
 """Qwen3: the Llama layout plus a per-head RMSNorm on queries and keys before RoPE.
 
-``LlamaAttention`` adds ``q_norm`` / ``k_norm`` when ``ModelConfig.uses_qk_norm`` is set, so Qwen3 is
-the same module tree under its own name, and its checkpoints (nano-vLLM's only model) load through
-the same name mapping.
+``LlamaAttention`` adds ``q_norm`` / ``k_norm`` when ``ModelConfig.uses_qk_norm`` is set,
+so Qwen3 is the same module tree under its own name; its checkpoints (and nano-vLLM's only
+model) load through the same name mapping.
 """
 
 from __future__ import annotations
