@@ -1,11 +1,9 @@
 """The paged-KV kernels: a PyTorch reference, the CPU's native C++ kernels and Triton for CUDA.
 
-Each operation has a PyTorch reference (``reference.py``, the specification), a Triton kernel
-(``triton_kernels.py``, the CUDA path) and, for attention, the CPU's native kernels
-(``cpu_native.py``). The engine's device backend (``nanoengine.backends``) chooses among them once,
-when the engine is built; the three functions below are for tools and notebooks that hold tensors
-and want "the path the engine would take for them". Triton is imported only when first needed, so
-importing the engine never requires a GPU toolchain.
+``reference.py`` is the specification, ``triton_kernels.py`` the CUDA path, ``cpu_native.py`` the
+CPU's. The engine's device backend (``nanoengine.backends``) chooses among them once, when the engine
+is built; the functions below are for tools and notebooks that want "the path the engine would take"
+for their tensors. Triton is imported only when first needed: importing the engine needs no GPU toolchain.
 """
 
 from __future__ import annotations

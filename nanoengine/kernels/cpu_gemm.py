@@ -1,19 +1,16 @@
 """Prepacked weights for the CPU's matrix multiplies (chapter 10: layout is performance).
 
-A GEMM library does not multiply matrices in the layout it is handed: it first copies
-("packs") panels of each operand into blocked tiles that fit the CPU's registers and caches.
-``F.linear`` hands every call to MKL's ``sgemm`` with the weight in PyTorch's row-major layout,
-so the weight is re-packed on every call; in a decode step, whose activations are a few rows,
-that is most of the work. An inference engine's weights never change, so oneDNN (bundled with
-PyTorch) reorders each weight into its blocked layout once (``pack_weight``) and multiplies by it
-directly (``packed_linear``): faster at every batch size measured (``results/README.md``).
+A GEMM library first copies ("packs") panels of each operand into blocked tiles that fit the CPU's
+registers and caches. ``F.linear`` hands MKL's ``sgemm`` the weight in PyTorch's row-major layout,
+so it is re-packed on every call: in a decode step, whose activations are a few rows, most of the
+work. Weights never change, so oneDNN (bundled with PyTorch) reorders each one once
+(``pack_weight``) and multiplies by it directly (``packed_linear``): faster at every batch size
+measured (``results/README.md``).
 
-This is the CPU path only (float32 or bfloat16 weights, PyTorch built with oneDNN; bfloat16 where
-oneDNN has bfloat16 kernels for this CPU, natively with avx512_bf16 or AMX). Everything else keeps
-``F.linear``: ``pack_weight`` returns None when packing is not possible, and callers fall back.
-The packed copy is a snapshot (a model's weights must not change after its engine packed them)
-and a copy: the dense weights stay (loading, tensor-parallel slicing and the notebooks read them),
-so the weights take twice their memory.
+CPU only: float32 or bfloat16 weights (bfloat16 where oneDNN has bfloat16 kernels for this CPU),
+PyTorch built with oneDNN; elsewhere ``pack_weight`` returns None and callers keep ``F.linear``. The
+packed copy is a snapshot (weights must not change once packed) and a copy: the dense weights stay
+(loading, tensor-parallel slicing and the notebooks read them), so the weights take twice their memory.
 """
 
 from __future__ import annotations

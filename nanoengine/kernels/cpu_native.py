@@ -1,27 +1,21 @@
 """The CPU backend's own kernels, in C++ (chapter 10: when the libraries are not enough).
 
-Each ``csrc/`` file opens with why its operators exist and what definition they must agree with:
-``few_rows_linear`` (up to ``MAX_ROWS`` rows times a weight, streaming the weight once),
-``paged_decode_attention``, ``paged_prefill_attention``, ``rms_norm``, ``add_rms_norm`` and
-``rotate_half``; ``silu_and_mul``, ``paged_attention`` and ``llama_layer`` make eager PyTorch's calls
-from C++: one call from Python instead of several, with eager's bits.
+Each ``csrc/`` file opens with why its operators exist and what they must agree with;
+``silu_and_mul``, ``paged_attention`` and ``llama_layer`` make eager PyTorch's calls from C++ (one
+call from Python, eager's bits). They are PyTorch operators (``torch.ops.nanoengine.*``, signatures
+in ``csrc/ops.h``) on PyTorch's thread pool, compiled the first time an engine needs them
+(``./course setup`` builds them ahead) into ``~/.cache/nanoengine/kernels/``.
 
-They are registered as PyTorch operators (``torch.ops.nanoengine.*``; their C++ signatures in
-``csrc/ops.h``), run on PyTorch's own thread pool, and are compiled the first time an engine needs
-them (said once on stderr) into ``~/.cache/nanoengine/kernels/`` under a name that carries the torch
-and Python versions and the instruction set; ``./course setup`` builds them ahead. There are two
-builds, each for exactly its instruction set (not ``-march=native``): AVX-512 where PyTorch runs its
-own kernels with it (``ATEN_CPU_CAPABILITY=avx2`` lowers that), else AVX2 + FMA. Decode attention,
+Two builds, each for exactly its instruction set (not ``-march=native``): AVX-512 where PyTorch's
+own kernels use it (``ATEN_CPU_CAPABILITY=avx2`` lowers that), else AVX2 + FMA. Decode attention,
 where the width paid (results/README.md), is written once over ``csrc/cpu_vec.h``'s ``Vec``; the
 others, bound by memory or by calls, are AVX2 in both builds.
 
-Every sum a kernel computes has its order fixed by the source, not by the CPU, the threads or the
-batch: a row gets the same bits alone or in a batch, and decode attention the same in both builds
-(``tests/engine/test_cpu_native.py``). The operators that make PyTorch's calls have those calls'
-bits, so a fused layer is the Python forward bit for bit (``test_cpu_fused.py``).
-
-Without a C++ compiler, ninja, or AVX2 + FMA, ``load`` says why in one warning and returns
-False; the CPU backend then uses the libraries and the reference attention (``kernels.reference``).
+Every sum's order is fixed by the source, not by the CPU, the threads or the batch: a row gets the
+same bits alone or in a batch, decode attention the same in both builds (``test_cpu_native.py``), and
+a fused layer is the Python forward bit for bit (``test_cpu_fused.py``). Without a C++ compiler,
+ninja, or AVX2 + FMA, ``load`` says why in one warning and returns False; the CPU backend then uses
+the libraries and the reference attention (``kernels.reference``).
 """
 
 from __future__ import annotations

@@ -1,29 +1,21 @@
 """PyTorch reference kernels: the specification of the paged-KV data plane.
 
-Three operations touch the paged KV cache (chapters 3 and 4):
-
-* ``store_kv`` writes the keys/values of this step's tokens into their cache slots.
-  A *slot* is ``block_id * block_size + offset``: the scheduler's block table says which
-  physical block holds a token, the offset says where inside it.
-* ``paged_decode_attention`` attends one query token per sequence over that sequence's
-  whole context, reading K/V block by block through its block table.
-* ``paged_prefill_attention`` attends a chunk of query tokens per sequence (variable
-  lengths, causal). Earlier tokens of the sequence may already sit in the cache, from a
-  previous chunk or a prefix-cache hit, so query ``j`` of a sequence with ``q_len``
-  query tokens and ``context_len`` cached tokens (this chunk included) sits at position
-  ``context_len - q_len + j`` and sees keys ``0 .. context_len - q_len + j``.
-
-Shapes used throughout::
+``store_kv`` (chapter 3) writes this step's keys/values into their cache slots (a *slot* is
+``block_id * block_size + offset``); ``paged_decode_attention`` (chapter 4) attends one query token
+per sequence over its whole context; ``paged_prefill_attention`` attends a causal chunk of query
+tokens per sequence. Earlier tokens may already be cached (a previous chunk, a prefix-cache hit), so
+query ``j`` of a chunk of ``q_len`` tokens with ``context_len`` cached tokens (this chunk included)
+sits at position ``context_len - q_len + j`` and sees keys ``0 .. context_len - q_len + j``. Shapes::
 
     k_cache, v_cache : (num_blocks, block_size, num_kv_heads, head_dim)
     block_tables     : (num_seqs, max_blocks_per_seq) int32; entries past a sequence's
                        last block are padding and never read
     context_lens     : (num_seqs,) int32, tokens in the cache for each sequence
 
-These run on any device and are written to be read, not to be fast: the CPU's native kernels
-(``cpu_native``) and the CUDA ones (``triton_kernels``) are tested against them, and the CPU backend
-attends with them where its native kernels cannot be built. Grouped-query attention (GQA): each
-group of ``num_heads // num_kv_heads`` query heads shares one KV head.
+Written to be read, not to be fast, on any device: the native CPU kernels (``cpu_native``) and the
+CUDA ones (``triton_kernels``) are tested against them, and the CPU backend attends with them where
+its native kernels cannot be built. Grouped-query attention (GQA): each group of
+``num_heads // num_kv_heads`` query heads shares one KV head.
 """
 
 from __future__ import annotations
@@ -103,8 +95,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     out = torch.empty_like(query)
     starts = cu_seqlens_q.tolist()
-    lengths = context_lens.tolist()
-    for seq, context_len in enumerate(lengths):
+    for seq, context_len in enumerate(context_lens.tolist()):
         q_start, q_end = starts[seq], starts[seq + 1]
         q_len = q_end - q_start
         if q_len == 0:

@@ -1,24 +1,20 @@
 """Triton kernels for the paged-KV data plane: the CUDA path of ``nanoengine.kernels``.
 
 Each function has the signature and contract of its PyTorch reference in ``reference.py`` (the
-specification; read its docstrings first) and computes it as one GPU kernel launch instead of a
-handful of gathers and einsums (chapters 3, 4 and 10). A program finds token ``t`` of its sequence
-in the paged cache through the block table (the "virtual memory" of chapter 4)::
+specification) and computes it in one kernel launch (chapters 3, 4 and 10). A program finds token
+``t`` of its sequence through the block table (the "virtual memory" of chapter 4)::
 
     physical_block = block_tables[seq, t // block_size]
     k_cache[physical_block, t % block_size, kv_head, :]
 
-The kernels gather per token rather than per cache block, so a tile of ``BLOCK_N`` keys may span
-cache blocks of any size (even 6) listed in any order; padding entries past a sequence's last block
-are never read.
+Gathering per token, a tile of ``BLOCK_N`` keys may span cache blocks of any size in any order.
 
-This is the only module that imports triton (``nanoengine.kernels`` imports it lazily, for the first
-CUDA tensor). Tests run the kernels on CPU under ``TRITON_INTERPRET=1``, which must be set before
-this module is imported: ``@triton.jit`` reads it. Every wrapper validates its inputs in plain
-Python before launching (the ``check_*`` helpers): inside a kernel a bad shape or dtype is an
-illegal memory access or silently wrong numbers, never a readable error.
+Only this module imports triton (``nanoengine.kernels`` imports it lazily). Tests run the kernels
+on CPU under ``TRITON_INTERPRET=1``, which must be set before this module is imported
+(``@triton.jit`` reads it). Every wrapper validates its inputs in plain Python first (the
+``check_*`` helpers): inside a kernel a bad shape or dtype is an illegal memory access or silently
+wrong numbers, never a readable error.
 """
-
 from __future__ import annotations
 
 import math
@@ -41,18 +37,14 @@ PREFILL_BLOCK_N = 64  # context tokens per step of the prefill loop
 MIN_DOT_DIM = 16
 
 
-# ------------------------------------------------------------------------------------------ Kernels
-
-
 @triton.jit
 def _dot(a, b, UPCAST: tl.constexpr):
     """``a @ b`` with fp32 accumulation.
 
-    ``input_precision="ieee"`` keeps fp32 inputs exact (the tensor-core default, tf32,
-    keeps only 10 mantissa bits); it is ignored for fp16/bf16 inputs. ``UPCAST`` is set
-    only under the interpreter with bf16 data: Triton 3.9's interpreter multiplies the
-    raw bf16 bit patterns in ``tl.dot`` (triton-lang/triton#11584), and a bf16 x bf16
-    product is exact in fp32, so upcasting first gives the same numbers a GPU would.
+    ``input_precision="ieee"`` keeps fp32 inputs exact (the tensor-core default, tf32, keeps only 10
+    mantissa bits; fp16/bf16 inputs ignore it). ``UPCAST`` is set only under the interpreter with bf16
+    data: Triton 3.9's interpreter multiplies the raw bf16 bit patterns in ``tl.dot``
+    (triton-lang/triton#11584); a bf16 x bf16 product is exact in fp32, so upcasting gives a GPU's numbers.
     """
     if UPCAST:
         a = a.to(tl.float32)
@@ -110,17 +102,15 @@ def _paged_decode_kernel(
     """Grid ``(num_seqs, num_kv_heads)``: program (s, kvh) attends the ``GROUP`` query
     heads that share KV head ``kvh`` of sequence ``s`` over its ``context_lens[s]`` tokens.
 
-    The context is walked in tiles of BLOCK_N tokens. For each tile the program gathers
-    the K tile through the block table, scores it against all GROUP queries at once
-    (one (BLOCK_G, BLOCK_N) tl.dot), and folds it into the online softmax::
+    Per tile of BLOCK_N context tokens, gathered through the block table, one (BLOCK_G, BLOCK_N)
+    tl.dot scores all GROUP queries, and the online softmax folds the tile in::
 
         m_new = max(m, rowmax(s));  alpha = 2^(m - m_new);  p = 2^(s - m_new)
         l = l * alpha + rowsum(p);  acc = acc * alpha + p @ V_tile
 
-    and finally writes ``acc / l``. Scores live in log2 units (scaled by
-    ``scale * log2(e)``) so the exponentials are exp2. A sequence with
-    ``context_len == 0`` (a padded CUDA-graph slot) gets zeros rather than NaN.
-    Nothing here reads a length on the host, so the launch can be captured in a CUDA graph.
+    and finally writes ``acc / l``. Scores are in log2 units (scaled by ``scale * log2(e)``) so the
+    exponentials are exp2. A sequence with ``context_len == 0`` (a padded CUDA-graph slot) gets zeros,
+    not NaN; nothing reads a length on the host, so the launch can be captured in a CUDA graph.
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -246,9 +236,6 @@ def _paged_prefill_kernel(
 INTERPRETED: bool = type(_store_kv_kernel).__name__ == "InterpretedFunction"
 
 
-# ---------------------- Input validation (plain Python: callable on CPU without launching anything)
-
-
 def _check_tensor(name: str, tensor, ndim: int, layout: str, dtypes: tuple[torch.dtype, ...]) -> None:
     """A tensor of ``ndim`` dimensions and one of ``dtypes``, contiguous in its last dimension
     (the kernels address it as ``ptr + offs``: its stride must be 1)."""
@@ -262,10 +249,6 @@ def _check_tensor(name: str, tensor, ndim: int, layout: str, dtypes: tuple[torch
     if tensor.shape[-1] > 1 and tensor.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {tensor.stride()}; "
                          f"call .contiguous() first")
-
-
-def _check_index(name: str, tensor, ndim: int, layout: str) -> None:
-    _check_tensor(name, tensor, ndim, layout, INDEX_DTYPES)
 
 
 def _check_same_device(**tensors: torch.Tensor) -> None:
@@ -337,7 +320,7 @@ def check_store_kv_args(key, value, k_cache, v_cache, slot_mapping) -> None:
             raise TypeError(f"{name} has dtype {tensor.dtype} but the cache has {k_cache.dtype}; they must match")
     if key.shape != value.shape:
         raise ValueError(f"key and value must have the same shape, got {tuple(key.shape)} and {tuple(value.shape)}")
-    _check_index("slot_mapping", slot_mapping, 1, "(num_tokens,)")
+    _check_tensor("slot_mapping", slot_mapping, 1, "(num_tokens,)", INDEX_DTYPES)
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries but key has "
                          f"{key.shape[0]} tokens; need one slot per token")
@@ -345,8 +328,8 @@ def check_store_kv_args(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def _check_tables(block_tables, context_lens, num_seqs: int) -> None:
-    _check_index("block_tables", block_tables, 2, "(num_seqs, max_blocks_per_seq)")
-    _check_index("context_lens", context_lens, 1, "(num_seqs,)")
+    _check_tensor("block_tables", block_tables, 2, "(num_seqs, max_blocks_per_seq)", INDEX_DTYPES)
+    _check_tensor("context_lens", context_lens, 1, "(num_seqs,)", INDEX_DTYPES)
     if block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows but there are {num_seqs} "
                          "sequences; need one row per sequence")
@@ -369,12 +352,8 @@ def check_decode_args(query, k_cache, v_cache, block_tables, context_lens, scale
 
 def check_prefill_lengths(q_lens: list[int], context_lens: list[int], total_q_tokens: int, block_size: int,
                           max_blocks_per_seq: int) -> None:
-    """Validate the host-side lengths of a prefill batch (plain ints, no tensors).
-
-    Each chunk must fit in its context (``q_len <= context_len``: the chunk's own K/V is
-    already stored), the chunks must tile the packed query exactly, and each block-table
-    row must have enough columns for its context.
-    """
+    """Validate the host-side lengths of a prefill batch (plain ints): the chunks tile the packed query,
+    each fits in its context (its own K/V is already stored), each block-table row covers its context."""
     if sum(q_lens) != total_q_tokens:
         raise ValueError(f"cu_seqlens_q ends at {sum(q_lens)} but query has {total_q_tokens} tokens; "
                          "cu_seqlens_q[-1] must equal query.shape[0]")
@@ -391,18 +370,15 @@ def check_prefill_lengths(q_lens: list[int], context_lens: list[int], total_q_to
 
 
 def check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale) -> list[int]:
-    """Validate ``paged_prefill_attention``'s arguments; returns each sequence's q_len.
-
-    Besides shapes, dtypes, strides and devices this reads the lengths to the host (one sync;
-    prefill is never captured in a CUDA graph) to check them and to size the grid.
-    """
+    """Validate ``paged_prefill_attention``'s arguments; returns each sequence's q_len. Reads the lengths
+    to the host (one sync: prefill is never captured in a CUDA graph) to check them and to size the grid."""
     _check_cache_pair(k_cache, v_cache)
     _check_query(query, k_cache, "(total_q_tokens, num_heads, head_dim)")
-    _check_index("cu_seqlens_q", cu_seqlens_q, 1, "(num_seqs + 1,)")
+    _check_tensor("cu_seqlens_q", cu_seqlens_q, 1, "(num_seqs + 1,)", INDEX_DTYPES)
     if cu_seqlens_q.shape[0] < 1:
         raise ValueError("cu_seqlens_q must have num_seqs + 1 >= 1 entries, got 0")
     num_seqs = cu_seqlens_q.shape[0] - 1
-    _check_index("context_lens", context_lens, 1, "(num_seqs,)")
+    _check_tensor("context_lens", context_lens, 1, "(num_seqs,)", INDEX_DTYPES)
     if context_lens.shape[0] != num_seqs:
         raise ValueError(f"cu_seqlens_q has {num_seqs + 1} entries (so {num_seqs} sequences) but context_lens has "
                          f"{context_lens.shape[0]}; need len(cu_seqlens_q) == len(context_lens) + 1")
@@ -418,25 +394,14 @@ def check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, cont
     return q_lens
 
 
-# --------------------------------------- Wrappers (the public API; same signatures as reference.py)
-
-
 def _dot_dim(extent: int) -> int:
     """A tile extent: the next power of two, at least 16 (tl.dot's minimum)."""
     return max(MIN_DOT_DIM, triton.next_power_of_2(extent))
 
 
-def _upcast(dtype: torch.dtype) -> bool:
-    """Whether ``_dot`` must upcast (the interpreter's bf16 tl.dot bug; see ``_dot``)."""
-    return INTERPRETED and dtype == torch.bfloat16
-
-
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Write ``key``/``value`` (num_tokens, num_kv_heads, head_dim) into their slots.
-
-    Same contract as ``reference.store_kv``: slot ``-1`` means "do not store".
-    """
+    """Write ``key``/``value`` (num_tokens, num_kv_heads, head_dim) into their slots (``reference.store_kv``)."""
     check_store_kv_args(key, value, k_cache, v_cache, slot_mapping)
     check_device_supported(key.device)
     num_tokens = key.shape[0]
@@ -454,11 +419,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per sequence against its paged context (``reference`` contract).
-
-    query (num_seqs, num_heads, head_dim) -> output of the same shape and dtype. No host
-    sync, so a decode step using it can be captured in a CUDA graph.
-    """
+    """One query token per sequence against its paged context (``reference.paged_decode_attention``),
+    with no host sync, so a decode step using it can be captured in a CUDA graph."""
     check_decode_args(query, k_cache, v_cache, block_tables, context_lens, scale)
     check_device_supported(query.device)
     num_seqs, num_heads, head_dim = query.shape
@@ -474,7 +436,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_G=_dot_dim(group), BLOCK_D=_dot_dim(head_dim), BLOCK_N=DECODE_BLOCK_N,
-        UPCAST=_upcast(query.dtype),
+        UPCAST=INTERPRETED and query.dtype == torch.bfloat16,
     )
     return out
 
@@ -482,11 +444,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
                             scale: float) -> torch.Tensor:
-    """Causal attention for variable-length query chunks over a paged context.
-
-    Same contract as ``reference.paged_prefill_attention``: query (total_q_tokens,
-    num_heads, head_dim) packed by ``cu_seqlens_q``; the chunk's K/V already stored.
-    """
+    """Causal attention for variable-length query chunks, paged context (``reference.paged_prefill_attention``)."""
     q_lens = check_prefill_args(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
     check_device_supported(query.device)
     total_q_tokens, num_heads, head_dim = query.shape
@@ -503,7 +461,7 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=PREFILL_BLOCK_M, BLOCK_D=_dot_dim(head_dim), BLOCK_N=PREFILL_BLOCK_N,
-        UPCAST=_upcast(query.dtype),
+        UPCAST=INTERPRETED and query.dtype == torch.bfloat16,
     )
     return out
 

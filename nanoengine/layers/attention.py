@@ -1,17 +1,15 @@
 """The attention layer over the paged KV cache (chapters 3 and 4).
 
-A step's tokens arrive packed in one flat batch: first one token for each *decoding*
-sequence, then the query chunks of the *prefilling* sequences. The layer
+A step's tokens arrive packed in one flat batch: first one token per *decoding* sequence, then the
+query chunks of the *prefilling* sequences. The layer writes this step's K/V into the cache at the
+slots the scheduler chose, then runs paged decode attention for the decode tokens and paged prefill
+attention for the chunks, both reading K/V through the block tables.
 
-1. writes this step's K/V into the cache at the slots the scheduler chose (store-KV),
-2. runs paged decode attention for the decode tokens and paged prefill attention for the
-   prefill chunks, both reading K/V through the block tables.
-
-``AttentionMetadata`` carries that layout: the device backend builds it once per step (a subclass
-may add fields, such as the CPU's ``all_slots_stored``) and passes it down the model explicitly (no
-global context). The kernels are the backend's ``AttentionImpl``, which each layer takes when it is
-built (``layers.kernels``; the reference kernels by default); the runner then binds each layer to
-its share of the KV cache. The layer never asks which device it runs on.
+``AttentionMetadata`` carries that layout, built once per step by the device backend (a subclass may
+add fields, such as the CPU's ``all_slots_stored``) and passed down the model (no global context).
+The kernels are the backend's ``AttentionImpl``, taken by each layer when it is built
+(``layers.kernels``); the runner then binds each layer to its share of the KV cache. The layer never
+asks which device it runs on.
 """
 
 from __future__ import annotations
@@ -77,11 +75,8 @@ class AttentionImpl:
 
 
 class ReferenceAttention(AttentionImpl):
-    """The specification kernels (``kernels.reference``): a loop over sequences, any device.
-
-    A module of kernels with the same signatures runs through a subclass that sets ``kernels``
-    (the CUDA backend's Triton kernels).
-    """
+    """The specification kernels (``kernels.reference``), or a subclass's ``kernels`` module of the same
+    signatures (the CUDA backend's Triton kernels)."""
 
     name = "reference"
     kernels = reference

@@ -23,27 +23,18 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class LayerKernels:
-    """What a device backend gives the layers of a model built for it.
+    """What a device backend gives the layers of a model built for it (each function with the signature
+    of the eager one it replaces)."""
 
-    name: how these kernels are known (a model is run only by a backend whose kernels have its name).
-    rms_norm, add_rms_norm: ``RMSNorm``'s two functions (``layers.layernorm``'s signatures).
-    rotate_half: ``RotaryEmbedding``'s rotation (``layers.rotary.rotate_half``'s signature).
-    silu_and_mul: ``SiluAndMul``'s function.
-    sampling_probs: the ``Sampler``'s filters (``layers.sampler.sampling_probs``'s signature).
-    linear_method: makes each GEMM layer's ``linear_method`` (called once per layer, in its constructor).
-    attention: the ``AttentionImpl`` every ``Attention`` layer calls.
-    decoder_layer: given a just-built decoder layer, its one-call version, or None where it has none
-        (the CPU backend's ``backends.cpu_fused``).
-    """
-
-    name: str = "reference"
-    rms_norm: Callable | None = None
+    name: str = "reference"  # a model is run only by a backend whose kernels have its name
+    rms_norm: Callable | None = None  # RMSNorm's two functions (layers.layernorm)
     add_rms_norm: Callable | None = None
-    rotate_half: Callable | None = None
-    silu_and_mul: Callable | None = None
-    sampling_probs: Callable | None = None
-    linear_method: Callable | None = None
-    attention: AttentionImpl | None = None
+    rotate_half: Callable | None = None  # RotaryEmbedding's rotation (layers.rotary)
+    silu_and_mul: Callable | None = None  # SiluAndMul's function
+    sampling_probs: Callable | None = None  # the Sampler's filters (layers.sampler)
+    linear_method: Callable | None = None  # makes each GEMM layer's linear_method, once, in its constructor
+    attention: AttentionImpl | None = None  # the AttentionImpl every Attention layer calls
+    # Given a just-built decoder layer, its one-call version, or None where it has none (backends.cpu_fused).
     decoder_layer: Callable | None = None
 
 

@@ -1,12 +1,10 @@
 """RMSNorm, optionally fused with the residual add (chapter 10's fusion example).
 
-RMSNorm(x) = x / sqrt(mean(x^2) + eps) * weight. Transformer blocks add the residual
-stream right before normalising it, so ``forward(x, residual)`` returns both the
-normalised sum and the new residual.
-
-The math is two plain functions, ``rms_norm`` and ``add_rms_norm``, which eager PyTorch runs
-op by op (a pass over the activations each); the module calls the versions its backend's
-kernels gave it (``layers.kernels``): the CPU's one-pass native kernel, or compiled on CUDA.
+RMSNorm(x) = x / sqrt(mean(x^2) + eps) * weight. Transformer blocks add the residual stream right
+before normalising it, so ``forward(x, residual)`` returns both the normalised sum and the new
+residual. Eager PyTorch runs the two plain functions below op by op (a pass over the activations
+each); the module calls the versions its backend's kernels gave it (``layers.kernels``): the CPU's
+one-pass native kernel, or compiled on CUDA.
 """
 
 from __future__ import annotations
@@ -36,7 +34,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 
 class RMSNorm(nn.Module):
-    # The eager functions; each instance calls the ones its kernels gave it.
     norm_fn = staticmethod(rms_norm)
     add_norm_fn = staticmethod(add_rms_norm)
 

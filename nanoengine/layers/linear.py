@@ -1,21 +1,17 @@
 """Linear layers that can be split over tensor-parallel ranks (chapter 9).
 
-* ``ColumnParallelLinear`` splits the *output* features: each rank computes a slice of
-  the output, no communication needed.
-* ``RowParallelLinear`` splits the *input* features: each rank computes a partial sum of
-  the whole output, and an all-reduce adds the partial sums.
-* ``MergedColumnParallelLinear`` (gate + up of the MLP) and ``QKVParallelLinear`` (q, k,
-  v) pack several column-parallel projections into one matrix, so one GEMM does the work
-  of two or three. Their ``weight_loader`` copies each checkpoint tensor (``gate_proj``,
-  ``q_proj`` ...) into its slice, which is how separate Hugging Face weights end up packed.
+A column-parallel layer splits the *output* features (each rank computes a slice, no communication);
+a row-parallel one splits the *input* features (each rank computes a partial sum of the whole output,
+an all-reduce adds them). A column-parallel layer followed by a row-parallel one (attention's qkv ->
+o, the MLP's gate_up -> down) needs a single all-reduce per pair: the Megatron-LM layout. The merged
+layers pack several column-parallel projections into one matrix, so one GEMM does the work of two or
+three; their ``weight_loader`` copies each Hugging Face checkpoint tensor (``q_proj``, ``gate_proj``)
+into its slice.
 
-A column-parallel layer followed by a row-parallel one (attention's qkv -> o, the MLP's
-gate_up -> down) needs a single all-reduce per pair: the Megatron-LM layout.
-
-The product itself is the layer's ``linear_method`` (vLLM's name), made in its constructor
-from the backend's kernels (``layers.kernels``): ``F.linear`` by default. Once the weights are
-loaded, each method's ``process_weights_after_loading(layer)`` (vLLM's hook) may prepare a copy
-(the CPU's prepacks it: ``backends/cpu.py``).
+The product itself is the layer's ``linear_method`` (vLLM's name), made in its constructor from the
+backend's kernels (``layers.kernels``): ``F.linear`` by default. Once the weights are loaded, each
+method's ``process_weights_after_loading(layer)`` (vLLM's hook) may prepare a copy (the CPU's
+prepacks it: ``backends/cpu.py``).
 """
 
 from __future__ import annotations
@@ -57,10 +53,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
 
 class GemmLayer:
-    """Mixin for a module whose ``weight`` (out_features, in_features) feeds a GEMM.
-
-    ``linear_method`` computes the product: made once, by the kernels the model is built with.
-    """
+    """Mixin for a module whose ``weight`` (out_features, in_features) feeds a GEMM through its ``linear_method``."""
 
     def make_linear_method(self) -> None:
         make = current_kernels().linear_method

@@ -1,17 +1,11 @@
 """The sampler: logits -> next tokens (chapter 8; the playground widget calls this code).
 
-For each row the filters run in this order, each on what the previous one left:
-
-1. temperature: divide the logits by T (T < 1 sharpens, T > 1 flattens; T = 0 is greedy
-   and skips everything below),
-2. top-k: keep the k highest logits,
-3. top-p (nucleus): keep the smallest set of most likely tokens whose probability sums
-   to at least p,
-4. min-p: drop tokens less likely than ``min_p`` times the most likely one.
-
-Cut tokens get a logit of -inf, then one token is drawn from the softmax. A request with a
-seed draws from its own ``torch.Generator``, so what else shares the batch never changes
-its samples.
+For each row the filters run in this order, each on what the previous one left: temperature
+(divide the logits by T; T = 0 is greedy and skips the rest), top-k (keep the k highest logits),
+top-p (keep the smallest set of most likely tokens whose probability sums to at least p), min-p
+(drop tokens less likely than ``min_p`` times the most likely one). Cut tokens get a logit of -inf,
+then one token is drawn from the softmax. A request with a seed draws from its own
+``torch.Generator``, so what else shares the batch never changes its samples.
 
 ``kept_mask`` is the definition (public, so the sampling playground shows exactly it): it sorts
 each row's whole vocabulary, which on a CPU is costly (``results/README.md``). The engine sorts only
@@ -217,9 +211,8 @@ class Sampler:
     def distribution(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """The whole distribution each row's token is drawn from. (R, V) -> (R, V), rows sum to 1.
 
-        The softmax of the scaled logits for a row with only a temperature, ``probs_fn`` (the
-        filters' definition) for a filtered one. Speculative decoding needs it whole: it reads a
-        drafted token's probability and, on a rejection, draws from the rest. Greedy rows are refused.
+        Speculative decoding needs it whole: it reads a drafted token's probability and, on a
+        rejection, draws from the rest.
         """
         if any(p.greedy for p in params):
             raise ValueError("distribution() is for sampling rows; a greedy row's token is its argmax")

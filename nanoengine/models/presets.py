@@ -1,12 +1,10 @@
 """Published shapes of models the course talks about (chapters 1, 3 and 11), and tiny ones.
 
-Only shapes: no weights. ``PRESETS`` feed the memory estimator (weights + KV cache for a
-given context and batch) and let the GPU benchmark build a model of Qwen3-0.6B's real
-shape with random weights. Values are from each model's published ``config.json``.
-
-``TINY_PRESETS`` are the small random models that tests, widgets and scripts use when only
-the mechanics matter (queues, blocks, slots): ``loader.weights.random_model("tiny-llama")``
-builds one in milliseconds. Text a reader sees always comes from the real model.
+Only shapes, from each model's published ``config.json``: ``PRESETS`` feed the memory estimator and
+let the GPU benchmark build a model of Qwen3-0.6B's real shape with random weights. ``TINY_PRESETS``
+are the small random models that tests, widgets and scripts use when only the mechanics matter
+(queues, blocks, slots): ``loader.weights.random_model("tiny-llama")`` builds one in milliseconds.
+Text a reader sees always comes from the real model.
 """
 
 from __future__ import annotations
