@@ -180,12 +180,10 @@ Observer = Callable[[Event], None]
 class EventBus:
     """Fan events out to observers; keep a bounded history only for those who ask for one.
 
-    An observer may ask for some event types only (``subscribe(fn, StepFinished)``). The
-    engine asks ``wants(EventType)`` before it builds an event, so with no observer and no
-    history a step builds no events and its profiler reads no clock. The history
-    (``keep_history()``) is off by default, since it would build and keep every request's
-    events; while it is on, every event is wanted. An observer that raises does not break
-    the engine: the exception becomes a warning and the step goes on.
+    The engine asks ``wants(EventType)`` before it builds an event, so with no observer and no
+    history a step builds no events and its profiler reads no clock. The history (``keep_history()``)
+    is off by default, since it would build and keep every request's events; while it is on, every
+    event is wanted. An observer that raises becomes a warning; the step goes on.
     """
 
     def __init__(self) -> None:

@@ -1,11 +1,10 @@
 """Loading a model: build the module tree, then fill it from a checkpoint (chapter 2).
 
-Three sources give the same ``(name, tensor)`` stream in Hugging Face naming:
-a directory of ``*.safetensors`` files, a GGUF file (``loader.gguf`` converts names and
-undoes llama.cpp's rotary permutation), or random values for tests and mechanics-only
-chapters. ``load_weights`` routes each tensor to its parameter, through the parameter's
-``weight_loader`` when it is packed (qkv, gate_up) or split over tensor-parallel ranks, and
-fails loudly on a missing or unexpected tensor instead of running with garbage.
+Three sources give the same ``(name, tensor)`` stream in Hugging Face naming: a directory of
+``*.safetensors`` files, a GGUF file (``loader.gguf``), or random values for tests and
+mechanics-only chapters. ``load_weights`` routes each tensor to its parameter, through the
+parameter's ``weight_loader`` when it is packed (qkv, gate_up) or split over tensor-parallel
+ranks, and fails loudly on a missing or unexpected tensor instead of running with garbage.
 """
 
 from __future__ import annotations
@@ -107,11 +106,10 @@ def random_model(preset: str | ModelConfig = "tiny-llama", seed: int = 0, std: f
 def save_pretrained(model: nn.Module, path: str | Path) -> Path:
     """Write ``model`` as a Hugging Face directory (``config.json`` + ``model.safetensors``).
 
-    The inverse of loading: packed parameters are cut back into the checkpoint's separate
-    tensors (``qkv_proj`` -> ``q_proj``, ``k_proj``, ``v_proj``; ``gate_up_proj`` ->
-    ``gate_proj``, ``up_proj``). Chapter 9 uses it to give a ``random_model`` a directory,
-    because tensor-parallel workers load their shards from a checkpoint, not from a module
-    in the driver. Only a model built for one rank (the whole matrices) can be saved.
+    The inverse of loading: packed parameters are cut back into the checkpoint's tensors (``qkv_proj``
+    -> ``q_proj``, ``k_proj``, ``v_proj``; ``gate_up_proj`` -> ``gate_proj``, ``up_proj``). Chapter 9 gives a
+    ``random_model`` a directory with it, since tensor-parallel workers load their shards from a
+    checkpoint, not from a module in the driver. Only a model built for one rank can be saved.
     """
     from safetensors.torch import save_file
 
