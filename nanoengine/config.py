@@ -44,12 +44,10 @@ class EngineConfig:
         or "static" (the static-batching baseline: a batch of up to max_num_seqs requests
         runs until all of it has finished before anyone new is admitted).
     tensor_parallel_size: processes the model is split over.
-    enforce_eager: run the model operator by operator from Python: no CUDA graphs on a GPU, and
-        on a CPU the layers' Python forward rather than one native call per decoder layer (vLLM's
-        flag: the model as its code reads, what hooks and the chapters see).
-    compile: CUDA only (elsewhere a ValueError): torch.compile the small fused ops (RMSNorm +
-        residual, rotary, SiLU-and-mul, the sampler's filters); on failure the engine warns once
-        and stays eager. enforce_eager does not turn it off (``backends.compilation``).
+    enforce_eager: run the model operator by operator from Python, as its code reads and as hooks and
+        the chapters see it (vLLM's flag): no CUDA graphs on a GPU, no native call per layer on a CPU.
+    compile: CUDA only (elsewhere a ValueError): torch.compile the small fused ops (``backends.compilation``);
+        on failure the engine warns once and stays eager. enforce_eager does not turn it off.
     seed: seeds the engine's generator for requests without a seed of their own.
     speculative_config: None (no speculation) or vLLM's dict, e.g. ``{"method": "ngram",
         "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` (chapter 13).

@@ -40,11 +40,9 @@ class RequestScheduled(Event):
 
 @dataclass(frozen=True)
 class DraftsVerified(Event):
-    """Speculative decoding: a request's drafted tokens were checked by one forward pass (chapter 13).
-
-    ``emitted`` are the tokens the pass produced: the first ``num_accepted`` drafts, then one of
-    the model's own. A stop among them may end the request before all of them reach its output.
-    """
+    """Speculative decoding (chapter 13): one forward pass checked a request's drafts. ``emitted`` are the
+    tokens it produced: the first ``num_accepted`` drafts, then one of the model's own. A stop among them
+    may end the request before all of them reach its output."""
 
     request_id: str
     draft_token_ids: tuple[int, ...]
@@ -137,10 +135,8 @@ class BatchRow:
 
 @dataclass(frozen=True)
 class BatchPrepared(Event):
-    """The batch a step is about to run: decodes first, then prefill chunks (model order).
-
-    Built only when someone subscribes (it copies every index list); never kept in the history.
-    """
+    """The batch a step is about to run: decodes first, then prefill chunks (model order); built only when
+    someone subscribes (it copies every index list), never kept in the history."""
 
     rows: tuple[BatchRow, ...]
 

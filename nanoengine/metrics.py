@@ -42,11 +42,8 @@ Metric = Counter | Gauge | Vector
 
 @dataclass(frozen=True)
 class EngineStats:
-    """The engine's counters at one moment, for ``LLM.get_metrics()``, ``/metrics`` and tests.
-
-    Read between two steps by the thread that steps the engine, so the numbers agree with one
-    another; readers on other threads only ever see a complete, frozen record.
-    """
+    """The engine's counters at one moment, read between two steps by the thread that steps the engine:
+    the numbers agree with one another, and readers on other threads only see a complete, frozen record."""
 
     num_running: int  # sequences (completions) in the running queue
     num_waiting: int  # sequences waiting for admission (new or preempted)

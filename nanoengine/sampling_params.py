@@ -131,8 +131,7 @@ class SamplingParams:
     top_p: keep the smallest set of tokens whose probability sums to at least top_p.
     min_p: drop tokens whose probability is below min_p times the top token's.
     max_tokens: how many tokens to generate at most.
-    seed: a per-request random generator, so the same seed gives the same text whatever
-        else shares the batch.
+    seed: a per-request generator: the same seed gives the same text whatever else shares the batch.
     stop: strings that end generation (not included in the text).
     stop_token_ids: token ids that end generation (in addition to EOS).
     ignore_eos: keep going past the end-of-sequence token (benchmarks use this).
@@ -140,8 +139,7 @@ class SamplingParams:
     n: how many completions of the prompt to return (parallel sampling). The prompt is computed
         once and its KV blocks are shared by the n sequences. With a seed, completion i draws from
         its own generator seeded ``seed + i``, reproducible whatever else is in the batch.
-    output_kind: when ``LLMEngine.step`` reports the request and what each output holds
-        (``RequestOutputKind``; the default: every step, with everything so far).
+    output_kind: when ``LLMEngine.step`` reports the request and what it holds (``RequestOutputKind``).
     structured_outputs: None, or the constraint the output must satisfy (``StructuredOutputsParams``):
         every token is drawn from those it allows next (logprobs are those of that masked
         distribution), and the request finishes ("stop") when the constraint is complete.

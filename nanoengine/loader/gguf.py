@@ -7,10 +7,10 @@ us as such a file (``nanoengine.default_model``). Dequantizing reproduces exactl
 llama.cpp computes with, not the original ones.
 
 The one real quirk: llama.cpp's converter permutes the rows of ``attn_q`` and ``attn_k``;
-:func:`unpermute_rotary` undoes it at load time, so model code stays clean (the gpt-fast habit). Get it
-wrong and the model still runs but writes gibberish, which is why ``tests/engine/test_default_model.py``
-generates text with Hugging Face transformers. Only ``general.architecture == "llama"`` (Llama 1/2/3,
-Mistral, SmolLM2) is supported; anything else raises a ``ValueError`` that names it.
+:func:`unpermute_rotary` undoes it at load time, so model code stays clean. Get it wrong and the model
+still runs but writes gibberish: ``tests/engine/test_default_model.py`` generates text with transformers.
+Only ``general.architecture == "llama"`` (Llama 1/2/3, Mistral, SmolLM2) is supported; anything else
+raises a ``ValueError`` that names it.
 """
 
 from __future__ import annotations
@@ -165,13 +165,10 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def _to_float32(tensor: Any) -> np.ndarray:
-    """Dequantize one ReaderTensor to float32 numpy in HF order ``(out_features, in_features)``.
-
-    GGUF lists dims fastest-first (``[in, out]``); GGUFReader's data is already a row-major
-    ``(out, bytes_per_row)`` array, and ``dequantize`` expands its last axis from bytes to elements.
-    """
+    """Dequantize one ReaderTensor to float32 numpy in HF order ``(out_features, in_features)``: GGUFReader's
+    data is already a row-major ``(out, bytes_per_row)`` array, and ``dequantize`` expands bytes to elements."""
     data = dequantize(tensor.data, tensor.tensor_type)  # F32/F16 pass through as a cast
-    expected = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    expected = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists dims fastest-first
     data = np.asarray(data, dtype=np.float32).reshape(expected)
     # F32 tensors come back as read-only views of the memory-mapped file: copy those.
     return data if data.flags.writeable else data.copy()

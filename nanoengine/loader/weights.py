@@ -87,10 +87,9 @@ def random_model(preset: str | ModelConfig = "tiny-llama", seed: int = 0, std: f
                  **overrides) -> nn.Module:
     """A model with deterministic random weights: the one factory for tests, widgets and scripts.
 
-    ``preset`` names a shape in ``models.presets`` (``TINY_PRESETS`` first, then the
-    published ``PRESETS``) or is a ``ModelConfig``; ``overrides`` replace config fields
-    (e.g. ``vocab_size=512``). A larger ``std`` (0.08) gives peaked next-token
-    distributions, so greedy tests are not decided by near-ties. ``backend``: as in ``build_model``.
+    ``preset`` names a shape in ``models.presets`` or is a ``ModelConfig``; ``overrides`` replace config
+    fields (e.g. ``vocab_size=512``). A larger ``std`` (0.08) gives peaked next-token distributions, so
+    greedy tests are not decided by near-ties. ``backend``: as in ``build_model``.
     """
     if isinstance(preset, str):
         known = {**PRESETS, **TINY_PRESETS}
