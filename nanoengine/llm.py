@@ -89,9 +89,8 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one request (text, token ids or a conversation) as they are produced.
 
-        Closing the generator early aborts the request and frees its blocks. If the engine
-        finishes the request with an error (``finish_reason`` "error"), the stream raises
-        ``RuntimeError`` after the text that came before it.
+        Closing the generator early aborts the request and frees its blocks. If the engine finishes the
+        request with an error (``finish_reason`` "error"), it raises ``RuntimeError`` after the text before it.
         """
         if sampling_params is not None and getattr(sampling_params, "n", 1) != 1:
             raise ValueError(f"stream() yields one completion's text, got SamplingParams(n={sampling_params.n}); "

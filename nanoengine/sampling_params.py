@@ -32,9 +32,8 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")  # StructuredOutpu
 class RequestOutputKind(enum.Enum):
     """When ``LLMEngine.step`` hands out a request's output (vLLM's names).
 
-    CUMULATIVE: every step that gave the request a token, with all its text and tokens so
-        far and the ``delta`` since the last output; each output copies the whole completion,
-        so a long stream costs more per step the longer it gets.
+    CUMULATIVE: every step that gave the request a token, with all its text and tokens so far and
+        the ``delta`` since the last output; each output copies the whole completion, costlier as it grows.
     DELTA: every step that gave the request a token, with only what is new since its last output
         (``text``, equal to ``delta``, and the new tokens' ``token_ids`` and ``logprobs``), for a
         stream reader to append (``LLM.stream``, the server's streams); ``cumulative_logprob`` and

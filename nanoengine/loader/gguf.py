@@ -1,10 +1,9 @@
 """Read a llama.cpp GGUF file into a Hugging Face config, state dict and tokenizer.
 
 GGUF is llama.cpp's single-file format: typed key/value metadata (architecture, sizes, the whole
-tokenizer, the chat template) followed by tensors that are usually quantized (Q4_1 stores each block
-of 32 weights as 4-bit integers plus a float16 scale and minimum). The course's default model reaches
-us as such a file (``nanoengine.default_model``). Dequantizing reproduces exactly the weights
-llama.cpp computes with, not the original ones.
+tokenizer, the chat template) followed by tensors that are usually quantized (Q4_1: each block of 32
+weights as 4-bit integers plus a float16 scale and minimum). The course's default model comes as one
+(``nanoengine.default_model``); dequantized, it gives the weights llama.cpp computes with, not the originals.
 
 The one real quirk: llama.cpp's converter permutes the rows of ``attn_q`` and ``attn_k``;
 :func:`unpermute_rotary` undoes it at load time, so model code stays clean. Get it wrong and the model
@@ -73,11 +72,9 @@ def _f32(value: float) -> float:
 
 
 def read_gguf_config(path: PathLike | GGUFReader) -> dict[str, Any]:
-    """A Hugging Face ``LlamaForCausalLM`` config dict built from the GGUF metadata.
-
-    GGUFReader indexes every metadata item when it opens a file (seconds for SmolLM2's 100k tokenizer
-    strings), so a caller that needs config, weights and tokenizer opens one and passes it to each.
-    """
+    """A Hugging Face ``LlamaForCausalLM`` config dict built from the GGUF metadata. GGUFReader indexes every
+    metadata item when it opens a file (seconds for SmolLM2's 100k tokenizer strings), so a caller that
+    needs config, weights and tokenizer opens one and passes it to each."""
     reader = _open(path)
     meta = read_gguf_metadata(reader)
     tensor_names = {t.name for t in reader.tensors}
@@ -235,11 +232,9 @@ def _bpe_tokenizer(meta: dict[str, Any]) -> Tokenizer:
 
 
 def gguf_tokenizer_files(path: PathLike | GGUFReader) -> dict[str, Any]:
-    """Return ``{"tokenizer.json": str, "tokenizer_config.json": dict, "special_tokens_map.json": dict}``.
-
-    The config names the special tokens by their text (the GGUF stores ids), carries the chat template,
-    and asks for the generic ``PreTrainedTokenizerFast``, which loads ``tokenizer.json`` as it is.
-    """
+    """Return ``{"tokenizer.json": str, "tokenizer_config.json": dict, "special_tokens_map.json": dict}``;
+    the config names the special tokens by their text (the GGUF stores ids), carries the chat template,
+    and asks for the generic ``PreTrainedTokenizerFast``, which loads ``tokenizer.json`` as it is."""
     meta = read_gguf_metadata(path)
     tok = _bpe_tokenizer(meta)
     tokens = meta["tokenizer.ggml.tokens"]

@@ -18,6 +18,8 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from nanoengine.backends import select_backend
+from nanoengine.default_model import default_model_dir
 from nanoengine.distributed.parallel_state import TPGroup
 from nanoengine.layers.kernels import building_with
 from nanoengine.models import MODEL_CLASSES, ModelConfig
@@ -148,8 +150,6 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
     constructed (``layers.kernels``), and the backend places the parameters before anything fills
     them. The model keeps the kernels as ``model.kernels``, which an engine's backend must match.
     """
-    from nanoengine.backends import select_backend
-
     backend = backend if backend is not None else select_backend(device, dtype=dtype)
     cls = MODEL_CLASSES[config.architecture]
     with building_with(backend.kernels), torch.device(device):
@@ -164,8 +164,6 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
 def resolve_model_source(model: str | Path | None) -> Path:
     """``None`` -> the default model's directory; otherwise an existing dir or .gguf file."""
     if model is None:
-        from nanoengine.default_model import default_model_dir
-
         return default_model_dir()
     expected = "model must be None (the default SmolLM2-135M-Instruct), a Hugging Face directory or a .gguf file"
     if not isinstance(model, (str, Path)) or not str(model):
