@@ -35,7 +35,7 @@ class EngineConfig:
     kv_cache_memory_gb: memory budget for the KV pool when num_kv_blocks is None.
     max_num_seqs: most requests running at once; None takes 256, or max_num_batched_tokens if smaller.
     max_num_batched_tokens: the token budget of one step (prefill chunks + decodes); at least
-        max_num_seqs, since every running request needs a token of it (vLLM's SchedulerConfig agrees).
+        max_num_seqs, since every running request needs a token of it (vLLM's ``SchedulerConfig`` refuses the same).
     max_model_len: longest prompt + output a request may reach; None takes the model's.
     enable_prefix_caching: reuse KV blocks of identical prefixes.
     enable_chunked_prefill: split long prompts over several steps.
