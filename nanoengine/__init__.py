@@ -4,6 +4,7 @@ The public API mirrors vLLM's: ``LLM``, ``SamplingParams``, ``RequestOutput``, a
 ``LLMEngine`` for step-by-step control. See docs/ARCHITECTURE.md for the map.
 """
 
+import importlib
 from typing import TYPE_CHECKING
 
 # The public names load on first use (PEP 562): importing the package does not import torch, which
@@ -36,8 +37,6 @@ __version__ = "0.2.0"
 
 def __getattr__(name: str):
     if name in _PUBLIC:
-        import importlib
-
         value = getattr(importlib.import_module(_PUBLIC[name]), name)
         globals()[name] = value  # later look-ups skip this function
         return value

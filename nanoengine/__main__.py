@@ -26,11 +26,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The command line's parser; ``bench``'s options only when ``argv`` (None: ``sys.argv[1:]``) runs ``bench``.
-
-    They are defined in ``nanobench``, which imports torch (seconds): ``--help`` and the other
-    commands do not pay for it.
-    """
+    """The command line's parser; ``bench``'s options only when ``argv`` (None: ``sys.argv[1:]``) runs ``bench``:
+    they come from ``nanobench``, which imports torch (seconds), and ``--help`` need not pay for it."""
     words = sys.argv[1:] if argv is None else argv
     command = next((w for w in words if not w.startswith("-")), None)
     parser = argparse.ArgumentParser(prog="python -m nanoengine", description=__doc__.splitlines()[0])

@@ -33,11 +33,9 @@ class EngineConfig:
     block_size: tokens per KV block (vLLM's default 16; nano-vLLM uses 256).
     num_kv_blocks: size of the KV pool in blocks; None derives it from kv_cache_memory_gb.
     kv_cache_memory_gb: memory budget for the KV pool when num_kv_blocks is None.
-    max_num_seqs: most requests running at once. None (the default) takes 256, or
-        max_num_batched_tokens when that is smaller.
+    max_num_seqs: most requests running at once; None takes 256, or max_num_batched_tokens if smaller.
     max_num_batched_tokens: the token budget of one step (prefill chunks + decodes); at least
-        max_num_seqs, since every running request needs a token of it (vLLM refuses the same
-        setting, ``SchedulerConfig.verify_max_model_len`` in vllm/config/scheduler.py).
+        max_num_seqs, since every running request needs a token of it (vLLM's ``SchedulerConfig`` refuses the same).
     max_model_len: longest prompt + output a request may reach; None takes the model's.
     enable_prefix_caching: reuse KV blocks of identical prefixes.
     enable_chunked_prefill: split long prompts over several steps.
@@ -46,19 +44,16 @@ class EngineConfig:
         or "static" (the static-batching baseline: a batch of up to max_num_seqs requests
         runs until all of it has finished before anyone new is admitted).
     tensor_parallel_size: processes the model is split over.
-    enforce_eager: run the model operator by operator from Python: no CUDA graphs on a GPU, and
-        on a CPU the layers' Python forward rather than one native call per decoder layer (vLLM's
-        flag: the model as its code reads, what hooks and the chapters see).
-    compile: CUDA only (elsewhere a ValueError): torch.compile the small fused ops (RMSNorm +
-        residual, rotary, SiLU-and-mul, the sampler's filters); on failure the engine warns once
-        and stays eager. enforce_eager does not turn it off (``backends.compilation``).
+    enforce_eager: run the model operator by operator from Python, as its code reads and as hooks and
+        the chapters see it (vLLM's flag): no CUDA graphs on a GPU, no native call per layer on a CPU.
+    compile: CUDA only (elsewhere a ValueError): torch.compile the small fused ops (``backends.compilation``);
+        on failure the engine warns once and stays eager. enforce_eager does not turn it off.
     seed: seeds the engine's generator for requests without a seed of their own.
     speculative_config: None (no speculation) or vLLM's dict, e.g. ``{"method": "ngram",
-        "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}``
-        (``nanoengine.spec_decode``, chapter 13); kept as a checked ``SpeculativeConfig``.
+        "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` (chapter 13).
     structured_outputs_config: None or vLLM's dict, e.g. ``{"backend": "guidance"}``: the grammar
-        library for requests with ``structured_outputs`` (chapter 14); kept as a checked
-        ``StructuredOutputsConfig``.
+        library for requests with ``structured_outputs`` (chapter 14).
+    Both dicts are checked and kept as their config classes.
     """
 
     device: str = "auto"
@@ -99,10 +94,9 @@ class EngineConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}): each running request needs a token of every step's budget, so with "
-                f"fewer tokens than sequences some running requests would get none and wait while others "
-                f"run. Raise max_num_batched_tokens to at least {self.max_num_seqs}, or lower max_num_seqs "
-                f"to at most {self.max_num_batched_tokens} (or leave it unset)")
+                f"({self.max_num_seqs}): each running request needs a token of every step's budget. Raise "
+                f"max_num_batched_tokens to at least {self.max_num_seqs}, or lower max_num_seqs to at most "
+                f"{self.max_num_batched_tokens} (or leave it unset)")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
         if self.scheduling_policy not in POLICIES:

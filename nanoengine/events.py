@@ -40,11 +40,9 @@ class RequestScheduled(Event):
 
 @dataclass(frozen=True)
 class DraftsVerified(Event):
-    """Speculative decoding: a request's drafted tokens were checked by one forward pass (chapter 13).
-
-    ``emitted`` are the tokens the pass produced: the first ``num_accepted`` drafts, then one of
-    the model's own. A stop among them may end the request before all of them reach its output.
-    """
+    """Speculative decoding (chapter 13): one forward pass checked a request's drafts. ``emitted`` are the
+    tokens it produced: the first ``num_accepted`` drafts, then one of the model's own. A stop among them
+    may end the request before all of them reach its output."""
 
     request_id: str
     draft_token_ids: tuple[int, ...]
@@ -137,10 +135,8 @@ class BatchRow:
 
 @dataclass(frozen=True)
 class BatchPrepared(Event):
-    """The batch a step is about to run: decodes first, then prefill chunks (model order).
-
-    Built only when someone subscribes (it copies every index list); never kept in the history.
-    """
+    """The batch a step is about to run: decodes first, then prefill chunks (model order); built only when
+    someone subscribes (it copies every index list), never kept in the history."""
 
     rows: tuple[BatchRow, ...]
 
@@ -180,12 +176,10 @@ Observer = Callable[[Event], None]
 class EventBus:
     """Fan events out to observers; keep a bounded history only for those who ask for one.
 
-    An observer may ask for some event types only (``subscribe(fn, StepFinished)``). The
-    engine asks ``wants(EventType)`` before it builds an event, so with no observer and no
-    history a step builds no events and its profiler reads no clock. The history
-    (``keep_history()``) is off by default, since it would build and keep every request's
-    events; while it is on, every event is wanted. An observer that raises does not break
-    the engine: the exception becomes a warning and the step goes on.
+    The engine asks ``wants(EventType)`` before it builds an event, so with no observer and no
+    history a step builds no events and its profiler reads no clock. The history (``keep_history()``)
+    is off by default, since it would build and keep every request's events; while it is on, every
+    event is wanted. An observer that raises becomes a warning; the step goes on.
     """
 
     def __init__(self) -> None:

@@ -73,14 +73,13 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or several) and generate."""
+        expected = "a non-empty list of {'role': str, 'content': str} dicts (or a list of such lists)"
         if not isinstance(messages, (list, tuple)) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts "
-                             f"(or a list of such lists), got {messages!r}")
+            raise ValueError(f"messages must be {expected}, got {messages!r}")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         for c in conversations:  # a conversation, not text or token ids, whatever generate() would take
             if not isinstance(c, (list, tuple)) or not c or not isinstance(c[0], dict):
-                raise ValueError("messages must be a non-empty list of {'role': str, 'content': str} dicts "
-                                 f"(or a list of such lists), got {c!r:.200}")
+                raise ValueError(f"messages must be {expected}, got {c!r:.200}")
         return self.generate(conversations, sampling_params, use_tqdm)
 
     def apply_chat_template(self, messages: list[Message]) -> str:
@@ -90,9 +89,8 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one request (text, token ids or a conversation) as they are produced.
 
-        Closing the generator early aborts the request and frees its blocks. If the engine
-        finishes the request with an error (``finish_reason`` "error"), the stream raises
-        ``RuntimeError`` after the text that came before it.
+        Closing the generator early aborts the request and frees its blocks. If the engine finishes the
+        request with an error (``finish_reason`` "error"), it raises ``RuntimeError`` after the text before it.
         """
         if sampling_params is not None and getattr(sampling_params, "n", 1) != 1:
             raise ValueError(f"stream() yields one completion's text, got SamplingParams(n={sampling_params.n}); "

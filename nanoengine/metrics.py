@@ -1,14 +1,11 @@
 """The engine's counters, read in one place (chapters 12 and 13).
 
-``EngineStats.of(engine)`` reads them: queues, KV blocks, prefix cache, preemptions,
-speculative decoding. Both ways of looking at an engine are built on it:
-
-* ``LLM.get_metrics()`` (``engine_metrics``): records read in-process without scraping a
-  server, the three kinds of vLLM's ``LLM.get_metrics()`` (``vllm/v1/metrics/reader.py``) under
-  the ``/metrics`` page's names: a ``Counter`` only goes up, a ``Gauge`` is a value now, a
-  ``Vector`` is a counter per position (speculative decoding's acceptances by draft position).
-* the server's ``/metrics`` page (``entrypoints/openai/metrics.py``): the engine thread
-  publishes an ``EngineStats`` after every step, and each scrape renders the latest one.
+``EngineStats.of(engine)`` reads them: queues, KV blocks, prefix cache, preemptions, speculative
+decoding. ``LLM.get_metrics()`` (``engine_metrics``) returns them in-process as the three kinds of
+records of vLLM's ``LLM.get_metrics()`` (``vllm/v1/metrics/reader.py``), under the ``/metrics`` page's
+names: a ``Counter`` only goes up, a ``Gauge`` is a value now, a ``Vector`` is a counter per position
+(speculative decoding's acceptances by draft position). The server's ``/metrics`` page
+(``entrypoints/openai/metrics.py``) renders the latest ``EngineStats`` the engine thread published.
 """
 
 from __future__ import annotations
@@ -45,11 +42,8 @@ Metric = Counter | Gauge | Vector
 
 @dataclass(frozen=True)
 class EngineStats:
-    """The engine's counters at one moment, for ``LLM.get_metrics()``, ``/metrics`` and tests.
-
-    Read between two steps by the thread that steps the engine, so the numbers agree with one
-    another; readers on other threads only ever see a complete, frozen record.
-    """
+    """The engine's counters at one moment, read between two steps by the thread that steps the engine:
+    the numbers agree with one another, and readers on other threads only see a complete, frozen record."""
 
     num_running: int  # sequences (completions) in the running queue
     num_waiting: int  # sequences waiting for admission (new or preempted)

@@ -34,9 +34,7 @@ class RequestMetrics:
     @property
     def ttft(self) -> float | None:
         """Time to first token: arrival to the first generated token."""
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
     @property
     def tpot(self) -> float | None:

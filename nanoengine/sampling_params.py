@@ -5,7 +5,7 @@ engine: each error says which field was wrong, the value given, and what is allo
 (in vLLM's words where vLLM has them). What only the engine knows (the vocabulary, the
 model length, ``max_num_seqs``) is checked when a request enters it
 (``InputProcessor.check_params``). ``StructuredOutputsParams`` (chapter 14) is checked
-here for its shape only.
+here for its shape only: ``nanoengine.structured_output`` compiles it when the request is added.
 """
 
 from __future__ import annotations
@@ -32,14 +32,12 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")  # StructuredOutpu
 class RequestOutputKind(enum.Enum):
     """When ``LLMEngine.step`` hands out a request's output (vLLM's names).
 
-    CUMULATIVE: every step that gave the request a token, with all its text and tokens so
-        far and the ``delta`` since the last output; each output copies the whole completion,
-        so a long stream costs more per step the longer it gets.
-    DELTA: every step that gave the request a token, with only what is new since its last
-        output: ``text`` (equal to ``delta``), ``token_ids`` and ``logprobs`` of the new
-        tokens. A stream reader appends them (``LLM.stream`` and the server's streaming
-        responses ask for this); ``cumulative_logprob`` and ``metrics`` still cover the
-        whole request, and the final output carries its last delta and its finish reason.
+    CUMULATIVE: every step that gave the request a token, with all its text and tokens so far and
+        the ``delta`` since the last output; each output copies the whole completion, costlier as it grows.
+    DELTA: every step that gave the request a token, with only what is new since its last output
+        (``text``, equal to ``delta``, and the new tokens' ``token_ids`` and ``logprobs``), for a
+        stream reader to append (``LLM.stream``, the server's streams); ``cumulative_logprob`` and
+        ``metrics`` still cover the whole request; the final output carries its last delta and finish reason.
     FINAL_ONLY: once, when the request has finished, so no text is made before then: no
         per-step detokenization or output objects (``LLM.generate`` asks for this), except
         that a request with stop strings is detokenized as it goes (still reported once).
@@ -59,10 +57,6 @@ class StructuredOutputsParams:
     choice: the output is exactly one of these strings.
     grammar: a context-free grammar in Lark syntax (llguidance's dialect: ``start: ...``).
     json_object: True: the output is a JSON object, any object (OpenAI's ``json_object`` mode).
-
-    Nothing here compiles the constraint: ``nanoengine.structured_output`` does, when the
-    request is added, and a constraint that does not compile is refused there with the
-    grammar library's reason.
     """
 
     json: dict | str | None = None
@@ -136,22 +130,18 @@ class SamplingParams:
     top_p: keep the smallest set of tokens whose probability sums to at least top_p.
     min_p: drop tokens whose probability is below min_p times the top token's.
     max_tokens: how many tokens to generate at most.
-    seed: a per-request random generator, so the same seed gives the same text whatever
-        else shares the batch.
+    seed: a per-request generator: the same seed gives the same text whatever else shares the batch.
     stop: strings that end generation (not included in the text).
     stop_token_ids: token ids that end generation (in addition to EOS).
     ignore_eos: keep going past the end-of-sequence token (benchmarks use this).
     logprobs: return the log-probabilities of the top-N tokens at each step.
-    n: how many completions of the prompt to return (parallel sampling). The prompt is
-        computed once and its KV blocks are shared by the n sequences. With a seed,
-        completion i draws from its own generator seeded ``seed + i``, so each one is
-        reproducible whatever else is in the batch.
-    output_kind: when ``LLMEngine.step`` reports the request and what each output holds
-        (``RequestOutputKind``; the default: every step, with everything so far).
-    structured_outputs: None, or the constraint the output must satisfy
-        (``StructuredOutputsParams``, chapter 14): every token is drawn from those it allows
-        next (logprobs are those of that masked distribution), and the request finishes
-        ("stop") when the constraint is complete.
+    n: how many completions of the prompt to return (parallel sampling). The prompt is computed
+        once and its KV blocks are shared by the n sequences. With a seed, completion i draws from
+        its own generator seeded ``seed + i``, reproducible whatever else is in the batch.
+    output_kind: when ``LLMEngine.step`` reports the request and what it holds (``RequestOutputKind``).
+    structured_outputs: None, or the constraint the output must satisfy (``StructuredOutputsParams``):
+        every token is drawn from those it allows next (logprobs are those of that masked
+        distribution), and the request finishes ("stop") when the constraint is complete.
     """
 
     temperature: float = 1.0
@@ -217,11 +207,8 @@ class SamplingParams:
 
     @property
     def has_filters(self) -> bool:
-        """True when top-k, top-p or min-p may cut tokens (their defaults cut none).
-
-        The sampler reads it to choose a path: a row with a temperature and no filter draws
-        from the softmax of its scaled logits, with nothing to sort or cut (chapter 8).
-        """
+        """True when top-k, top-p or min-p may cut tokens (their defaults cut none); a sampled row without
+        one draws from the softmax of its scaled logits, with nothing to sort or cut (chapter 8)."""
         return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
 

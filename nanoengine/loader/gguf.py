@@ -1,23 +1,15 @@
 """Read a llama.cpp GGUF file into a Hugging Face config, state dict and tokenizer.
 
-GGUF is the single-file format of llama.cpp: a header of typed key/value metadata
-(architecture, sizes, the whole tokenizer, the chat template) followed by tensors that are
-usually *quantized* (Q4_1 stores each block of 32 weights as 4-bit integers plus a float16
-scale and minimum; Q8_0 as 8-bit integers plus a scale). The course's default model
-reaches us as such a file (``nanoengine.default_model``).
+GGUF is llama.cpp's single-file format: typed key/value metadata (architecture, sizes, the whole
+tokenizer, the chat template) followed by tensors that are usually quantized (Q4_1: each block of 32
+weights as 4-bit integers plus a float16 scale and minimum). The course's default model comes as one
+(``nanoengine.default_model``); dequantized, it gives the weights llama.cpp computes with, not the originals.
 
-This module turns it into the Hugging Face layout the rest of the engine and the parity
-tests use: a ``config.json`` dict (:func:`read_gguf_config`), float32 tensors under Hugging
-Face names (:func:`iter_gguf_weights`; dequantizing reproduces exactly the weights llama.cpp
-computes with, not the original ones) and the tokenizer files (:func:`gguf_tokenizer_files`).
-
-The one real quirk: llama.cpp's converter *permutes the rows* of ``attn_q`` and ``attn_k``
-(:func:`unpermute_rotary` undoes it at load time, so model code stays clean: the gpt-fast
-habit). Get it wrong and the model still runs but writes gibberish, which is why
-``tests/engine/test_default_model.py`` generates text with Hugging Face transformers.
-
-Only the Llama architecture (``general.architecture == "llama"``: Llama 1/2/3, Mistral,
-SmolLM2) is supported; anything else raises a ``ValueError`` that names it.
+The one real quirk: llama.cpp's converter permutes the rows of ``attn_q`` and ``attn_k``;
+:func:`unpermute_rotary` undoes it at load time, so model code stays clean. Get it wrong and the model
+still runs but writes gibberish: ``tests/engine/test_default_model.py`` generates text with transformers.
+Only ``general.architecture == "llama"`` (Llama 1/2/3, Mistral, SmolLM2) is supported; anything else
+raises a ``ValueError`` that names it.
 """
 
 from __future__ import annotations
@@ -68,11 +60,8 @@ def _open(path: PathLike | GGUFReader) -> GGUFReader:
 
 
 def read_gguf_metadata(path: PathLike | GGUFReader) -> dict[str, Any]:
-    """Return every GGUF metadata key as a plain Python value (str, int, float, list).
-
-    Keys look like ``general.architecture``, ``llama.block_count`` or
-    ``tokenizer.ggml.tokens``; the ``GGUF.*`` pseudo-keys of the file header are skipped.
-    """
+    """Every metadata key (``general.architecture``, ``llama.block_count``, ``tokenizer.ggml.tokens`` ...)
+    as a plain Python value; the ``GGUF.*`` pseudo-keys of the file header are skipped."""
     reader = _open(path)
     return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
 
@@ -83,13 +72,9 @@ def _f32(value: float) -> float:
 
 
 def read_gguf_config(path: PathLike | GGUFReader) -> dict[str, Any]:
-    """Return a Hugging Face ``LlamaForCausalLM`` config dict built from GGUF metadata.
-
-    Reads only the header, but GGUFReader indexes every metadata item when it opens a file
-    (seconds for SmolLM2's 100k tokenizer strings), so a caller that needs config, weights and
-    tokenizer should open one ``GGUFReader`` and pass it to each function. Raises ``ValueError``
-    for a non-Llama architecture or missing keys, ``FileNotFoundError`` if ``path`` does not exist.
-    """
+    """A Hugging Face ``LlamaForCausalLM`` config dict built from the GGUF metadata. GGUFReader indexes every
+    metadata item when it opens a file (seconds for SmolLM2's 100k tokenizer strings), so a caller that
+    needs config, weights and tokenizer opens one and passes it to each."""
     reader = _open(path)
     meta = read_gguf_metadata(reader)
     tensor_names = {t.name for t in reader.tensors}
@@ -128,9 +113,7 @@ def read_gguf_config(path: PathLike | GGUFReader) -> dict[str, Any]:
     elif scaling_type != "none":
         raise ValueError(f"unsupported RoPE scaling type {scaling_type!r} (supported: none, linear)")
 
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    pad = meta.get("tokenizer.ggml.padding_token_id")
+    bos, eos, pad = (meta.get(f"tokenizer.ggml.{key}_token_id") for key in ("bos", "eos", "padding"))
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden,
         "intermediate_size": int(need("feed_forward_length")), "num_hidden_layers": int(need("block_count")),
@@ -179,25 +162,18 @@ def _hf_name(gguf_name: str) -> str:
 
 
 def _to_float32(tensor: Any) -> np.ndarray:
-    """Dequantize one ReaderTensor to float32 numpy in HF order ([out_features, in_features]).
-
-    GGUF lists dims fastest-first (``[in, out]``); GGUFReader already exposes the data
-    as a row-major ``(out, bytes_per_row)`` array, and ``dequantize`` expands the last
-    axis from bytes to elements.
-    """
+    """Dequantize one ReaderTensor to float32 numpy in HF order ``(out_features, in_features)``: GGUFReader's
+    data is already a row-major ``(out, bytes_per_row)`` array, and ``dequantize`` expands bytes to elements."""
     data = dequantize(tensor.data, tensor.tensor_type)  # F32/F16 pass through as a cast
-    expected = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    expected = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists dims fastest-first
     data = np.asarray(data, dtype=np.float32).reshape(expected)
     # F32 tensors come back as read-only views of the memory-mapped file: copy those.
     return data if data.flags.writeable else data.copy()
 
 
 def iter_gguf_weights(path: PathLike | GGUFReader) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, float32 tensor)`` for every tensor, one at a time.
-
-    Tensors are dequantized lazily, so peak memory stays near one tensor plus what the
-    caller keeps. q/k projections are un-permuted (see :func:`unpermute_rotary`).
-    """
+    """Yield ``(hf_name, float32 tensor)`` per tensor (q/k un-permuted), dequantized lazily: peak memory
+    stays near one tensor plus what the caller keeps."""
     reader = _open(path)
     config = read_gguf_config(reader)
     n_heads, n_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -212,11 +188,8 @@ def iter_gguf_weights(path: PathLike | GGUFReader) -> Iterator[tuple[str, torch.
 
 
 def load_gguf_state_dict(path: PathLike | GGUFReader, progress: bool = True) -> dict[str, torch.Tensor]:
-    """Dequantize a whole llama GGUF into a Hugging Face state dict of float32 tensors.
-
-    Names and shapes match ``LlamaForCausalLM.state_dict()``; ``lm_head.weight`` is
-    present only when the file has its own output matrix (untied embeddings).
-    """
+    """Dequantize a whole llama GGUF into ``LlamaForCausalLM.state_dict()``'s names and shapes, float32;
+    ``lm_head.weight`` only when the file has its own output matrix (untied embeddings)."""
     reader = _open(path)
     return dict(tqdm(iter_gguf_weights(reader), total=len(reader.tensors), desc="dequantize GGUF", unit="tensor",
                      disable=not progress))
@@ -225,12 +198,10 @@ def load_gguf_state_dict(path: PathLike | GGUFReader, progress: bool = True) -> 
 def _bpe_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     """Rebuild the byte-level BPE tokenizer stored in the GGUF metadata ``meta``.
 
-    ``tokenizer.ggml.tokens`` is the vocabulary in id order (already in GPT-2's
-    byte-to-unicode alphabet, e.g. ``Ġ`` for a space) and ``tokenizer.ggml.merges`` the
-    ranked merge rules, exactly what ``tokenizers.models.BPE`` wants. Control tokens
-    (``token_type == 3``, e.g. ``<|im_start|>``) become special added tokens so they are
-    never split. The pre-tokenizer follows llama.cpp's ``tokenizer.ggml.pre``: ``smollm``
-    (and ``starcoder``/``refact``) split every digit on its own before the GPT-2 regex.
+    ``tokenizer.ggml.tokens`` (the vocabulary in id order, already in GPT-2's byte-to-unicode alphabet:
+    ``Ġ`` for a space) and ``tokenizer.ggml.merges`` (the ranked merges) are what ``tokenizers.models.BPE``
+    wants. Control tokens (e.g. ``<|im_start|>``) become special added tokens, never split. The
+    pre-tokenizer follows ``tokenizer.ggml.pre``: ``smollm`` splits every digit before the GPT-2 regex.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
@@ -261,12 +232,9 @@ def _bpe_tokenizer(meta: dict[str, Any]) -> Tokenizer:
 
 
 def gguf_tokenizer_files(path: PathLike | GGUFReader) -> dict[str, Any]:
-    """Return ``{"tokenizer.json": str, "tokenizer_config.json": dict, "special_tokens_map.json": dict}``.
-
-    The config names the special tokens by their text (the GGUF stores ids), carries the
-    chat template, and asks transformers for the generic ``PreTrainedTokenizerFast`` so
-    that it loads ``tokenizer.json`` as-is instead of rebuilding a GPT-2 pipeline.
-    """
+    """Return ``{"tokenizer.json": str, "tokenizer_config.json": dict, "special_tokens_map.json": dict}``;
+    the config names the special tokens by their text (the GGUF stores ids), carries the chat template,
+    and asks for the generic ``PreTrainedTokenizerFast``, which loads ``tokenizer.json`` as it is."""
     meta = read_gguf_metadata(path)
     tok = _bpe_tokenizer(meta)
     tokens = meta["tokenizer.ggml.tokens"]

@@ -1,11 +1,10 @@
 """Loading a model: build the module tree, then fill it from a checkpoint (chapter 2).
 
-Three sources give the same ``(name, tensor)`` stream in Hugging Face naming:
-a directory of ``*.safetensors`` files, a GGUF file (``loader.gguf`` converts names and
-undoes llama.cpp's rotary permutation), or random values for tests and mechanics-only
-chapters. ``load_weights`` routes each tensor to its parameter, through the parameter's
-``weight_loader`` when it is packed (qkv, gate_up) or split over tensor-parallel ranks, and
-fails loudly on a missing or unexpected tensor instead of running with garbage.
+Three sources give the same ``(name, tensor)`` stream in Hugging Face naming: a directory of
+``*.safetensors`` files, a GGUF file (``loader.gguf``), or random values for tests and
+mechanics-only chapters. ``load_weights`` routes each tensor to its parameter, through the
+parameter's ``weight_loader`` when it is packed (qkv, gate_up) or split over tensor-parallel
+ranks, and fails loudly on a missing or unexpected tensor instead of running with garbage.
 """
 
 from __future__ import annotations
@@ -19,6 +18,8 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
+from nanoengine.backends import select_backend
+from nanoengine.default_model import default_model_dir
 from nanoengine.distributed.parallel_state import TPGroup
 from nanoengine.layers.kernels import building_with
 from nanoengine.models import MODEL_CLASSES, ModelConfig
@@ -88,10 +89,9 @@ def random_model(preset: str | ModelConfig = "tiny-llama", seed: int = 0, std: f
                  **overrides) -> nn.Module:
     """A model with deterministic random weights: the one factory for tests, widgets and scripts.
 
-    ``preset`` names a shape in ``models.presets`` (``TINY_PRESETS`` first, then the
-    published ``PRESETS``) or is a ``ModelConfig``; ``overrides`` replace config fields
-    (e.g. ``vocab_size=512``). A larger ``std`` (0.08) gives peaked next-token
-    distributions, so greedy tests are not decided by near-ties. ``backend``: as in ``build_model``.
+    ``preset`` names a shape in ``models.presets`` or is a ``ModelConfig``; ``overrides`` replace config
+    fields (e.g. ``vocab_size=512``). A larger ``std`` (0.08) gives peaked next-token distributions, so
+    greedy tests are not decided by near-ties. ``backend``: as in ``build_model``.
     """
     if isinstance(preset, str):
         known = {**PRESETS, **TINY_PRESETS}
@@ -107,11 +107,10 @@ def random_model(preset: str | ModelConfig = "tiny-llama", seed: int = 0, std: f
 def save_pretrained(model: nn.Module, path: str | Path) -> Path:
     """Write ``model`` as a Hugging Face directory (``config.json`` + ``model.safetensors``).
 
-    The inverse of loading: packed parameters are cut back into the checkpoint's separate
-    tensors (``qkv_proj`` -> ``q_proj``, ``k_proj``, ``v_proj``; ``gate_up_proj`` ->
-    ``gate_proj``, ``up_proj``). Chapter 9 uses it to give a ``random_model`` a directory,
-    because tensor-parallel workers load their shards from a checkpoint, not from a module
-    in the driver. Only a model built for one rank (the whole matrices) can be saved.
+    The inverse of loading: packed parameters are cut back into the checkpoint's tensors (``qkv_proj``
+    -> ``q_proj``, ``k_proj``, ``v_proj``; ``gate_up_proj`` -> ``gate_proj``, ``up_proj``). Chapter 9 gives a
+    ``random_model`` a directory with it, since tensor-parallel workers load their shards from a
+    checkpoint, not from a module in the driver. Only a model built for one rank can be saved.
     """
     from safetensors.torch import save_file
 
@@ -151,8 +150,6 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
     constructed (``layers.kernels``), and the backend places the parameters before anything fills
     them. The model keeps the kernels as ``model.kernels``, which an engine's backend must match.
     """
-    from nanoengine.backends import select_backend
-
     backend = backend if backend is not None else select_backend(device, dtype=dtype)
     cls = MODEL_CLASSES[config.architecture]
     with building_with(backend.kernels), torch.device(device):
@@ -167,8 +164,6 @@ def build_model(config: ModelConfig, device: torch.device, dtype: torch.dtype,
 def resolve_model_source(model: str | Path | None) -> Path:
     """``None`` -> the default model's directory; otherwise an existing dir or .gguf file."""
     if model is None:
-        from nanoengine.default_model import default_model_dir
-
         return default_model_dir()
     expected = "model must be None (the default SmolLM2-135M-Instruct), a Hugging Face directory or a .gguf file"
     if not isinstance(model, (str, Path)) or not str(model):
