@@ -41,9 +41,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from nanoengine.entrypoints.openai import protocol
-from nanoengine.entrypoints.openai.async_engine import EngineClient, EngineDeadError, QueueFullError, RequestStream
+from nanoengine.entrypoints.openai.async_engine import (EngineClient, EngineDeadError, Prompt, QueueFullError,
+                                                        RequestStream)
 from nanoengine.entrypoints.openai.metrics import ServerMetrics
-from nanoengine.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, Prompt, ProtocolError,
+from nanoengine.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ProtocolError,
                                                     fit_to_context, parse_request)
 from nanoengine.outputs import CompletionOutput, RequestOutput
 from nanoengine.sampling_params import RequestOutputKind
