@@ -4,26 +4,14 @@
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 8}'
 
-Routes (OpenAI's, as ``vllm serve`` has them):
-
-=========================  =============================================================
-``POST /v1/completions``   continue a prompt (or several); ``stream: true`` for SSE
-``POST /v1/chat/completions``  the assistant's reply to a conversation; SSE as above
-``GET /v1/models``         the one model served, under ``--served-model-name``
-``GET /v1/models/{id}``    that model (``client.models.retrieve``); 404 for any other id
-``GET /health``            200 while the engine thread runs, 503 once it has stopped
-``GET /metrics``           Prometheus text: queues, KV blocks, prefix cache, latencies
-``POST /reset_prefix_cache``  forget cached prompt blocks (vLLM's development endpoint;
-                           ``bench --server`` calls it before each rate)
-``GET /openapi.json``      the schema of all of the above: request bodies, errors
-=========================  =============================================================
-
-Every error, 404s and a missing API key included, has OpenAI's shape (``protocol.error_body``)
-and a status ``_ERROR_MEANINGS`` explains: a bad request is a 400, never FastAPI's 422. The
-engine stops only on a fault of its own (a bug a request's data reached fails that request
-alone, a 500: ``LLMEngine._fail``); the command-line server (``run_server``) then exits with
-status 1, as vLLM's does, for a supervisor to start a fresh one; a server in a thread
-(``serve_in_background``: the notebooks and tests) answers 503 until it is stopped.
+The routes are ``vllm serve``'s (``build_app``; ``GET /openapi.json`` describes them): OpenAI's
+``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``, then ``/health``, ``/metrics``
+(Prometheus) and ``/reset_prefix_cache``. Every error, 404s and a missing API key included, has
+OpenAI's shape (``protocol.error_body``) and a status ``_ERROR_MEANINGS`` explains: a bad request
+is a 400, never FastAPI's 422. The engine stops only on a fault of its own (a bug a request's
+data reached fails that request alone, a 500: ``LLMEngine._fail``); the command-line server
+(``run_server``) then exits with status 1, as vLLM's does, for a supervisor to start a fresh
+one; a server in a thread (``serve_in_background``: notebooks, tests) answers 503 until stopped.
 
 The server listens on 127.0.0.1 unless told otherwise, so that a course machine does not offer
 its model to the network by accident. An API key (``ApiKeyMiddleware``) and deadlines for slow
@@ -195,12 +183,8 @@ def _errors(*statuses: int) -> dict:
 
 
 def _openapi(app: FastAPI) -> dict:
-    """FastAPI's schema, with the real request bodies of the two POST routes.
-
-    The routes read the raw body themselves (to refuse bad input with a 400 in OpenAI's
-    shape rather than FastAPI's 422), so FastAPI cannot see the models: they are added
-    here, their nested definitions under ``components/schemas``. A 200 is JSON, or
-    ``text/event-stream`` with ``stream: true``."""
+    """FastAPI's schema, plus the request bodies of the two POST routes: they read the raw body
+    themselves (for a 400 in OpenAI's shape, not FastAPI's 422), so FastAPI cannot see them."""
     if app.openapi_schema:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
@@ -253,7 +237,6 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-# ----------------------------------------------------------------- running it
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on (host, port); port 0 picks a free one. Bound before the
     model loads, so a taken port is reported at once."""
@@ -329,12 +312,10 @@ def run_server(app: FastAPI, sock: socket.socket, log_level: str = "info") -> No
 
 
 class BackgroundServer:
-    """The server running in a thread of this process (notebooks and tests).
+    """The server running in a thread of this process (notebooks and tests); a ``with`` block stops it.
 
     ``url`` is the server's root, ``base_url`` what the ``openai`` client takes; ``engine`` is
-    the ``AsyncLLMEngine`` (use ``engine.call(fn)`` to look at the engine while it serves).
-    ``stop()`` shuts down uvicorn and the engine thread; a ``with`` block calls it.
-    """
+    the ``AsyncLLMEngine`` (``engine.call(fn)`` looks at the engine while it serves)."""
 
     def __init__(self, app: FastAPI, sock: socket.socket, log_level: str = "warning") -> None:
         self.app = app
@@ -431,9 +412,7 @@ def serve_from_args(args) -> None:
         sock.close()
         if engine is not None:
             engine.shutdown()
-    if app.state.engine.error is not None:
-        # As vLLM's server does when its engine dies: the requests in flight were failed; a
-        # non-zero status lets a supervisor (systemd, Kubernetes) start a fresh server.
+    if app.state.engine.error is not None:  # for a supervisor (systemd, Kubernetes) to start a fresh one
         print(f"the engine failed and stopped ({app.state.engine.error!r}); exiting with status 1", file=sys.stderr,
               flush=True)
         raise SystemExit(1)
