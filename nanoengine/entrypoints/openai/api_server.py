@@ -214,11 +214,8 @@ _STARTED = int(time.time())
 class ApiKeyMiddleware:
     """Refuse (401) every request to ``/v1/...`` whose ``Authorization`` header is not
     ``Bearer <key>``; other paths (health, metrics, schema: open to probes and scrapers) and
-    CORS preflights pass, as in vLLM's ``AuthenticationMiddleware``.
-
-    Plain ASGI: Starlette's ``BaseHTTPMiddleware`` wraps streamed responses and gets in the way
-    of disconnect detection. ``compare_digest`` takes constant time: timing does not leak the key.
-    """
+    CORS preflights pass, as in vLLM's ``AuthenticationMiddleware``. Plain ASGI: Starlette's
+    ``BaseHTTPMiddleware`` wraps streamed responses and gets in the way of disconnect detection."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
@@ -228,7 +225,7 @@ class ApiKeyMiddleware:
         path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and (path == "/v1" or path.startswith("/v1/")):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            if not secrets.compare_digest(given, self.expected):  # constant time: timing leaks nothing
                 response = JSONResponse(error_body("a valid API key is required: send 'Authorization: Bearer <key>'",
                                                    "invalid_request_error", code="invalid_api_key"),
                                         status_code=401, headers={"WWW-Authenticate": "Bearer"})
@@ -357,13 +354,9 @@ class BackgroundServer:
 def serve_in_background(engine: LLMEngine, served_model_name: str, host: str = DEFAULT_HOST, port: int = 0,
                         api_key: str | None = None, max_queue: int | None = DEFAULT_MAX_QUEUE,
                         log_level: str = "warning", **limits) -> BackgroundServer:
-    """Serve ``engine`` under ``served_model_name`` from a thread of this process; returns
-    once it accepts requests.
-
-    ``port=0`` takes a free port (read it from ``.url``). While it runs, the engine belongs
-    to the server's engine thread: do not call its methods from elsewhere. ``limits``:
-    ``max_body_bytes``, ``body_timeout``, ``header_timeout`` (``build_app``).
-    """
+    """Serve ``engine`` from a thread of this process, once it accepts requests; ``port=0`` takes
+    a free port (read it from ``.url``). While it runs, the engine belongs to the server's engine
+    thread: do not call its methods from elsewhere. ``limits``: ``build_app``'s request limits."""
     app = build_app(engine, served_model_name, api_key=api_key, max_queue=max_queue, **limits)
     return BackgroundServer(app, bind_socket(host, port), log_level).start()
 

@@ -194,7 +194,6 @@ class EngineFacts:
 class EngineClient:
     """What the server drives: an engine stepped on a thread of this process (``AsyncLLMEngine``)
     or in a process of its own (``engine_core.EngineCoreClient``), one interface for both.
-
     ``max_waiting``: as in ``add_all_or_none``. ``on_finished`` is called with every final output
     (finished, stopped or aborted), e.g. for metrics; ``on_dead`` once, on the event loop, if the
     engine stops on a fault of its own (the command-line server then exits), not when it is shut down.

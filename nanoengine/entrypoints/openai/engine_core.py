@@ -126,11 +126,10 @@ def _portable(exc: BaseException) -> BaseException:
 class EngineCoreClient(EngineClient):
     """An engine stepped by a process of its own, driven from asyncio (``EngineClient``).
 
-    ``build`` is called in the new process to make the engine, so it must be picklable: a
-    module-level function or ``functools.partial(LLMEngine.from_pretrained, path, **options)``.
-    The constructor waits until the engine is built (``startup_timeout`` seconds) and raises
-    the core's error if building failed. ``on_finished`` runs on the event loop here; ``on_dead``
-    also when the core's process dies without a word.
+    ``build`` makes the engine in the new process, so it must be picklable: a module-level
+    function or ``functools.partial(LLMEngine.from_pretrained, path, **options)``. The constructor
+    waits until the engine is built and raises the core's error if building failed.
+    ``on_finished`` runs on the event loop here; ``on_dead`` also when the process dies without a word.
     """
 
     def __init__(self, build: Callable[[], LLMEngine], max_waiting: int | None = None,
@@ -182,20 +181,15 @@ class EngineCoreClient(EngineClient):
             with contextlib.suppress(OSError):
                 self._send(("stop",))
             deadline = time.monotonic() + timeout
-            while not self._stopped and self._conn_poll(max(0.0, deadline - time.monotonic())):
-                self._read()  # the last outputs and "stopped"
+            with contextlib.suppress(OSError, ValueError):  # the pipe closed
+                while not self._stopped and self._conn.poll(max(0.0, deadline - time.monotonic())):
+                    self._read()  # the last outputs and "stopped"
         self._process.join(max(1.0, timeout))
         if self._process.is_alive():
             self._process.kill()
             self._process.join(5)
         self._close("the engine is shutting down")
         self._conn.close()  # the process is gone: nothing more to read or send
-
-    def _conn_poll(self, timeout: float) -> bool:
-        try:
-            return self._conn.poll(timeout)
-        except (OSError, ValueError):  # closed
-            return False
 
     @property
     def is_running(self) -> bool:

@@ -129,9 +129,8 @@ def _explain(exc: ValidationError) -> ProtocolError:
 
 
 def value_error(exc: ValueError, request: BaseModel) -> ProtocolError:
-    """A ``ValueError`` from ``SamplingParams`` or the engine as a 400 (``param`` when its
-    message starts with one of the request's field names, as SamplingParams' messages do:
-    "top_p must be ..." or "n=9 completions ...")."""
+    """A ``ValueError`` from ``SamplingParams`` or the engine as a 400, with ``param`` when its message
+    starts with one of the request's field names ("top_p must be ...", "n=9 completions ...")."""
     message = str(exc)
     first = message.split(" ", 1)[0].split("=", 1)[0].strip(":,")
     param = first if first in type(request).model_fields else None
@@ -327,11 +326,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
 def fit_to_context(params: SamplingParams, requested: int | None, num_prompt_tokens: int,
                    max_model_len: int) -> SamplingParams:
-    """``params`` with ``max_tokens`` fitted to the context window, or a ValueError.
-
-    ``requested`` None means "the rest of the window"; an explicit value that does not fit is
-    refused, as the engine would silently cut the reply at ``max_model_len`` ("length").
-    """
+    """``params`` with ``max_tokens`` fitted to the context window (``requested`` None: the rest of
+    it), or a ValueError: the engine would silently cut the reply at ``max_model_len`` ("length")."""
     room = max_model_len - num_prompt_tokens
     if requested is None:
         if room < 1:

@@ -192,9 +192,8 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, prepare)
 
     def _tokenize(self, prompt: Prompt, rendered_chat: bool = False) -> list[int]:
-        """Token ids of one prompt (runs on the tokenizer thread). Token-id prompts pass
-        through (the engine checks their range); text is refused without tokenizing when
-        its length proves it too long."""
+        """Token ids of one prompt, on the tokenizer thread (token-id prompts pass through: the
+        engine checks their range)."""
         if not isinstance(prompt, str):
             return list(prompt)
         if not prompt:
