@@ -60,12 +60,9 @@ logger.addHandler(logging.NullHandler())
 def build_app(engine: LLMEngine | EngineCoreClient, served_model_name: str, api_key: str | None = None,
               max_queue: int | None = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               body_timeout: float = DEFAULT_BODY_TIMEOUT, header_timeout: float = DEFAULT_HEADER_TIMEOUT) -> FastAPI:
-    """The FastAPI app serving ``engine`` under ``served_model_name``.
-
-    An ``LLMEngine`` is stepped by an ``AsyncLLMEngine`` thread; an ``EngineCoreClient`` (``serve``:
-    the engine in a process of its own) is driven as it is. Either starts and stops with the app
-    (uvicorn's lifespan) and is ``app.state.engine`` (``.call(fn)`` runs ``fn(engine)`` safely).
-    """
+    """The FastAPI app serving ``engine``: an ``LLMEngine`` is stepped by an ``AsyncLLMEngine`` thread,
+    an ``EngineCoreClient`` (``serve``'s) is driven as it is. Either starts and stops with the app
+    (uvicorn's lifespan) and is ``app.state.engine`` (``.call(fn)`` runs ``fn(engine)`` safely)."""
     if not isinstance(served_model_name, str) or not served_model_name:
         raise ValueError(f"served_model_name must be a non-empty string, got {served_model_name!r}")
     if api_key is not None and (not isinstance(api_key, str) or not api_key):

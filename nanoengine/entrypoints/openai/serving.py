@@ -231,14 +231,10 @@ class OpenAIServing:
 
     async def _events(self, ctx: "_Context", kind: str, opening: list[dict],
                       choices: Callable[["_Context", RequestOutput], list[dict]]) -> AsyncIterator[str]:
-        """The server-sent events of one streamed response; ``opening`` goes out with the
-        first output.
+        """The server-sent events of one streamed response; ``opening`` goes out with the first output.
 
-        If the client disconnects, the server cancels the task iterating this generator
-        (``asyncio.CancelledError`` at ``await``) or closes it (``EventStreamResponse``);
-        either way ``finally`` aborts whatever has not finished, and the engine frees its
-        KV blocks between two steps.
-        """
+        A client that disconnects cancels this generator's task (``asyncio.CancelledError`` at
+        ``await``) or closes it (``EventStreamResponse``); ``finally`` aborts what has not finished."""
         def chunk(parts: list[dict], usage: dict | None = None) -> str:
             return protocol.sse(self._body(ctx, kind, parts, usage))
 
