@@ -4,26 +4,14 @@
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 8}'
 
-Routes (OpenAI's, as ``vllm serve`` has them):
-
-=========================  =============================================================
-``POST /v1/completions``   continue a prompt (or several); ``stream: true`` for SSE
-``POST /v1/chat/completions``  the assistant's reply to a conversation; SSE as above
-``GET /v1/models``         the one model served, under ``--served-model-name``
-``GET /v1/models/{id}``    that model (``client.models.retrieve``); 404 for any other id
-``GET /health``            200 while the engine thread runs, 503 once it has stopped
-``GET /metrics``           Prometheus text: queues, KV blocks, prefix cache, latencies
-``POST /reset_prefix_cache``  forget cached prompt blocks (vLLM's development endpoint;
-                           ``bench --server`` calls it before each rate)
-``GET /openapi.json``      the schema of all of the above: request bodies, errors
-=========================  =============================================================
-
-Every error, 404s and a missing API key included, has OpenAI's shape (``protocol.error_body``)
-and a status ``_ERROR_MEANINGS`` explains: a bad request is a 400, never FastAPI's 422. The
-engine stops only on a fault of its own (a bug a request's data reached fails that request
-alone, a 500: ``LLMEngine._fail``); the command-line server (``run_server``) then exits with
-status 1, as vLLM's does, for a supervisor to start a fresh one; a server in a thread
-(``serve_in_background``: the notebooks and tests) answers 503 until it is stopped.
+The routes are ``vllm serve``'s (``build_app``; ``GET /openapi.json`` describes them): OpenAI's
+``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``, then ``/health``, ``/metrics``
+(Prometheus) and ``/reset_prefix_cache``. Every error, 404s and a missing API key included, has
+OpenAI's shape (``protocol.error_body``) and a status ``_ERROR_MEANINGS`` explains: a bad request
+is a 400, never FastAPI's 422. The engine stops only on a fault of its own (a bug a request's
+data reached fails that request alone, a 500: ``LLMEngine._fail``); the command-line server
+(``run_server``) then exits with status 1, as vLLM's does, for a supervisor to start a fresh
+one; a server in a thread (``serve_in_background``: notebooks, tests) answers 503 until stopped.
 
 The server listens on 127.0.0.1 unless told otherwise, so that a course machine does not offer
 its model to the network by accident. An API key (``ApiKeyMiddleware``) and deadlines for slow
@@ -72,12 +60,9 @@ logger.addHandler(logging.NullHandler())
 def build_app(engine: LLMEngine | EngineCoreClient, served_model_name: str, api_key: str | None = None,
               max_queue: int | None = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               body_timeout: float = DEFAULT_BODY_TIMEOUT, header_timeout: float = DEFAULT_HEADER_TIMEOUT) -> FastAPI:
-    """The FastAPI app serving ``engine`` under ``served_model_name``.
-
-    An ``LLMEngine`` is stepped by an ``AsyncLLMEngine`` thread; an ``EngineCoreClient`` (``serve``:
-    the engine in a process of its own) is driven as it is. Either starts and stops with the app
-    (uvicorn's lifespan) and is ``app.state.engine`` (``.call(fn)`` runs ``fn(engine)`` safely).
-    """
+    """The FastAPI app serving ``engine``: an ``LLMEngine`` is stepped by an ``AsyncLLMEngine`` thread,
+    an ``EngineCoreClient`` (``serve``'s) is driven as it is. Either starts and stops with the app
+    (uvicorn's lifespan) and is ``app.state.engine`` (``.call(fn)`` runs ``fn(engine)`` safely)."""
     if not isinstance(served_model_name, str) or not served_model_name:
         raise ValueError(f"served_model_name must be a non-empty string, got {served_model_name!r}")
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
@@ -195,12 +180,8 @@ def _errors(*statuses: int) -> dict:
 
 
 def _openapi(app: FastAPI) -> dict:
-    """FastAPI's schema, with the real request bodies of the two POST routes.
-
-    The routes read the raw body themselves (to refuse bad input with a 400 in OpenAI's
-    shape rather than FastAPI's 422), so FastAPI cannot see the models: they are added
-    here, their nested definitions under ``components/schemas``. A 200 is JSON, or
-    ``text/event-stream`` with ``stream: true``."""
+    """FastAPI's schema, plus the request bodies of the two POST routes: they read the raw body
+    themselves (for a 400 in OpenAI's shape, not FastAPI's 422), so FastAPI cannot see them."""
     if app.openapi_schema:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
@@ -230,11 +211,8 @@ _STARTED = int(time.time())
 class ApiKeyMiddleware:
     """Refuse (401) every request to ``/v1/...`` whose ``Authorization`` header is not
     ``Bearer <key>``; other paths (health, metrics, schema: open to probes and scrapers) and
-    CORS preflights pass, as in vLLM's ``AuthenticationMiddleware``.
-
-    Plain ASGI: Starlette's ``BaseHTTPMiddleware`` wraps streamed responses and gets in the way
-    of disconnect detection. ``compare_digest`` takes constant time: timing does not leak the key.
-    """
+    CORS preflights pass, as in vLLM's ``AuthenticationMiddleware``. Plain ASGI: Starlette's
+    ``BaseHTTPMiddleware`` wraps streamed responses and gets in the way of disconnect detection."""
 
     def __init__(self, app, api_key: str) -> None:
         self.app = app
@@ -244,7 +222,7 @@ class ApiKeyMiddleware:
         path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and (path == "/v1" or path.startswith("/v1/")):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            if not secrets.compare_digest(given, self.expected):  # constant time: timing leaks nothing
                 response = JSONResponse(error_body("a valid API key is required: send 'Authorization: Bearer <key>'",
                                                    "invalid_request_error", code="invalid_api_key"),
                                         status_code=401, headers={"WWW-Authenticate": "Bearer"})
@@ -253,7 +231,6 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-# ----------------------------------------------------------------- running it
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on (host, port); port 0 picks a free one. Bound before the
     model loads, so a taken port is reported at once."""
@@ -329,12 +306,10 @@ def run_server(app: FastAPI, sock: socket.socket, log_level: str = "info") -> No
 
 
 class BackgroundServer:
-    """The server running in a thread of this process (notebooks and tests).
+    """The server running in a thread of this process (notebooks and tests); a ``with`` block stops it.
 
     ``url`` is the server's root, ``base_url`` what the ``openai`` client takes; ``engine`` is
-    the ``AsyncLLMEngine`` (use ``engine.call(fn)`` to look at the engine while it serves).
-    ``stop()`` shuts down uvicorn and the engine thread; a ``with`` block calls it.
-    """
+    the ``AsyncLLMEngine`` (``engine.call(fn)`` looks at the engine while it serves)."""
 
     def __init__(self, app: FastAPI, sock: socket.socket, log_level: str = "warning") -> None:
         self.app = app
@@ -376,13 +351,9 @@ class BackgroundServer:
 def serve_in_background(engine: LLMEngine, served_model_name: str, host: str = DEFAULT_HOST, port: int = 0,
                         api_key: str | None = None, max_queue: int | None = DEFAULT_MAX_QUEUE,
                         log_level: str = "warning", **limits) -> BackgroundServer:
-    """Serve ``engine`` under ``served_model_name`` from a thread of this process; returns
-    once it accepts requests.
-
-    ``port=0`` takes a free port (read it from ``.url``). While it runs, the engine belongs
-    to the server's engine thread: do not call its methods from elsewhere. ``limits``:
-    ``max_body_bytes``, ``body_timeout``, ``header_timeout`` (``build_app``).
-    """
+    """Serve ``engine`` from a thread of this process, once it accepts requests; ``port=0`` takes
+    a free port (read it from ``.url``). While it runs, the engine belongs to the server's engine
+    thread: do not call its methods from elsewhere. ``limits``: ``build_app``'s request limits."""
     app = build_app(engine, served_model_name, api_key=api_key, max_queue=max_queue, **limits)
     return BackgroundServer(app, bind_socket(host, port), log_level).start()
 
@@ -431,9 +402,7 @@ def serve_from_args(args) -> None:
         sock.close()
         if engine is not None:
             engine.shutdown()
-    if app.state.engine.error is not None:
-        # As vLLM's server does when its engine dies: the requests in flight were failed; a
-        # non-zero status lets a supervisor (systemd, Kubernetes) start a fresh server.
+    if app.state.engine.error is not None:  # for a supervisor (systemd, Kubernetes) to start a fresh one
         print(f"the engine failed and stopped ({app.state.engine.error!r}); exiting with status 1", file=sys.stderr,
               flush=True)
         raise SystemExit(1)

@@ -1,21 +1,14 @@
 """The async engine: the engine stepped on a thread, driven from asyncio (chapter 12).
 
-``LLMEngine`` is synchronous and not thread-safe, and one step takes milliseconds to seconds:
-far too long to run on an event loop that must keep answering other clients. So one **engine
-thread** owns the engine and is the only thread that calls it: it applies the commands that
-arrived (add, abort, call) between two steps, runs ``step()``, and hands the outputs to
-chapter 2's ``OutputRouter``, whose sink per request puts each on its HTTP request's
-``asyncio.Queue`` through ``loop.call_soon_threadsafe`` (the one sanctioned way into a loop
-from another thread). With nothing to do it sleeps on a condition variable that a new command
-notifies, after giving freed memory back (``cpu_platform.IdleTrim``). The event loop never
-touches the engine.
-
-A final output (finished or aborted) ends its stream, and the router forgets the request; an
-abort frees the request's KV blocks between two steps. A request with ``n`` completions is one
-request id. Prompts arrive tokenized (``serving``'s tokenizer thread); the tokenizer is shared
-read-only (that thread encodes, this one decodes, as Hugging Face's fast tokenizers allow).
-A request arriving mid-step waits for that step to end, and its TTFT (from its arrival)
-includes the wait.
+``LLMEngine`` is synchronous and not thread-safe, and a step takes milliseconds to seconds: far
+too long for an event loop that must keep answering other clients. So one **engine thread** owns
+the engine and alone calls it: between two steps it applies the commands that arrived (add,
+abort, call), then steps and hands the outputs to chapter 2's ``OutputRouter``, whose sink per
+request puts each on its HTTP request's ``asyncio.Queue`` through ``loop.call_soon_threadsafe``
+(the one sanctioned way into a loop from another thread). Idle, it sleeps on a condition variable
+that a new command notifies. A request arriving mid-step waits for that step to end, and its TTFT
+includes the wait. A request with ``n`` completions is one request id. Prompts arrive tokenized
+(``serving``); the tokenizer is shared read-only (that thread encodes, this one decodes).
 
 The notebooks and ``serve --engine-thread`` serve with this class; plain ``serve`` runs the
 same loop in a process of its own (``engine_core``).
@@ -201,7 +194,6 @@ class EngineFacts:
 class EngineClient:
     """What the server drives: an engine stepped on a thread of this process (``AsyncLLMEngine``)
     or in a process of its own (``engine_core.EngineCoreClient``), one interface for both.
-
     ``max_waiting``: as in ``add_all_or_none``. ``on_finished`` is called with every final output
     (finished, stopped or aborted), e.g. for metrics; ``on_dead`` once, on the event loop, if the
     engine stops on a fault of its own (the command-line server then exits), not when it is shut down.
@@ -233,10 +225,7 @@ class EngineClient:
 
 
 class AsyncLLMEngine(EngineClient):
-    """An ``LLMEngine`` stepped by its own thread, driven from asyncio (vLLM's name).
-
-    ``on_finished`` runs on the engine thread; the rest is ``EngineClient``'s.
-    """
+    """An ``LLMEngine`` stepped by its own thread (vLLM's name); ``on_finished`` runs on that thread."""
 
     def __init__(self, engine: LLMEngine, max_waiting: int | None = None,
                  on_finished: Callable[[RequestOutput], None] | None = None,
@@ -250,7 +239,6 @@ class AsyncLLMEngine(EngineClient):
         self._thread: threading.Thread | None = None
         self._trim = IdleTrim()  # reads its variable once; a bad value fails here, with the variable's name
 
-    # ----------------------------------------------------------- lifecycle
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Start the engine thread; outputs are delivered on ``loop`` (default: the running one)."""
         if self._thread is not None:
@@ -274,7 +262,6 @@ class AsyncLLMEngine(EngineClient):
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    # ----------------------------------------------------- the asyncio side
     async def add_requests(self, requests: Sequence[tuple[str, Prompt, SamplingParams]],
                            arrival_time: float | None = None) -> RequestStream:
         """Queue one engine request per (id, prompt, params), all or none: else ``ValueError`` (the
@@ -312,7 +299,6 @@ class AsyncLLMEngine(EngineClient):
             self._commands.append(command)
             self._cond.notify()
 
-    # ---------------------------------------------------- the engine thread
     def _run(self) -> None:
         """The engine thread: apply commands, step, deliver outputs; sleep when idle."""
         engine = self.engine

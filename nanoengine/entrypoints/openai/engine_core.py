@@ -1,25 +1,19 @@
 """The engine core in a process of its own: what ``python -m nanoengine serve`` runs (chapter 12).
 
-With ``AsyncLLMEngine`` the engine thread and the HTTP server's event loop share one
-interpreter lock, so the engine's Python between two steps (scheduling, preparing inputs,
-sampling, detokenizing) waits whenever the loop parses a request or writes a chunk. So, as
-vLLM v1 does (``EngineCoreProc`` behind an ``AsyncLLM`` client), ``serve`` splits them:
-
-* **the engine-core process** (``run_engine_core``) builds the engine on its main thread, the
-  only thread that steps it and the only one with an OpenMP team, and runs the async engine's
-  loop over a pipe: commands in (add, abort, call, stop), and after each step one message
-  out with the step's outputs, the replies and the engine's counters. Its process starts with
-  GNU OpenMP's spin count bounded, so that its threads do not spin through a step's Python
-  while the server needs a core (``cpu_platform.engine_core_environment``).
-* **the client** (``EngineCoreClient``) is an ``EngineClient`` like ``AsyncLLMEngine``: its
-  event loop reads the pipe when it is readable (``loop.add_reader``: no thread, no polling),
-  and ``add_requests`` waits for the core's reply, so a refused request is an error before
-  its response starts, as with the thread.
+With ``AsyncLLMEngine`` the engine thread and the event loop share one interpreter lock, so the
+engine's Python between two steps (scheduling, sampling, detokenizing) waits whenever the loop
+parses a request or writes a chunk. So, as vLLM v1 does (``EngineCoreProc`` behind an
+``AsyncLLM`` client), ``serve`` runs the async engine's loop in a process of its own
+(``run_engine_core``), whose main thread builds the engine and alone steps it, over a pipe:
+commands in, and after each step one message out with the outputs, the replies and the engine's
+counters. Its GNU OpenMP spin count is bounded, so that its threads do not spin through a step's
+Python while the server needs a core (``cpu_platform.engine_core_environment``). The server's
+``EngineCoreClient`` is an ``EngineClient`` like ``AsyncLLMEngine``: its event loop reads the
+pipe when it is readable (``loop.add_reader``: no thread, no polling), and ``add_requests``
+waits for the core's reply, so a refused request is an error before its response starts.
 
 The price is a copy: every step's outputs are pickled (figures: results/README.md). Arrival
-times need no translation: ``time.perf_counter`` reads the same monotonic clock in every
-process. A function given to ``call`` runs in the core's process, so it must be importable
-there (a module-level function, not a lambda); its result comes back pickled.
+times need no translation: ``time.perf_counter`` reads one monotonic clock in every process.
 """
 
 from __future__ import annotations
@@ -49,7 +43,6 @@ from nanoengine.sampling_params import SamplingParams
 logger = logging.getLogger("nanoengine.serve")
 
 
-# ----------------------------------------------------------------- the core's process
 def run_engine_core(conn: Connection, build: Callable[[], LLMEngine]) -> None:
     """The engine-core process: build the engine, then serve the commands on ``conn`` until "stop".
 
@@ -130,15 +123,13 @@ def _portable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-# ----------------------------------------------------------------- the server's side
 class EngineCoreClient(EngineClient):
     """An engine stepped by a process of its own, driven from asyncio (``EngineClient``).
 
-    ``build`` is called in the new process to make the engine, so it must be picklable: a
-    module-level function or ``functools.partial(LLMEngine.from_pretrained, path, **options)``.
-    The constructor waits until the engine is built (``startup_timeout`` seconds) and raises
-    the core's error if building failed. ``on_finished`` runs on the event loop here; ``on_dead``
-    also when the core's process dies without a word.
+    ``build`` makes the engine in the new process, so it must be picklable: a module-level
+    function or ``functools.partial(LLMEngine.from_pretrained, path, **options)``. The constructor
+    waits until the engine is built and raises the core's error if building failed.
+    ``on_finished`` runs on the event loop here; ``on_dead`` also when the process dies without a word.
     """
 
     def __init__(self, build: Callable[[], LLMEngine], max_waiting: int | None = None,
@@ -175,7 +166,6 @@ class EngineCoreClient(EngineClient):
             raise payload
         return payload
 
-    # ----------------------------------------------------------- lifecycle
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         """Start reading the core's outputs on ``loop`` (default: the running one)."""
         if self._loop is not None:
@@ -191,8 +181,9 @@ class EngineCoreClient(EngineClient):
             with contextlib.suppress(OSError):
                 self._send(("stop",))
             deadline = time.monotonic() + timeout
-            while not self._stopped and self._conn_poll(max(0.0, deadline - time.monotonic())):
-                self._read()  # the last outputs and "stopped"
+            with contextlib.suppress(OSError, ValueError):  # the pipe closed
+                while not self._stopped and self._conn.poll(max(0.0, deadline - time.monotonic())):
+                    self._read()  # the last outputs and "stopped"
         self._process.join(max(1.0, timeout))
         if self._process.is_alive():
             self._process.kill()
@@ -200,17 +191,10 @@ class EngineCoreClient(EngineClient):
         self._close("the engine is shutting down")
         self._conn.close()  # the process is gone: nothing more to read or send
 
-    def _conn_poll(self, timeout: float) -> bool:
-        try:
-            return self._conn.poll(timeout)
-        except (OSError, ValueError):  # closed
-            return False
-
     @property
     def is_running(self) -> bool:
         return self._loop is not None and not self._stopped and self._process.is_alive()
 
-    # ----------------------------------------------------- the asyncio side
     async def add_requests(self, requests: Sequence[tuple[str, Prompt, SamplingParams]],
                            arrival_time: float | None = None) -> RequestStream:
         """As ``AsyncLLMEngine.add_requests``."""
@@ -270,7 +254,6 @@ class EngineCoreClient(EngineClient):
         with self._send_lock:
             self._conn.send(message)
 
-    # ------------------------------------------- messages from the core (event loop)
     def _read(self) -> None:
         """Handle every message waiting on the pipe (the event loop calls this when it is readable)."""
         try:

@@ -1,21 +1,19 @@
 """``GET /metrics``: the server's numbers in Prometheus' text format (chapter 12).
 
-Each family is introduced by ``# HELP`` (what it means) and ``# TYPE`` (``counter``: only goes
-up; ``gauge``: a value now; ``histogram``: counts of observations at or below each bucket bound
-``le``, plus their ``_sum`` and ``_count``, from which a dashboard estimates percentiles)::
+Each family has ``# HELP`` (what it means) and ``# TYPE`` (``counter``: only goes up; ``gauge``:
+a value now; ``histogram``: counts of observations at or below each bucket bound ``le``, plus
+their ``_sum`` and ``_count``, from which a dashboard estimates percentiles)::
 
     # HELP nanoengine:num_requests_running Sequences in the running queue.
     # TYPE nanoengine:num_requests_running gauge
     nanoengine:num_requests_running{model_name="SmolLM2-135M-Instruct"} 3
 
 The names are vLLM's (``vllm:kv_cache_usage_perc``...) with this engine's prefix, so a vLLM
-dashboard needs only the prefix changed. Written by hand: the format is a few lines of text,
-and a client library would hide exactly what this module is here to show.
-
-Gauges come from the ``EngineStats`` published after every step; latencies from each request's
-final ``RequestOutput``: TTFT from its arrival (queueing counts), inter-token gaps from the
-engine's token timestamps. A request with ``n > 1`` completions has one interleaved token
-record, so it adds its TTFT but no inter-token gaps.
+dashboard needs only the prefix changed. Written by hand: the format is a few lines of text, and
+a client library would hide exactly what this module is here to show. Gauges come from the
+``EngineStats`` of the latest step; latencies from each request's final ``RequestOutput`` (TTFT
+from its arrival, queueing included). A request with ``n > 1`` completions has one interleaved
+token record, so it adds its TTFT but no inter-token gaps.
 """
 
 from __future__ import annotations

@@ -1,30 +1,18 @@
 """The OpenAI wire format: what a client sends, what the server answers (chapter 12).
 
-A request body is parsed *strictly* into a pydantic model (``CompletionRequest`` or
-``ChatCompletionRequest``): an unknown field, a string where a number belongs or a body that
-is not JSON is refused with 400 and a message naming the field, before anything reaches the
-engine. Values are then checked by the engine's own ``SamplingParams``, the one place that
-knows what a valid temperature is; its ``ValueError`` becomes a 400 too.
+A body is parsed *strictly* into ``CompletionRequest`` or ``ChatCompletionRequest``: an unknown
+field, a wrong type or a body that is not JSON is a 400 naming the field before anything reaches
+the engine; the values are then checked by the engine's own ``SamplingParams`` (its ``ValueError``
+is a 400 too). The names are OpenAI's plus vLLM's extras (``top_k``, ``ignore_eos``,
+``structured_outputs``...: the ``openai`` client's ``extra_body``). Fields OpenAI defines but this
+engine cannot honour (penalties, ``echo``, ``tools``...) admit only their neutral value, the one
+that changes nothing, and refuse any other saying what is allowed (``_NEUTRAL_ONLY``) rather than
+ignore it: langchain and litellm send the neutral values by default.
 
-The field names are OpenAI's, plus vLLM's extras (``top_k``, ``min_p``, ``ignore_eos``,
-``stop_token_ids``, ``structured_outputs``), which the ``openai`` client sends through
-``extra_body``. Fields OpenAI defines but this engine cannot honour (``echo``, penalties,
-``logit_bias``, ``suffix``, ``best_of`` above ``n``; for chat ``tools``, ``store``...) are
-accepted only at their neutral value, the one that changes nothing (no tools, ``false``), and
-refused otherwise rather than silently ignored: langchain and litellm send the neutral values
-by default, and a request they describe can be served exactly.
-
-Structured output (chapter 14), on both endpoints: OpenAI's ``response_format`` or vLLM's
-``structured_outputs`` becomes the engine's ``StructuredOutputsParams``; a constraint that
-does not compile is a 400 with the grammar library's reason.
-
-Two OpenAI conventions differ between the endpoints: logprobs (a completion asks
-``logprobs: N`` and gets parallel lists, ``completion_logprobs``; a chat asks ``logprobs:
-true, top_logprobs: N`` and gets one record per token, ``chat_logprobs``), and the default
-``max_tokens`` (16 for a completion, OpenAI's; the rest of the context window for a chat
-reply, vLLM's). Either way prompt + ``max_tokens`` must fit ``max_model_len``
-(``fit_to_context``). Every error is ``{"error": {"message", "type", "param", "code"}}``
-(``error_body``), which the ``openai`` client raises as ``openai.BadRequestError`` and friends.
+The endpoints differ in two OpenAI conventions: logprobs (``completion_logprobs``: parallel lists;
+``chat_logprobs``: one record per token) and the default ``max_tokens`` (16 for a completion; for
+a chat, as vLLM, the rest of the context window: ``fit_to_context``). Every error has
+``error_body``'s shape, which the ``openai`` client raises as ``openai.BadRequestError`` and friends.
 """
 
 from __future__ import annotations
@@ -33,7 +21,7 @@ import dataclasses
 import itertools
 import json
 import math
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
@@ -53,10 +41,9 @@ def _integral(value):
 
 
 Int = Annotated[int, BeforeValidator(_integral)]  # an integer field: 4 and 4.0, not 4.5, "4" or true
-Prompt = str | list[int]
+Zero = Annotated[float, Field(ge=0, le=0)]  # a penalty this engine does not apply: only 0 changes nothing
 
 
-# ----------------------------------------------------------------------- errors
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
     """OpenAI's error object (the ``openai`` client reads ``message`` into its exception)."""
@@ -91,6 +78,11 @@ _EXPECTED = {
 # Fields OpenAI defines that this engine does not implement, whose schema admits only the
 # value that changes nothing (the default); what a refused value gets told.
 _NEUTRAL_ONLY = {
+    "presence_penalty": "0: this server applies no penalties",
+    "frequency_penalty": "0: this server applies no penalties",
+    "logit_bias": "{}: this server biases no tokens",
+    "echo": "false: this server does not repeat the prompt",
+    "suffix": "none (leave it out): this server inserts no text",
     "tools": "empty: this server has no tool calling",
     "tool_choice": '"none" or "auto" (with no tools, the model calls none): this server has no tool calling',
     "store": "false: this server stores no completions",
@@ -137,16 +129,14 @@ def _explain(exc: ValidationError) -> ProtocolError:
 
 
 def value_error(exc: ValueError, request: BaseModel) -> ProtocolError:
-    """A ``ValueError`` from ``SamplingParams`` or the engine as a 400 (``param`` when its
-    message starts with one of the request's field names, as SamplingParams' messages do:
-    "top_p must be ..." or "n=9 completions ...")."""
+    """A ``ValueError`` from ``SamplingParams`` or the engine as a 400, with ``param`` when its message
+    starts with one of the request's field names ("top_p must be ...", "n=9 completions ...")."""
     message = str(exc)
     first = message.split(" ", 1)[0].split("=", 1)[0].strip(":,")
     param = first if first in type(request).model_fields else None
     return ProtocolError(message, param=param)
 
 
-# ------------------------------------------------------------------- requests
 class _Strict(BaseModel):
     # Strict: "5" is not 5 and true is not 1; unknown fields are refused, not dropped.
     model_config = ConfigDict(extra="forbid", strict=True)
@@ -195,11 +185,6 @@ class StructuredOutputsRequest(_Strict):
 class _SamplingRequest(_Strict):
     """The fields both endpoints share: the model, sampling, stopping, streaming."""
 
-    # Fields OpenAI defines that this engine does not implement: accepted only left out or at the
-    # value that changes nothing (None: no such value), refused otherwise (``check_supported``).
-    UNSUPPORTED: ClassVar[dict[str, str | None]] = {"presence_penalty": "0", "frequency_penalty": "0",
-                                                    "logit_bias": "{}"}
-
     model: str | None = None  # None: the served model (vLLM allows leaving it out)
     n: Int = 1
     temperature: float | None = None  # None: 1.0, OpenAI's default
@@ -213,9 +198,10 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id OpenAI accepts; recorded nowhere here
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    # Features this server does not have: the schema admits only the neutral value (``_NEUTRAL_ONLY``).
+    presence_penalty: Zero = 0.0
+    frequency_penalty: Zero = 0.0
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
     # Structured output (chapter 14): OpenAI's field, or vLLM's; at most one of them.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -225,12 +211,7 @@ class _SamplingRequest(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def check_supported(self) -> None:
-        """Refuse values of fields the engine does not implement (never ignore them silently)."""
-        for name, neutral in self.UNSUPPORTED.items():
-            value = getattr(self, name)
-            if value is not None and (neutral is None or value):
-                raise ProtocolError(f"{name} is not supported by this server; leave it out"
-                                    + (f" or at {neutral}" if neutral else ""), param=name, code="unsupported")
+        """Refuse what the schema alone cannot: combinations of fields, an empty list."""
         if self.stream_options is not None and not self.stream:
             raise ProtocolError("stream_options is only allowed with stream: true", param="stream_options")
 
@@ -257,14 +238,12 @@ class _SamplingRequest(_Strict):
 class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions``: continue one prompt, or each of a list of prompts."""
 
-    UNSUPPORTED = {**_SamplingRequest.UNSUPPORTED, "echo": "false", "suffix": None}
-
     prompt: str | list[Int] | list[str] | list[list[Int]]
     max_tokens: Int | None = 16
     logprobs: Int | None = None  # the top N tokens per position
-    echo: bool = False
     best_of: Int | None = None
-    suffix: str | None = None
+    echo: Literal[False] = False  # neutral only, as the penalties
+    suffix: None = None  # neutral only: any suffix, even "", would ask for text inserted
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -273,7 +252,7 @@ class CompletionRequest(_SamplingRequest):
                                 f"samples", param="best_of", code="unsupported")
         self.prompts()  # refuses an empty list
 
-    def prompts(self) -> list[Prompt]:
+    def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: one string or token-id list, or several."""
         prompt = self.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
@@ -347,11 +326,8 @@ class ChatCompletionRequest(_SamplingRequest):
 
 def fit_to_context(params: SamplingParams, requested: int | None, num_prompt_tokens: int,
                    max_model_len: int) -> SamplingParams:
-    """``params`` with ``max_tokens`` fitted to the context window, or a ValueError.
-
-    ``requested`` None means "the rest of the window"; an explicit value that does not fit is
-    refused, as the engine would silently cut the reply at ``max_model_len`` ("length").
-    """
+    """``params`` with ``max_tokens`` fitted to the context window (``requested`` None: the rest of
+    it), or a ValueError: the engine would silently cut the reply at ``max_model_len`` ("length")."""
     room = max_model_len - num_prompt_tokens
     if requested is None:
         if room < 1:
@@ -364,7 +340,6 @@ def fit_to_context(params: SamplingParams, requested: int | None, num_prompt_tok
     return params
 
 
-# ------------------------------------------------------------------ responses
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     """OpenAI's token counts; ``prompt_tokens_details.cached_tokens`` is how many prompt
     tokens were served from the prefix cache (their KV was not computed again)."""
@@ -430,7 +405,6 @@ def sse(data: dict | str) -> str:
 DONE = sse("[DONE]")
 
 
-# ------------------------------------------------------------ the schema's shapes
 class ErrorDetail(BaseModel):
     message: str
     type: str

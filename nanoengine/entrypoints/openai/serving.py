@@ -1,29 +1,18 @@
 """One HTTP request through the engine: completions and chat (chapter 12).
 
-``OpenAIServing.completions`` and ``.chat`` do the same five things:
+``OpenAIServing.completions`` and ``.chat`` both read and validate the body (``read_body``,
+``protocol``: a bad request never reaches the engine), prepare the prompts on the tokenizer
+thread (``_prepare``), submit one engine request per prompt (``EngineClient.add_requests``; a
+full queue is a 429), then stream server-sent events or collect the final outputs into one
+JSON response, asking the engine only for what each reads (``RequestOutputKind.DELTA`` or
+``FINAL_ONLY``) and aborting if the client goes away first.
 
-1. **read and validate** the body (``read_body``, then ``protocol``): a bad request is
-   refused (400, or 408 and 413 for a slow or large body) and never reaches the engine;
-2. **prepare** the prompts on the tokenizer thread (``_prepare``): render the chat template,
-   tokenize, check the length, fit ``max_tokens`` to the context window;
-3. **submit** one engine request per prompt, as token ids (``EngineClient.add_requests``);
-   a full waiting queue is a 429;
-4. **stream** server-sent events, one chunk per completion per step that produced text, then
-   ``data: [DONE]``, **or collect** the final outputs into one JSON response. The engine is
-   asked only for what each reads (``RequestOutputKind.DELTA`` or ``FINAL_ONLY``), and the
-   engine requests are aborted if the client goes away first;
-5. count ``usage``, with the prompt tokens the prefix cache served (``cached_tokens``).
-
-Why a tokenizer thread: tokenizing is linear in the text, so a huge prompt tokenized on the
-engine thread would stall every request in flight, and on the event loop every connection.
-Hugging Face's fast tokenizer releases the GIL while it encodes, so the thread runs alongside
-both. One thread, as vLLM's ``OpenAIServing`` has one tokenizer worker
-(``vllm/entrypoints/openai/serving_engine.py``): the tokenizer never runs two encodes at once,
-and a request waits behind a long text at most as long as the longest text that can still fit
-takes (``_too_long`` refuses longer ones untokenized).
-
-Choices are numbered as OpenAI numbers them: with several prompts and ``n`` completions
-each, choice ``prompt_index * n + completion_index``.
+One tokenizer thread, as vLLM's ``OpenAIServing`` has one tokenizer worker: tokenizing is linear
+in the text, so a huge prompt would stall every request in flight on the engine thread and
+every connection on the event loop, while the fast tokenizer releases the GIL as it encodes. A
+request waits behind a long text at most as long as the longest text that can still fit takes
+(``_too_long`` refuses longer ones untokenized). Choices are numbered as OpenAI's: with several
+prompts and ``n`` completions each, ``prompt_index * n + completion_index``.
 """
 
 from __future__ import annotations
@@ -41,9 +30,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from nanoengine.entrypoints.openai import protocol
-from nanoengine.entrypoints.openai.async_engine import EngineClient, EngineDeadError, QueueFullError, RequestStream
+from nanoengine.entrypoints.openai.async_engine import (EngineClient, EngineDeadError, Prompt, QueueFullError,
+                                                        RequestStream)
 from nanoengine.entrypoints.openai.metrics import ServerMetrics
-from nanoengine.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, Prompt, ProtocolError,
+from nanoengine.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ProtocolError,
                                                     fit_to_context, parse_request)
 from nanoengine.outputs import CompletionOutput, RequestOutput
 from nanoengine.sampling_params import RequestOutputKind
@@ -56,11 +46,8 @@ class ClientGone(Exception):
 
 
 class OpenAIServing:
-    """The endpoints' logic over one engine serving one model under one name.
-
-    ``system_fingerprint`` is sent with every response, as OpenAI does. Call ``shutdown`` to
-    stop the tokenizer thread.
-    """
+    """The endpoints' logic over one engine serving one model under one name; ``shutdown`` stops
+    the tokenizer thread."""
 
     def __init__(self, engine: EngineClient, model_name: str, metrics: ServerMetrics, max_body_bytes: int,
                  body_timeout: float, system_fingerprint: str | None = None) -> None:
@@ -72,9 +59,8 @@ class OpenAIServing:
         self.system_fingerprint = system_fingerprint
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer
-        # The engine's own input processor holds the rules every entry shares (how text is
-        # tokenized, the chat template, what parameters this engine can serve); it reads no
-        # engine state, so the tokenizer thread may call it while the engine thread steps.
+        # The rules every entry shares (tokenizing, the chat template, the parameters this engine
+        # serves); it reads no engine state, so the tokenizer thread may call it during a step.
         self.input_processor = engine.input_processor
         self._max_token_bytes: int | None | bool = False  # False: not computed yet (the tokenizer thread does)
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nanoengine-tokenizer")
@@ -82,7 +68,6 @@ class OpenAIServing:
     def shutdown(self) -> None:
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
-    # ------------------------------------------------------------ endpoints
     async def completions(self, raw: Request) -> Response:
         arrival = time.perf_counter()
         request, params = await self._read_request(raw, CompletionRequest)
@@ -115,9 +100,8 @@ class OpenAIServing:
     async def _respond(self, raw: Request, request, id_prefix: str, prepared: list[tuple[list[int], object]],
                        arrival: float, kind: str, choices: Callable[["_Context", RequestOutput], list[dict]],
                        opening: list[dict] | None = None) -> Response:
-        """Steps 3 to 5, the same for both endpoints: submit, then stream the ``choices`` of
-        each output as events (``opening`` first), or collect the final outputs into one
-        ``kind`` response."""
+        """Submit, then stream the ``choices`` of each output as events (``opening`` first), or
+        collect the final outputs into one ``kind`` response."""
         stream = await self._submit(f"{id_prefix}-{uuid.uuid4().hex}", prepared, arrival, request)
         ctx = _Context(stream, request)
         if request.stream:
@@ -135,7 +119,6 @@ class OpenAIServing:
         return protocol.response(kind, ctx.response_id, ctx.created, self.model_name, choices, usage,
                                  self.system_fingerprint)
 
-    # ------------------------------------------------------------ the body
     async def read_body(self, raw: Request) -> bytes:
         """The request body: at most ``max_body_bytes`` (413), all of it within ``body_timeout``
         seconds (408: else a client that trickles its body, a "slow POST", holds a connection
@@ -169,8 +152,8 @@ class OpenAIServing:
         return b"".join(chunks)
 
     async def _read_request(self, raw: Request, model: type[CompletionRequest | ChatCompletionRequest]):
-        """Step 1: the body parsed as ``model`` and validated, with its SamplingParams, which
-        the engine's own checks pass (n against max_num_seqs, stop token ids, ...) before any work."""
+        """The body parsed as ``model`` and validated, with its SamplingParams, which the engine's
+        own checks pass (n against max_num_seqs, stop token ids, ...) before any work."""
         request = parse_request(model, await self.read_body(raw))
         if request.model is not None and request.model != self.model_name:
             raise ProtocolError(f"the model {request.model!r} does not exist: this server serves "
@@ -184,7 +167,6 @@ class OpenAIServing:
         kind = RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY
         return request, dataclasses.replace(params, output_kind=kind)
 
-    # ---------------------------------------------------- the tokenizer thread
     async def _prepare(self, tokenize: Callable[[], list[list[int]]], params, requested_max_tokens: int | None,
                        request, on_thread: bool = True) -> list[tuple[list[int], object]]:
         """Each prompt's token ids and its SamplingParams with ``max_tokens`` fitted to the context
@@ -210,9 +192,8 @@ class OpenAIServing:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, prepare)
 
     def _tokenize(self, prompt: Prompt, rendered_chat: bool = False) -> list[int]:
-        """Token ids of one prompt (runs on the tokenizer thread). Token-id prompts pass
-        through (the engine checks their range); text is refused without tokenizing when
-        its length proves it too long."""
+        """Token ids of one prompt, on the tokenizer thread (token-id prompts pass through: the
+        engine checks their range)."""
         if not isinstance(prompt, str):
             return list(prompt)
         if not prompt:
@@ -228,8 +209,8 @@ class OpenAIServing:
         return self.input_processor.encode(prompt, rendered_chat)
 
     def _render_chat(self, request: ChatCompletionRequest) -> str:
-        """The conversation through the model's chat template, as ``LLM.chat`` renders it
-        (Jinja over the messages; on the tokenizer thread, as it is linear in their length)."""
+        """The conversation through the model's chat template, as ``LLM.chat`` renders it (on the
+        tokenizer thread: rendering is linear in the messages' length)."""
         try:
             return self.input_processor.apply_chat_template(request.conversation())
         except Exception as exc:  # a template may refuse a conversation (e.g. roles out of order)
@@ -237,7 +218,7 @@ class OpenAIServing:
 
     async def _submit(self, response_id: str, prepared: list[tuple[list[int], object]], arrival: float,
                       request) -> RequestStream:
-        """Step 3: one engine request per prompt ("<response id>-<prompt index>"), all or none."""
+        """One engine request per prompt ("<response id>-<prompt index>"), all or none."""
         try:
             return await self.engine.add_requests(
                 [(f"{response_id}-{i}", token_ids, params) for i, (token_ids, params) in enumerate(prepared)],
@@ -248,17 +229,12 @@ class OpenAIServing:
         except ValueError as exc:  # the engine's checks: token ids outside the vocabulary...
             raise protocol.value_error(exc, request) from None
 
-    # ----------------------------------------------------------- streaming
     async def _events(self, ctx: "_Context", kind: str, opening: list[dict],
                       choices: Callable[["_Context", RequestOutput], list[dict]]) -> AsyncIterator[str]:
-        """The server-sent events of one streamed response; ``opening`` goes out with the
-        first output.
+        """The server-sent events of one streamed response; ``opening`` goes out with the first output.
 
-        If the client disconnects, the server cancels the task iterating this generator
-        (``asyncio.CancelledError`` at ``await``) or closes it (``EventStreamResponse``);
-        either way ``finally`` aborts whatever has not finished, and the engine frees its
-        KV blocks between two steps.
-        """
+        A client that disconnects cancels this generator's task (``asyncio.CancelledError`` at
+        ``await``) or closes it (``EventStreamResponse``); ``finally`` aborts what has not finished."""
         def chunk(parts: list[dict], usage: dict | None = None) -> str:
             return protocol.sse(self._body(ctx, kind, parts, usage))
 
@@ -355,9 +331,8 @@ def _chat_choices(ctx: _Context, out: RequestOutput) -> list[dict]:
 
 
 def _raise_if_failed(finals: list[RequestOutput]) -> None:
-    """A 500 if the engine finished one of these requests with an error (finish_reason
-    "error": a step raised on its data, ``LLMEngine._fail``); the engine serves on. vLLM
-    answers such a request with a 500 too; here the message says what was raised."""
+    """A 500, as vLLM's, if the engine finished one of these requests with an error (a step raised
+    on its data: ``LLMEngine._fail``; the engine serves on); the message says what was raised."""
     for out in finals:
         for c in out.outputs:
             if c.finish_reason == "error":
@@ -375,18 +350,16 @@ def _usage(finals: list[RequestOutput]) -> dict:
 
 
 def _max_token_bytes(tokenizer) -> int | None:
-    """An upper bound on the UTF-8 bytes of text one token can stand for, or None when
-    this tokenizer offers none.
+    """An upper bound on the UTF-8 bytes of text one token can stand for, or None when this
+    tokenizer offers none.
 
-    A token's string in the vocabulary is at least as long in UTF-8 as the text it
-    encodes: byte-level BPE writes each byte as one character of one or two bytes,
-    SentencePiece writes a space as "▁" (three bytes) and a raw byte as "<0x41>". That
-    holds only while every byte of the text ends up in some token, so the bound is given
-    only for a BPE model with no normalizer (one may shrink the text), no pre-tokenizer
-    that drops text (whitespace splitters, a split that removes its delimiter), and a
-    token for every character (byte-level, byte fallback, or an unknown token per
-    character: fused, a run of unknown characters would be one token; without one, they
-    would be dropped)."""
+    A token's string in the vocabulary is at least as long in UTF-8 as the text it encodes
+    (byte-level BPE writes each byte as a character of one or two bytes, SentencePiece a space
+    as "▁", three bytes, and a raw byte as "<0x41>"), as long as every byte of the text ends up
+    in some token: so only for a BPE model with no normalizer (one may shrink the text), no
+    pre-tokenizer that drops text (whitespace splitters, a split that removes its delimiter),
+    and a token for every character (byte-level, byte fallback, or an unknown token per
+    character: fused, a run of unknown characters would be one token; without one, dropped)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     model = getattr(backend, "model", None)
     if type(model).__name__ != "BPE" or backend.normalizer is not None:
@@ -403,8 +376,6 @@ def _max_token_bytes(tokenizer) -> int | None:
     pre = None if backend.pre_tokenizer is None else json.loads(backend.pre_tokenizer.__getstate__())
     if not keeps_every_byte(pre):
         return None
-    # A character outside the vocabulary must still cost a token: every byte has one
-    # (byte-level BPE, byte fallback), or it becomes one unknown token of its own.
     byte_level = '"ByteLevel"' in json.dumps(pre)
     if not (byte_level or model.byte_fallback or (model.unk_token is not None and not model.fuse_unk)):
         return None
