@@ -13,14 +13,12 @@ states are the Python forward's, bit for bit (tests/engine/test_cpu_fused.py). E
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import functools
 
 import torch
 
 from nanoengine.kernels import cpu_native
-
-if TYPE_CHECKING:
-    from nanoengine.backends.cpu import CpuAttentionMetadata
+from nanoengine.layers.attention import AttentionMetadata
 
 
 class FusedLayer:
@@ -32,22 +30,18 @@ class FusedLayer:
 
     def __init__(self, layer: torch.nn.Module) -> None:
         self.layer = layer
-        self.arguments: tuple | None = None
 
-    def _gather(self) -> tuple:
-        """The layer's arguments of ``nanoengine::llama_layer``, from ``weights`` to ``scale`` (its schema)."""
+    @functools.cached_property
+    def arguments(self) -> tuple:
+        """The layer's arguments of ``nanoengine::llama_layer``, ``weights`` to ``scale``, read at its first call."""
         layer, attn = self.layer, self.layer.self_attn
         linears = linear_layers(layer)
         weights = [*(m.weight for m in linears), layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         return (weights, [m.linear_method.packed for m in linears], attn.qkv_proj.bias, attn.attn.k_cache,
-                attn.attn.v_cache, layer.input_layernorm.eps,
-                cpu_native.MAX_ROWS,  # rows up to this take the few-rows kernel, as in CpuLinearMethod
-                attn.num_heads, attn.num_kv_heads, attn.attn.scale)
+                attn.attn.v_cache, layer.input_layernorm.eps, cpu_native.MAX_ROWS, attn.attn.scale)
 
-    def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None, meta: CpuAttentionMetadata,
+    def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
                  rotary_rows: tuple[torch.Tensor, torch.Tensor]):
-        if self.arguments is None:
-            self.arguments = self._gather()
         return torch.ops.nanoengine.llama_layer(hidden, residual, *self.arguments, *rotary_rows, *meta.layer_step)
 
 

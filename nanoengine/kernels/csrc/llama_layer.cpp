@@ -25,28 +25,25 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const Op
   return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
 }
 
-// The layer's weights as FusedLayer._gather lists them: the four linear layers' (cpu_fused.linear_layers'
-// order), then the two norms'. `packed`: each linear layer's packed copy, or None.
-enum Weight : int64_t { kQkv, kO, kGateUp, kDown, kInputNorm, kPostNorm, kNumWeights };
-
-// CpuLinearMethod's rule for the linear layer `index`: up to few_rows_max rows the few-rows kernel,
-// more oneDNN's packed GEMM.
-at::Tensor linear(const at::Tensor& x, at::TensorList weights, const c10::List<OptionalTensor>& packed, Weight index,
+// CpuLinearMethod's rule: up to few_rows_max rows the few-rows kernel, more oneDNN's packed GEMM.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& packed,
                   const OptionalTensor& bias, int64_t few_rows_max) {
   static const auto few_rows = operator_named<decltype(few_rows_linear)>("nanoengine::few_rows_linear");
-  if (x.size(0) <= few_rows_max) return few_rows.call(x.contiguous(), weights[index], bias);
-  const OptionalTensor packed_weight = packed.get(index);
-  if (packed_weight.has_value() && packed_weight->defined()) return packed_linear(x.contiguous(), *packed_weight, bias);
-  return at::linear(x, weights[index], bias);
+  if (x.size(0) <= few_rows_max) return few_rows.call(x.contiguous(), weight, bias);
+  if (packed.has_value() && packed->defined()) return packed_linear(x.contiguous(), *packed, bias);
+  return at::linear(x, weight, bias);
 }
 
-// `step`: this step's slot_mapping, decode_block_tables, decode_context_lens, prefill_block_tables,
-// prefill_cu_seqlens_q and prefill_context_lens (CpuAttentionMetadata.layer_step).
+// `weights` (FusedLayer.arguments): the linear layers' (cpu_fused.linear_layers), then the norms'; `packed`:
+// each linear layer's packed copy, or None.
+enum Weight : int64_t { kQkv, kO, kGateUp, kDown, kInputNorm, kPostNorm, kNumWeights };
+
+// `step`: the step's tensors in paged_attention's order (CpuAttentionMetadata.layer_step).
 std::tuple<at::Tensor, at::Tensor> llama_layer(
     const at::Tensor& hidden, const OptionalTensor& residual, at::TensorList weights,
     const c10::List<OptionalTensor>& packed, const OptionalTensor& qkv_bias, at::Tensor k_cache, at::Tensor v_cache,
-    double eps, int64_t few_rows_max, int64_t num_heads, int64_t num_kv_heads, double scale, const at::Tensor& cos,
-    const at::Tensor& sin, at::TensorList step, int64_t num_decode_tokens, bool widen) {
+    double eps, int64_t few_rows_max, double scale, const at::Tensor& cos, const at::Tensor& sin, at::TensorList step,
+    int64_t num_decode_tokens, bool widen) {
   // What each call checks, it checks itself (shapes, dtypes, the step's decode rows and prefill chunks).
   static const auto norm = operator_named<decltype(rms_norm)>("nanoengine::rms_norm");
   static const auto add_norm = operator_named<decltype(add_rms_norm)>("nanoengine::add_rms_norm");
@@ -54,10 +51,11 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
   static const auto attention = operator_named<decltype(paged_attention)>("nanoengine::paged_attention");
   static const auto activation = operator_named<decltype(silu_and_mul)>("nanoengine::silu_and_mul");
   TORCH_CHECK(weights.size() == kNumWeights && packed.size() == kInputNorm && step.size() == 6, "llama_layer: ",
-              kNumWeights, " weights, ", kInputNorm, " packed and 6 step tensors expected (FusedLayer._gather, "
+              kNumWeights, " weights, ", kInputNorm, " packed and 6 step tensors expected (FusedLayer.arguments, "
               "CpuAttentionMetadata.layer_step), got ", weights.size(), ", ", packed.size(), " and ", step.size());
-  const int64_t tokens = hidden.size(0), d = k_cache.size(3);
-  const int64_t q_size = num_heads * d, kv_size = num_kv_heads * d;
+  // head_dim and the KV heads from the cache's shape, the query heads from o_proj's input (all heads side by side)
+  const int64_t tokens = hidden.size(0), num_kv_heads = k_cache.size(2), d = k_cache.size(3);
+  const int64_t q_size = weights[kO].size(1), num_heads = q_size / d, kv_size = num_kv_heads * d;
 
   // input_layernorm, the residual add fused (the first layer has no residual yet)
   at::Tensor x, stream;
@@ -69,19 +67,20 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
   }
 
   // self_attn: qkv_proj, rotary on the query and key heads together, attention (store-KV first), o_proj
-  const at::Tensor qkv = linear(x, weights, packed, kQkv, qkv_bias, few_rows_max);  // (T, q | k | v)
+  const at::Tensor qkv = linear(x, weights[kQkv], packed.get(kQkv), qkv_bias, few_rows_max);  // (T, q | k | v)
   const at::Tensor qk =
       rotate.call(qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, d}), cos, sin);
   const at::Tensor q = qk.narrow(1, 0, num_heads), k = qk.narrow(1, num_heads, num_kv_heads);
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, d});
   const at::Tensor attended = attention.call(q, k, v, k_cache, v_cache, step[0], num_decode_tokens, step[1], step[2],
                                              step[3], step[4], step[5], scale, widen);
-  const at::Tensor o = linear(attended.reshape({tokens, q_size}), weights, packed, kO, std::nullopt, few_rows_max);
+  const at::Tensor o =
+      linear(attended.reshape({tokens, q_size}), weights[kO], packed.get(kO), std::nullopt, few_rows_max);
 
   // post_attention_layernorm with the residual add, then the MLP: down(silu(gate) * up)
   std::tie(x, stream) = add_norm.call(o, stream, weights[kPostNorm], eps);
-  const at::Tensor gate_up = linear(x, weights, packed, kGateUp, std::nullopt, few_rows_max);
-  return {linear(activation.call(gate_up), weights, packed, kDown, std::nullopt, few_rows_max), stream};
+  const at::Tensor gate_up = linear(x, weights[kGateUp], packed.get(kGateUp), std::nullopt, few_rows_max);
+  return {linear(activation.call(gate_up), weights[kDown], packed.get(kDown), std::nullopt, few_rows_max), stream};
 }
 
 }  // namespace
@@ -89,8 +88,8 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
 
 TORCH_LIBRARY_FRAGMENT(nanoengine, m) {
   m.def("llama_layer(Tensor hidden, Tensor? residual, Tensor[] weights, Tensor?[] packed, Tensor? qkv_bias, "
-        "Tensor(a!) k_cache, Tensor(b!) v_cache, float eps, int few_rows_max, int num_heads, int num_kv_heads, "
-        "float scale, Tensor cos, Tensor sin, Tensor[] step, int num_decode_tokens, bool widen) -> (Tensor, Tensor)",
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, float eps, int few_rows_max, float scale, Tensor cos, Tensor sin, "
+        "Tensor[] step, int num_decode_tokens, bool widen) -> (Tensor, Tensor)",
         torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(nanoengine_cpu::llama_layer)));
 }
 
