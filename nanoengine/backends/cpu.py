@@ -43,6 +43,12 @@ class CpuAttentionMetadata(AttentionMetadata):
     all_slots_stored: bool = True  # every token of the step has a cache slot (no -1 in slot_mapping)
     widen_prefill: bool = False  # prefill attention widens a 16-bit cache to float32 (``CpuAttention.prefill_dtype``)
 
+    @functools.cached_property
+    def layer_step(self) -> tuple[list[torch.Tensor], int, bool]:
+        """The step's arguments of ``nanoengine::llama_layer`` from ``step`` on (its schema), gathered once a step."""
+        return ([self.slot_mapping, self.decode_block_tables, self.decode_context_lens, self.prefill_block_tables,
+                 self.prefill_cu_seqlens_q, self.prefill_context_lens], self.num_decode_tokens, self.widen_prefill)
+
 
 class CpuAttention(AttentionImpl):
     """Store-KV by row copy; decode and prefill by the native kernels, or, where they are not loaded or do

@@ -13,6 +13,8 @@ states are the Python forward's, bit for bit (tests/engine/test_cpu_fused.py). E
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from nanoengine.kernels import cpu_native
@@ -28,27 +30,19 @@ class FusedLayer:
 
     def __init__(self, layer: torch.nn.Module) -> None:
         self.layer = layer
-        self.arguments: tuple | None = None
 
-    def _gather(self) -> tuple:
-        layer = self.layer
-        attn = layer.self_attn
-        qkv, o, gate_up, down = ((m.weight, m.linear_method.packed) for m in linear_layers(layer))
-        weights = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight, layer.input_layernorm.eps,
-                   *qkv, attn.qkv_proj.bias, *o, *gate_up, *down,
-                   cpu_native.MAX_ROWS)  # rows up to this take the few-rows kernel, as in CpuLinearMethod
-        return weights, (attn.attn.k_cache, attn.attn.v_cache), (attn.num_heads, attn.num_kv_heads, attn.attn.scale)
+    @functools.cached_property
+    def arguments(self) -> tuple:
+        """The layer's arguments of ``nanoengine::llama_layer``, ``weights`` to ``scale``, read at its first call."""
+        layer, attn = self.layer, self.layer.self_attn
+        linears = linear_layers(layer)
+        weights = [*(m.weight for m in linears), layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        return (weights, [m.linear_method.packed for m in linears], attn.qkv_proj.bias, attn.attn.k_cache,
+                attn.attn.v_cache, layer.input_layernorm.eps, cpu_native.MAX_ROWS, attn.attn.scale)
 
     def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
                  rotary_rows: tuple[torch.Tensor, torch.Tensor]):
-        if self.arguments is None:
-            self.arguments = self._gather()
-        weights, caches, shape = self.arguments
-        return torch.ops.nanoengine.llama_layer(
-            hidden, residual, *weights, *rotary_rows, *caches,
-            meta.slot_mapping, meta.num_decode_tokens, meta.decode_block_tables, meta.decode_context_lens,
-            meta.prefill_block_tables, meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
-            meta.widen_prefill, *shape)
+        return torch.ops.nanoengine.llama_layer(hidden, residual, *self.arguments, *rotary_rows, *meta.layer_step)
 
 
 def unfit_reason(layer: torch.nn.Module) -> str | None:

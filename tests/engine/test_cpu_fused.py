@@ -10,7 +10,7 @@ import torch
 
 from nanoengine import SamplingParams
 from nanoengine.backends import cpu_fused
-from nanoengine.backends.cpu import CpuBackend
+from nanoengine.backends.cpu import CpuAttentionMetadata, CpuBackend
 from nanoengine.engine.model_runner import BatchPlan
 from nanoengine.kernels import cpu_native
 from test_compile import prompts
@@ -147,15 +147,14 @@ def layer_call(tokens: int, num_decode_tokens: int, decode_rows: int, prefill_bo
                num_prefills: int | None = None, caches=None):
     """torch.ops.nanoengine.llama_layer on a made-up 8-wide layer (2 heads of 4, 1 KV head) and step;
     ``num_prefills`` chunks' context lengths (default: one per pair of bounds)."""
-    hidden = torch.randn(tokens, 8)
     num_prefills = len(prefill_bounds) - 1 if num_prefills is None else num_prefills
-    return torch.ops.nanoengine.llama_layer(
-        hidden, None, torch.ones(8), torch.ones(8), 1e-5, torch.randn(16, 8), None, None, torch.randn(8, 8), None,
-        torch.randn(32, 8), None, torch.randn(8, 16), None, 8, torch.ones(tokens, 1, 4), torch.zeros(tokens, 1, 4),
-        caches[0], caches[1], torch.arange(tokens), num_decode_tokens,
-        torch.zeros(decode_rows, 1, dtype=torch.int32), torch.full((decode_rows,), 1, dtype=torch.int32),
-        torch.zeros(num_prefills, 1, dtype=torch.int32), torch.tensor(prefill_bounds, dtype=torch.int32),
-        torch.full((num_prefills,), 4, dtype=torch.int32), False, 2, 1, 0.5)
+    step = CpuAttentionMetadata(
+        torch.arange(tokens), num_decode_tokens, torch.zeros(decode_rows, 1, dtype=torch.int32),
+        torch.full((decode_rows,), 1, dtype=torch.int32), torch.zeros(num_prefills, 1, dtype=torch.int32),
+        torch.tensor(prefill_bounds, dtype=torch.int32), torch.full((num_prefills,), 4, dtype=torch.int32))
+    weights = [torch.randn(16, 8), torch.randn(8, 8), torch.randn(32, 8), torch.randn(8, 16)] + [torch.ones(8)] * 2
+    return torch.ops.nanoengine.llama_layer(torch.randn(tokens, 8), None, weights, [None] * 4, None, *caches, 1e-5, 8,
+                                            0.5, torch.ones(tokens, 1, 4), torch.zeros(tokens, 1, 4), *step.layer_step)
 
 
 @pytest.mark.parametrize("step, message", [

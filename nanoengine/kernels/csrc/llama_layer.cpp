@@ -34,63 +34,62 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptionalT
   return at::linear(x, weight, bias);
 }
 
+// `weights` (FusedLayer.arguments): the linear layers' (cpu_fused.linear_layers), then the norms'; `packed`:
+// each linear layer's packed copy, or None.
+enum Weight : int64_t { kQkv, kO, kGateUp, kDown, kInputNorm, kPostNorm, kNumWeights };
+
+// `step`: the step's tensors in paged_attention's order (CpuAttentionMetadata.layer_step).
 std::tuple<at::Tensor, at::Tensor> llama_layer(
-    const at::Tensor& hidden, const OptionalTensor& residual, const at::Tensor& input_norm,
-    const at::Tensor& post_norm, double eps, const at::Tensor& qkv_weight, const OptionalTensor& qkv_packed,
-    const OptionalTensor& qkv_bias, const at::Tensor& o_weight, const OptionalTensor& o_packed,
-    const at::Tensor& gate_up_weight, const OptionalTensor& gate_up_packed, const at::Tensor& down_weight,
-    const OptionalTensor& down_packed, int64_t few_rows_max, const at::Tensor& cos, const at::Tensor& sin,
-    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping, int64_t num_decode_tokens,
-    const at::Tensor& decode_block_tables, const at::Tensor& decode_context_lens,
-    const at::Tensor& prefill_block_tables, const at::Tensor& prefill_cu_seqlens_q,
-    const at::Tensor& prefill_context_lens, bool widen, int64_t num_heads, int64_t num_kv_heads, double scale) {
+    const at::Tensor& hidden, const OptionalTensor& residual, at::TensorList weights,
+    const c10::List<OptionalTensor>& packed, const OptionalTensor& qkv_bias, at::Tensor k_cache, at::Tensor v_cache,
+    double eps, int64_t few_rows_max, double scale, const at::Tensor& cos, const at::Tensor& sin, at::TensorList step,
+    int64_t num_decode_tokens, bool widen) {
   // What each call checks, it checks itself (shapes, dtypes, the step's decode rows and prefill chunks).
   static const auto norm = operator_named<decltype(rms_norm)>("nanoengine::rms_norm");
   static const auto add_norm = operator_named<decltype(add_rms_norm)>("nanoengine::add_rms_norm");
   static const auto rotate = operator_named<decltype(rotate_half)>("nanoengine::rotate_half");
   static const auto attention = operator_named<decltype(paged_attention)>("nanoengine::paged_attention");
   static const auto activation = operator_named<decltype(silu_and_mul)>("nanoengine::silu_and_mul");
-  const int64_t tokens = hidden.size(0), d = k_cache.size(3);
-  const int64_t q_size = num_heads * d, kv_size = num_kv_heads * d;
+  TORCH_CHECK(weights.size() == kNumWeights && packed.size() == kInputNorm && step.size() == 6, "llama_layer: ",
+              kNumWeights, " weights, ", kInputNorm, " packed and 6 step tensors expected (FusedLayer.arguments, "
+              "CpuAttentionMetadata.layer_step), got ", weights.size(), ", ", packed.size(), " and ", step.size());
+  // head_dim and the KV heads from the cache's shape, the query heads from o_proj's input (all heads side by side)
+  const int64_t tokens = hidden.size(0), num_kv_heads = k_cache.size(2), d = k_cache.size(3);
+  const int64_t q_size = weights[kO].size(1), num_heads = q_size / d, kv_size = num_kv_heads * d;
 
   // input_layernorm, the residual add fused (the first layer has no residual yet)
   at::Tensor x, stream;
   if (residual.has_value() && residual->defined()) {
-    std::tie(x, stream) = add_norm.call(hidden, *residual, input_norm, eps);
+    std::tie(x, stream) = add_norm.call(hidden, *residual, weights[kInputNorm], eps);
   } else {
-    x = norm.call(hidden, input_norm, eps);
+    x = norm.call(hidden, weights[kInputNorm], eps);
     stream = hidden;
   }
 
   // self_attn: qkv_proj, rotary on the query and key heads together, attention (store-KV first), o_proj
-  const at::Tensor qkv = linear(x, qkv_weight, qkv_packed, qkv_bias, few_rows_max);  // (T, q | k | v)
+  const at::Tensor qkv = linear(x, weights[kQkv], packed.get(kQkv), qkv_bias, few_rows_max);  // (T, q | k | v)
   const at::Tensor qk =
       rotate.call(qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, d}), cos, sin);
   const at::Tensor q = qk.narrow(1, 0, num_heads), k = qk.narrow(1, num_heads, num_kv_heads);
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, d});
-  const at::Tensor attended =
-      attention.call(q, k, v, k_cache, v_cache, slot_mapping, num_decode_tokens, decode_block_tables,
-                     decode_context_lens, prefill_block_tables, prefill_cu_seqlens_q, prefill_context_lens, scale,
-                     widen);
-  const at::Tensor o = linear(attended.reshape({tokens, q_size}), o_weight, o_packed, std::nullopt, few_rows_max);
+  const at::Tensor attended = attention.call(q, k, v, k_cache, v_cache, step[0], num_decode_tokens, step[1], step[2],
+                                             step[3], step[4], step[5], scale, widen);
+  const at::Tensor o =
+      linear(attended.reshape({tokens, q_size}), weights[kO], packed.get(kO), std::nullopt, few_rows_max);
 
   // post_attention_layernorm with the residual add, then the MLP: down(silu(gate) * up)
-  std::tie(x, stream) = add_norm.call(o, stream, post_norm, eps);
-  const at::Tensor gate_up = linear(x, gate_up_weight, gate_up_packed, std::nullopt, few_rows_max);
-  return {linear(activation.call(gate_up), down_weight, down_packed, std::nullopt, few_rows_max), stream};
+  std::tie(x, stream) = add_norm.call(o, stream, weights[kPostNorm], eps);
+  const at::Tensor gate_up = linear(x, weights[kGateUp], packed.get(kGateUp), std::nullopt, few_rows_max);
+  return {linear(activation.call(gate_up), weights[kDown], packed.get(kDown), std::nullopt, few_rows_max), stream};
 }
 
 }  // namespace
 }  // namespace nanoengine_cpu
 
 TORCH_LIBRARY_FRAGMENT(nanoengine, m) {
-  m.def("llama_layer(Tensor hidden, Tensor? residual, Tensor input_norm, Tensor post_norm, float eps, "
-        "Tensor qkv_weight, Tensor? qkv_packed, Tensor? qkv_bias, Tensor o_weight, Tensor? o_packed, "
-        "Tensor gate_up_weight, Tensor? gate_up_packed, Tensor down_weight, Tensor? down_packed, int few_rows_max, "
-        "Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, int num_decode_tokens, "
-        "Tensor decode_block_tables, Tensor decode_context_lens, Tensor prefill_block_tables, "
-        "Tensor prefill_cu_seqlens_q, Tensor prefill_context_lens, bool widen, int num_heads, int num_kv_heads, "
-        "float scale) -> (Tensor, Tensor)",
+  m.def("llama_layer(Tensor hidden, Tensor? residual, Tensor[] weights, Tensor?[] packed, Tensor? qkv_bias, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, float eps, int few_rows_max, float scale, Tensor cos, Tensor sin, "
+        "Tensor[] step, int num_decode_tokens, bool widen) -> (Tensor, Tensor)",
         torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(nanoengine_cpu::llama_layer)));
 }
 
