@@ -1,19 +1,13 @@
 """A device backend: how a step runs on one kind of hardware, chosen once (chapter 10).
 
 The scheduler, block manager, model runner and layers are the same on every device; how a step's work is done
-is not. vLLM v1 keeps those decisions in an attention backend with its metadata builder
+is not. vLLM keeps those decisions in an attention backend with its metadata builder
 (``vllm/v1/attention/backends/``) and a platform (``vllm/platforms/``); this engine keeps them in one
-``Backend`` per engine, picked by ``backends.select_backend``. A backend owns:
-
-1. the step's attention metadata (``build_metadata``), built once per step from the batch plan;
-2. the attention kernels (``attention``) and the layers' other kernels (``kernels``), which a model takes when
-   it is built (``layers.kernels``), and where its weights live and how each GEMM layer prepares them
-   (``place_weights``, ``process_weights_after_loading``);
-3. how the forward runs: ``prepare_forward`` compiles or captures once, ``forward`` runs a step;
-4. how many rows of logits the LM head computes at once (``logits_rows_per_chunk``).
-
-This base class is the readable default (the layers' own functions, the reference attention, ``F.linear``, an
-eager forward, logits in one piece): it runs on any device and is what the tests compare the tuned backends with.
+``Backend`` per engine (``backends.select_backend``): the step's attention metadata, the layers' kernels, where
+the weights live and how each GEMM layer prepares them, how the forward runs, and how many rows of logits the
+LM head computes at once. This base class is the readable default (the layers' own functions, the reference
+attention, ``F.linear``, an eager forward, logits in one piece): it runs on any device and is what the tests
+compare the tuned backends with.
 """
 
 from __future__ import annotations
@@ -68,7 +62,6 @@ class Backend:
         """One line for a reader: the backend, its attention kernels, how the forward runs."""
         return f"{self.name} backend: {self.attention.name} attention, {self.forward_mode()} forward"
 
-    # ------------------------------------------------------------ weights
     def place_weights(self, model: torch.nn.Module) -> None:
         """Where the parameters live, decided before they are filled (``loader.build_model``): as built by default."""
 
@@ -80,7 +73,6 @@ class Backend:
         self.num_prepared_weights = sum(1 for _, method in methods if method.copy_bytes)
         self.weight_copy_bytes = sum(method.copy_bytes for _, method in methods)
 
-    # ------------------------------------------------------------ metadata
     def bind_kv_cache(self, block_size: int, kv_dtype: torch.dtype) -> None:
         """The KV cache's block size and dtype, told once by the runner (a metadata builder may need them)."""
         self.block_size, self.kv_dtype = block_size, kv_dtype
@@ -90,17 +82,15 @@ class Backend:
         return AttentionMetadata(**self._metadata_fields(plan))
 
     def _metadata_fields(self, plan) -> dict:
-        device = self.device
         return dict(
-            slot_mapping=ints(plan.slot_mapping, device, torch.long),
+            slot_mapping=ints(plan.slot_mapping, self.device, torch.long),
             num_decode_tokens=plan.num_decode_tokens,
-            decode_block_tables=block_table_tensor(plan.decode_block_tables, device),
-            decode_context_lens=ints(plan.decode_context_lens, device),
-            prefill_block_tables=block_table_tensor(plan.prefill_block_tables, device),
-            prefill_cu_seqlens_q=ints(plan.prefill_cu_seqlens_q, device),
-            prefill_context_lens=ints(plan.prefill_context_lens, device))
+            decode_block_tables=block_table_tensor(plan.decode_block_tables, self.device),
+            decode_context_lens=ints(plan.decode_context_lens, self.device),
+            prefill_block_tables=block_table_tensor(plan.prefill_block_tables, self.device),
+            prefill_cu_seqlens_q=ints(plan.prefill_cu_seqlens_q, self.device),
+            prefill_context_lens=ints(plan.prefill_context_lens, self.device))
 
-    # ------------------------------------------------------------ forward
     def prepare_forward(self, runner) -> None:
         """Compile or capture what later steps replay; called once, the KV cache bound (nothing by default)."""
 
@@ -116,7 +106,6 @@ class Backend:
         """Wait until this device has finished the work launched so far (nothing to wait for by default:
         the CPU computes each operator before it returns)."""
 
-    # ------------------------------------------------------------ logits
     def logits_rows_per_chunk(self, num_rows: int, vocab_size: int, hidden_size: int) -> int:
         """How many rows of logits one LM-head call computes: all of them by default."""
         return max(1, num_rows)

@@ -6,11 +6,10 @@ compiles exactly these (``COMPILED_OPS``); the GEMMs stay cuBLAS calls. On a CPU
 compiled call pays Dynamo's guards, and each decoder layer already runs as one native call, so ``compile=True`` is
 refused there before anything loads (``backends.check_compile``).
 
-With ``compile=True`` the CUDA backend's kernels are ``compiled_kernels``, so its model's layers take the
-compiled functions when they are built (``layers.kernels``); ``compile_runner`` warms them up, timed, before
-CUDA graphs are captured. One compiled version per function serves the whole process; ``dynamic=True`` serves
-every token count but 1, which Dynamo specialises (``WARM_UP_SIZES``). If Triton is missing or compiling fails,
-the process warns once, naming the cause, and every compiled function runs eagerly from then on.
+A CUDA backend built with ``compile=True`` gives its layers ``compiled_kernels``; ``compile_runner`` warms them
+up, timed, before CUDA graphs are captured. One compiled version per function serves the whole process
+(``Compiler``); ``dynamic=True`` serves every token count but 1, which Dynamo specialises (``WARM_UP_SIZES``).
+If Triton is missing or compiling fails, every compiled function runs eagerly from then on (``CompiledFunction``).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from __future__ import annotations
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -120,8 +119,6 @@ COMPILED_OPS = {"rms_norm": "RMSNorm.norm_fn", "add_rms_norm": "RMSNorm.add_norm
 def compiled_kernels(kernels, compiler: Compiler | None = None):
     """``kernels`` with the small fused ops compiled (the layers' own eager functions, compiled):
     the kernels of a CUDA backend built with ``compile=True``."""
-    import dataclasses
-
     from nanoengine.layers.activation import silu_and_mul
     from nanoengine.layers.layernorm import add_rms_norm, rms_norm
     from nanoengine.layers.rotary import rotate_half
@@ -130,8 +127,8 @@ def compiled_kernels(kernels, compiler: Compiler | None = None):
     compiler = compiler or COMPILER
     eager = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rotate_half": rotate_half,
              "silu_and_mul": silu_and_mul, "sampling_probs": sampling_probs}
-    return dataclasses.replace(kernels, name=f"{kernels.name}, compiled small ops",
-                               **{field: compiler.compiled(fn) for field, fn in eager.items()})
+    return replace(kernels, name=f"{kernels.name}, compiled small ops",
+                   **{field: compiler.compiled(fn) for field, fn in eager.items()})
 
 
 def compile_runner(runner, compiler: Compiler | None = None) -> CompileReport:
@@ -141,8 +138,7 @@ def compile_runner(runner, compiler: Compiler | None = None) -> CompileReport:
     ``compiled_kernels``. On failure the functions run eagerly and the report says why.
     """
     compiler = compiler or COMPILER
-    problem = compiler_problem()
-    if problem is not None:
+    if (problem := compiler_problem()) is not None:
         compiler.fail(problem)
     seconds = 0.0
     if compiler.failure is None:

@@ -2,20 +2,16 @@
 
 A GPU engine gets several things for free that a CPU engine must arrange itself. vLLM keeps its CPU tricks
 in ``vllm/v1/attention/backends/cpu_attn.py`` and ``vllm/platforms/cpu.py``; this engine keeps them here,
-each explained in the module it names (what each bought: ``results/README.md``):
+each explained where it is made (what each bought: ``results/README.md``):
 
-* **Prepacked GEMM weights** (``kernels.cpu_gemm``): each linear layer's ``CpuLinearMethod`` reorders its
-  weight into oneDNN's blocked layout once, after loading (a copy: ``memory_report().weight_copy_bytes``).
-* **Kernels of its own** (``kernels.cpu_native``): up to ``cpu_native.MAX_ROWS`` rows of a product take the
-  few-rows kernel, a fixed rule, not timed, so two engines built alike compute alike. A bfloat16 cache on a
-  CPU with bfloat16 instructions prefills in bfloat16 (``prefill_dtype``).
-* **A decoder layer in one call** (``backends.cpu_fused``): each Llama layer runs as one C++ operator that
-  makes the layer's own calls; ``enforce_eager=True`` runs the layers' Python ``forward`` (``fuse_layers``).
-* **Store-KV without a check per layer**: whether any token has no slot (-1, a warm-up row) is decided once
-  per step (``CpuAttentionMetadata.all_slots_stored``); the layers then copy K/V with no host synchronisation.
-* **The host's settings** (``backends.cpu_platform``): freed memory kept, the weights moved into huge pages.
-* **Logits in chunks** (``logits_rows_per_chunk``): a chunk's float32 logits stay under glibc's mmap threshold,
-  so they come from the reused heap; each chunk is sampled before the next is computed.
+* GEMM weights prepacked once loaded in oneDNN's blocked layout (``CpuLinearMethod``, ``kernels.cpu_gemm``).
+* Kernels of its own (``kernels.cpu_native``): up to ``cpu_native.MAX_ROWS`` rows of a product take the
+  few-rows kernel, a fixed rule, not timed, so two engines built alike compute alike.
+* Each decoder layer in one native call (``backends.cpu_fused``; ``enforce_eager=True``: the Python forward).
+* Store-KV with no host synchronisation in the layers: whether a token has no slot (-1, a warm-up row) is
+  decided once per step (``CpuAttentionMetadata.all_slots_stored``).
+* The host's settings (``backends.cpu_platform``): freed memory kept, the weights moved into huge pages.
+* Logits in chunks that come from the reused heap, each sampled before the next (``logits_rows_per_chunk``).
 """
 
 from __future__ import annotations
@@ -51,12 +47,9 @@ class CpuAttentionMetadata(AttentionMetadata):
 
 
 class CpuAttention(AttentionImpl):
-    """Store-KV by row copy; decode and prefill by the native kernels, or, where they are not loaded or do
-    not take the cache's dtype, by the reference kernels (``kernels.reference``).
-
-    ``native``: a layer's step is one ``nanoengine::paged_attention`` call, which makes ``AttentionImpl.forward``'s
-    calls from C++ (set by the backend when the native kernels are loaded and take the cache's dtype).
-    """
+    """Store-KV by row copy; decode and prefill by the native kernels where they are loaded and take the cache's
+    dtype (``native``: a layer's whole step is then one ``nanoengine::paged_attention`` call), else by the
+    reference kernels (``kernels.reference``)."""
 
     def __init__(self, native: bool = False, prefill_dtype: torch.dtype | None = None) -> None:
         self.native = native
@@ -98,12 +91,9 @@ class CpuAttention(AttentionImpl):
 
 
 class CpuLinearMethod:
-    """A linear layer's product on a CPU: few rows by the few-rows kernel, more by oneDNN.
-
-    ``few_rows``: whether inputs of up to ``cpu_native.MAX_ROWS`` rows take the hand-written kernel
-    (``kernels.cpu_native``), decided by the backend for the model's dtype. ``packed``: the weight prepacked
-    for oneDNN (``kernels.cpu_gemm``) once loaded, or None where this build or dtype cannot pack (``F.linear``).
-    """
+    """A linear layer's product on a CPU: few rows by the few-rows kernel (``few_rows``: the backend allows it
+    for the model's dtype), more by oneDNN on the weight prepacked once loaded (``packed``; None where this
+    build or dtype cannot pack: ``F.linear``)."""
 
     def __init__(self, few_rows: bool) -> None:
         self.few_rows = few_rows
@@ -137,8 +127,6 @@ class CpuLinearMethod:
 
 
 class CpuBackend(Backend):
-    """Prepacked GEMMs, native few-row and decode kernels, fused decode layers, kept host memory, chunked logits."""
-
     name = "cpu"
     weight_copies = "GEMM weights prepacked in oneDNN's blocked layout"
 

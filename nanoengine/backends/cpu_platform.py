@@ -1,21 +1,16 @@
-"""The CPU platform: every host setting a CPU engine and its server make, in one module (chapter 10).
+"""The CPU platform: every host setting a CPU engine and its server make, in one module (chapters 10 and 12).
 
 vLLM keeps these in ``vllm/platforms/cpu.py``. Each setting, and why (what each bought: ``results/README.md``):
 
 * Freed memory kept (``keep_freed_memory``): every step allocates the same large temporaries, which glibc
   would otherwise ``mmap`` and unmap, so each step faulted every page in again; the price is that the peak
   working set stays (glibc only; never over the user's ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``).
-* Weights in huge pages (``move_to_huge_pages``): decoding reads every weight once per token, and each 4 KiB
-  page costs a TLB translation, a 2 MiB page 512 times fewer; PyTorch's allocator never asks for them.
+* Weights in huge pages (``move_to_huge_pages``: fewer TLB misses, chapter 10): PyTorch's allocator never asks.
 * Freed memory given back when idle (``IdleTrim``): the holes that steps of ever-different shapes leave in the
   heap make a server's memory creep up for hours (``NANOENGINE_TRIM_WHEN_IDLE=0``: off).
 * oneDNN's shape caches bounded (``bound_shape_caches``): a server meets a new row count with nearly every prefill.
-* The engine core's OpenMP spin bounded (``engine_core_environment``): GNU OpenMP's threads spin for
-  milliseconds after each operator, taking a core from the server while the engine core runs Python.
-* One OpenMP team (``build_on_a_passing_thread``): a model loaded on one thread and stepped on another leaves
-  two teams, more threads than cores, which then sleep at every barrier instead of spinning.
-* The server's priority lowered (``serving``): each wake-up of the front end at equal priority may take a core
-  from the engine's team mid-operator.
+* A server's engine core with its OpenMP spin bounded (``engine_core_environment``), one OpenMP team per
+  process (``build_on_a_passing_thread``), the front end's priority lowered (``serving``): chapter 12, section 3.
 """
 
 from __future__ import annotations
@@ -50,8 +45,7 @@ SHAPE_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"
 
 
 def bound_shape_caches() -> dict[str, str]:
-    """Bound oneDNN's two caches of per-shape primitives (the module's docstring says why);
-    a value the user set stays. Returns the variables as they now are."""
+    """Bound oneDNN's two caches of per-shape primitives; a value the user set stays. Returns the variables."""
     return {name: os.environ.setdefault(name, str(SHAPE_CACHE_ENTRIES)) for name in SHAPE_CACHE_VARIABLES}
 
 
@@ -169,22 +163,11 @@ def huge_pages_unavailable() -> str | None:
     return None
 
 
-def huge_page_region(nbytes: int) -> torch.Tensor:
-    """``nbytes`` of zeroed memory (uint8) starting on a 2 MiB boundary, advised to use huge pages: an
-    anonymous ``mmap`` a huge page longer, kept alive by the tensor. Pages are given out when first written."""
-    mapping = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapping.madvise(mmap.MADV_HUGEPAGE)
-    whole = torch.frombuffer(mapping, dtype=torch.uint8)
-    start = -whole.data_ptr() % HUGE_PAGE_BYTES
-    _REGION_SPANS.append((whole.data_ptr(), whole.data_ptr() + whole.numel()))
-    return whole[start:start + nbytes]
-
-
-_REGION_SPANS: list[tuple[int, int]] = []  # the address ranges huge_page_region has mapped in this process
+_REGION_SPANS: list[tuple[int, int]] = []  # the address ranges move_to_huge_pages has mapped in this process
 
 
 def bytes_in_huge_page_regions(tensors) -> int:
-    """How many bytes of ``tensors`` start in a region advised to use huge pages (``huge_page_region``)."""
+    """How many bytes of ``tensors`` start in a region advised to use huge pages (``move_to_huge_pages``)."""
     return sum(t.numel() * t.element_size() for t in tensors
                if any(lo <= t.data_ptr() < hi for lo, hi in _REGION_SPANS))
 
@@ -205,10 +188,14 @@ def move_to_huge_pages(tensors: list[torch.Tensor], budget_s: float | None = Non
     padded = [-(-n // ALIGNMENT) * ALIGNMENT for n in nbytes]  # each next tensor starts on a cache line
     if not movable:
         return 0
-    try:
-        region = huge_page_region(sum(padded))
+    try:  # an anonymous mapping a huge page longer than the tensors, so that they start on a 2 MiB boundary
+        mapping = mmap.mmap(-1, sum(padded) + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping.madvise(mmap.MADV_HUGEPAGE)
     except OSError:  # a kernel built without transparent huge pages rejects the advice: nothing moves
         return 0
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+    _REGION_SPANS.append((whole.data_ptr(), whole.data_ptr() + whole.numel()))
+    region = whole[-whole.data_ptr() % HUGE_PAGE_BYTES:]
     deadline = None if budget_s is None else time.perf_counter() + budget_s
     offset = moved = 0
     with torch.no_grad():
@@ -241,7 +228,6 @@ def tune_engine_process() -> None:
     bound_shape_caches()
 
 
-# ----------------------------------------------------------------- the server's processes
 ENGINE_CORE_SPINCOUNT = 10_000  # GNU OpenMP's spin count for the engine core's threads (chosen: results/README.md)
 # How much lower the server's own process runs than its engine core (``os.nice``: a higher niceness is a
 # smaller share of a contended CPU; chosen: results/README.md).

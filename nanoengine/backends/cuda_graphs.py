@@ -1,11 +1,9 @@
-"""CUDA graphs for decode steps (chapter 10).
+"""CUDA graphs for decode steps: the whole forward pass recorded once, replayed with one launch (chapter 10).
 
-A decode step of a small model is hundreds of tiny kernels, which Python may launch more slowly than the GPU
-runs them. A CUDA graph records the whole forward pass once and replays it with a single launch. Graphs need
-fixed shapes and addresses, so this module keeps static input buffers, captures one graph per *batch-size
-bucket* (1, 2, 4, 8, then multiples of 16), and pads a batch up to the next bucket: padded rows write nothing
-(slot -1) and attend to nothing (context length 0). Only decode-only steps use graphs (prefills vary in
-length); never on the CPU, nor with ``enforce_eager=True``.
+Graphs need fixed shapes and addresses, so this module keeps static input buffers, captures one graph per
+*batch-size bucket* (1, 2, 4, 8, then multiples of 16), and pads a batch up to the next bucket: padded rows
+write nothing (slot -1) and attend to nothing (context length 0). Only decode-only steps use graphs (prefills
+vary in length); never on the CPU, nor with ``enforce_eager=True``.
 """
 
 from __future__ import annotations
@@ -51,8 +49,7 @@ class CudaGraphDecoder:
         """Record a graph per bucket, largest first so smaller ones reuse its memory pool."""
         for batch in reversed(self.buckets):
             meta = self._metadata(batch)
-            # Warm up eagerly first: Triton compiles its kernels on first use, which cannot
-            # happen inside a capture.
+            # Warm up eagerly first: Triton compiles its kernels on first use, which cannot happen inside a capture.
             self.model(self.input_ids[:batch], self.positions[:batch], meta)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()

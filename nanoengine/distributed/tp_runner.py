@@ -1,10 +1,9 @@
 """Tensor parallelism, seen from the engine: a model runner whose model lives elsewhere (chapter 9).
 
 With ``tensor_parallel_size=N`` the engine's process becomes the *driver*: it keeps the scheduler, the block
-manager and the sampler, and the model is split over N worker processes (``worker.py``), ranks 0..N-1. The
-driver never joins a process group itself, so two engines can live side by side in one program. Each step the
-driver plans the batch as for one process (a ``BatchPlan`` of plain lists), every rank runs the forward over its
-shard, rank 0 sends back the logits (the messages: ``worker.py``), and the driver samples them.
+manager and the sampler, and sends each step's ``BatchPlan`` to N worker processes (``worker.py``, which lists
+the messages) that hold the model's shards. The driver never joins a process group itself, so two engines can
+live side by side in one program.
 
 Sampling in the driver, as in ``ModelRunner`` (both are a ``SamplingRunner``), makes a seeded request give the
 same tokens at any tensor-parallel size; greedy tokens match too, up to floating-point summation order

@@ -12,9 +12,8 @@ builds a ``ModelRunner``, whose KV cache holds this rank's ``KV heads / tp``; an
     driver -> every rank   ("shutdown",)
 
 The step id lets the driver drop a late answer to a step it stopped waiting for (an interrupted ``generate``).
-All ranks run the same forward on the same plan, in lock step through the layers' collectives; the LM head's
-all-gather leaves the full logits on every rank, so rank 0 alone answers. A worker never outlives its driver:
-when the driver's end of the pipe closes, ``recv`` raises ``EOFError`` and the worker leaves its loop.
+All ranks run the same forward on the same plan, in lock step through the layers' collectives. A worker never
+outlives its driver: when the driver's end of the pipe closes, ``recv`` raises ``EOFError`` and it leaves.
 """
 
 from __future__ import annotations

@@ -4,13 +4,7 @@ A decode step of a small batch is bound by reading the weights (chapter 6), so a
 tokens of one sequence costs about what a pass over one does. If some cheap *proposer* guesses the next k tokens,
 one pass of the target model scores all of them, and every guess it agrees with is a token gained for free. The
 output must not change: greedy stays token for token the same, and sampling keeps exactly the target's
-distribution (``rejection``).
-
-- ``config.SpeculativeConfig``: what ``LLM(speculative_config={...})`` accepts (vLLM's names).
-- ``ngram_proposer``: draft-free prompt lookup: the last n tokens, found earlier in the request's own prompt
-  and output, propose the tokens that followed them.
-- ``rejection``: the acceptance rule of Leviathan et al. and Chen et al. (2023), for a one-hot draft.
-- ``metrics``: the counters vLLM reports.
+distribution (``rejection``). Where each module acts in a step: ``docs/ARCHITECTURE.md``.
 """
 
 from nanoengine.spec_decode.config import SpeculativeConfig

@@ -18,8 +18,7 @@ class SpeculativeConfig:
     ``[(first, last, k), ...]``, inclusive ranges of batch sizes (requests scheduled in a step) and the k to
     draft for the next step at those sizes (0: none; never more than ``num_speculative_tokens``). The first
     range starts at 1; ranges are sorted and do not overlap; a size between two ranges or past the last takes
-    the k of the range before it. Why: at batch 1 a verify pass of k+1 rows costs little more than one decode
-    step, but at larger batches every extra row is real work, and a rejected draft is work thrown away
+    the k of the range before it. Extra verify rows are nearly free at batch 1 and real work at larger batches
     (chapter 13 measures both), so a schedule can speculate only where it pays.
     """
 

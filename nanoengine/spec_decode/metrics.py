@@ -1,10 +1,5 @@
 """How speculation fared: the counters vLLM reports, kept by the engine (chapter 13), with vLLM's names
-(``vllm/v1/spec_decode/metrics.py``; its Prometheus counters ``vllm:spec_decode_num_drafts`` and friends).
-
-The *acceptance rate* is accepted / drafted. The *mean acceptance length* is the tokens one verify pass emits
-on average: 1 + accepted / drafts (the token after the accepted run is always emitted too), the speedup over
-plain decoding when a verify pass costs what a decode step does.
-"""
+(``vllm/v1/spec_decode/metrics.py``; its Prometheus counters ``vllm:spec_decode_num_drafts`` and friends)."""
 
 from __future__ import annotations
 
@@ -45,7 +40,8 @@ class SpecDecodeStats:
 
     @property
     def mean_acceptance_length(self) -> float | None:
-        """Tokens emitted per verify pass: 1 + accepted / drafts; None before any."""
+        """Tokens emitted per verify pass, 1 + accepted / drafts (the token after the accepted run is emitted
+        too): the speedup over plain decoding when a verify pass costs what a decode step does; None before any."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
 
     def as_dict(self) -> dict:

@@ -4,9 +4,8 @@ Text that copies, edits, quotes or continues a pattern repeats itself, so the la
 often appeared before in its own prompt or output, and what followed them then is a good guess, at no model's cost.
 
 ``propose_ngram`` follows vLLM's rule (``vllm/v1/spec_decode/ngram_proposer.py``): the *longest* suffix of
-length ``min_n..max_n`` that occurs earlier, at its *earliest* occurrence, and up to ``k`` tokens after it.
-vLLM finds it with a KMP-style scan compiled by numba; this version slides a window with numpy, easier to
-read and fast enough for the contexts of this course.
+length ``min_n..max_n`` that occurs earlier, at its *earliest* occurrence, and up to ``k`` tokens after it,
+found by a numpy sliding window rather than vLLM's numba-compiled KMP-style scan (chapter 13, section 8).
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
-"""Which drafted tokens to keep: the rejection rule that leaves the output distribution unchanged.
+"""Which drafted tokens to keep: the rejection rule that leaves the output distribution unchanged (chapter 13).
 
-The target model scored k drafted tokens in one pass, so for each position i it gave the distribution ``p_i``
-the engine would have sampled from (after temperature, top-k, top-p and min-p), and row k gives the one after
-the last draft. The proposer drafted token ``x_i`` with probability ``q_i`` (Leviathan, Kalman and Matias 2023;
-Chen et al. 2023; chapter 13's references):
-
-- accept ``x_i`` with probability ``min(1, p_i(x_i) / q_i(x_i))``;
-- on the first rejection, sample from ``max(0, p_i - q_i)``, renormalised, and stop;
-- if every draft is accepted, sample one more token from ``p_k``, a free bonus.
-
-Each emitted token then has exactly ``p_i``'s distribution. A proposer without probabilities (prompt lookup) is
-a one-hot ``q_i`` at ``x_i``: accept with probability ``p_i(x_i)``; on rejection sample from ``p_i`` with
-``x_i`` removed and renormalised. Proof for one position: P(emit y) = p(y) for y = x (accepted) and, for
-y != x, (1 - p(x)) * p(y) / (1 - p(x)) = p(y). Greedy is the same rule on a one-hot ``p_i`` at its argmax: a
-draft is kept iff it is the argmax, and a rejection emits the argmax, so greedy output is the engine's.
+The target model scored k drafted tokens in one pass: row i is the distribution ``p_i`` the engine would have
+sampled position i from (after temperature, top-k, top-p and min-p), row k the one after the last draft. The
+rule of Leviathan, Kalman and Matias (2023) and Chen et al. (2023) accepts a draft ``x_i`` drawn from ``q_i``
+with probability ``min(1, p_i(x_i) / q_i(x_i))``, samples from ``max(0, p_i - q_i)`` renormalised at the first
+rejection, and adds a bonus token from ``p_k`` when every draft is kept. Prompt lookup's ``q_i`` is one-hot at
+``x_i``: accept with probability ``p_i(x_i)``, else sample from ``p_i`` without ``x_i``. Then P(emit y) = p(y):
+for y = x by acceptance, for y != x as (1 - p(x)) * p(y) / (1 - p(x)) (chapter 13, section 4, derives it). Greedy
+is the same rule on a one-hot ``p_i`` at its argmax, so greedy output is the engine's, token for token.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """Structured output (chapter 14): every token drawn from what a grammar allows next.
 
 A request that asks for JSON matching a schema, a regex, one of a few choices or a grammar
-(``SamplingParams(structured_outputs=StructuredOutputsParams(...))``) gets a matcher compiled from it. Each
-step the matcher says which tokens may come next, as one bit per token; the logits of the others are set to
--inf before temperature and the filters, so the sampler can draw nothing else. The matcher then advances with
-the token the request got, and the request finishes when the constraint is complete.
-
-- ``backend``: the interface a grammar library sits behind (vLLM's shape), and the bitmask.
-- ``guidance``: llguidance behind it, the library the engine uses.
-- ``manager``: compiling off the step, the waiting request, each step's bitmask, drafts.
-- ``config``: ``LLM(structured_outputs_config={...})``.
+(``SamplingParams(structured_outputs=StructuredOutputsParams(...))``) gets a matcher compiled from it (llguidance,
+behind vLLM's backend interface). Each step the matcher says which tokens may come next, as one bit per token;
+the logits of the others are set to -inf before temperature and the filters, so the sampler can draw nothing
+else. The matcher then advances with the token the request got, and the request finishes when the constraint is
+complete. Where each module acts in a step: ``docs/ARCHITECTURE.md``.
 """
 
 from nanoengine.structured_output.backend import (StructuredOutputBackend, StructuredOutputGrammar,

@@ -1,18 +1,12 @@
 """The engine's side of structured output: compile off the step, one bitmask per step (chapter 14).
 
-As vLLM's ``StructuredOutputManager`` (``vllm/v1/structured_output/__init__.py``):
-
-1. ``validate`` refuses a constraint the library cannot compile before the request is queued (the server
-   answers 400 with the library's reason), and ``request_for`` starts compiling it on a worker thread. The
-   scheduler passes over the request until its grammar is ready (``Request.waits_for_grammar``), so one slow
-   grammar holds up nobody else.
-2. ``collect`` (at the start of each step) hands each compiled grammar to its request, and returns those that
-   failed to compile: the engine finishes them with the reason.
-3. ``grammar_bitmask`` fills one packed int32 row per logits row that samples (a request checking k drafts
-   owns k+1: ``fill_rows``); the runner applies it to the logits before the sampler. A step without
-   constrained requests makes no bitmask at all.
-4. After the step, the scheduler advances each grammar with the tokens its request really got, and
-   ``trim_drafts`` cuts the next step's drafts to the prefix the grammar accepts.
+As vLLM's ``StructuredOutputManager`` (``vllm/v1/structured_output/__init__.py``): ``validate`` refuses a
+constraint the library cannot compile before the request is queued (a server answers 400 with the library's
+reason); ``request_for`` compiles it on a worker thread, and the scheduler passes over the request
+(``Request.waits_for_grammar``) until ``collect``, at the start of a step, hands it its grammar, so one slow
+grammar holds up nobody else. ``grammar_bitmask`` fills the step's packed int32 rows, which the runner applies
+to the logits before the sampler; after the step the scheduler advances each grammar with the tokens its request
+really got, and ``trim_drafts`` cuts the next step's drafts to the prefix the grammar accepts.
 """
 
 from __future__ import annotations
