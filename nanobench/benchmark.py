@@ -19,7 +19,8 @@ go to a JSON file that names the hardware, the versions, the engine's git revisi
 date and the command; ``results/README.md`` explains every field.
 
 Every system runs the workload ``--repeats`` times, alternating (engine, static,
-``generate_batch``, engine, ...) so a slow spell of a noisy machine hits all of them; the
+``generate_batch``, then the reverse, ...) so a slow spell of a noisy machine hits all of them
+and no system always runs first or always follows another; the
 files keep every run and report medians with their spread. The engine's own per-token
 timestamps give TTFT, TPOT and inter-token latency percentiles (transformers' batch APIs
 return whole results, so their latencies are not observable here).
@@ -83,7 +84,7 @@ from pathlib import Path
 
 import torch
 
-from nanobench.timing import (cpu_model, measure_gemm_peak as measure_peak, measure_memory_bandwidth,
+from nanobench.timing import (cpu_model, in_turn, measure_gemm_peak as measure_peak, measure_memory_bandwidth,
                               model_gemm_shapes, source_revision)
 from nanoengine.backends import cpu_platform
 from nanoengine.models.config import ModelConfig
@@ -669,17 +670,17 @@ def decode_rates(systems: dict, n: int, repeats: int) -> dict:
 
     Decode only: the time to generate ``n`` tokens minus the time to generate 1 (the
     prefill and first token), over ``n - 1`` tokens. Each system runs ``repeats`` times,
-    alternating with the others so slow spells of a noisy machine hit all, and the
+    alternating with the others (``in_turn``) so slow spells of a noisy machine hit all, and the
     medians are used. None: too fast to time against the machine's noise.
     """
     times = {(name, k): [] for name in systems for k in (1, n)}
     for run in systems.values():
         run(2)  # warm-up
-    for _ in range(repeats):
-        for name, run in systems.items():
+    for turn in range(repeats):
+        for name in in_turn(systems, turn):
             for k in (1, n):
                 start = time.perf_counter()
-                run(k)
+                systems[name](k)
                 times[name, k].append(time.perf_counter() - start)
     decode_seconds = {name: statistics.median(times[name, n]) - statistics.median(times[name, 1])
                       for name in systems}
@@ -922,16 +923,18 @@ def run_from_args(args: argparse.Namespace) -> dict:
             hf_where = {"device": hf.device.type, "dtype": str(hf.dtype).removeprefix("torch.")}
         runs: dict[str, list] = {"nanoengine": [], "vllm": [], "hf_static": [], "hf_generate_batch": []}
         compared = min(getattr(args, "vllm_compare_prompts", 0), len(prompts))
-        for _ in range(args.repeats):  # alternating, so a slow spell of the machine hits every system
-            runs["nanoengine"].append(run_engine_once(llm, prompts, output_lens))
-            if peer is not None:
-                runs["vllm"].append(peer.run(prompts, output_lens, keep_tokens=compared))
-            if hf is not None:
-                runs["hf_static"].append(run_hf_static(hf, prompts, output_lens, args.hf_batch_size,
-                                                       device=hf.device))
-                if not args.skip_generate_batch:
-                    runs["hf_generate_batch"].append(run_hf_continuous(hf, prompts, output_lens,
-                                                                       cb_config=cb_config))
+        systems = {"nanoengine": lambda: run_engine_once(llm, prompts, output_lens)}
+        if peer is not None:
+            systems["vllm"] = lambda: peer.run(prompts, output_lens, keep_tokens=compared)
+        if hf is not None:
+            systems["hf_static"] = lambda: run_hf_static(hf, prompts, output_lens, args.hf_batch_size,
+                                                         device=hf.device)
+            if not args.skip_generate_batch:
+                systems["hf_generate_batch"] = lambda: run_hf_continuous(hf, prompts, output_lens,
+                                                                         cb_config=cb_config)
+        for turn in range(args.repeats):
+            for name in in_turn(systems, turn):
+                runs[name].append(systems[name]())
 
         engine_runs = runs["nanoengine"]
         engine_tokens = engine_runs[0].tokens
@@ -941,7 +944,8 @@ def run_from_args(args: argparse.Namespace) -> dict:
         record.update({"achieved_gflops": achieved, "fraction_of_gemm_peak": achieved / peak,
                        "deterministic_across_repeats": all(r.tokens == engine_tokens for r in engine_runs),
                        "latency": latency_summary([m for r in engine_runs for m in r.metrics])})
-        results: dict = {"device": device.type, "dtype": dtype_name, "systems": {"nanoengine": record}}
+        results: dict = {"device": device.type, "dtype": dtype_name, "systems": {"nanoengine": record},
+                         "round_order": [in_turn(systems, turn) for turn in range(args.repeats)]}
         print(describe("nanoengine", record) + f"; {achieved:.1f} GFLOP/s = {achieved / peak:.0%} of the GEMM peak")
         print(f"  engine latency (all repeats): {describe_latency(record['latency'])}")
         if peer is not None:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from nanobench.benchmark import compare_greedy, decode_rates, engine_decoder
+from nanobench.timing import in_turn
 
 SYSTEMS = ("eager", "compiled")
 
@@ -56,7 +57,7 @@ def compare_compile(model_dir: Path, prompts: list[list[int]], output_len: int, 
     tokens = {name: [] for name in SYSTEMS}
     seconds = {name: [] for name in SYSTEMS}
     for i in range(repeats):
-        for name in SYSTEMS if i % 2 == 0 else reversed(SYSTEMS):  # alternate who goes first
+        for name in in_turn(SYSTEMS, i):
             run_tokens, run_seconds = run_workload(name)
             tokens[name].append(run_tokens)
             seconds[name].append(run_seconds)

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanobench.peer_process import REPO_ROOT, PeerRunnerError, PeerSetupError, RunnerProcess, virtualenv_python
+from nanobench.timing import in_turn
 
 DEFAULT_VENV = REPO_ROOT / ".venv-llamacpp"
 RUNNER = Path(__file__).with_name("llamacpp_runner.py")
@@ -336,9 +337,9 @@ def race_llamacpp(args: argparse.Namespace) -> dict:
         peers = start_peers(args, files, KV_CACHE_TYPES[dtype_name], n_threads, len(prompt) + n + CONTEXT_SPARE_TOKENS)
         systems = {"nanoengine": engine_generate(llm), **{name: peer.generate for name, peer in peers.items()}}
         rounds: dict[str, list[dict]] = {name: [] for name in systems}
-        for _ in range(args.repeats):  # alternating, so a slow spell of the machine hits every system
-            for name, generate in systems.items():
-                rounds[name].append(generate(prompt, n))
+        for turn in range(args.repeats):
+            for name in in_turn(systems, turn):
+                rounds[name].append(systems[name](prompt, n))
 
         engine_tokens = rounds["nanoengine"][0]["tokens"]
         engine = system_rounds(rounds["nanoengine"], n, llm.memory_report().weight_bytes, bandwidth_gbs)

@@ -39,6 +39,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanobench.timing import in_turn
+
 HEALTH_TIMEOUT_S = 1200.0  # vLLM compiles its model before it answers
 SERVED_MODEL_NAME = "nanoengine-bench"
 
@@ -155,7 +157,7 @@ def race_servers(servers: list[ServerProcess], prompts: list[list[int]], output_
         rounds_of: dict[float, int] = {}  # how many rounds each rate has had so far
         for rate in rates:  # each rate's rounds take turns at which server goes first
             turn = rounds_of[rate] = rounds_of.get(rate, -1) + 1
-            order = servers if turn % 2 == 0 else servers[::-1]
+            order = in_turn(servers, turn)
             for position, server in enumerate(order):
                 print(f"{server.name} server:", end=" ")
                 rows = run_server_online(server.url, prompts, output_lens, [rate], seed, model=SERVED_MODEL_NAME)

@@ -55,6 +55,7 @@ from pathlib import Path
 
 from nanobench.online_client import VOCAB_LIMIT
 from nanobench.server_race import SERVED_MODEL_NAME, ServerProcess, engine_server
+from nanobench.timing import in_turn
 
 MINUTE_S = 60.0
 IDLE_GAP_S = 15.0  # the last seconds of every minute: no new requests; those in flight end, the engine goes idle
@@ -319,8 +320,7 @@ def trim_cost(model_dir: Path, rounds: int, seed: int) -> dict:
         for name, server in servers.items():  # a first request each, not counted: warm-up
             asyncio.run(first_token_after_idle(server.url))
         for turn in range(rounds):
-            order = list(servers) if turn % 2 == 0 else list(servers)[::-1]
-            for name in order:
+            for name in in_turn(servers, turn):
                 time.sleep(IDLE_BEFORE_PROBE_S)
                 ttft[name].append(asyncio.run(first_token_after_idle(servers[name].url)))
     finally:

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from nanobench.benchmark import environment, load_average
-from nanobench.timing import measure_memory_bandwidth
+from nanobench.timing import in_turn, measure_memory_bandwidth
 
 PARAGRAPH = (
     "A paged key-value cache stores the keys and values of every token in fixed-size blocks. "
@@ -168,8 +168,10 @@ def race_speculative(plain, spec, prompts: Sequence[str | list[int]], params, *,
         raise ValueError(f"need one SamplingParams for all prompts or one per prompt, got {len(per_prompt)} "
                          f"for {len(requests)} prompts")
     tokens = None
-    for _ in range(repeats):
-        for name, llm in (("plain", plain), ("spec", spec)):
+    engines = {"plain": plain, "spec": spec}
+    for turn in range(repeats):
+        for name in in_turn(engines, turn):
+            llm = engines[name]
             llm.reset_prefix_cache()
             start = time.perf_counter()
             outs = [o for i in range(0, len(requests), batch)

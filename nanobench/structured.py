@@ -29,6 +29,8 @@ import statistics
 import time
 from pathlib import Path
 
+from nanobench.timing import in_turn
+
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
           "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer", "minimum": 0},
                          "city": {"type": "string", "maxLength": 30}}}
@@ -95,10 +97,12 @@ def run_structured(args) -> dict:
     rounds: dict[str, dict[str, list]] = {shape: {} for shape in shapes}
     validity: dict[str, list[bool]] = {}
     try:
-        for _ in range(args.repeats):
+        for turn in range(args.repeats):
             for shape, chosen in shapes.items():
                 batches = [list(chosen)] if shape == "batched" else [[i] for i in chosen]
-                for system, run in _systems(llm, peer, ids, constrained, free, schemas, lengths).items():
+                runners = _systems(llm, peer, ids, constrained, free, schemas, lengths)
+                for system in in_turn(runners, turn):
+                    run = runners[system]
                     seconds = tokens = 0.0
                     for batch in batches:
                         took, produced, texts = run(batch)

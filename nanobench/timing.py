@@ -147,6 +147,14 @@ def _revision() -> str:
 
 
 # ------------------------------------------------------------------ timings
+def in_turn(systems, turn: int) -> list:
+    """The order in which the compared systems (names, or a dict's keys) run in round ``turn`` of an
+    alternating race: as given, then reversed every other round, so that each runs first, and each
+    right after the others, as often as the rest (a machine's slow spells and warm caches favour none)."""
+    names = list(systems)
+    return names if turn % 2 == 0 else names[::-1]
+
+
 def median_ms(seconds) -> float | None:
     """The median of durations in seconds, in milliseconds (None for none): how results files
     record the engine's per-step timers."""

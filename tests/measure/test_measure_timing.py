@@ -48,6 +48,15 @@ def test_median_quartiles_and_min_on_a_fake_clock() -> None:
     assert t.machine in text and t.revision in text and str(t) == text
 
 
+def test_in_turn_reverses_the_order_every_other_round() -> None:
+    systems = {"engine": 1, "vllm": 2, "hf": 3}
+    orders = [timing.in_turn(systems, turn) for turn in range(4)]
+    assert orders == [["engine", "vllm", "hf"], ["hf", "vllm", "engine"]] * 2
+    firsts = [order[0] for order in orders]
+    assert firsts.count("engine") == firsts.count("hf") == 2  # over an even number of rounds each end leads as often
+    assert timing.in_turn(("a", "b"), 1) == ["b", "a"]  # names as well as a dict's keys
+
+
 def test_units_follow_the_median() -> None:
     def timing(runs):
         return Timing(tuple(runs), 0, "m", "r", True)

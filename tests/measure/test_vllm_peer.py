@@ -169,6 +169,7 @@ def test_bench_vs_vllm_alternates_and_writes_a_vllm_section(tiny_llama_dir, tmp_
     single = results["single_stream_decode"]
     assert "vllm_tok_s" in single and "ratio_over_vllm" in single
     assert "hf_static" in results["systems"]  # transformers still ran in the same rounds
+    assert results["round_order"] == [["nanoengine", "vllm", "hf_static"], ["hf_static", "vllm", "nanoengine"]]
 
 
 @pytest.mark.slow  # the engine and the roofline on a tiny model
