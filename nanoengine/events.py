@@ -164,6 +164,12 @@ class StepFinished(Event):
     update_time: float = 0.0
     detokenize_time: float = 0.0
 
+    @classmethod
+    def of(cls, step: int, batch, times: dict[str, float]) -> StepFinished:
+        """The event of step ``step``, which ran ``batch`` (a ``SchedulerOutput``) in the profiler's ``times``."""
+        return cls(step, batch.num_prefill_tokens, batch.num_decode_tokens, len(batch.scheduled),
+                   len(batch.preempted), batch.token_budget, **times)
+
     @property
     def host_time(self) -> float:
         """Everything but the model: the overhead a faster model cannot remove."""

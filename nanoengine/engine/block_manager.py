@@ -125,7 +125,7 @@ class BlockManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.events = events or EventBus()
-        self.step = 0  # stamped on events; the engine keeps it current
+        self.step = 0  # stamped on events; the scheduler keeps it current
         self.blocks = [Block(i) for i in range(num_blocks)]
         # LRU free queue: allocate from the front, return freed blocks to the back.
         # An OrderedDict gives O(1) removal from the middle (a prefix hit on a free block).

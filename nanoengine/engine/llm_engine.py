@@ -239,12 +239,8 @@ class LLMEngine:
         return self.block_manager.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule, execute, update. Returns outputs of requests that progressed.
-
-        Aborts requested by observers during the step are applied after it (their outputs come last). A
-        request whose own part of the step raises (its sampling, text or output) ends with finish_reason
-        "error", the others go on (``_fail``); a fault of the forward pass or of the bookkeeping is raised.
-        """
+        """One iteration (``_step``); returns the outputs of the requests that progressed. An abort asked for
+        during it (by an event observer, or a stream closed meanwhile) is applied after it, its output last."""
         self._stepping = True
         try:
             outputs = self._step()
@@ -255,67 +251,35 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         """Schedule -> execute -> update -> outputs, as vLLM v1's engine core steps."""
-        profiler = self.profiler
-        profiler.start(enabled=self.events.wants(StepFinished))  # a step nobody watches reads no clock
-        self.block_manager.step = self.scheduler.step = self.step_count
-        with profiler.phase("schedule"):
-            compile_failures = self._collect_grammars()
-            sched = self.scheduler.schedule()
+        self.profiler.start(enabled=self.events.wants(StepFinished))  # a step nobody watches reads no clock
+        with self.profiler.phase("schedule"):
+            faults = self.structured_output.collect(self.scheduler)  # requests whose grammar did not compile
+            sched = self.scheduler.schedule(self.step_count)
         if sched.is_empty:
-            return self._fail(compile_failures)
-        with profiler.phase("prepare"):
+            return self._outputs([], faults)
+        with self.profiler.phase("prepare"):
             plan, sampled = plan_batch(sched, self.config.block_size, self.block_tables)
             bitmask = self.structured_output.grammar_bitmask(sampled, plan.sampled_drafts)
         if self.events.wants(BatchPrepared, keep=False):  # a copy of every index list: only for someone watching
             self.events.emit(BatchPrepared(self.step_count, plan.rows()), keep=False)
-        result = self.runner.execute_model(plan, sampled, profiler, bitmask)
-        with profiler.phase("update"):
+        result = self.runner.execute_model(plan, sampled, self.profiler, bitmask)
+        with self.profiler.phase("update"):
             produced = self.scheduler.update_from_output(sched, result, self.output_processor)
-            for sibling in self.parents.after_update(produced):  # n > 1: the prompt is computed
-                self._queue(sibling)
+            self.parents.after_update(produced, self._queue)  # n > 1: siblings queued once the prompt is computed
             if self.proposer is not None:
                 self.proposer.propose_drafts(produced, len(sched.scheduled))
-                self.structured_output.trim_drafts(produced)  # only drafts the grammar allows are checked
-            outputs = self._outputs(produced, {**result.failed, **compile_failures})
-        if profiler.enabled:
-            self.events.emit(StepFinished(self.step_count, sched.num_prefill_tokens, sched.num_decode_tokens,
-                                          len(sched.scheduled), len(sched.preempted), sched.token_budget,
-                                          **profiler.finish()))
+            outputs = self._outputs(produced, {**result.failed, **faults})
+        if self.profiler.enabled:
+            self.events.emit(StepFinished.of(self.step_count, sched, self.profiler.finish()))
         self.step_count += 1
         return outputs
 
-    def _collect_grammars(self) -> dict[str, Exception]:
-        """Give requests their compiled grammars (structured output); those that failed to compile, by id.
-        When nothing runs and every waiting request waits for its grammar, wait for one compile rather than
-        let the caller spin through empty steps."""
-        if not self.structured_output.pending:
-            return {}
-        idle = not self.scheduler.running and all(r.waits_for_grammar for r in self.scheduler.waiting)
-        return {r.request_id: exc for r, exc in self.structured_output.collect(wait=idle)}
-
     def _outputs(self, produced: list[Request], faults: dict[str, Exception]) -> list[RequestOutput]:
-        """The step's outputs: one per user request that progressed, then those its faults ended (``_fail``)."""
-        if faults:
-            produced = [r for r in produced if r.request_id not in faults]
-        return self.output_processor.make_outputs(produced, faults) + self._fail(faults)
-
-    def _fail(self, faults: dict[str, Exception]) -> list[RequestOutput]:
-        """Finish each user request one of whose completions raised in this step, with finish_reason
-        "error" and the exception as ``CompletionOutput.error``; the step's other requests carry on.
-        Inputs were checked before queueing: this is an engine bug one request's data reached (see the log)."""
-        outputs = []
-        for completion_id, exc in faults.items():
-            request = self.output_processor.completions_by_id.get(completion_id)
-            state = None if request is None else self.output_processor.states.get(request.parent_id)
-            if state is None:  # its user request already ended (two completions of it failed)
-                continue
-            logger.error("step %d: request %s failed and is finished with an error; the engine goes on",
-                         self.step_count, request.parent_id, exc_info=exc)
-            error = f"{type(exc).__name__}: {exc}"
-            if request.is_finished:  # it had finished, but its output could not be made
-                request.status, request.error = RequestStatus.FINISHED_ERROR, error
-            outputs.append(self._finish_all(state, RequestStatus.FINISHED_ERROR, error))
-        return outputs
+        """One per user request that progressed; then each a completion of which raised in this step (grammar, sampling,
+        text, output) ends with finish_reason "error", the others go on (a fault of the forward pass is raised)."""
+        outputs = self.output_processor.make_outputs(produced, faults)  # adds the requests whose output failed
+        return outputs + [self._finish_all(state, RequestStatus.FINISHED_ERROR, error)
+                          for state, error in self.output_processor.failed(faults, self.step_count)]
 
     def decode(self, token_ids: list[int]) -> str:
         """Token ids to text, special tokens included (for showing single tokens)."""

@@ -14,14 +14,17 @@ completions are also indexed by their own ids, which ``LLMEngine.requests`` show
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator, Mapping
 
 from nanoengine.engine.detokenizer import IncrementalDetokenizer, token_decoder
 from nanoengine.engine.parallel_sampling import gather_metrics
 from nanoengine.engine.profiler import NO_PROFILER, StepProfiler
-from nanoengine.engine.request import Request
+from nanoengine.engine.request import Request, RequestStatus
 from nanoengine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from nanoengine.sampling_params import RequestOutputKind
+
+logger = logging.getLogger("nanoengine.engine")
 
 
 class RequestState:
@@ -111,10 +114,13 @@ class OutputProcessor:
 
     def make_outputs(self, produced: list[Request], faults: dict[str, Exception]) -> list[RequestOutput]:
         """Outputs of the user requests whose completions produced a token this step, once the stop
-        decision is made (a ``FINAL_ONLY`` request's only once all of it has finished). A request whose
-        output cannot be made goes to ``faults`` (by its first completion's id)."""
+        decision is made (a ``FINAL_ONLY`` request's only once all of it has finished), but none of a
+        completion in ``faults``. A request whose output cannot be made goes to ``faults`` (by its first
+        completion's id)."""
         touched: dict[str, RequestState] = {}
         for request in produced:
+            if request.request_id in faults:
+                continue
             state = self.states[request.parent_id]
             if state.reads_every_step or state.finished:
                 touched[state.request_id] = state
@@ -125,6 +131,24 @@ class OutputProcessor:
             except Exception as exc:
                 faults[state.completions[0].request_id] = exc
         return outputs
+
+    def failed(self, faults: dict[str, Exception], step: int) -> list[tuple[RequestState, str]]:
+        """Each unfinished user request a completion of which is in ``faults``, with the error to end it with,
+        logged. Inputs were checked before queueing: a fault is an engine bug that one request's data
+        reached. A completion that had finished but whose output could not be made is relabelled "error"."""
+        failed: dict[str, tuple[RequestState, str]] = {}
+        for completion_id, exc in faults.items():
+            request = self.completions_by_id.get(completion_id)
+            state = None if request is None else self.states.get(request.parent_id)
+            if state is None or state.request_id in failed:  # already ended, or two of its completions raised
+                continue
+            logger.error("step %d: request %s failed and is finished with an error; the engine goes on",
+                         step, state.request_id, exc_info=exc)
+            error = f"{type(exc).__name__}: {exc}"
+            if request.is_finished:
+                request.status, request.error = RequestStatus.FINISHED_ERROR, error
+            failed[state.request_id] = (state, error)
+        return list(failed.values())
 
     def make_output(self, state: RequestState) -> RequestOutput:
         """The request's output now (its final one if every completion has finished).

@@ -95,16 +95,15 @@ class ParentRequests:
         if parent.held_back:
             self.holding[parent.first.request_id] = parent
 
-    def after_update(self, produced: list[Request]) -> list[Request]:
-        """Siblings to queue now: those of every first child that has just sampled its first token."""
+    def after_update(self, produced: list[Request], queue: Callable[[Request], None]) -> None:
+        """Hand ``queue`` the siblings of every first child that has just sampled its first token."""
         if not self.holding:
-            return []
-        ready = []
+            return
         for request in produced:
             parent = self.holding.pop(request.request_id, None)
             if parent is not None:
-                ready.extend(parent.release_siblings(self.block_size, self.fork))
-        return ready
+                for sibling in parent.release_siblings(self.block_size, self.fork):
+                    queue(sibling)
 
     def forget(self, first_child_id: str) -> None:
         """The user request was aborted: its held-back siblings are never queued."""

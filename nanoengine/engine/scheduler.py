@@ -124,7 +124,7 @@ class Scheduler:
         self.events = events or block_manager.events
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self.step = 0
+        self.step = 0  # the step being scheduled, stamped on events (``schedule``)
         self.num_preemptions = 0
         self.prefix_queries = 0  # prompt tokens at first admission (a recompute is no new query)
         self.prefix_hits = 0  # those of them the prefix cache held
@@ -150,9 +150,11 @@ class Scheduler:
         self.events.emit(RequestFinished(self.step, request.request_id, status.finish_reason,
                                          request.num_output_tokens))
 
-    def schedule(self) -> SchedulerOutput:
-        """Pick this step's batch within the token budget and the KV pool, in the policy's order
-        (``fcfs``: ``schedule_running``, then ``admit_waiting`` unless someone was preempted)."""
+    def schedule(self, step: int) -> SchedulerOutput:
+        """Pick the batch of step number ``step`` (what its events and the block manager's carry) within the
+        token budget and the KV pool, in the policy's order (``fcfs``: ``schedule_running``, then
+        ``admit_waiting`` unless someone was preempted)."""
+        self.step = self.block_manager.step = step
         out = SchedulerOutput(token_budget=self.max_num_batched_tokens)
         self.policy.schedule(self, out)
         now, announce = time.perf_counter(), self.events.wants(RequestScheduled)

@@ -65,7 +65,8 @@ class NgramProposer:
 
     def propose_drafts(self, requests: Sequence[Request], batch_size: int) -> None:
         """After a step's update, draft for each request that produced a token and still decodes (vLLM's
-        ``propose_draft_token_ids``): its ``spec_token_ids``, [] for the others. ``batch_size``: the step's
+        ``propose_draft_token_ids``): its ``spec_token_ids``, cut to what its grammar accepts (vLLM's scheduler
+        asks ``validate_tokens`` the same), [] for the others. ``batch_size``: the step's
         scheduled requests, which choose this step's k (``SpeculativeConfig.tokens_for_batch``; 0 drafts nothing).
         """
         k = self.config.tokens_for_batch(batch_size)
@@ -74,4 +75,7 @@ class NgramProposer:
                 request.spec_token_ids = []
                 continue
             left = request.sampling_params.max_tokens - request.num_output_tokens
-            request.spec_token_ids = self.propose(request.all_token_ids, left, k)
+            drafts = self.propose(request.all_token_ids, left, k)
+            if drafts and request.structured_output is not None:  # only what its grammar accepts is worth verifying
+                drafts = request.structured_output.grammar.validate_tokens(drafts)
+            request.spec_token_ids = drafts

@@ -6,7 +6,7 @@ reason); ``request_for`` compiles it on a worker thread, and the scheduler passe
 (``Request.waits_for_grammar``) until ``collect``, at the start of a step, hands it its grammar, so one slow
 grammar holds up nobody else. ``grammar_bitmask`` fills the step's packed int32 rows, which the runner applies
 to the logits before the sampler; after the step the scheduler advances each grammar with the tokens its request
-really got, and ``trim_drafts`` cuts the next step's drafts to the prefix the grammar accepts.
+really got, and the proposer cuts the next step's drafts to the prefix the grammar accepts.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from nanoengine.structured_output.config import StructuredOutputsConfig
 
 if TYPE_CHECKING:
     from nanoengine.engine.request import Request
+    from nanoengine.engine.scheduler import Scheduler
 
 MAX_REMEMBERED = 1024  # constraints known to compile, kept so that a batch of equal ones is checked once
 WAIT_S = 0.05  # the longest an otherwise idle step waits for a compile (``collect``)
@@ -97,17 +98,21 @@ class StructuredOutputManager:
         request.structured_output = StructuredOutputRequest(compiling)
         self.pending.append(request)
 
-    def collect(self, wait: bool = False) -> list[tuple[Request, Exception]]:
-        """Give each request whose grammar has compiled its grammar; return those that failed.
+    def collect(self, scheduler: Scheduler) -> dict[str, Exception]:
+        """At the start of a step: give each request whose grammar has compiled its grammar; the ids of those
+        whose compile failed, with the error.
 
-        ``wait``: when nothing else can run, wait until one compile has finished, for at most ``WAIT_S``
-        (rather than spin through empty steps, or keep the caller from seeing an abort while a large grammar
-        compiles). Requests that finished meanwhile (aborted) are dropped.
+        When nothing else can run (nothing running, every waiting request waiting for its grammar), first
+        wait until one compile has finished, for at most ``WAIT_S`` (rather than spin through empty steps,
+        or keep the caller from seeing an abort while a large grammar compiles). Requests that finished
+        meanwhile (aborted) are dropped.
         """
-        if wait and self.pending:
+        if not self.pending:
+            return {}
+        if not scheduler.running and all(r.waits_for_grammar for r in scheduler.waiting):
             concurrent.futures.wait([r.structured_output.compiling for r in self.pending], timeout=WAIT_S,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
-        failed, still = [], []
+        failed, still = {}, []
         for request in self.pending:
             compiling = request.structured_output.compiling
             if request.is_finished:
@@ -115,7 +120,7 @@ class StructuredOutputManager:
             elif not compiling.done():
                 still.append(request)
             elif compiling.exception() is not None:
-                failed.append((request, compiling.exception()))
+                failed[request.request_id] = compiling.exception()
             else:
                 request.structured_output.grammar = compiling.result()
         self.pending = still
@@ -138,13 +143,6 @@ class StructuredOutputManager:
             row += 1 + len(request_drafts)
         return bitmask
 
-    @staticmethod
-    def trim_drafts(requests: list[Request]) -> None:
-        """Cut each constrained request's drafts to the prefix its grammar accepts (vLLM's ``validate_tokens``)."""
-        for request in requests:
-            if request.spec_token_ids and request.structured_output is not None and not request.is_finished:
-                request.spec_token_ids = request.structured_output.grammar.validate_tokens(request.spec_token_ids)
-
     def shutdown(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
@@ -160,8 +158,8 @@ def fill_rows(request: Request, drafts: tuple[int, ...], bitmask: torch.Tensor, 
             if i < len(drafts):
                 if not grammar.accept_tokens(request.request_id, [drafts[i]]):
                     raise RuntimeError(f"request {request.request_id}: draft token {drafts[i]} at draft position {i} "
-                                       f"is not allowed by its grammar; drafts are trimmed to what it accepts "
-                                       f"(trim_drafts), so this is an engine bug")
+                                       f"is not allowed by its grammar; the proposer cuts drafts to what it accepts "
+                                       f"(NgramProposer.propose_drafts), so this is an engine bug")
                 accepted += 1
     finally:
         grammar.rollback(accepted)

@@ -52,7 +52,7 @@ def test_the_cpu_backend_builds_its_metadata_once_per_step_as_typed_fields():
     engine.add_request([5, 9, 200, 31, 7], SamplingParams(temperature=0.0, max_tokens=4))
     engine.add_request(list(range(20, 33)), SamplingParams(temperature=0.0, max_tokens=4))
     engine.step()  # both prefill
-    plan, _ = plan_batch(engine.scheduler.schedule(), engine.config.block_size, engine.block_tables)
+    plan, _ = plan_batch(engine.scheduler.schedule(engine.step_count), engine.config.block_size, engine.block_tables)
     backend = engine.runner.backend
     meta = backend.build_metadata(plan)
     assert isinstance(meta, CpuAttentionMetadata) and meta.num_decode_tokens == 2 and meta.all_slots_stored

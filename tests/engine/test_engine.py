@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
+import inspect
 import random
+import textwrap
 
 import pytest
 
@@ -258,3 +261,29 @@ def test_add_request_checks_ids_without_walking_the_live_requests():
     engine.add_request([3], SamplingParams(max_tokens=1), request_id="r7")  # free again
     engine.abort("r7")
     assert not engine.output_processor.id_in_use("r7")
+
+
+def test_step_and_the_methods_only_it_calls_fit_in_40_lines():
+    """Engine v4's budget for the loop a reader opens first: ``step`` plus every private ``LLMEngine``
+    method that only its path calls, docstrings included (one that ``add_request`` or ``abort`` also
+    calls, such as ``_finish_all``, is not the step's). The rest lives with its owner: scheduler,
+    runner, output processor, structured output, proposer."""
+    (cls,) = ast.parse(textwrap.dedent(inspect.getsource(LLMEngine))).body
+    methods = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
+
+    def called(function: ast.FunctionDef) -> set[str]:
+        return {node.func.attr for node in ast.walk(function) if isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "self" and node.func.attr in methods}
+
+    path, todo = {"step"}, ["step"]
+    while todo:
+        for name in called(methods[todo.pop()]) - path:
+            if name.startswith("_"):
+                path.add(name)
+                todo.append(name)
+    shared = {name for name in path if any(name in called(f) for other, f in methods.items() if other not in path)}
+    owned = path - shared
+    lines = {name: methods[name].end_lineno - methods[name].lineno + 1 for name in owned}
+    assert {"step", "_step"} <= owned and "_finish_all" in shared  # the walk sees the path it is meant to
+    assert sum(lines.values()) <= 40, f"step and the methods only it calls take {sum(lines.values())} lines: {lines}"

@@ -90,7 +90,7 @@ def test_on_a_cpu_logits_come_in_chunks_and_every_row_is_sampled_as_one_chunk_wo
     prompts = [[(7 * i + j) % 500 + 3 for j in range(5)] for i in range(100)]
     for p in prompts:
         eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=1, logprobs=1))
-    sched = eng.scheduler.schedule()
+    sched = eng.scheduler.schedule(eng.step_count)
     plan, sampled = plan_batch(sched, eng.config.block_size)
     whole = runner.run_model(runner.prepare_inputs(plan))  # one LM-head call for all 100 rows
     hidden = runner.sampled_hidden(runner.prepare_inputs(plan))  # the same K/V are written again: same values
