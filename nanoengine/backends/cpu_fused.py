@@ -14,11 +14,14 @@ states are the Python forward's, bit for bit (tests/engine/test_cpu_fused.py). E
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
 from nanoengine.kernels import cpu_native
-from nanoengine.layers.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from nanoengine.backends.cpu import CpuAttentionMetadata
 
 
 class FusedLayer:
@@ -40,7 +43,7 @@ class FusedLayer:
         return (weights, [m.linear_method.packed for m in linears], attn.qkv_proj.bias, attn.attn.k_cache,
                 attn.attn.v_cache, layer.input_layernorm.eps, cpu_native.MAX_ROWS, attn.attn.scale)
 
-    def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+    def __call__(self, hidden: torch.Tensor, residual: torch.Tensor | None, meta: CpuAttentionMetadata,
                  rotary_rows: tuple[torch.Tensor, torch.Tensor]):
         return torch.ops.nanoengine.llama_layer(hidden, residual, *self.arguments, *rotary_rows, *meta.layer_step)
 

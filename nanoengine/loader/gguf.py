@@ -239,9 +239,9 @@ def gguf_tokenizer_files(path: PathLike | GGUFReader) -> dict[str, Any]:
     tok = _bpe_tokenizer(meta)
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    gguf_keys = {"bos_token": "bos", "eos_token": "eos", "unk_token": "unknown", "pad_token": "padding"}
-    special = {name: tokens[int(meta[f"tokenizer.ggml.{key}_token_id"])] for name, key in gguf_keys.items()
-               if f"tokenizer.ggml.{key}_token_id" in meta}
+    id_keys = {f"{name}_token": f"tokenizer.ggml.{key}_token_id"
+               for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))}
+    special = {name: tokens[int(meta[key])] for name, key in id_keys.items() if key in meta}
     extra = [tokens[i] for i, t in enumerate(types) if t == _TOKEN_TYPE_CONTROL and tokens[i] not in special.values()]
     arch = meta.get("general.architecture")
     config: dict[str, Any] = {

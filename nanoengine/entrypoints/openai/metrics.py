@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import threading
 
+from nanoengine.engine.request import RequestStatus
 from nanoengine.metrics import PREFIX, EngineStats
 from nanoengine.outputs import RequestOutput
 
@@ -31,7 +32,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = tuple(status.finish_reason for status in RequestStatus if status.finished)  # stop, length, abort, error
 
 
 def _labels(labels: dict[str, str]) -> str:

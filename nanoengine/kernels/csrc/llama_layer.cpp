@@ -38,7 +38,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptionalT
 // each linear layer's packed copy, or None.
 enum Weight : int64_t { kQkv, kO, kGateUp, kDown, kInputNorm, kPostNorm, kNumWeights };
 
-// `step`: the step's tensors in paged_attention's order (CpuAttentionMetadata.layer_step).
+// `step`: the step's tensors, as CpuAttentionMetadata.layer_step lists them.
+enum StepTensor : int64_t {
+  kSlotMapping, kDecodeBlockTables, kDecodeContextLens, kPrefillBlockTables, kPrefillCuSeqlensQ, kPrefillContextLens,
+  kNumStepTensors
+};
+
 std::tuple<at::Tensor, at::Tensor> llama_layer(
     const at::Tensor& hidden, const OptionalTensor& residual, at::TensorList weights,
     const c10::List<OptionalTensor>& packed, const OptionalTensor& qkv_bias, at::Tensor k_cache, at::Tensor v_cache,
@@ -50,9 +55,10 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
   static const auto rotate = operator_named<decltype(rotate_half)>("nanoengine::rotate_half");
   static const auto attention = operator_named<decltype(paged_attention)>("nanoengine::paged_attention");
   static const auto activation = operator_named<decltype(silu_and_mul)>("nanoengine::silu_and_mul");
-  TORCH_CHECK(weights.size() == kNumWeights && packed.size() == kInputNorm && step.size() == 6, "llama_layer: ",
-              kNumWeights, " weights, ", kInputNorm, " packed and 6 step tensors expected (FusedLayer.arguments, "
-              "CpuAttentionMetadata.layer_step), got ", weights.size(), ", ", packed.size(), " and ", step.size());
+  TORCH_CHECK(weights.size() == kNumWeights && packed.size() == kInputNorm && step.size() == kNumStepTensors,
+              "llama_layer: ", kNumWeights, " weights, ", kInputNorm, " packed and ", kNumStepTensors,
+              " step tensors expected (FusedLayer.arguments, CpuAttentionMetadata.layer_step), got ", weights.size(),
+              ", ", packed.size(), " and ", step.size());
   // head_dim and the KV heads from the cache's shape, the query heads from o_proj's input (all heads side by side)
   const int64_t tokens = hidden.size(0), num_kv_heads = k_cache.size(2), d = k_cache.size(3);
   const int64_t q_size = weights[kO].size(1), num_heads = q_size / d, kv_size = num_kv_heads * d;
@@ -72,8 +78,10 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
       rotate.call(qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, d}), cos, sin);
   const at::Tensor q = qk.narrow(1, 0, num_heads), k = qk.narrow(1, num_heads, num_kv_heads);
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, num_kv_heads, d});
-  const at::Tensor attended = attention.call(q, k, v, k_cache, v_cache, step[0], num_decode_tokens, step[1], step[2],
-                                             step[3], step[4], step[5], scale, widen);
+  const at::Tensor attended =
+      attention.call(q, k, v, k_cache, v_cache, step[kSlotMapping], num_decode_tokens, step[kDecodeBlockTables],
+                     step[kDecodeContextLens], step[kPrefillBlockTables], step[kPrefillCuSeqlensQ],
+                     step[kPrefillContextLens], scale, widen);
   const at::Tensor o =
       linear(attended.reshape({tokens, q_size}), weights[kO], packed.get(kO), std::nullopt, few_rows_max);
 
