@@ -16,6 +16,7 @@ from nanoengine.engine.model_runner import SamplingRunner
 from nanoengine.events import DraftsVerified, RequestPreempted, StepFinished
 from nanoengine.layers.sampler import Sampler
 from nanoengine.metrics import Counter, Vector
+from nanoengine.models.config import ModelConfig
 from nanoengine.sampling_params import RequestOutputKind
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -184,8 +185,10 @@ def test_verify_sampling_keeps_the_targets_filtered_distribution():
     logits = torch.randn(2, 8) * 2
     params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9)
     target = Sampler().distribution(logits[:1], [params])[0]
-    runner = SamplingRunner.__new__(SamplingRunner)
-    runner.sampler, runner.generator = Sampler(), torch.Generator().manual_seed(1)
+    config = ModelConfig(architecture="LlamaForCausalLM", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=8,
+                         max_position_embeddings=64)
+    runner = SamplingRunner(config, num_blocks=1, block_size=16, device=torch.device("cpu"), seed=1)  # sampling only
 
     class Stub:  # what sample_requests reads of a request
         sampling_params, generator, request_id = params, None, "r"
