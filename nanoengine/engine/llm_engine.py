@@ -16,7 +16,6 @@ outputs (an ``OutputRouter`` hands them out when several readers share the engin
 from __future__ import annotations
 
 import itertools
-import logging
 import math
 import time
 from pathlib import Path
@@ -45,8 +44,6 @@ from nanoengine.spec_decode.ngram_proposer import NgramProposer
 from nanoengine.structured_output import StructuredOutputManager
 
 RunnerFactory = Callable[[int, int], SamplingRunner]  # (max_model_len, num_kv_blocks) -> runner
-
-logger = logging.getLogger("nanoengine.engine")
 
 
 class LLMEngine:

@@ -65,8 +65,8 @@ class NgramProposer:
 
     def propose_drafts(self, requests: Sequence[Request], batch_size: int) -> None:
         """After a step's update, draft for each request that produced a token and still decodes (vLLM's
-        ``propose_draft_token_ids``): its ``spec_token_ids``, cut to what its grammar accepts (vLLM's scheduler
-        asks ``validate_tokens`` the same), [] for the others. ``batch_size``: the step's
+        ``propose_draft_token_ids``): its ``spec_token_ids``, cut to the prefix its grammar accepts (the grammar's
+        ``validate_tokens``, which vLLM's scheduler asks too), [] for the others. ``batch_size``: the step's
         scheduled requests, which choose this step's k (``SpeculativeConfig.tokens_for_batch``; 0 drafts nothing).
         """
         k = self.config.tokens_for_batch(batch_size)
