@@ -9,7 +9,7 @@ The routes are ``vllm serve``'s (``build_app``; ``GET /openapi.json`` describes 
 (Prometheus) and ``/reset_prefix_cache``. Every error, 404s and a missing API key included, has
 OpenAI's shape (``protocol.error_body``) and a status ``_ERROR_MEANINGS`` explains: a bad request
 is a 400, never FastAPI's 422. The engine stops only on a fault of its own (a bug a request's
-data reached fails that request alone, a 500: ``LLMEngine._fail``); the command-line server
+data reached fails that request alone, a 500: ``LLMEngine._outputs``); the command-line server
 (``run_server``) then exits with status 1, as vLLM's does, for a supervisor to start a fresh
 one; a server in a thread (``serve_in_background``: notebooks, tests) answers 503 until stopped.
 

@@ -332,7 +332,7 @@ def _chat_choices(ctx: _Context, out: RequestOutput) -> list[dict]:
 
 def _raise_if_failed(finals: list[RequestOutput]) -> None:
     """A 500, as vLLM's, if the engine finished one of these requests with an error (a step raised
-    on its data: ``LLMEngine._fail``; the engine serves on); the message says what was raised."""
+    on its data: ``LLMEngine._outputs``; the engine serves on); the message says what was raised."""
     for out in finals:
         for c in out.outputs:
             if c.finish_reason == "error":
