@@ -37,13 +37,12 @@ class CpuAttentionMetadata(AttentionMetadata):
     """``AttentionMetadata`` plus what the CPU kernels derive from it once per step."""
 
     all_slots_stored: bool = True  # every token of the step has a cache slot (no -1 in slot_mapping)
-    widen_prefill: bool = False  # prefill attention widens a 16-bit cache to float32 (``CpuAttention.prefill_dtype``)
 
     @functools.cached_property
-    def layer_step(self) -> tuple[list[torch.Tensor], int, bool]:
+    def layer_step(self) -> tuple[list[torch.Tensor], int]:
         """The step's arguments of ``nanoengine::llama_layer`` from ``step`` on (its schema), gathered once a step."""
         return ([self.slot_mapping, self.decode_block_tables, self.decode_context_lens, self.prefill_block_tables,
-                 self.prefill_cu_seqlens_q, self.prefill_context_lens], self.num_decode_tokens, self.widen_prefill)
+                 self.prefill_cu_seqlens_q, self.prefill_context_lens], self.num_decode_tokens)
 
 
 class CpuAttention(AttentionImpl):
@@ -51,23 +50,20 @@ class CpuAttention(AttentionImpl):
     dtype (``native``: a layer's whole step is then one ``nanoengine::paged_attention`` call), else by the
     reference kernels (``kernels.reference``)."""
 
-    def __init__(self, native: bool = False, prefill_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, native: bool = False) -> None:
         self.native = native
-        self.prefill_dtype = prefill_dtype  # prefill attention's dtype (None: float32 for a 16-bit cache)
 
     @property
     def name(self) -> str:
-        prefill = f"{'native' if self.native else 'reference'} prefill"
-        if self.prefill_dtype is not None:
-            prefill += f" in {str(self.prefill_dtype).removeprefix('torch.')}"
-        return f"cpu ({'native paged' if self.native else 'reference'} decode, {prefill})"
+        prefill = "native" if self.native else "reference"
+        return f"cpu ({'native paged' if self.native else 'reference'} decode, {prefill} prefill)"
 
     def forward(self, q, k, v, k_cache, v_cache, meta: CpuAttentionMetadata, scale: float) -> torch.Tensor:
         if self.native and meta.all_slots_stored:  # ``AttentionImpl.forward``'s calls, made from C++
             return torch.ops.nanoengine.paged_attention(
                 q, k, v, k_cache, v_cache, meta.slot_mapping, meta.num_decode_tokens, meta.decode_block_tables,
                 meta.decode_context_lens, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-                meta.prefill_context_lens, scale, meta.widen_prefill)
+                meta.prefill_context_lens, scale)
         return super().forward(q, k, v, k_cache, v_cache, meta, scale)
 
     def store_kv(self, key, value, k_cache, v_cache, meta: CpuAttentionMetadata) -> None:
@@ -86,8 +82,7 @@ class CpuAttention(AttentionImpl):
     def prefill(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         kernels = cpu_native if self.native else reference  # the native one: the whole step in one call
         return kernels.paged_prefill_attention(query, k_cache, v_cache, meta.prefill_block_tables,
-                                               meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale,
-                                               compute_dtype=self.prefill_dtype)
+                                               meta.prefill_cu_seqlens_q, meta.prefill_context_lens, scale)
 
 
 class CpuLinearMethod:
@@ -134,11 +129,7 @@ class CpuBackend(Backend):
         super().__init__(device, dtype)
         tune_engine_process()  # the host's settings (backends.cpu_platform), before this process's first oneDNN product
         self.native_kernels = cpu_native.load()  # built once per machine, loaded once per process
-        native = self.native_kernels and dtype in cpu_native.DTYPES
-        # A bfloat16 cache on a CPU with bfloat16 instructions: prefill attention multiplies in bfloat16, as vLLM's
-        # does, faster than widening K/V to float32. oneDNN answers (it honours ONEDNN_MAX_CPU_ISA).
-        prefill_dtype = torch.bfloat16 if dtype == torch.bfloat16 and cpu_gemm.packing_available(dtype) else None
-        self.attention = CpuAttention(native, prefill_dtype)
+        self.attention = CpuAttention(self.native_kernels and dtype in cpu_native.DTYPES)
         self.fused_layers = 0  # decoder layers that can run as one native call each (``backends.cpu_fused``)
         self.unfused_reason: str | None = None  # why they cannot, when they cannot
         self.fused_modules: tuple = ()  # the modules inside the fused layers (``cpu_fused.hooked``)
@@ -196,9 +187,7 @@ class CpuBackend(Backend):
         all_stored = bool((slots >= 0).all()) if isinstance(slots, torch.Tensor) else min(slots, default=0) >= 0
         one_call = (self.fuse_layers and self.fused_layers > 0 and all_stored
                     and not cpu_fused.hooked(self.fused_modules))  # a hook must see the layers run
-        widen = cpu_native.widens(self.kv_dtype, self.attention.prefill_dtype)  # what CpuAttention.prefill does
-        return CpuAttentionMetadata(**fields, all_slots_stored=all_stored, one_call_layers=one_call,
-                                    widen_prefill=widen)
+        return CpuAttentionMetadata(**fields, all_slots_stored=all_stored, one_call_layers=one_call)
 
     def logits_rows_per_chunk(self, num_rows: int, vocab_size: int, hidden_size: int) -> int:
         """How many rows of logits one LM-head call computes: at most ``LOGITS_CHUNK_BYTES`` of float32 logits,

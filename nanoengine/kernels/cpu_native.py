@@ -9,10 +9,11 @@ in ``csrc/ops.h``) on PyTorch's thread pool, compiled the first time an engine n
 Two builds, each for exactly its instruction set (not ``-march=native``): AVX-512 where PyTorch's
 own kernels use it (``ATEN_CPU_CAPABILITY=avx2`` lowers that), else AVX2 + FMA. Decode attention,
 where the width paid (results/README.md), is written once over ``csrc/cpu_vec.h``'s ``Vec``; the
-others, bound by memory or by calls, are AVX2 in both builds.
+others, bound by memory or by calls, are AVX2 in both builds. Prefill attention is decode's loop run once
+per query token over the keys that token sees.
 
 Every sum's order is fixed by the source, not by the CPU, the threads or the batch: a row gets the
-same bits alone or in a batch, decode attention the same in both builds (``test_cpu_native.py``), and
+same bits alone or in a batch, attention the same in both builds (``test_cpu_native.py``), and
 a fused layer is the Python forward bit for bit (``test_cpu_fused.py``). Without a C++ compiler,
 ninja, or AVX2 + FMA, ``load`` says why in one warning and returns False; the CPU backend then uses
 the libraries and the reference attention (``kernels.reference``).
@@ -182,22 +183,11 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                            scale: float, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``reference.paged_prefill_attention`` for a whole step, with its bits (``csrc/paged_prefill_attention.cpp``).
-
-    ``compute_dtype`` as there: None widens 16-bit caches to float32; the cache's own dtype keeps them.
-    """
+                            scale: float) -> torch.Tensor:
+    """``reference.paged_prefill_attention`` for a whole step, each query token attended by the decode kernel's
+    loop (``csrc/paged_prefill_attention.cpp``): a token gets the bits a decode step would give it."""
     return torch.ops.nanoengine.paged_prefill_attention(query.contiguous(), k_cache, v_cache, block_tables,
-                                                        cu_seqlens_q, context_lens, scale,
-                                                        widens(query.dtype, compute_dtype))
-
-
-def widens(dtype: torch.dtype, compute_dtype: torch.dtype | None) -> bool:
-    """The prefill operator's ``widen``: whether a ``dtype`` query and cache are widened to float32
-    before the products (``compute_dtype`` None or float32 for a 16-bit one)."""
-    if compute_dtype not in (None, torch.float32, dtype):
-        raise ValueError(f"compute_dtype must be None, float32 or the query's {dtype}, got {compute_dtype}")
-    return dtype != torch.float32 and compute_dtype in (None, torch.float32)
+                                                        cu_seqlens_q, context_lens, scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -77,22 +77,17 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                            scale: float, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+                            scale: float) -> torch.Tensor:
     """Causal attention for variable-length query chunks over a paged context.
 
     query (total_q_tokens, num_heads, head_dim), sequences packed back to back with
     boundaries ``cu_seqlens_q`` (num_seqs + 1,). The chunk's own K/V must already be
-    stored in the cache. Returns (total_q_tokens, num_heads, head_dim).
-
-    ``compute_dtype``: the dtype q, k and v are handed to SDPA in. None (the definition):
-    float32 for 16-bit caches, the cache's dtype otherwise. The CPU backend passes
-    bfloat16 on CPUs with bfloat16 instructions: PyTorch's CPU SDPA then multiplies in
-    bfloat16 with float32 accumulators and softmax, and converts nothing.
+    stored in the cache. Returns (total_q_tokens, num_heads, head_dim). 16-bit inputs are
+    computed in float32, as in ``paged_decode_attention``.
     """
     num_heads = query.shape[1]
     num_kv_heads = k_cache.shape[2]
-    if compute_dtype is None:
-        compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
+    compute_dtype = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else query.dtype
     out = torch.empty_like(query)
     starts = cu_seqlens_q.tolist()
     for seq, context_len in enumerate(context_lens.tolist()):

@@ -66,16 +66,12 @@ def test_fused_steps_give_eager_tokens_and_logprobs_bit_for_bit(build_tiny_llm, 
     assert fused == eager
 
 
-@pytest.mark.parametrize("prefill_dtype", [None, torch.bfloat16])  # prefill attention widened to float32, or not
-def test_bfloat16_steps_match_eager_too(tiny_llama_tok_dir, prefill_dtype):
+def test_bfloat16_steps_match_eager_too(tiny_llama_tok_dir):
     from nanoengine import LLM
 
     llm = LLM(str(tiny_llama_tok_dir), dtype="bfloat16", **CONFIG)
     backend = llm.engine.runner.backend
     assert backend.fused_layers == 2
-    # Both ways on any CPU: SDPA multiplies in bfloat16 (slowly) where the CPU has no instructions for it.
-    # The fused layers read the choice from the step's metadata, as the Python forward reads it here.
-    backend.attention.prefill_dtype = prefill_dtype
     batch = prompts(4, seed=7, lengths=(3, 90))
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
     fused = outputs(llm, batch, params)

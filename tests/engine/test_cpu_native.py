@@ -178,23 +178,24 @@ def test_native_decode_attention_is_the_reference(dtype, shape):
     assert torch.equal(long_tables, out)
 
 
-# The AVX2 build's decode attention of the cases below, computed in a process PyTorch is told to
-# run on AVX2 (the pinned path the notebooks are checked on), so it loads that build.
+# The AVX2 build's attention (decode or prefill) of the cases below, computed in a process PyTorch is
+# told to run on AVX2 (the pinned path the notebooks are checked on), so it loads that build.
 _AVX2_BUILD_SCRIPT = """
 import sys, torch
 from nanoengine.kernels import cpu_native
 assert cpu_native.isa() == "avx2_fma" and cpu_native.load(), cpu_native.isa()
 cases = torch.load(sys.argv[1])
-torch.save([cpu_native.paged_decode_attention(*case, 0.125) for case in cases], sys.argv[2])
+torch.save([getattr(cpu_native, op)(*case, 0.125) for op, case in cases], sys.argv[2])
 """
 
 
 @needs_kernel
 @pytest.mark.slow
 @pytest.mark.skipif(cpu_native.isa() != "avx512", reason="this process uses the AVX2 build: there is one build only")
-def test_native_decode_attention_has_the_same_bits_in_both_builds(tmp_path):
+def test_native_attention_has_the_same_bits_in_both_builds(tmp_path):
     """Sixteen lanes (this process's AVX-512 build) against eight (the AVX2 build, in a process of
-    its own): every remainder of the key steps, three head sizes, two dtypes, softmaxes that underflow."""
+    its own): every remainder of the key steps, four head sizes, two dtypes, softmaxes that underflow;
+    decode, and prefill chunks with and without tokens cached before them."""
     import os
     import subprocess
     import sys
@@ -203,13 +204,15 @@ def test_native_decode_attention_has_the_same_bits_in_both_builds(tmp_path):
     cases = []
     for dtype, head_dim in itertools.product((torch.float32, torch.bfloat16), (32, 64, 128, 48)):
         query, k_cache, v_cache, tables, context_lens = _paged_case(dtype, lens, head_dim=head_dim, seed=head_dim)
-        cases += [(q, k_cache, v_cache, tables, context_lens) for q in (query, query * 40)]
+        cases += [("paged_decode_attention", (q, k_cache, v_cache, tables, context_lens)) for q in (query, query * 40)]
+        for lens_, q_lens in PREFILL_CASES:
+            cases.append(("paged_prefill_attention", _prefill_case(dtype, lens_, q_lens, head_dim=head_dim)))
     torch.save(cases, tmp_path / "cases.pt")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "2"}
     subprocess.run([sys.executable, "-c", _AVX2_BUILD_SCRIPT, str(tmp_path / "cases.pt"), str(tmp_path / "out.pt")],
                    env=env, check=True, timeout=600)
-    for case, eight_lanes in zip(cases, torch.load(tmp_path / "out.pt"), strict=True):
-        assert torch.equal(cpu_native.paged_decode_attention(*case, 0.125), eight_lanes)
+    for (op, case), eight_lanes in zip(cases, torch.load(tmp_path / "out.pt"), strict=True):
+        assert torch.equal(getattr(cpu_native, op)(*case, 0.125), eight_lanes), op
 
 
 @needs_kernel
@@ -236,14 +239,6 @@ def test_the_backend_decodes_with_the_native_kernel_and_builds_no_plan():
     assert "native paged decode" in backend.attention.name
     assert backend.kernels.attention is backend.attention  # what the attention layers built for it call
     assert not CpuBackend("cpu", torch.float16).attention.native  # a dtype the kernels do not take: PyTorch's
-
-
-def test_the_backend_prefills_bfloat16_in_bfloat16_only_where_the_cpu_has_the_instructions():
-    assert CpuBackend("cpu").attention.prefill_dtype is None  # the reference's definition
-    backend = CpuBackend("cpu", torch.bfloat16)
-    has_instructions = cpu_gemm.packing_available(torch.bfloat16)
-    assert backend.attention.prefill_dtype == (torch.bfloat16 if has_instructions else None)
-    assert ("prefill in bfloat16" in backend.attention.name) == has_instructions
 
 
 @needs_kernel
@@ -363,22 +358,36 @@ def _with_threads(threads, fn):
         torch.set_num_threads(before)
 
 
+def _decode_of_each_token(chunk, k_cache, v_cache, tables, cu, context_lens):
+    """Every query token of the chunks as a decode query of its own, seeing the keys up to its position."""
+    rows, lengths = [], []
+    for s, (q_start, q_end) in enumerate(zip(cu.tolist(), cu[1:].tolist())):
+        cached = int(context_lens[s]) - (q_end - q_start)
+        rows += [s] * (q_end - q_start)
+        lengths += [cached + j + 1 for j in range(q_end - q_start)]
+    return cpu_native.paged_decode_attention(chunk, k_cache, v_cache, tables[rows],
+                                             torch.tensor(lengths, dtype=torch.int32), 0.125)
+
+
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("dtype, compute_dtype", [(torch.float32, None), (torch.bfloat16, None),
-                                                  (torch.bfloat16, torch.bfloat16)],
-                         ids=["float32", "bfloat16 widened", "bfloat16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lens, q_lens", PREFILL_CASES)
-def test_native_prefill_attention_has_the_references_bits(threads, dtype, compute_dtype, lens, q_lens):
-    """SDPA called per sequence from C++: the reference's bits, also with the sequences shared out
-    between threads that run in the caller's inference mode."""
+def test_native_prefill_attention_is_the_reference_with_decodes_bits(threads, dtype, lens, q_lens):
+    """Each query token is attended by the decode kernel's loop: the reference's values, and exactly the
+    bits a decode step gives that token over its visible keys, however the tokens are shared out between
+    threads and whatever else the step holds."""
     args = _prefill_case(dtype, lens, q_lens)
-    expected = reference.paged_prefill_attention(*args, 0.125, compute_dtype=compute_dtype)
-    assert torch.equal(_with_threads(threads, lambda: cpu_native.paged_prefill_attention(
-        *args, 0.125, compute_dtype)), expected)
-    with torch.inference_mode():  # the engine's mode: the worker threads run in it too
-        out = _with_threads(threads, lambda: cpu_native.paged_prefill_attention(*args, 0.125, compute_dtype))
-    assert torch.equal(out, expected)
+    with torch.inference_mode():  # the engine's mode
+        out = _with_threads(threads, lambda: cpu_native.paged_prefill_attention(*args, 0.125))
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out, reference.paged_prefill_attention(*args, 0.125), **tolerance)
+    assert torch.equal(out, _decode_of_each_token(*args))
+    chunk, k_cache, v_cache, tables, cu, context_lens = args
+    first = int(cu[1])  # the first sequence alone
+    alone = cpu_native.paged_prefill_attention(chunk[:first], k_cache, v_cache, tables[:1], cu[:2], context_lens[:1],
+                                               0.125)
+    assert torch.equal(alone, out[:first])
 
 
 @needs_kernel
@@ -387,10 +396,12 @@ def test_native_prefill_attention_has_the_references_bits(threads, dtype, comput
                                    dict(heads=8, kv_heads=1, head_dim=64), dict(heads=4, kv_heads=2, head_dim=20)],
                          ids=["groups of 2, 128-wide", "mha, 32-wide", "groups of 8", "groups of 2, 20-wide"])
 @pytest.mark.parametrize("lens, q_lens", PREFILL_CASES)
-def test_native_prefill_attention_has_the_references_bits_for_every_head_shape(dtype, shape, lens, q_lens):
+def test_native_prefill_attention_is_the_reference_for_every_head_shape(dtype, shape, lens, q_lens):
     args = _prefill_case(dtype, lens, q_lens, **shape)
-    assert torch.equal(cpu_native.paged_prefill_attention(*args, 0.125),
-                       reference.paged_prefill_attention(*args, 0.125))
+    out = cpu_native.paged_prefill_attention(*args, 0.125)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out, reference.paged_prefill_attention(*args, 0.125), **tolerance)
+    assert torch.equal(out, _decode_of_each_token(*args))
 
 
 @needs_kernel
@@ -405,8 +416,6 @@ def test_native_prefill_attention_refuses_what_would_read_outside_the_cache():
         cpu_native.paged_prefill_attention(chunk, k_cache, v_cache, torch.full_like(tables, 99), cu, context_lens, 1.0)
     with pytest.raises(RuntimeError, match="must run from 0 to the query's 14 tokens"):
         cpu_native.paged_prefill_attention(chunk, k_cache, v_cache, tables, torch.tensor([0, 5, 13]), context_lens, 1.0)
-    with pytest.raises(ValueError, match="compute_dtype must be"):
-        cpu_native.paged_prefill_attention(chunk, k_cache, v_cache, tables, cu, context_lens, 1.0, torch.float16)
 
 
 @needs_kernel
@@ -438,8 +447,7 @@ def test_paged_attention_is_the_layers_python_calls_in_one(dtype, step):
         decode_context_lens=torch.tensor(decodes, dtype=torch.int32),
         prefill_block_tables=block_table_tensor(tables[len(decodes):], torch.device("cpu")),
         prefill_cu_seqlens_q=torch.tensor(cu, dtype=torch.int32),
-        prefill_context_lens=torch.tensor([c for _, c in prefills], dtype=torch.int32),
-        widen_prefill=cpu_native.widens(dtype, None))  # as the backend builds it for CpuAttention's prefill_dtype None
+        prefill_context_lens=torch.tensor([c for _, c in prefills], dtype=torch.int32))
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
     q = qkv[:, :heads * d].view(tokens, heads, d)  # strided views of the projection, as the layer passes them
     k = qkv[:, heads * d:(heads + kv_heads) * d].view(tokens, kv_heads, d)
@@ -465,7 +473,7 @@ def test_paged_attention_declares_the_caches_it_writes_and_refuses_a_step_that_d
         torch.ops.nanoengine.paged_attention(q, kv, kv, cache, cache.clone(), torch.arange(3), 0, empty_table,
                                              torch.zeros(0, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
                                              torch.tensor([0, 2], dtype=torch.int32), torch.tensor([2], dtype=torch.int32),
-                                             1.0, False)
+                                             1.0)
 
 
 @needs_kernel

@@ -150,10 +150,7 @@ def test_low_precision_matches_naive(dtype):
         expected = naive_attention(chunk[rows], ks[s], vs[s], scale, q_offset=0)
         torch.testing.assert_close(out[rows].double(), expected, atol=TOLERANCES[dtype],
                                    rtol=TOLERANCES[dtype])
-    # computed in the cache's own dtype (the CPU backend's choice on CPUs with bfloat16 instructions)
-    own = reference.paged_prefill_attention(chunk, k_cache, v_cache, tables, cu, ctx, scale, compute_dtype=dtype)
-    assert own.dtype == dtype
-    torch.testing.assert_close(own.double(), out.double(), atol=2 * TOLERANCES[dtype], rtol=2 * TOLERANCES[dtype])
+    assert out.dtype == dtype
 
 
 def test_padding_entries_are_ignored():

@@ -48,7 +48,7 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
     const at::Tensor& hidden, const OptionalTensor& residual, at::TensorList weights,
     const c10::List<OptionalTensor>& packed, const OptionalTensor& qkv_bias, at::Tensor k_cache, at::Tensor v_cache,
     double eps, int64_t few_rows_max, double scale, const at::Tensor& cos, const at::Tensor& sin, at::TensorList step,
-    int64_t num_decode_tokens, bool widen) {
+    int64_t num_decode_tokens) {
   // What each call checks, it checks itself (shapes, dtypes, the step's decode rows and prefill chunks).
   static const auto norm = operator_named<decltype(rms_norm)>("nanoengine::rms_norm");
   static const auto add_norm = operator_named<decltype(add_rms_norm)>("nanoengine::add_rms_norm");
@@ -81,7 +81,7 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
   const at::Tensor attended =
       attention.call(q, k, v, k_cache, v_cache, step[kSlotMapping], num_decode_tokens, step[kDecodeBlockTables],
                      step[kDecodeContextLens], step[kPrefillBlockTables], step[kPrefillCuSeqlensQ],
-                     step[kPrefillContextLens], scale, widen);
+                     step[kPrefillContextLens], scale);
   const at::Tensor o =
       linear(attended.reshape({tokens, q_size}), weights[kO], packed.get(kO), std::nullopt, few_rows_max);
 
@@ -97,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor> llama_layer(
 TORCH_LIBRARY_FRAGMENT(nanoengine, m) {
   m.def("llama_layer(Tensor hidden, Tensor? residual, Tensor[] weights, Tensor?[] packed, Tensor? qkv_bias, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, float eps, int few_rows_max, float scale, Tensor cos, Tensor sin, "
-        "Tensor[] step, int num_decode_tokens, bool widen) -> (Tensor, Tensor)",
+        "Tensor[] step, int num_decode_tokens) -> (Tensor, Tensor)",
         torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(nanoengine_cpu::llama_layer)));
 }
 

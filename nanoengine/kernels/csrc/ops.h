@@ -12,6 +12,7 @@
 #include <initializer_list>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace nanoengine_cpu {
 
@@ -26,12 +27,37 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_c
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
 at::Tensor paged_prefill_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
-                                   const at::Tensor& context_lens, double scale, bool widen);
+                                   const at::Tensor& context_lens, double scale);
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                            at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_decode_tokens,
                            const at::Tensor& decode_block_tables, const at::Tensor& decode_context_lens,
                            const at::Tensor& prefill_block_tables, const at::Tensor& prefill_cu_seqlens_q,
-                           const at::Tensor& prefill_context_lens, double scale, bool widen);
+                           const at::Tensor& prefill_context_lens, double scale);
+
+// The attention loop decode and prefill share (paged_decode_attention.cpp): one query token's group
+// of heads (the query heads that share one KV head, adjacent in `query`) over the first `length`
+// cached K/V rows of that KV head, rows[t] being where token t's row starts in either cache (kv_rows). Scores,
+// softmax and the weighted sum in float32, every sum in an order this source fixes: a query token
+// gets the same bits whether decode or prefill asks, and whatever else is in the step.
+struct AttendScratch {  // one thread's float32 working memory, reused from call to call
+  std::vector<float> query, scores, out;
+};
+
+template <typename T>
+void attend_group(const T* query, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t length, int64_t group,
+                  int64_t head_dim, float scale, AttendScratch& scratch, T* out);
+
+// Where each of a sequence's first `length` tokens' K/V rows for `kv_head` starts in the caches
+// (blocks, block_size, kv_heads, head_dim), through its block-table row: into rows[0..length).
+template <typename Index>
+void kv_rows(const Index* table, int64_t length, int64_t block_size, int64_t num_kv_heads, int64_t kv_head,
+             int64_t head_dim, std::vector<int64_t>& rows) {
+  rows.resize(length);
+  for (int64_t t = 0; t < length; ++t) {
+    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+    rows[t] = (slot * num_kv_heads + kv_head) * head_dim;
+  }
+}
 
 // The registered operator `name`, to call through the dispatcher (so the profiler names each call,
 // and a tensor of another dispatch key, such as a packed weight, finds its kernel). Looked up once:

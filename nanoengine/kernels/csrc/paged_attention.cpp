@@ -20,7 +20,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
                            at::Tensor& v_cache, const at::Tensor& slot_mapping, int64_t num_decode_tokens,
                            const at::Tensor& decode_block_tables, const at::Tensor& decode_context_lens,
                            const at::Tensor& prefill_block_tables, const at::Tensor& prefill_cu_seqlens_q,
-                           const at::Tensor& prefill_context_lens, double scale, bool widen) {
+                           const at::Tensor& prefill_context_lens, double scale) {
   // Everything checked before the caches are written.
   const int64_t tokens = query.size(0), num_prefills = prefill_context_lens.size(0);
   TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && value.sizes() == key.sizes() && key.size(0) == tokens &&
@@ -65,7 +65,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
   }
   const at::Tensor prefill = prefill_op.call(
       query.narrow(0, num_decode_tokens, tokens - num_decode_tokens).contiguous(), k_cache, v_cache,
-      prefill_block_tables, prefill_cu_seqlens_q, prefill_context_lens, scale, widen);
+      prefill_block_tables, prefill_cu_seqlens_q, prefill_context_lens, scale);
   if (num_decode_tokens == 0) return prefill;
   const at::Tensor decode = decode_op.call(query.narrow(0, 0, num_decode_tokens).contiguous(), k_cache, v_cache,
                                            decode_block_tables.contiguous(), decode_context_lens.contiguous(), scale);
@@ -77,7 +77,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
 TORCH_LIBRARY_FRAGMENT(nanoengine, m) {
   m.def("paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping, int num_decode_tokens, Tensor decode_block_tables, Tensor decode_context_lens, "
-        "Tensor prefill_block_tables, Tensor prefill_cu_seqlens_q, Tensor prefill_context_lens, float scale, "
-        "bool widen) -> Tensor",
+        "Tensor prefill_block_tables, Tensor prefill_cu_seqlens_q, Tensor prefill_context_lens, float scale) "
+        "-> Tensor",
         torch::dispatch(c10::DispatchKey::CPU, TORCH_FN(nanoengine_cpu::paged_attention)));
 }

@@ -5,7 +5,8 @@
 // query heads sharing that KV head (grouped-query attention) walk the sequence's block table once,
 // each key row read once and dotted with every query of the group, each value row read once and
 // added, weighted, into every output. Nothing is gathered or padded (the reference copies each
-// sequence's keys and values), and a layer's decode attention is one call.
+// sequence's keys and values), and a layer's decode attention is one call. The loop for one query
+// token, attend_group, attends each prefill token too (paged_prefill_attention.cpp).
 //
 // Numerics: scores, softmax and the weighted sum are float32 whatever the cache dtype, every sum in
 // an order fixed by this source. Written once over cpu_vec.h's Vec, eight or sixteen lanes as the
@@ -108,9 +109,8 @@ inline void score_keys(const Vec* q, const T* const* k, float* const* out) {
 // Every key's score for the query heads g0..g0+G-1 (NV eight-lane vectors each); the last keys
 // that do not fill a score_keys call one by one, by dot(), with the same bits.
 template <typename T, int NV, int G>
-void score_heads(const float* q, const T* k_cache, const T* v_cache, const std::vector<int64_t>& rows, int64_t g0,
+void score_heads(const float* q, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t length, int64_t g0,
                  int64_t head_dim, float* scores, int64_t stride) {
-  const int64_t length = static_cast<int64_t>(rows.size());
   Vec qv[G * NV];
   for (int h = 0; h < G; ++h)
     for (int v = 0; v < NV; ++v) qv[h * NV + v] = Vec::repeat_eight(q + (g0 + h) * head_dim + 8 * v);
@@ -136,12 +136,12 @@ void score_heads(const float* q, const T* k_cache, const T* v_cache, const std::
 // out[h] = sum over t of weights[h][t] * value row t, for G heads: each value row read once, each
 // output lane a chain of fused multiply-adds in token order (the same bits at any width).
 template <typename T, int NW, int G>
-void add_values(const float* weights, int64_t stride, const T* v_cache, const std::vector<int64_t>& rows, float* out,
+void add_values(const float* weights, int64_t stride, const T* v_cache, const int64_t* rows, int64_t length, float* out,
                 int64_t head_dim) {
   Vec a[G][NW];
   for (int h = 0; h < G; ++h)
     for (int w = 0; w < NW; ++w) a[h][w] = Vec::zero();
-  for (size_t t = 0; t < rows.size(); ++t) {
+  for (int64_t t = 0; t < length; ++t) {
     Vec value[NW];
     for (int w = 0; w < NW; ++w) value[w] = Vec::load(v_cache + rows[t] + Vec::kLanes * w);
     for (int h = 0; h < G; ++h) {
@@ -164,20 +164,19 @@ constexpr bool fits(int heads) {
 // q (float32), their outputs into acc. Scores of as many heads at a time as fit, each head's
 // softmax, then the weighted values.
 template <typename T, int NV>
-void attend(const float* q, const T* k_cache, const T* v_cache, const std::vector<int64_t>& rows, int64_t group,
+void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t length, int64_t group,
             int64_t head_dim, float scale, std::vector<float>& scores, float* acc) {
   static_assert(NV % Vec::kEights == 0, "whole vectors of output");
   constexpr int NW = NV / Vec::kEights;  // vectors in one head's output
-  const int64_t length = static_cast<int64_t>(rows.size());
   const int64_t stride = (length + 7) / 8 * 8;  // a row of scores, padded to whole vectors
   scores.assign(group * stride, 0.0f);          // scores[g * stride + t]
   for (int64_t g = 0; g < group;) {
     const int64_t left = group - g;
     if constexpr (fits<4, 3>(3)) {
-      if (left >= 3) { score_heads<T, NV, 3>(q, k_cache, v_cache, rows, g, head_dim, scores.data(), stride); g += 3; continue; }
+      if (left >= 3) { score_heads<T, NV, 3>(q, k_cache, v_cache, rows, length, g, head_dim, scores.data(), stride); g += 3; continue; }
     }
-    if (left >= 2) { score_heads<T, NV, 2>(q, k_cache, v_cache, rows, g, head_dim, scores.data(), stride); g += 2; continue; }
-    score_heads<T, NV, 1>(q, k_cache, v_cache, rows, g, head_dim, scores.data(), stride);
+    if (left >= 2) { score_heads<T, NV, 2>(q, k_cache, v_cache, rows, length, g, head_dim, scores.data(), stride); g += 2; continue; }
+    score_heads<T, NV, 1>(q, k_cache, v_cache, rows, length, g, head_dim, scores.data(), stride);
     g += 1;
   }
   for (int64_t g = 0; g < group; ++g) {  // each score becomes its value row's weight
@@ -190,24 +189,23 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const std::vecto
     const float* w = scores.data() + g * stride;
     float* out = acc + g * head_dim;
     if constexpr (fits<NW, 4>(4)) {
-      if (left >= 4) { add_values<T, NW, 4>(w, stride, v_cache, rows, out, head_dim); g += 4; continue; }
+      if (left >= 4) { add_values<T, NW, 4>(w, stride, v_cache, rows, length, out, head_dim); g += 4; continue; }
     }
     if constexpr (fits<NW, 3>(3)) {
-      if (left >= 3) { add_values<T, NW, 3>(w, stride, v_cache, rows, out, head_dim); g += 3; continue; }
+      if (left >= 3) { add_values<T, NW, 3>(w, stride, v_cache, rows, length, out, head_dim); g += 3; continue; }
     }
     if constexpr (fits<NW, 2>(2)) {
-      if (left >= 2) { add_values<T, NW, 2>(w, stride, v_cache, rows, out, head_dim); g += 2; continue; }
+      if (left >= 2) { add_values<T, NW, 2>(w, stride, v_cache, rows, length, out, head_dim); g += 2; continue; }
     }
-    add_values<T, NW, 1>(w, stride, v_cache, rows, out, head_dim);
+    add_values<T, NW, 1>(w, stride, v_cache, rows, length, out, head_dim);
     g += 1;
   }
 }
 
 // Any other head_dim: one head at a time, accumulators in memory, eight lanes and a scalar tail.
 template <typename T>
-void attend_any(const float* q, const T* k_cache, const T* v_cache, const std::vector<int64_t>& rows, int64_t group,
+void attend_any(const float* q, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t length, int64_t group,
                 int64_t head_dim, float scale, std::vector<float>& scores, float* acc) {
-  const int64_t length = static_cast<int64_t>(rows.size());
   const int64_t stride = (length + 7) / 8 * 8;
   scores.assign(stride, 0.0f);
   for (int64_t g = 0; g < group; ++g) {
@@ -224,34 +222,42 @@ void decode_kernel(const T* query, const T* k_cache, const T* v_cache, const Ind
                    const Index* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                    int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t row_stride = num_kv_heads * head_dim;  // between consecutive tokens of a block
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_dim), acc(group * head_dim), scores;
-    std::vector<int64_t> rows;  // where token t's K/V row of this head starts in the cache
+    AttendScratch scratch;
+    std::vector<int64_t> rows;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
       const int64_t length = static_cast<int64_t>(context_lens[seq]);
-      const Index* table = block_tables + seq * max_blocks;
-      rows.resize(length);
-      for (int64_t t = 0; t < length; ++t) {
-        const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-        rows[t] = slot * row_stride + kv_head * head_dim;
-      }
-      const T* q_in = query + (seq * num_heads + kv_head * group) * head_dim;  // the group's heads are adjacent
-      for (int64_t i = 0; i < group * head_dim; ++i) q[i] = static_cast<float>(q_in[i]);
-      switch (head_dim) {  // the common head sizes keep their accumulators in registers
-        case 64: attend<T, 8>(q.data(), k_cache, v_cache, rows, group, head_dim, scale, scores, acc.data()); break;
-        case 128: attend<T, 16>(q.data(), k_cache, v_cache, rows, group, head_dim, scale, scores, acc.data()); break;
-        case 32: attend<T, 4>(q.data(), k_cache, v_cache, rows, group, head_dim, scale, scores, acc.data()); break;
-        default: attend_any<T>(q.data(), k_cache, v_cache, rows, group, head_dim, scale, scores, acc.data()); break;
-      }
-      T* o = out + (seq * num_heads + kv_head * group) * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i) o[i] = static_cast<T>(acc[i]);
+      kv_rows(block_tables + seq * max_blocks, length, block_size, num_kv_heads, kv_head, head_dim, rows);
+      const int64_t first = (seq * num_heads + kv_head * group) * head_dim;  // the group's heads are adjacent
+      attend_group(query + first, k_cache, v_cache, rows.data(), length, group, head_dim, scale, scratch, out + first);
     }
   });
 }
 
 }  // namespace
+
+template <typename T>
+void attend_group(const T* query, const T* k_cache, const T* v_cache, const int64_t* rows, int64_t length, int64_t group,
+                  int64_t head_dim, float scale, AttendScratch& scratch, T* out) {
+  std::vector<float>& q = scratch.query;
+  std::vector<float>& acc = scratch.out;
+  q.resize(group * head_dim);
+  acc.resize(group * head_dim);
+  for (int64_t i = 0; i < group * head_dim; ++i) q[i] = static_cast<float>(query[i]);
+  switch (head_dim) {  // the common head sizes keep their accumulators in registers
+    case 64: attend<T, 8>(q.data(), k_cache, v_cache, rows, length, group, head_dim, scale, scratch.scores, acc.data()); break;
+    case 128: attend<T, 16>(q.data(), k_cache, v_cache, rows, length, group, head_dim, scale, scratch.scores, acc.data()); break;
+    case 32: attend<T, 4>(q.data(), k_cache, v_cache, rows, length, group, head_dim, scale, scratch.scores, acc.data()); break;
+    default: attend_any<T>(q.data(), k_cache, v_cache, rows, length, group, head_dim, scale, scratch.scores, acc.data()); break;
+  }
+  for (int64_t i = 0; i < group * head_dim; ++i) out[i] = static_cast<T>(acc[i]);
+}
+
+template void attend_group(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t, float,
+                           AttendScratch&, float*);
+template void attend_group(const c10::BFloat16*, const c10::BFloat16*, const c10::BFloat16*, const int64_t*, int64_t,
+                           int64_t, int64_t, float, AttendScratch&, c10::BFloat16*);
 
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
