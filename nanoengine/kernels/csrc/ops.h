@@ -8,6 +8,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
@@ -53,9 +54,10 @@ template <typename Index>
 void kv_rows(const Index* table, int64_t length, int64_t block_size, int64_t num_kv_heads, int64_t kv_head,
              int64_t head_dim, std::vector<int64_t>& rows) {
   rows.resize(length);
-  for (int64_t t = 0; t < length; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    rows[t] = (slot * num_kv_heads + kv_head) * head_dim;
+  const int64_t row_stride = num_kv_heads * head_dim;  // from one token to the next within a block
+  for (int64_t t = 0, b = 0; t < length; ++b) {  // block by block: no division per token
+    int64_t row = (static_cast<int64_t>(table[b]) * block_size * num_kv_heads + kv_head) * head_dim;
+    for (const int64_t end = std::min(t + block_size, length); t < end; ++t, row += row_stride) rows[t] = row;
   }
 }
 
