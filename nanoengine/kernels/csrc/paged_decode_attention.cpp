@@ -82,8 +82,8 @@ inline float softmax_numerators(float* s, int64_t length, int64_t stride, float 
   for (int64_t t = 0; t < length; ++t) s[t] *= scale;
   const __m256 top = _mm256_set1_ps(max_of(s, length));
   for (int64_t t = 0; t < stride; t += 8) _mm256_storeu_ps(s + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), top)));
-  // summed eight lanes at a time (one add in flight at a time, as a scalar loop makes, is eight
-  // times slower), the lanes as horizontal_sum adds them, then the last length % 8 in order
+  // summed eight lanes at a time (a scalar loop waits on its previous add at every element), the
+  // lanes as horizontal_sum adds them, then the last length % 8 in order
   __m256 lanes = _mm256_setzero_ps();
   int64_t t = 0;
   for (; t + 8 <= length; t += 8) lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(s + t));
